@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: system library, torch (CPU build pinned), the
+# package with its native libraries. Safe to run again; it only does what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# liburing headers for native/aio (the build falls back to a thread pool without them).
+if ! [ -e /usr/include/liburing.h ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing liburing-dev"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev) >/dev/null \
+      || echo "[setup] could not install liburing-dev; native/aio will use its thread-pool backend"
+  else
+    echo "[setup] liburing-dev missing and not root: native/aio will use its thread-pool backend"
+  fi
+fi
+
+# torch: pinned, because a bare requirement pulls a multi-GB CUDA build.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0"
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+
+# Build and runtime dependencies (torch already satisfied, so nothing pulls another build).
+need=""
+for mod in cffi:cffi pybind11:pybind11 psutil:psutil yaml:pyyaml tqdm:tqdm safetensors:safetensors \
+           transformers:transformers pytest:pytest setuptools:setuptools wheel:wheel; do
+  "$PY" -c "import ${mod%%:*}" 2>/dev/null || need="$need ${mod##*:}"
+done
+if [ -n "$need" ]; then
+  echo "[setup] installing$need"
+  "$PY" -m pip install -q $need
+fi
+
+# The package itself, rebuilt only when its sources or build files change.
+stamp=".build-stamp"
+sig=$( (cat setup.py pyproject.toml; find native -type f \( -name '*.c' -o -name '*.cc' -o -name '*.cpp' \
+        -o -name '*.h' -o -name '*.hpp' -o -name '*.py' \) -print0 | sort -z | xargs -0 cat 2>/dev/null) \
+      | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$sig" ] || ! "$PY" -c "import infinity" 2>/dev/null; then
+  echo "[setup] building infinity (pip install -e .)"
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e . 
+  echo "$sig" > "$stamp"
+fi
