@@ -1,0 +1,220 @@
+"""The one module that knows CUDA from CPU.
+
+Everything else in the package is device-agnostic and asks this module for the device,
+host buffers, streams and events, and memory statistics. On a machine without CUDA the
+device tier is plain CPU tensors, streams and events are synchronous no-ops, and an
+optional ``device_memory_limit`` budget makes "larger than device memory" testable.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+HUGE_PAGE = 2 << 20
+
+
+class DeviceOutOfMemory(MemoryError):
+    """The engine's own device allocations would exceed the configured budget."""
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its CUDA device under torchrun, else the CPU."""
+    if has_cuda():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def comm_backend() -> str:
+    return "nccl" if has_cuda() else "gloo"
+
+
+def is_device_tensor(t: torch.Tensor) -> bool:
+    return t.device.type == device().type
+
+
+# ---------------------------------------------------------------- host buffers
+
+
+def _aligned_storage(nbytes: int, alignment: int) -> torch.Tensor:
+    """A uint8 tensor whose first byte is ``alignment``-aligned; THP advised when large."""
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % alignment
+    view = raw[start : start + nbytes]
+    if nbytes >= HUGE_PAGE and alignment >= HUGE_PAGE:
+        _advise_hugepages(view.data_ptr(), nbytes)
+    return view
+
+
+def _advise_hugepages(ptr: int, nbytes: int) -> None:
+    """MADV_HUGEPAGE on [ptr, ptr+nbytes): physically contiguous 2 MiB pages let the disk
+    merge O_DIRECT requests (DESIGN.md §7). Best effort: a kernel without THP just ignores it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_int(getattr(mmap, "MADV_HUGEPAGE", 14)))
+    except (OSError, AttributeError):
+        pass
+
+
+def host_empty(numel: int, dtype: torch.dtype, *, alignment: int = 4096) -> torch.Tensor:
+    """A host tensor ready for DMA and O_DIRECT: pinned on CUDA machines, page-aligned
+    (2 MiB-aligned and advised for huge pages when large) otherwise."""
+    if numel < 0:
+        raise ValueError(f"host_empty: numel must be >= 0, got {numel}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    if has_cuda():
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    align = HUGE_PAGE if nbytes >= HUGE_PAGE else max(alignment, 4096)
+    return _aligned_storage(max(nbytes, 1), align)[:nbytes].view(dtype)
+
+
+# ---------------------------------------------------------------- streams and events
+
+
+class _SyncStream:
+    """The CPU stand-in for a stream: work issued under it has already happened."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _SyncEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def new_stream():
+    return torch.cuda.Stream() if has_cuda() else _SyncStream()
+
+
+def current_stream():
+    return torch.cuda.current_stream() if has_cuda() else _SyncStream()
+
+
+def new_event():
+    return torch.cuda.Event() if has_cuda() else _SyncEvent()
+
+
+def use_stream(stream):
+    """Context manager that makes ``stream`` current (a no-op on CPU)."""
+    return torch.cuda.stream(stream) if has_cuda() else contextlib.nullcontext()
+
+
+def synchronize() -> None:
+    if has_cuda():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- memory budget
+
+
+@dataclass
+class MemoryStats:
+    allocated: int  # bytes the engine holds on the device tier now
+    peak: int  # the most it held since the last reset
+    limit: Optional[int]  # the budget, or None
+    device_total: Optional[int]  # physical device memory (CUDA only)
+
+
+class DeviceBudget:
+    """Charges the engine's own device allocations against ``device_memory_limit``.
+
+    Note: only allocations the engine makes (gathered parameters, staging buffers,
+    gradient buckets) are charged; activations belong to the user's model. Exceeding the
+    budget raises DeviceOutOfMemory naming it, so a model larger than "device memory" is
+    testable on a CPU-only machine.
+    """
+
+    def __init__(self, limit: Optional[int] = None):
+        self._limit = limit
+        self._allocated = 0
+        self._peak = 0
+        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> Optional[int]:
+        return self._limit
+
+    def set_limit(self, limit: Optional[int]) -> None:
+        with self._lock:
+            self._limit = limit
+
+    def charge(self, nbytes: int, what: str = "buffer") -> None:
+        with self._lock:
+            if self._limit is not None and self._allocated + nbytes > self._limit:
+                raise DeviceOutOfMemory(
+                    f"allocating {nbytes} bytes for {what} would exceed device_memory_limit="
+                    f"{self._limit} bytes ({self._allocated} already held by the engine); raise "
+                    f"device_memory_limit, lower zero.prefetch.max_live_parameters / bucket_size, "
+                    f"or offload more state (zero.offload_param.device)"
+                )
+            self._allocated += nbytes
+            self._peak = max(self._peak, self._allocated)
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._allocated -= nbytes
+            if self._allocated < 0:
+                raise AssertionError("device budget released more bytes than it charged")
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._allocated
+
+    def stats(self) -> MemoryStats:
+        total = torch.cuda.get_device_properties(device()).total_memory if has_cuda() else None
+        return MemoryStats(self._allocated, self._peak, self._limit, total)
+
+
+budget = DeviceBudget()
+
+
+def device_empty(numel: int, dtype: torch.dtype, what: str = "buffer") -> torch.Tensor:
+    """Allocate on the device tier, charged against the budget. Pair with ``device_free``."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    budget.charge(nbytes, what)
+    try:
+        return torch.empty(numel, dtype=dtype, device=device())
+    except Exception:
+        budget.release(nbytes)
+        raise
+
+
+def device_free(t: torch.Tensor) -> None:
+    budget.release(t.numel() * t.element_size())
+
+
+def device_memory_total() -> Optional[int]:
+    return torch.cuda.get_device_properties(device()).total_memory if has_cuda() else None
+
+
+def device_count() -> int:
+    return torch.cuda.device_count() if has_cuda() else 0

@@ -1,0 +1,126 @@
+"""Run a function on N spawned gloo ranks, for tests (and for users' own tests).
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each with its torch
+threads set, a gloo process group over loopback, and the torchrun environment variables.
+It returns every rank's return value (rank order), re-raises a failing rank's traceback,
+and fails instead of hanging when a rank hangs, dies or exits early.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, List
+
+
+class RankFailure(AssertionError):
+    """A rank raised, died or exited without finishing; the message holds its traceback."""
+
+
+class RankTimeout(RankFailure):
+    """Some ranks did not finish within the timeout."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            # A rank that fails must not block the others in destroy's barrier-free teardown.
+            dist.destroy_process_group()
+        results.put((rank, "ok", _dumps(value)))
+    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0, threads: int | None = None,
+              env: dict | None = None, **kwargs) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return their results.
+
+    ``fn`` must be importable (a module-level function). ``threads`` defaults to the
+    machine's cores divided among the ranks, at least one, so ranks don't fight for cores.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, threads, dict(env or {}), args, kwargs, results),
+                    daemon=True, name=f"rank{r}")
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+
+
+def _collect(procs, results, world_size, timeout):
+    deadline = time.monotonic() + timeout
+    values: dict = {}
+    exited_at: dict = {}
+    while len(values) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            rank = None
+        if rank is not None:
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {world_size} raised:\n{payload}")
+            values[rank] = _loads(payload)
+            continue
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if r in values or p.is_alive():
+                continue
+            # Give the queue's feeder a moment: a rank may have reported just before exiting.
+            exited_at.setdefault(r, now)
+            if now - exited_at[r] > 2.0:
+                raise RankFailure(f"rank {r} of {world_size} exited with code {p.exitcode} before finishing")
+        if now > deadline:
+            hung = [r for r in range(world_size) if r not in values]
+            raise RankTimeout(f"ranks {hung} of {world_size} did not finish within {timeout:.0f}s (hung or deadlocked)")
+    return [values[r] for r in range(world_size)]

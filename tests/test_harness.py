@@ -1,0 +1,68 @@
+"""The multi-rank harness itself: results, failures, hangs and early exits."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from infinity.testing import RankFailure, RankTimeout, run_ranks
+
+
+def _sum_of_ranks():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "sum": t.item(), "threads": torch.get_num_threads()}
+
+
+def _rank1_raises():
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    return 0
+
+
+def _rank0_hangs():
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    return 0
+
+
+def _rank1_exits():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return 0
+
+
+def _rank0_returns_tensor():
+    return torch.arange(4) * (dist.get_rank() + 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_results_in_rank_order(world_size):
+    out = run_ranks(_sum_of_ranks, world_size, threads=1)
+    expect = world_size * (world_size + 1) / 2
+    assert [o["rank"] for o in out] == list(range(world_size))
+    assert all(o["sum"] == expect for o in out)
+    assert all(o["threads"] == 1 for o in out)
+
+
+def test_tensor_results():
+    out = run_ranks(_rank0_returns_tensor, 2)
+    assert torch.equal(out[1], torch.arange(4) * 2)
+
+
+def test_failing_rank_traceback():
+    with pytest.raises(RankFailure, match="(?s)rank 1 .*boom from rank one"):
+        run_ranks(_rank1_raises, 2, timeout=60)
+
+
+def test_hanging_rank_times_out():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"ranks \[0\]"):
+        run_ranks(_rank0_hangs, 2, timeout=8)
+    assert time.monotonic() - start < 40
+
+
+def test_exiting_rank_fails():
+    with pytest.raises(RankFailure, match="rank 1 .*exited with code 3"):
+        run_ranks(_rank1_exits, 2, timeout=60)
