@@ -1,0 +1,907 @@
+"""The typed configuration of infinity.
+
+A :class:`Config` is a tree of small frozen dataclasses. It is built from a dict
+(:meth:`Config.from_dict`), a JSON or YAML file (:meth:`Config.from_file`) or a DeepSpeed
+config (:meth:`Config.from_deepspeed`), and it is validated as a whole whenever it is built:
+every problem becomes a :class:`ConfigError` that names the key path and says what to write
+instead.
+
+Note: one generic walker validates every field. Each field carries its rules in
+``metadata`` (``help``, bounds ``ge``/``gt``/``le``/``lt``, a ``check`` callable, a
+``parse`` callable for size strings); the field's annotation gives the type (``Literal``
+for enumerations, ``Optional`` for nullable keys). The same metadata renders the reference
+table (:meth:`Config.reference_markdown`), so the documentation cannot drift from the code.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Tuple, Union, get_args, get_origin, get_type_hints
+
+from ._log import logger
+
+__all__ = [
+    "ConfigError", "Config", "ZeroConfig", "OffloadConfig", "OptimizerOffloadConfig",
+    "PrefetchConfig", "PrecisionConfig", "OptimizerConfig", "AioConfig", "TelemetryConfig",
+    "TrainConfig",
+]
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, each as ``(key path, message)``."""
+
+    def __init__(self, problems: Union[str, list]):
+        if isinstance(problems, str):
+            problems = [("", problems)]
+        self.problems: list[tuple[str, str]] = list(problems)
+        super().__init__(_format_problems(self.problems))
+
+    @property
+    def keys(self) -> list[str]:
+        """The key paths the problems are about."""
+        return [key for key, _ in self.problems if key]
+
+
+def _format_problems(problems: list) -> str:
+    lines = [f"{key}: {msg}" if key else msg for key, msg in problems]
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} problems in the config:\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field rules
+
+
+def _opt(default: Any = None, help: str = "", **rules: Any) -> Any:
+    """A dataclass field with its help text and validation rules in ``metadata``."""
+    meta = dict(rules, help=help)
+    if dataclasses.is_dataclass(default) and isinstance(default, type):
+        return field(default_factory=default, metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def _parse_bytes(value: Any) -> Any:
+    """``8GB`` / ``512MiB`` / ``1024`` -> int bytes; anything else is returned for the type check."""
+    if not isinstance(value, str):
+        return value
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise _LeafError(f"cannot read {value!r} as a size; write an int of bytes or a number "
+                         f"with one of the units {', '.join(u for u in _SIZE_UNITS if u)} "
+                         f"(case-insensitive), e.g. '8GB' or '512MiB'")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _check_dir(value: str) -> Optional[str]:
+    """An existing path must be a writable directory; a missing one is created by the engine."""
+    if not os.path.exists(value):
+        return None
+    if not os.path.isdir(value):
+        return f"{value!r} exists but is not a directory; give a directory on the NVMe device"
+    if not os.access(value, os.W_OK | os.X_OK):
+        return f"directory {value!r} is not writable by this user; give a writable directory"
+    return None
+
+
+def _check_data_path(value: str) -> Optional[str]:
+    if not value.endswith((".txt", ".jsonl")):
+        return f"{value!r} must be a .txt or .jsonl file (or null for the built-in corpus)"
+    return None
+
+
+def _check_model(value: Any) -> Optional[str]:
+    if isinstance(value, str):
+        return None if value.strip() else "must be a model name or a directory, not empty"
+    if not isinstance(value.get("model_type"), str):
+        return ("a model given as a dict of Hugging Face config fields must contain "
+                "'model_type' (a string such as 'gpt2' or 'llama')")
+    return None
+
+
+def _check_block_size(value: int) -> Optional[str]:
+    if value % 4096:
+        return f"{value} is not a multiple of 4096 (O_DIRECT needs aligned requests), e.g. 1048576"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema
+
+Device = Literal["none", "cpu", "nvme"]
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where parameter shards live when they are not in use (stage 3 only)."""
+
+    device: Device = _opt("none", "tier of the parameter shards: none (device memory), cpu or nvme")
+    nvme_path: Optional[str] = _opt(None, "directory for the swap files; required when device is nvme",
+                                    check=_check_dir)
+    buffer_size: Optional[int] = _opt(None, "elements per staging buffer; null = sized from the model",
+                                      gt=0)
+    buffer_count: Optional[int] = _opt(None, "number of staging buffers; null = from the prefetch depth",
+                                       gt=0)
+
+    def _cross_check(self, prefix: str) -> list:
+        if self.device == "nvme" and self.nvme_path is None:
+            return [(f"{prefix}.nvme_path", f"is required when {prefix}.device is nvme; "
+                     "give a directory on a local NVMe drive")]
+        return []
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadConfig:
+    """Where optimizer states (fp32 master, Adam moments) and gradient shards live."""
+
+    device: Device = _opt("none", "tier of optimizer states and gradient shards: none, cpu or nvme")
+    nvme_path: Optional[str] = _opt(None, "directory for the swap files; required when device is nvme",
+                                    check=_check_dir)
+    chunk_size: Optional[int] = _opt(None, "elements per optimizer swap chunk; null = automatic", gt=0)
+
+    _cross_check = OffloadConfig._cross_check
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """The trace-based prefetcher of stage 3."""
+
+    enabled: bool = _opt(True, "prefetch upcoming fetch units along the recorded trace")
+    depth: int = _opt(3, "how many fetch units ahead the NVMe->host stage runs", ge=1, le=64)
+    bucket_size: int = _opt(50_000_000, "elements in flight in prefetches at a time", gt=0)
+    max_live_parameters: int = _opt(1_000_000_000, "cap on gathered (full) parameter elements", gt=0)
+    persistence_threshold: int = _opt(100_000, "parameters with fewer elements stay gathered", ge=0)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO partitioning and offload."""
+
+    stage: Literal[1, 2, 3] = _opt(3, "1: optimizer states, 2: + gradients, 3: + parameters partitioned")
+    offload_param: OffloadConfig = _opt(OffloadConfig, "parameter offload (stage 3 only)")
+    offload_optimizer: OptimizerOffloadConfig = _opt(OptimizerOffloadConfig, "optimizer offload")
+    reduce_bucket_size: int = _opt(50_000_000, "elements per gradient reduce-scatter bucket", gt=0)
+    prefetch: PrefetchConfig = _opt(PrefetchConfig, "prefetcher")
+
+    def _cross_check(self, prefix: str) -> list:
+        if self.stage < 3 and self.offload_param.device != "none":
+            return [(f"{prefix}.offload_param.device",
+                     f"parameter offload needs stage 3 (stage is {self.stage}); set {prefix}.stage "
+                     f"to 3 or {prefix}.offload_param.device to none")]
+        return []
+
+
+_FP16_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Training precision; fp16 adds dynamic loss scaling."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = _opt("fp32", "dtype of parameters and activations")
+    loss_scale: float = _opt(0.0, "fp16: static loss scale; 0 = dynamic", ge=0)
+    initial_scale_power: int = _opt(16, "fp16: dynamic scaling starts at 2**this", ge=0, le=64)
+    loss_scale_window: int = _opt(1000, "fp16: overflow-free steps before the scale doubles", ge=1)
+    hysteresis: int = _opt(2, "fp16: overflows tolerated before the scale halves", ge=1)
+    min_loss_scale: float = _opt(1.0, "fp16: the dynamic scale never goes below this", gt=0)
+
+    def _cross_check(self, prefix: str) -> list:
+        if self.dtype != "fp16":
+            changed = [k for k in _FP16_KNOBS
+                       if getattr(self, k) != PrecisionConfig.__dataclass_fields__[k].default]
+            for knob in changed:
+                logger.warning("%s.%s is only used with fp16; ignored with dtype %s",
+                               prefix, knob, self.dtype)
+        return []
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+
+def _check_betas(value: tuple) -> Optional[str]:
+    if not all(0.0 <= b < 1.0 for b in value):
+        return f"{list(value)} out of range; both betas must be in [0, 1), e.g. [0.9, 0.999]"
+    return None
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Adam or AdamW (decoupled weight decay)."""
+
+    type: Literal["adam", "adamw"] = _opt("adamw", "adam (L2 in the gradient) or adamw (decoupled)")
+    lr: float = _opt(1.0e-4, "learning rate", gt=0)
+    betas: Tuple[float, float] = _opt((0.9, 0.999), "Adam's (beta1, beta2), each in [0, 1)",
+                                      check=_check_betas)
+    eps: float = _opt(1.0e-8, "added to the denominator", gt=0)
+    weight_decay: float = _opt(0.01, "weight decay", ge=0)
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The native async I/O used for NVMe."""
+
+    block_size: int = _opt(1048576, "bytes per I/O request (a multiple of 4096)", gt=0,
+                           check=_check_block_size)
+    queue_depth: int = _opt(32, "requests in flight per thread", ge=1, le=32768)
+    threads: int = _opt(1, "I/O threads", ge=1, le=256)
+    backend: Optional[Literal["io_uring", "threads"]] = _opt(
+        None, "io_uring or threads (portable pread/pwrite); null = io_uring when available")
+    direct: bool = _opt(True, "open swap files with O_DIRECT (bypass the page cache)")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Per-step measurements written as JSON lines."""
+
+    path: Optional[str] = _opt(None, "JSON-lines file to append to; null = off")
+    every: int = _opt(1, "write a record every this many steps", ge=1)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The main job, ``python -m infinity.train``."""
+
+    model: Union[str, dict] = _opt("gpt2-tiny", "a model name, a dict of Hugging Face config fields "
+                                   "(with model_type), or a local model directory", check=_check_model)
+    data: Optional[str] = _opt(None, "a .txt or .jsonl file; null = the built-in corpus",
+                               check=_check_data_path)
+    steps: int = _opt(20, "optimizer steps to run", ge=1)
+    micro_batch_size: int = _opt(4, "sequences per rank per forward/backward", ge=1)
+    seq_len: int = _opt(128, "tokens per sequence", ge=1)
+    output_dir: Optional[str] = _opt(None, "where checkpoints and logs go; null = none")
+    save: bool = _opt(True, "save a checkpoint at the end (needs output_dir)")
+    log_every: int = _opt(1, "log the loss every this many steps", ge=1)
+    lr_warmup_steps: int = _opt(0, "linear learning-rate warm-up steps", ge=0)
+
+
+_INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration; ``Config()`` is valid (stage 3, no offload, fp32)."""
+
+    zero: ZeroConfig = _opt(ZeroConfig, "ZeRO partitioning and offload")
+    precision: PrecisionConfig = _opt(PrecisionConfig, "precision")
+    optimizer: OptimizerConfig = _opt(OptimizerConfig, "optimizer")
+    gradient_clipping: float = _opt(1.0, "max global gradient norm; 0 disables clipping", ge=0)
+    gradient_accumulation_steps: int = _opt(1, "micro-batches (backward calls) per optimizer step",
+                                            ge=1)
+    aio: AioConfig = _opt(AioConfig, "async I/O")
+    device_memory_limit: Optional[int] = _opt(
+        None, "budget for the engine's device allocations, bytes or a size like '8GB'; null = none",
+        gt=0, parse=_parse_bytes, type_doc="int, size string or null")
+    seed: int = _opt(1234, "random seed", ge=0)
+    telemetry: TelemetryConfig = _opt(TelemetryConfig, "telemetry")
+    train: TrainConfig = _opt(TrainConfig, "the train job")
+    # DeepSpeed keys that were ignored (from_deepspeed with strict=False); not a config key.
+    unsupported: list = field(default_factory=list, compare=False, repr=False,
+                              metadata={_INTERNAL: True})
+
+    def __post_init__(self):
+        problems: list = []
+        _validate_node(self, "", problems)
+        if problems:
+            raise ConfigError(problems)
+
+    # -- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Config":
+        """Build from a dict in infinity's key names (see :meth:`reference_markdown`)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a config must be a mapping of keys to values, got {_describe(data)}")
+        problems: list = []
+        kwargs = _collect(cls, data, "", problems)
+        if problems and _looks_like_deepspeed(data):
+            problems.append(("", "this looks like a DeepSpeed config: load it with "
+                                 "Config.from_deepspeed (or Config.from_file, which detects it)"))
+        try:
+            config = cls(**kwargs)
+        except ConfigError as err:
+            problems.extend(err.problems)
+        if problems:
+            raise ConfigError(problems)
+        return config
+
+    @classmethod
+    def from_file(cls, path: Union[str, os.PathLike], strict: bool = True) -> "Config":
+        """Load a .json, .yaml or .yml file; a DeepSpeed JSON is routed to :meth:`from_deepspeed`."""
+        data = _read_file(path)
+        if _looks_like_deepspeed(data):
+            return cls.from_deepspeed(data, strict=strict)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_deepspeed(cls, source: Union[Mapping, str, os.PathLike], strict: bool = True) -> "Config":
+        """Map a DeepSpeed config (dict or file) onto infinity's keys.
+
+        DeepSpeed keys infinity does not support raise one :class:`ConfigError` listing each by
+        its full key path; with ``strict=False`` they are logged as warnings instead and kept
+        in ``config.unsupported``.
+        """
+        data = source if isinstance(source, Mapping) else _read_file(source)
+        return _map_deepspeed(cls, data, strict)
+
+    @classmethod
+    def coerce(cls, config: Any) -> "Config":
+        """None, a Config, a dict (infinity or DeepSpeed keys) or a file path -> a Config."""
+        if config is None:
+            return cls()
+        if isinstance(config, Config):
+            return config
+        if isinstance(config, Mapping):
+            if _looks_like_deepspeed(config):
+                return cls.from_deepspeed(config)
+            return cls.from_dict(config)
+        if isinstance(config, (str, os.PathLike)):
+            return cls.from_file(config)
+        raise ConfigError(f"config must be None, an infinity.Config, a dict or a path to a "
+                          f".json/.yaml file, got {_describe(config)}")
+
+    def with_overrides(self, updates: Mapping[str, Any]) -> "Config":
+        """A new, validated Config with dotted keys replaced, e.g. ``{"zero.stage": 2}``."""
+        data = self.to_dict()
+        for dotted, value in updates.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for name in parents:
+                if not isinstance(node.get(name), dict):
+                    node[name] = {}
+                node = node[name]
+            node[leaf] = value
+        return type(self).from_dict(data)
+
+    # -- output ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """Plain dicts, lists and scalars; ``Config.from_dict(c.to_dict()) == c``."""
+        return _to_plain(self)
+
+    @classmethod
+    def reference_markdown(cls) -> str:
+        """A markdown table of every key: path, type, default and help."""
+        rows = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+        for path, hint, f in _leaf_fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            type_doc = f.metadata.get("type_doc") or _type_name(hint)
+            shown = json.dumps(_plain_value(default))
+            rows.append(f"| `{path}` | {type_doc} | `{shown}` | {_rule_text(f)} |")
+        return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The generic walker
+
+
+class _LeafError(Exception):
+    """A problem with one value; the walker adds the key path."""
+
+
+def _fields(cls) -> list:
+    hints = get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get(_INTERNAL)]
+
+
+def _leaf_fields(cls, prefix: str = ""):
+    for f, hint in _fields(cls):
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hint):
+            yield from _leaf_fields(hint, path + ".")
+        else:
+            yield path, hint, f
+
+
+def all_key_paths() -> list[str]:
+    """Every leaf key path of the schema, in declaration order."""
+    return [path for path, _, _ in _leaf_fields(Config)]
+
+
+def _collect(cls, data: Mapping, prefix: str, problems: list) -> dict:
+    """Constructor kwargs for ``cls`` from ``data``; unknown keys and non-mapping sections
+    are recorded as problems. Leaf values are checked later by ``_validate_node``."""
+    known = {f.name: hint for f, hint in _fields(cls)}
+    kwargs: dict = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in known:
+            problems.append((path, _unknown_key_message(str(key), prefix, list(known))))
+            continue
+        hint = known[key]
+        if dataclasses.is_dataclass(hint) and not isinstance(value, hint):
+            if value is None:
+                continue  # an empty YAML section (``zero:``) means "all defaults"
+            if not isinstance(value, Mapping):
+                problems.append((path, f"must be a section (a mapping of keys to values), "
+                                       f"got {_describe(value)}"))
+                continue
+            value = hint(**_collect(hint, value, path + ".", problems))
+        kwargs[key] = value
+    return kwargs
+
+
+def _unknown_key_message(key: str, prefix: str, siblings: list[str]) -> str:
+    elsewhere = [p for p in all_key_paths() + _section_paths() if p.rsplit(".", 1)[-1] == key]
+    alias = _deepspeed_alias(prefix + key)
+    if alias:
+        hint = f"did you mean '{alias}'? (that is DeepSpeed's name for it)"
+    elif elsewhere:
+        hint = f"did you mean '{elsewhere[0]}'?"
+    else:
+        nearest = difflib.get_close_matches(key, siblings, n=1, cutoff=0.0)
+        hint = f"did you mean '{prefix}{nearest[0]}'?" if nearest else ""
+    where = f"'{prefix[:-1]}'" if prefix else "the top level"
+    return f"unknown key; {hint} (valid keys in {where}: {', '.join(siblings)})"
+
+
+def _deepspeed_alias(path: str) -> Optional[str]:
+    """infinity's key for a DeepSpeed name written into an infinity config, if any."""
+    sections = {"zero_optimization": "zero", "fp16": "precision", "bf16": "precision"}
+    if path in sections:
+        return sections[path]
+    for candidate in (path, path.replace("zero.", "zero_optimization.", 1),
+                      path.replace("optimizer.", "optimizer.params.", 1)):
+        if candidate in _DS_RENAMES and _DS_RENAMES[candidate] != path:
+            return _DS_RENAMES[candidate]
+    return None
+
+
+def _section_paths(cls=None, prefix: str = "") -> list[str]:
+    out = []
+    for f, hint in _fields(cls or Config):
+        if dataclasses.is_dataclass(hint):
+            out.append(prefix + f.name)
+            out.extend(_section_paths(hint, f"{prefix}{f.name}."))
+    return out
+
+
+def _validate_node(node: Any, prefix: str, problems: list) -> None:
+    """Type- and range-check every field of ``node`` (normalising values in place), then run
+    the node's ``_cross_check`` if its own fields were all fine."""
+    before = len(problems)
+    for f, hint in _fields(type(node)):
+        path = f"{prefix}{f.name}"
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(hint):
+            if isinstance(value, hint):
+                _validate_node(value, path + ".", problems)
+            else:
+                problems.append((path, f"must be a {hint.__name__} section, got {_describe(value)}"))
+            continue
+        try:
+            object.__setattr__(node, f.name, _check_leaf(value, hint, f.metadata))
+        except _LeafError as err:
+            problems.append((path, str(err)))
+    cross = getattr(node, "_cross_check", None)
+    if cross is not None and len(problems) == before:
+        problems.extend(cross(prefix[:-1] if prefix else ""))
+
+
+def _check_leaf(value: Any, hint: Any, meta: Mapping) -> Any:
+    if "parse" in meta:
+        value = meta["parse"](value)
+    value = _check_type(value, hint)
+    if value is None:
+        return value
+    for rule, ok, word in (("gt", lambda v, b: v > b, ">"), ("ge", lambda v, b: v >= b, ">="),
+                           ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<=")):
+        if rule in meta and not ok(value, meta[rule]):
+            raise _LeafError(f"{value!r} is out of range; allowed: {_bounds_text(meta)}")
+    if "check" in meta:
+        message = meta["check"](value)
+        if message:
+            raise _LeafError(message)
+    return value
+
+
+def _check_type(value: Any, hint: Any) -> Any:
+    """``value`` converted to ``hint`` (int -> float, Path -> str, list -> tuple) or _LeafError."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _LeafError(f"expected {_type_name(hint)}, got null")
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, arg)
+            except _LeafError as err:
+                errors.append(err)
+        raise errors[0] if len(errors) == 1 else _LeafError(
+            f"expected {_type_name(hint)}, got {_describe(value)}")
+    if origin is Literal:
+        if isinstance(value, bool) or value not in args or type(value) not in {type(a) for a in args}:
+            raise _LeafError(f"{_describe(value)} is not allowed; allowed values: "
+                             f"{', '.join(repr(a) if isinstance(a, str) else str(a) for a in args)}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}")
+        return tuple(_check_type(v, a) for v, a in zip(value, args))
+    return _check_scalar(value, hint)
+
+
+def _check_scalar(value: Any, hint: type) -> Any:
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise _LeafError(f"expected a finite number, got {value!r}")
+        return float(value)
+    if hint is str and isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    if hint is dict and isinstance(value, Mapping):
+        return dict(value)
+    extra = ""
+    if hint in (int, float) and isinstance(value, str) and _is_number(value):
+        extra = (" (a number was written as a string; drop the quotes. YAML reads 1e-4 as a "
+                 "string: write 1.0e-4)")
+    elif hint is int and isinstance(value, float) and value.is_integer():
+        extra = f" (write {int(value)})"
+    raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}{extra}")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.replace("_", ""))
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers for messages, output and files
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            names.append("null")
+        return " or ".join(names)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if origin is tuple:
+        return "[" + ", ".join(_type_name(a) for a in args) + "]"
+    return {dict: "mapping", str: "str", int: "int", float: "float", bool: "bool"}.get(
+        hint, getattr(hint, "__name__", str(hint)))
+
+
+def _bounds_text(meta: Mapping) -> str:
+    parts = [f"{word} {meta[rule]}" for rule, word in
+             (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if rule in meta]
+    return "values " + " and ".join(parts)
+
+
+def _rule_text(f) -> str:
+    text = f.metadata.get("help", "")
+    if any(rule in f.metadata for rule in ("gt", "ge", "lt", "le")):
+        text += f" ({_bounds_text(f.metadata)})"
+    return text.replace("|", "\\|")
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain_value(v) for k, v in value.items()}
+    return value
+
+
+def _to_plain(node: Any) -> dict:
+    out = {}
+    for f, hint in _fields(type(node)):
+        value = getattr(node, f.name)
+        out[f.name] = _to_plain(value) if dataclasses.is_dataclass(hint) else _plain_value(value)
+    return out
+
+
+_DEEPSPEED_MARKERS = frozenset({
+    "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16", "bf16",
+    "bfloat16", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+})
+
+
+def _looks_like_deepspeed(data: Mapping) -> bool:
+    return isinstance(data, Mapping) and any(key in _DEEPSPEED_MARKERS for key in data)
+
+
+def _read_file(path: Union[str, os.PathLike]) -> dict:
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"config file {str(path)!r}: unknown extension {suffix or '(none)'!r}; "
+                          "use .json, .yaml or .yml")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
+    try:
+        if suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml  # noqa: PLC0415
+
+            data = yaml.safe_load(text)
+    except ValueError as err:  # json.JSONDecodeError
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from None
+    except Exception as err:  # yaml.YAMLError; yaml is imported lazily
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values, "
+                          f"got {_describe(data)}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed configs
+#
+# Note: every key of a DeepSpeed config ends in exactly one of four places: renamed onto an
+# infinity key (_DS_RENAMES); accepted without effect because infinity always behaves the way
+# the value asks (_DS_FIXED, with the values that match; None = any value); read by the code
+# below (_DS_SPECIAL); or reported as unsupported by its full key path. A value of "auto"
+# (Hugging Face Trainer style) keeps infinity's default, and a section with
+# ``"enabled": false`` asks for nothing.
+
+_DS_RENAMES = {
+    "zero_optimization.stage": "zero.stage",
+    "zero_optimization.offload_param.device": "zero.offload_param.device",
+    "zero_optimization.offload_param.nvme_path": "zero.offload_param.nvme_path",
+    "zero_optimization.offload_param.buffer_size": "zero.offload_param.buffer_size",
+    "zero_optimization.offload_param.buffer_count": "zero.offload_param.buffer_count",
+    "zero_optimization.offload_optimizer.device": "zero.offload_optimizer.device",
+    "zero_optimization.offload_optimizer.nvme_path": "zero.offload_optimizer.nvme_path",
+    "zero_optimization.sub_group_size": "zero.offload_optimizer.chunk_size",
+    "zero_optimization.reduce_bucket_size": "zero.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size": "zero.prefetch.bucket_size",
+    "zero_optimization.stage3_max_live_parameters": "zero.prefetch.max_live_parameters",
+    "zero_optimization.stage3_param_persistence_threshold": "zero.prefetch.persistence_threshold",
+    **{f"fp16.{knob}": f"precision.{knob}" for knob in _FP16_KNOBS},
+    **{f"optimizer.params.{k}": f"optimizer.{k}" for k in ("lr", "betas", "eps", "weight_decay")},
+    "aio.block_size": "aio.block_size",
+    "aio.queue_depth": "aio.queue_depth",
+    "aio.thread_count": "aio.threads",
+    "aio.intra_op_parallelism": "aio.threads",
+    "gradient_clipping": "gradient_clipping",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "steps_per_print": "train.log_every",
+}
+_DS_FIXED = {
+    "zero_optimization.offload_param.pin_memory": None,  # host buffers are always pinned
+    "zero_optimization.offload_optimizer.pin_memory": None,
+    "zero_optimization.overlap_comm": (True,),
+    "zero_optimization.contiguous_gradients": (True,),
+    "zero_optimization.reduce_scatter": (True,),
+    "zero_optimization.allgather_partitions": (True,),
+    "zero_optimization.round_robin_gradients": (False,),
+    "aio.single_submit": (False,),
+    "aio.overlap_events": (True,),
+    "aio.use_gds": (False,),
+    "optimizer.params.bias_correction": (True,),
+    "optimizer.params.amsgrad": (False,),
+    "optimizer.params.torch_adam": None,
+    "prescale_gradients": (False,),
+    "gradient_predivide_factor": (1.0,),
+    "zero_allow_untested_optimizer": None,
+    "wall_clock_breakdown": None,  # telemetry.path records per-stage times instead
+    "memory_breakdown": (False,),
+    "dump_state": (False,),
+}
+_DS_SPECIAL = {"fp16.enabled", "bf16.enabled", "optimizer.type", "optimizer.params.adam_w_mode",
+               "train_batch_size"}
+_DS_SECTIONS = {"zero_optimization", "zero_optimization.offload_param",
+                "zero_optimization.offload_optimizer", "fp16", "bf16", "optimizer",
+                "optimizer.params", "aio"}
+_DS_REASONS = {
+    "zero_optimization.stage3_max_reuse_distance": "parameters are released after use and "
+    "re-fetched along the recorded trace; there is no reuse-distance cache",
+    "zero_optimization.allgather_bucket_size": "all-gathers are coalesced per fetch unit "
+    "(one submodule), not by a byte bucket",
+    "zero_optimization.offload_param.max_in_cpu": "host memory is bounded by the staging pool "
+    "(zero.offload_param.buffer_count x buffer_size)",
+    "zero_optimization.offload_optimizer.buffer_count": "the optimizer swapper streams fixed "
+    "chunks; size them with zero.offload_optimizer.chunk_size",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints are saved "
+    "sharded with infinity.save_checkpoint",
+    "scheduler": "use train.lr_warmup_steps, or step a torch.optim.lr_scheduler yourself",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model",
+}
+_DS_TO_OURS_PATHS = {ours: ds for ds, ours in reversed(list(_DS_RENAMES.items()))}
+
+
+@dataclass
+class _DsState:
+    out: dict = field(default_factory=dict)  # infinity keys, nested
+    origins: dict = field(default_factory=dict)  # infinity key path -> DeepSpeed key path
+    special: dict = field(default_factory=dict)
+    unsupported: list = field(default_factory=list)  # (path, reason)
+    problems: list = field(default_factory=list)
+
+    def set(self, target: str, value: Any, origin: str) -> None:
+        hint = _LEAF_HINTS[target]
+        if _base_type(hint) is int and isinstance(value, float) and value.is_integer():
+            value = int(value)  # DeepSpeed configs write sizes like 1e9
+        if target.endswith(".device") and isinstance(value, str):
+            value = value.lower()
+        node = self.out
+        *parents, leaf = target.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+        self.origins[target] = origin
+
+
+def _base_type(hint: Any) -> Any:
+    args = [a for a in get_args(hint) if a is not type(None)]
+    return args[0] if get_origin(hint) in (Union, types.UnionType) and len(args) == 1 else hint
+
+
+_LEAF_HINTS = {path: hint for path, hint, _ in _leaf_fields(Config)}
+
+
+def _map_deepspeed(cls, data: Mapping, strict: bool) -> Config:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a DeepSpeed config must be a mapping, got {_describe(data)}")
+    data = dict(data)
+    if "bfloat16" in data and "bf16" not in data:  # DeepSpeed's older spelling
+        data["bf16"] = data.pop("bfloat16")
+    if "zero_optimization" not in data:
+        logger.info("DeepSpeed config has no zero_optimization section; using zero.stage=3")
+    st = _DsState()
+    _ds_walk(data, "", st)
+    _ds_precision(st)
+    _ds_optimizer(st)
+    _ds_batch_size(st)
+    problems = list(st.problems)
+    config = None
+    try:
+        config = cls.from_dict(st.out)
+    except ConfigError as err:
+        for path, msg in err.problems:
+            ds_path = st.origins.get(path) or _DS_TO_OURS_PATHS.get(path)
+            problems.append((ds_path, f"{msg} (infinity key {path})") if ds_path else (path, msg))
+    if strict and st.unsupported:
+        problems.extend((path, "DeepSpeed key not supported by infinity" + (f": {why}" if why else ""))
+                        for path, why in st.unsupported)
+        problems.append(("", "remove the unsupported keys, or load with strict=False to ignore "
+                             "them with a warning"))
+    if problems:
+        raise ConfigError(problems)
+    for path, why in st.unsupported:
+        logger.warning("DeepSpeed key %s is not supported by infinity and is ignored%s",
+                       path, f" ({why})" if why else "")
+    object.__setattr__(config, "unsupported", [path for path, _ in st.unsupported])
+    return config
+
+
+def _ds_walk(node: Mapping, prefix: str, st: _DsState) -> None:
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, str) and value == "auto":
+            logger.debug("DeepSpeed key %s is 'auto': keeping infinity's default", path)
+        elif path in _DS_RENAMES:
+            st.set(_DS_RENAMES[path], value, path)
+        elif path in _DS_FIXED:
+            allowed = _DS_FIXED[path]
+            if allowed is not None and value not in allowed:
+                st.unsupported.append((path, f"infinity always runs with {key}={allowed[0]}"))
+            else:
+                logger.debug("DeepSpeed key %s accepted; infinity always behaves this way", path)
+        elif path in _DS_SPECIAL:
+            st.special[path] = value
+        elif path in _DS_SECTIONS:
+            if isinstance(value, Mapping):
+                _ds_walk(value, path + ".", st)
+            elif value is not None:
+                st.problems.append((path, f"must be a section (a mapping), got {_describe(value)}"))
+        elif isinstance(value, Mapping) and value.get("enabled") is False:
+            logger.debug("DeepSpeed section %s is disabled: nothing to map", path)
+        else:
+            st.unsupported.append((path, _DS_REASONS.get(path, "")))
+
+
+def _ds_flag(st: _DsState, path: str) -> bool:
+    value = st.special.get(path, False)
+    if not isinstance(value, bool):
+        st.problems.append((path, f"expected bool or 'auto', got {_describe(value)}"))
+        return False
+    return value
+
+
+def _ds_precision(st: _DsState) -> None:
+    fp16, bf16 = _ds_flag(st, "fp16.enabled"), _ds_flag(st, "bf16.enabled")
+    if fp16 and bf16:
+        st.problems.append(("fp16.enabled", "fp16 and bf16 are both enabled (bf16.enabled is "
+                                            "true too); enable at most one of them"))
+    elif fp16 or bf16:
+        name = "fp16" if fp16 else "bf16"
+        st.set("precision.dtype", name, f"{name}.enabled")
+
+
+def _ds_optimizer(st: _DsState) -> None:
+    if "optimizer.type" not in st.special:
+        return
+    name, w_mode = st.special["optimizer.type"], st.special.get("optimizer.params.adam_w_mode", True)
+    if not isinstance(w_mode, bool):
+        st.problems.append(("optimizer.params.adam_w_mode", f"expected bool, got {_describe(w_mode)}"))
+    elif not isinstance(name, str) or name.lower() not in ("adam", "adamw"):
+        st.problems.append(("optimizer.type", f"{_describe(name)} is not supported; allowed "
+                                              "values: Adam, AdamW"))
+    else:
+        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false.
+        kind = "adamw" if name.lower() == "adamw" or w_mode else "adam"
+        st.set("optimizer.type", kind, "optimizer.type")
+
+
+def _ds_batch_size(st: _DsState) -> None:
+    """``train_batch_size = micro batch x accumulation steps x world size``: check or derive."""
+    total = st.special.get("train_batch_size")
+    if total is None:
+        return
+    if isinstance(total, float) and total.is_integer():
+        total = int(total)
+    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+        st.problems.append(("train_batch_size", f"expected a positive int or 'auto', "
+                                                f"got {_describe(total)}"))
+        return
+    micro = st.out.get("train", {}).get("micro_batch_size")
+    accum = st.out.get("gradient_accumulation_steps", 1)
+    env_world = os.environ.get("WORLD_SIZE", "")
+    world = int(env_world) if env_world.isdigit() and int(env_world) > 0 else None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (micro or 1, accum)):
+        return  # from_dict reports the bad value by name
+    if micro is None:
+        per_step = accum * (world or 1)
+        if total % per_step:
+            st.problems.append(("train_batch_size", f"{total} is not divisible by "
+                                f"gradient_accumulation_steps x world size = {per_step}"))
+            return
+        st.set("train.micro_batch_size", total // per_step, "train_batch_size")
+        if world is None:
+            logger.info("train_micro_batch_size_per_gpu derived from train_batch_size assuming "
+                        "world size 1 (WORLD_SIZE is not set)")
+    elif world is not None and total != micro * accum * world:
+        st.problems.append(("train_batch_size", f"{total} != train_micro_batch_size_per_gpu "
+                            f"({micro}) x gradient_accumulation_steps ({accum}) x world size "
+                            f"({world}); fix one of them or set train_batch_size to 'auto'"))
+    elif world is None and total % (micro * accum):
+        st.problems.append(("train_batch_size", f"{total} is not a multiple of "
+                            f"train_micro_batch_size_per_gpu ({micro}) x "
+                            f"gradient_accumulation_steps ({accum})"))
