@@ -305,18 +305,11 @@ class Hardware:
 
 
 def _accelerator_memory() -> tuple[int, int]:
-    """(device count, bytes of the smallest device); (0, 0) without an accelerator.
+    """(device count, bytes per device) from the accelerator module; (0, 0) without one."""
+    from . import _accelerator
 
-    The only place that touches torch.cuda, so that it can move into the accelerator module.
-    """
-    try:
-        import torch
-    except ImportError:
-        return 0, 0
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return 0, 0
-    count = torch.cuda.device_count()
-    return count, min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+    count = _accelerator.device_count()
+    return (count, _accelerator.device_memory_total() or 0) if count else (0, 0)
 
 
 def _detect_hardware(gpus, nodes, gpu_mem, cpu_mem, nvme, nvme_dir) -> Hardware:

@@ -1,0 +1,248 @@
+"""infinity.estimate: the paper's memory figures, placements that fit, the CLI."""
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from infinity._estimate import EstimateError, estimate, parse_count, parse_size
+
+TiB, GiB = 2**40, 2**30
+DGX2 = dict(gpus=16, gpu_mem="32GB", cpu_mem="1.5TB", nvme="28TB")   # 002 Fig. 2b, one node
+
+# 002 Figure 2a: layers, hidden, heads | params (T), model states (TB), activation checkpoints
+# at batch 32 (TB), MSWM (GB), AWM at batch 4 per GPU (GB); the paper's TB/GB are 2^40 / 2^30.
+FIG_2A = [
+    (80, 10 * 1024, 128, 0.10, 1.83, 0.05, 1.56, 1.63),
+    (100, 20 * 1024, 160, 0.50, 9.16, 0.12, 6.25, 2.50),
+    (128, 25 * 1024, 256, 1.01, 18.31, 0.20, 9.77, 3.56),
+    (195, 64 * 1024, 512, 10.05, 182.81, 0.76, 64.00, 8.00),
+    (315, 160 * 1024, 1024, 101.47, 1845.70, 3.08, 400.00, 18.00),
+]
+
+
+@pytest.mark.parametrize("nl,hd,heads,params_t,states_tb,ckpt_tb,mswm_gb,awm_gb", FIG_2A)
+def test_figure_2a_columns(nl, hd, heads, params_t, states_tb, ckpt_tb, mswm_gb, awm_gb):
+    batch32 = estimate(layers=nl, hidden=hd, heads=heads, micro_batch=32, **DGX2)
+    batch4 = estimate(layers=nl, hidden=hd, heads=heads, micro_batch=4, **DGX2)
+    assert batch32.params / 1e12 == pytest.approx(params_t, abs=0.005)
+    assert batch32.terms.model_states / TiB == pytest.approx(states_tb, rel=0.005)
+    # The paper prints two decimals; the checkpoint column is at the edge of that rounding.
+    assert batch32.terms.activation_checkpoints / TiB == pytest.approx(ckpt_tb, abs=0.005)
+    assert batch32.terms.model_state_working / GiB == pytest.approx(mswm_gb, abs=0.005)
+    assert batch4.terms.activation_working / GiB == pytest.approx(awm_gb, abs=0.005)
+
+
+def test_shape_from_count_follows_the_papers_models():
+    est = estimate(1e12, **DGX2)
+    assert (est.shape.layers, est.shape.hidden, est.shape.heads) == (128, 25600, 256)
+    assert est.shape.derived
+    assert est.terms.model_states == 20 * 10**12   # 20 bytes per parameter, 002 §3
+
+
+def test_one_trillion_on_one_dgx2_needs_nvme():
+    est = estimate("1T", **DGX2)
+    without_nvme = [p for p in est.placements
+                    if "nvme" not in (p.param_tier.value, p.optimizer_tier.value)]
+    assert len(without_nvme) == 8
+    assert not any(p.fits for p in without_nvme)
+    rec = est.recommended
+    assert (rec.placement.stage, rec.placement.param_tier, rec.placement.optimizer_tier) == (
+        3, "nvme", "nvme")
+    assert rec.config["zero"]["offload_param"]["device"] == "nvme"
+    assert rec.config["zero"]["offload_optimizer"]["device"] == "nvme"
+    assert rec.config["zero"]["offload_param"]["nvme_path"]
+
+
+def test_seventy_billion_fits_with_params_and_optimizer_on_cpu():
+    est = estimate("70B", **DGX2)
+    assert est.placement(3, "cpu", "cpu").fits                 # 002 Fig. 6a, ZeRO-Inf-CPU
+    assert not any(p.fits for p in est.placements if p.optimizer_tier.value == "device")
+    rec = est.recommended.placement
+    assert rec.optimizer_tier.value == "cpu"
+    assert rec.param_tier.value in ("device", "cpu")
+    # and a 1T model does not fit that way: the CPU holds 1.5 TB, the model states 20 TB
+    assert not estimate("1T", **DGX2).placement(3, "cpu", "cpu").fits
+
+
+def test_small_model_stays_on_device_with_stage_2():
+    est = estimate("1B", **DGX2)
+    rec = est.recommended
+    assert rec.config["zero"] == {"stage": 2, "offload_param": {"device": "none"},
+                                  "offload_optimizer": {"device": "none"}}
+
+
+def test_per_stage_partitioning_matches_zero_paper():
+    # 000 §5 with infinity's 20 bytes/param (K = 16: fp32 params, m, v and gradient shard):
+    # stage 1: 2Ψ + 2Ψ + 16Ψ/N, stage 2: 2Ψ + 18Ψ/N, stage 3: 20Ψ/N per rank.
+    psi, n = 7_500_000_000, 64
+    est = estimate(psi, layers=32, hidden=4096, heads=32, gpus=8, nodes=8, gpu_mem="80GB",
+                   cpu_mem="1TB", nvme="10TB")
+    t = est.terms
+    activations = t.activation_checkpoints + t.activation_working
+    largest = 4 * 4096 * 4096
+    expected = {1: 4 * psi + 16 * psi // n,
+                2: 2 * psi + 18 * psi // n + 2 * largest,
+                3: 20 * psi // n + 4 * largest}
+    for stage, model_state_bytes in expected.items():
+        p = est.placement(stage, "device", "device")
+        assert p.device_bytes - activations == pytest.approx(model_state_bytes, rel=1e-6)
+        assert p.host_bytes == 0 and p.nvme_bytes == 0
+
+
+def test_every_stage_3_placement_holds_the_whole_model_once():
+    psi = 2**34
+    est = estimate(psi, gpus=4, nodes=2, gpu_mem="1TB", cpu_mem="10TB", nvme="100TB")
+    states = lambda p: p.device_bytes - est.terms.activation_checkpoints - (  # noqa: E731
+        est.terms.activation_working + est.terms.model_state_working)
+    everywhere = est.placement(3, "device", "device")
+    assert states(everywhere) * 8 == 20 * psi
+    on_cpu = est.placement(3, "cpu", "cpu")
+    assert on_cpu.host_bytes * 2 == 20 * psi and states(on_cpu) == 0
+    split = est.placement(3, "cpu", "nvme")
+    assert split.nvme_bytes * 2 == 18 * psi
+    # host: the parameters plus three swap chunks of 2^25 elements × 18 bytes per GPU
+    assert split.host_bytes * 2 == 2 * psi + 8 * 3 * 18 * 2**25
+
+
+def test_fp32_needs_sixteen_bytes_per_param():
+    est = estimate(10**9, dtype="fp32", **DGX2)
+    assert est.terms.model_states == 16 * 10**9
+    assert est.recommended.config["precision"] == {"dtype": "fp32"}
+
+
+def test_model_config_forms_give_the_same_count(tmp_path):
+    fields = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000,
+              "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    # GPT-2: tied embeddings, positions, per layer 12·hd² + 13·hd, the final LayerNorm
+    hd, nl = 64, 2
+    gpt2 = 1000 * hd + 128 * hd + nl * (12 * hd * hd + 13 * hd) + 2 * hd
+    from transformers import GPT2Config
+
+    for model in (fields, tmp_path, tmp_path / "config.json", GPT2Config(**fields)):
+        est = estimate(model=model, **DGX2)
+        assert est.params == gpt2
+        assert (est.shape.layers, est.shape.hidden, est.shape.heads) == (2, 64, 4)
+        # the largest operator of this model is the embedding, not the MLP
+        assert est.terms.model_state_working == 4 * 1000 * hd
+
+
+def test_config_without_architecture_uses_the_closed_formula():
+    est = estimate(model={"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 500},
+                   **DGX2)
+    assert est.params == 12 * 4 * 256**2 + 500 * 256
+    assert est.shape.heads == 2
+
+
+def test_sizes_are_read_from_this_machine(tmp_path):
+    est = estimate(10**6, nvme_path=str(tmp_path))
+    hw = est.hardware
+    assert set(hw.detected) == {"gpus", "gpu_mem", "cpu_mem", "nvme"}
+    assert hw.cpu_mem == psutil.virtual_memory().total
+    assert hw.nvme > 0
+    if not torch.cuda.is_available():
+        assert hw.device_is_host and hw.gpus_per_node == 1
+    assert est.recommended is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only device tier")
+def test_without_accelerator_device_and_host_share_memory():
+    # 24 GiB of RAM: the device tier is that same RAM, so device + host must fit in it together
+    est = estimate("1B", cpu_mem="24GiB", nvme="1TB")
+    assert est.hardware.device_is_host
+    assert est.placement(2, "device", "device").fits            # 20 GB of model states
+    big = estimate("2B", cpu_mem="24GiB", nvme="1TB")
+    for p in (big.placement(2, "device", "device"), big.placement(3, "cpu", "cpu"),
+              big.placement(3, "device", "cpu")):
+        assert not p.fits
+    assert big.placement(3, "nvme", "nvme").fits
+
+
+def test_sizes_and_counts_parse():
+    assert parse_size("32GB") == 32 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5TB") == 1_500_000_000_000
+    assert parse_size("1e9") == 10**9
+    assert parse_size(4096) == 4096
+    assert parse_count("1e12") == 10**12
+    assert parse_count("70B") == 70 * 10**9
+    assert parse_count("1.5T") == 1_500_000_000_000
+    assert parse_count(350_000_000) == 350_000_000
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(params=-5), "positive"),
+    (dict(params=0), "positive"),
+    (dict(params="lots"), "cannot read"),
+    (dict(params=1e9, gpu_mem="12XB"), "unknown unit 'XB'"),
+    (dict(params=1e9, cpu_mem="-1GB"), "cannot read"),
+    (dict(params=1e9, dtype="int8"), "bf16, fp16 or fp32"),
+    (dict(params=1e9, gpus=0), "gpus"),
+    (dict(params=1e9, micro_batch=0), "micro_batch"),
+    (dict(), "parameter count"),
+    (dict(model={"vocab_size": 10}), "number of layers"),
+    (dict(model="/nonexistent/dir"), "config.json"),
+])
+def test_bad_input_says_what_to_change(kwargs, message):
+    with pytest.raises(EstimateError, match=message) as info:
+        estimate(**{"gpus": 1, "gpu_mem": "1GB", "cpu_mem": "1GB", "nvme": "1GB", **kwargs})
+    assert isinstance(info.value, ValueError)
+
+
+def test_table_lists_every_placement():
+    est = estimate("1T", **DGX2)
+    table = est.table()
+    assert len(est.placements) == 15
+    assert "18.19 TiB" in table            # 20 × 10^12 bytes of model states
+    body = table.splitlines()[table.splitlines().index("") + 1:]
+    assert body[0].split()[:3] == ["stage", "params", "optimizer"]
+    assert len(body) == 16
+    assert sum(line.endswith("yes") for line in body) == 1
+    json.dumps(est.to_dict())               # serializable as is
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "infinity.estimate", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_recommends_nvme_for_one_trillion():
+    run = _cli("--params", "1e12", "--gpus", "16", "--gpu-mem", "32GB", "--cpu-mem", "1.5TB",
+               "--nvme", "28TB")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "fits: stage 3 params=nvme optimizer=nvme\n" in out
+    config = yaml.safe_load(out.split("recommended config:\n", 1)[1])
+    assert config["zero"] == {"stage": 3,
+                              "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"},
+                              "offload_optimizer": {"device": "nvme",
+                                                    "nvme_path": "/local_nvme"}}
+    assert "  offload_param: {device: nvme, nvme_path: /local_nvme}" in out
+
+
+def test_cli_json_and_model_config(tmp_path):
+    fields = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000,
+              "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    run = _cli("--model", str(tmp_path / "config.json"), "--gpus", "1", "--gpu-mem", "1GB",
+               "--cpu-mem", "4GB", "--nvme", "10GB", "--json")
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert data["params"] == 172_288
+    assert data["recommended"]["config"]["zero"]["stage"] == 2
+    assert len(data["placements"]) == 15
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--params", "-5"], "params: '-5' must be a positive number"),
+    (["--params", "1e9", "--gpu-mem", "12XB"], "gpu_mem: unknown unit 'XB'"),
+])
+def test_cli_bad_input_exits_2(args, message):
+    run = _cli(*args, "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB")
+    assert run.returncode == 2
+    assert message in run.stderr
+    assert "Traceback" not in run.stderr
