@@ -1,0 +1,12 @@
+"""Asynchronous file I/O for the NVMe tier: io_uring through native/aio, bound with cffi.
+
+``AsyncIO`` queues reads and writes of CPU tensors at byte offsets of files and returns at
+once; ``wait`` collects them. ``aligned_empty`` hands out host memory that O_DIRECT can use
+without copies. When io_uring is unavailable a thread pool of pread/pwrite takes over.
+``python -m infinity.aio.tune --path DIR`` finds the best settings for a disk.
+"""
+from ._errors import AioError
+from ._handle import AsyncIO
+from ._memory import aligned_empty
+
+__all__ = ["AsyncIO", "AioError", "aligned_empty"]

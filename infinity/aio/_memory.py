@@ -1,0 +1,54 @@
+"""Host memory for O_DIRECT: page-aligned, 2 MiB-aligned and advised for huge pages.
+
+Note: why huge pages. A virtual disk (and many NVMe drivers) splits an O_DIRECT request
+into one segment per physically contiguous run of the buffer. From 4 KiB pages a 1 MiB
+request becomes several ~512 KiB device requests; from 2 MiB pages it stays whole. With
+transparent huge pages in ``madvise`` mode the memory must be advised, and 2 MiB-aligned so
+each huge page lines up with the buffer. Where THP is off the memory is still page-aligned,
+which is all O_DIRECT needs.
+"""
+import torch
+
+from .._log import logger
+from ._native import ffi, lib
+
+_HUGE_WARNED = []
+
+
+class _Mapping:
+    """Owns one mapping from ``infinity_aio_alloc``; unmapped when the last tensor goes."""
+
+    def __init__(self, nbytes: int, hugepage: bool):
+        huge = ffi.new("int32_t *")
+        ptr = lib.infinity_aio_alloc(nbytes, 1 if hugepage else 0, huge)
+        if ptr == ffi.NULL:
+            raise MemoryError(f"aligned_empty: could not map {nbytes} bytes of host memory")
+        self.nbytes, self.hugepage, self.huge = nbytes, hugepage, bool(huge[0])
+        self._ptr = ffi.gc(ptr, lambda p: lib.infinity_aio_free(p, nbytes, 1 if hugepage else 0))
+        self.buffer = ffi.buffer(self._ptr, nbytes)
+
+
+def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: bool = True) -> torch.Tensor:
+    """A flat uninitialized CPU tensor on memory ready for O_DIRECT.
+
+    2 MiB-aligned and advised for transparent huge pages (``hugepage=True``), else 4 KiB
+    aligned. On CUDA machines the memory is pinned (page-locked) by torch's host allocator.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"aligned_empty: dtype must be a torch.dtype, got {dtype!r}")
+    numel = int(numel)
+    if numel < 0:
+        raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if torch.cuda.is_available():
+        # The CUDA host allocator returns page-aligned, page-locked memory.
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    nbytes = numel * itemsize
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    mapping = _Mapping(nbytes, hugepage)
+    if hugepage and not mapping.huge and not _HUGE_WARNED:
+        _HUGE_WARNED.append(True)
+        logger.info("aligned_empty: transparent huge pages unavailable; using 4 KiB pages")
+    # frombuffer keeps the cffi buffer (and through it the mapping) alive with the storage.
+    return torch.frombuffer(mapping.buffer, dtype=torch.uint8).view(dtype)

@@ -1,0 +1,89 @@
+/* infinity_aio: asynchronous file I/O over io_uring, with a thread-pool fallback.
+ *
+ * A small C ABI on raw pointers, lengths and byte offsets. Every function that can fail
+ * returns a negative errno; nothing here knows about tensors or Python.
+ *
+ * Each request names two descriptors of the same file: `fd_direct` (opened with O_DIRECT,
+ * or -1 when the file system refuses it) and `fd_buffered` (an ordinary descriptor). The
+ * library moves whole 4 KiB-aligned blocks through `fd_direct`, straight between the file
+ * and the caller's memory, and only the partial blocks at either end of a request through
+ * `fd_buffered`. Caller memory that is not 4 KiB-aligned relative to the file offset is
+ * staged through aligned bounce buffers. The caller keeps `buf` valid until the request
+ * has completed (infinity_aio_wait returned with it counted).
+ */
+#ifndef INFINITY_AIO_H
+#define INFINITY_AIO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct infinity_aio infinity_aio;
+
+#define INFINITY_AIO_AUTO 0
+#define INFINITY_AIO_URING 1
+#define INFINITY_AIO_THREADS 2
+
+#define INFINITY_AIO_READ 0
+#define INFINITY_AIO_WRITE 1
+
+/* One failed request: the piece that failed, how far it got, and why. */
+typedef struct infinity_aio_error {
+    int64_t id;          /* request id returned by infinity_aio_submit */
+    int64_t offset;      /* file offset of the failed piece */
+    int64_t length;      /* length of the failed piece */
+    int64_t transferred; /* bytes of that piece that did move before the failure */
+    int32_t err;         /* positive errno; ENODATA: end of file reached on a read */
+    int32_t op;          /* INFINITY_AIO_READ or INFINITY_AIO_WRITE */
+} infinity_aio_error;
+
+/* 1 if this build has io_uring support compiled in. */
+int infinity_aio_has_uring(void);
+
+/* Creates a handle. `backend` is INFINITY_AIO_AUTO, _URING or _THREADS. With AUTO, a
+ * failure to set up io_uring falls back to threads and `why` (if not NULL) says why; with
+ * _URING such a failure is returned as -errno with `why` filled in. */
+int infinity_aio_create(int32_t backend, int64_t block_size, int32_t queue_depth, int32_t threads,
+                        infinity_aio **out, char *why, size_t why_len);
+
+/* INFINITY_AIO_URING or INFINITY_AIO_THREADS. */
+int infinity_aio_backend(const infinity_aio *h);
+
+/* Finishes everything in flight, then frees the handle. Errors not yet collected are lost. */
+void infinity_aio_destroy(infinity_aio *h);
+
+/* Queues a read or write and returns its id (>= 0) at once, or -errno for bad arguments. */
+int64_t infinity_aio_submit(infinity_aio *h, int32_t op, int32_t fd_direct, int32_t fd_buffered,
+                            void *buf, int64_t length, int64_t offset);
+
+/* Reads or writes synchronously through the handle's workers; 0 or -errno with *err filled.
+ * Independent of infinity_aio_wait: its completion is never counted there. */
+int infinity_aio_rw(infinity_aio *h, int32_t op, int32_t fd_direct, int32_t fd_buffered, void *buf,
+                    int64_t length, int64_t offset, infinity_aio_error *err);
+
+/* Blocks until every request submitted before the call has completed. Returns how many
+ * requests completed since the previous wait. Up to `max_errs` failures are copied to
+ * `errs`, their total count to *n_errs; the handle forgets them. *horizon receives the
+ * first request id not covered by this wait. */
+int64_t infinity_aio_wait(infinity_aio *h, infinity_aio_error *errs, int32_t max_errs,
+                          int32_t *n_errs, int64_t *horizon);
+
+/* Requests submitted and not yet completed. */
+int64_t infinity_aio_in_flight(infinity_aio *h);
+
+/* How many pieces were retried through fd_buffered after fd_direct refused them (EINVAL). */
+int64_t infinity_aio_direct_fallbacks(infinity_aio *h);
+
+/* Anonymous memory aligned to 2 MiB and advised for transparent huge pages (`hugepage`
+ * != 0), or to 4 KiB. *huge is set to 1 when the advice was accepted. NULL on failure. */
+void *infinity_aio_alloc(int64_t bytes, int32_t hugepage, int32_t *huge);
+void infinity_aio_free(void *p, int64_t bytes, int32_t hugepage);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* INFINITY_AIO_H */
