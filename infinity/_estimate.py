@@ -414,15 +414,15 @@ class Recommendation:
     config: dict
 
 
-D, C, N = Tier.DEVICE, Tier.CPU, Tier.NVME
+_D, _C, _N = Tier.DEVICE, Tier.CPU, Tier.NVME
 # Fastest first. Stage 2 before 1 (same communication volume, less memory; 000 §7), stage 3
 # last within a group (1.5× the communication). Placements whose optimizer sits on a faster
 # tier than the parameters are legal but never better than their mirror, so they come last.
-_PREFERENCE = ((2, D, D), (1, D, D), (3, D, D),
-               (2, D, C), (1, D, C), (3, D, C), (3, C, C),
-               (2, D, N), (1, D, N), (3, D, N), (3, C, N),
-               (3, N, C), (3, N, N),
-               (3, C, D), (3, N, D))
+_PREFERENCE = ((2, _D, _D), (1, _D, _D), (3, _D, _D),
+               (2, _D, _C), (1, _D, _C), (3, _D, _C), (3, _C, _C),
+               (2, _D, _N), (1, _D, _N), (3, _D, _N), (3, _C, _N),
+               (3, _N, _C), (3, _N, _N),
+               (3, _C, _D), (3, _N, _D))
 
 
 @dataclass
@@ -633,21 +633,16 @@ def _resolve_model(params, model, layers, hidden, heads) -> tuple[Shape, int]:
 
 def _yaml(config: dict) -> str:
     """The config as YAML in the style of DESIGN §1: leaf mappings on one line."""
-    def scalar(v: Any) -> str:
-        return str(v)
+    def flow(mapping: dict) -> str:
+        return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
 
     lines = []
     for key, value in config.items():
-        if all(not isinstance(v, dict) for v in value.values()):
-            lines.append(f"{key}: {{{', '.join(f'{k}: {scalar(v)}' for k, v in value.items())}}}")
+        if not any(isinstance(v, dict) for v in value.values()):
+            lines.append(f"{key}: {flow(value)}")
             continue
         lines.append(f"{key}:")
-        for k, v in value.items():
-            if isinstance(v, dict):
-                inner = ", ".join(f"{a}: {scalar(b)}" for a, b in v.items())
-                lines.append(f"  {k}: {{{inner}}}")
-            else:
-                lines.append(f"  {k}: {scalar(v)}")
+        lines += [f"  {k}: {flow(v) if isinstance(v, dict) else v}" for k, v in value.items()]
     return "\n".join(lines)
 
 

@@ -246,3 +246,15 @@ def test_cli_bad_input_exits_2(args, message):
     assert run.returncode == 2
     assert message in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("params", ["1B", "70B", "1T"])
+def test_recommended_config_loads_as_an_infinity_config(params, tmp_path):
+    from infinity.config import Config
+
+    rec = estimate(params, nvme_path=str(tmp_path), **DGX2).recommended
+    zero = Config.from_dict(rec.config).zero
+    as_config = {"device": "none", "cpu": "cpu", "nvme": "nvme"}
+    assert zero.stage == rec.placement.stage
+    assert zero.offload_param.device == as_config[rec.placement.param_tier.value]
+    assert zero.offload_optimizer.device == as_config[rec.placement.optimizer_tier.value]
