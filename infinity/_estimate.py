@@ -97,7 +97,7 @@ def parse_size(value: Any, what: str = "size") -> int:
             raise EstimateError(f"{what}: cannot read {value!r} as a size; write e.g. 32GB, "
                                 "1.5TB, 512MiB or a number of bytes")
         number, unit = float(match.group(1)), match.group(2)
-    scale = _SIZE_UNITS.get(unit.lower()) if unit[-2:-1] != "I" else None
+    scale = _SIZE_UNITS.get(unit.lower())
     if scale is None:
         units = "B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB"
         raise EstimateError(f"{what}: unknown unit {unit!r} in {value!r}; use one of {units}")
