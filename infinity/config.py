@@ -530,7 +530,7 @@ def _check_type(value: Any, hint: Any) -> Any:
         raise errors[0] if len(errors) == 1 else _LeafError(
             f"expected {_type_name(hint)}, got {_describe(value)}")
     if origin is Literal:
-        if isinstance(value, bool) or value not in args or type(value) not in {type(a) for a in args}:
+        if type(value) not in {type(a) for a in args} or value not in args:  # True is not 1
             raise _LeafError(f"{_describe(value)} is not allowed; allowed values: "
                              f"{', '.join(repr(a) if isinstance(a, str) else str(a) for a in args)}")
         return value
@@ -722,6 +722,8 @@ _DS_FIXED = {
     "zero_allow_untested_optimizer": None,
     "wall_clock_breakdown": None,  # telemetry.path records per-stage times instead
     "memory_breakdown": (False,),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (False,),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (False,),
     "dump_state": (False,),
 }
 _DS_SPECIAL = {"fp16.enabled", "bf16.enabled", "optimizer.type", "optimizer.params.adam_w_mode",
@@ -738,12 +740,12 @@ _DS_REASONS = {
     "(zero.offload_param.buffer_count x buffer_size)",
     "zero_optimization.offload_optimizer.buffer_count": "the optimizer swapper streams fixed "
     "chunks; size them with zero.offload_optimizer.chunk_size",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints are saved "
-    "sharded with infinity.save_checkpoint",
+    **{f"zero_optimization.stage3_gather_{b}_weights_on_model_save": "checkpoints are saved "
+       "sharded by infinity.save_checkpoint" for b in ("16bit", "fp16")},
     "scheduler": "use train.lr_warmup_steps, or step a torch.optim.lr_scheduler yourself",
     "activation_checkpointing": "use torch.utils.checkpoint in the model",
 }
-_DS_TO_OURS_PATHS = {ours: ds for ds, ours in reversed(list(_DS_RENAMES.items()))}
+_OURS_TO_DS = {ours: ds for ds, ours in reversed(list(_DS_RENAMES.items()))}
 
 
 @dataclass
@@ -795,7 +797,7 @@ def _map_deepspeed(cls, data: Mapping, strict: bool) -> Config:
         config = cls.from_dict(st.out)
     except ConfigError as err:
         for path, msg in err.problems:
-            ds_path = st.origins.get(path) or _DS_TO_OURS_PATHS.get(path)
+            ds_path = st.origins.get(path) or _OURS_TO_DS.get(path)
             problems.append((ds_path, f"{msg} (infinity key {path})") if ds_path else (path, msg))
     if strict and st.unsupported:
         problems.extend((path, "DeepSpeed key not supported by infinity" + (f": {why}" if why else ""))
@@ -821,7 +823,8 @@ def _ds_walk(node: Mapping, prefix: str, st: _DsState) -> None:
         elif path in _DS_FIXED:
             allowed = _DS_FIXED[path]
             if allowed is not None and value not in allowed:
-                st.unsupported.append((path, f"infinity always runs with {key}={allowed[0]}"))
+                why = _DS_REASONS.get(path, f"infinity always runs with {key}={allowed[0]}")
+                st.unsupported.append((path, why))
             else:
                 logger.debug("DeepSpeed key %s accepted; infinity always behaves this way", path)
         elif path in _DS_SPECIAL:
