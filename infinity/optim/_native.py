@@ -1,0 +1,80 @@
+"""Loading of the native ``infinity._cpu_adam`` extension and choice of its SIMD path.
+
+The path defaults to the best one this CPU supports (checked by CPUID in the extension);
+``INFINITY_CPU_ADAM_SIMD=scalar|avx2|avx512`` or a ``simd=`` argument pins one, which is
+how the tests run every path against the scalar reference.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from .._log import logger
+
+ENV_SIMD = "INFINITY_CPU_ADAM_SIMD"
+
+# Mirrors the enums of native/cpu_adam/cpu_adam.h.
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+# "avx512_nobf16" is the AVX512 path with bf16 rounded in integer arithmetic, as on CPUs
+# without avx512_bf16; it exists so tests can run that variant on any AVX512 machine.
+SIMD_CHOICES = ("auto", "scalar", "avx2", "avx512", "avx512_nobf16")
+
+
+@functools.lru_cache(maxsize=None)
+def lib():
+    """The extension module; a clear ImportError when the package was not built."""
+    try:
+        from .. import _cpu_adam
+    except ImportError as err:
+        raise ImportError(
+            "infinity._cpu_adam (the native CPU Adam) is not built; run "
+            "`bash scripts/setup_env.sh` or `pip install --no-build-isolation -e .` "
+            f"from the repository root ({err})"
+        ) from err
+    return _cpu_adam
+
+
+def cpu_features() -> dict:
+    """``{"avx2": bool, "avx512": bool, "avx512bf16": bool}`` as CPUID reports them."""
+    return dict(lib().cpu_features())
+
+
+def _best() -> str:
+    f = cpu_features()
+    return "avx512" if f["avx512"] else "avx2" if f["avx2"] else "scalar"
+
+
+def resolve(simd: str | None) -> tuple[int, bool, str]:
+    """Maps a requested path to (isa code, may use avx512_bf16, path name).
+
+    None means the environment's choice, else the best path of this CPU.
+    """
+    name = simd if simd is not None else os.environ.get(ENV_SIMD, "auto")
+    name = name.strip().lower()
+    if name not in SIMD_CHOICES:
+        source = "simd=" if simd is not None else f"{ENV_SIMD}="
+        raise ValueError(f"{source}{name!r} is not a CPU Adam path; use one of {', '.join(SIMD_CHOICES)}")
+    if name == "auto":
+        name = _best()
+    base = "avx512" if name == "avx512_nobf16" else name
+    f = cpu_features()
+    if base != "scalar" and not f[base]:
+        raise ValueError(
+            f"CPU Adam path {name!r} needs {base.upper()} but this CPU lacks it "
+            f"(supported here: {', '.join(p for p in ('avx2', 'avx512') if f[p]) or 'scalar only'}); "
+            f"pick another with simd= or {ENV_SIMD}"
+        )
+    _log_choice(name)
+    return ISA_CODES[base], name != "avx512_nobf16", name
+
+
+@functools.lru_cache(maxsize=None)
+def _log_choice(name: str) -> None:
+    f = cpu_features()
+    detail = " with avx512_bf16 conversions" if name == "avx512" and f["avx512bf16"] else ""
+    logger.debug("CPU Adam uses the %s path%s", name, detail)
+
+
+def simd_path() -> str:
+    """The path ``adam_step`` uses by default: "avx512", "avx2" or "scalar"."""
+    return resolve(None)[2]

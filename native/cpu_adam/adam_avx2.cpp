@@ -1,0 +1,116 @@
+// The AVX2 + FMA + F16C path: 8 elements per vector. Compiled with per-function target
+// attributes (never -march), so this file is safe to load on any x86-64; the dispatcher
+// only calls it after checking CPUID.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "cpu_adam.h"
+#include "kernel_table.h"
+
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+namespace infinity_adam {
+namespace {
+
+constexpr int kLanes = 8;
+
+template <DType G>
+AVX2_FN inline __m256 load_grad(const void* g, int64_t i) {
+  if constexpr (G == DType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(g) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
+    if constexpr (G == DType::kBF16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+  }
+}
+
+// Round to nearest even in integer arithmetic; NaN becomes the canonical 0x7fc0.
+AVX2_FN inline __m128i to_bf16(__m256 p) {
+  const __m256i u = _mm256_castps_si256(p);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+template <DType O>
+AVX2_FN inline void store_out(void* out, int64_t i, __m256 p) {
+  if constexpr (O != DType::kNone) {
+    __m128i h;
+    if constexpr (O == DType::kBF16) {
+      h = to_bf16(p);
+    } else {
+      h = _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), h);
+  }
+}
+
+template <DType G, DType O, Decay D>
+AVX2_FN inline void update(const Segment& s, const Hyper& h, int64_t i) {
+  __m256 p = _mm256_loadu_ps(s.param + i);
+  __m256 g = load_grad<G>(s.grad, i);
+  if constexpr (D == Decay::kL2) {
+    g = _mm256_fmadd_ps(_mm256_set1_ps(h.l2), p, g);
+  } else {
+    p = _mm256_mul_ps(p, _mm256_set1_ps(h.decay_factor));
+  }
+  __m256 m = _mm256_loadu_ps(s.exp_avg + i);
+  __m256 v = _mm256_loadu_ps(s.exp_avg_sq + i);
+  m = _mm256_fmadd_ps(_mm256_set1_ps(h.one_minus_beta1), _mm256_sub_ps(g, m), m);
+  v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h.one_minus_beta2), g), g,
+                      _mm256_mul_ps(v, _mm256_set1_ps(h.beta2)));
+  const __m256 denom =
+      _mm256_fmadd_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(s.inv_bc2_sqrt), _mm256_set1_ps(h.eps));
+  p = _mm256_fnmadd_ps(_mm256_set1_ps(s.step_size), _mm256_div_ps(m, denom), p);
+  _mm256_storeu_ps(s.exp_avg + i, m);
+  _mm256_storeu_ps(s.exp_avg_sq + i, v);
+  _mm256_storeu_ps(s.param + i, p);
+  store_out<O>(s.param_out, i, p);
+}
+
+// The last < 8 elements go through the same vector code on a padded copy, so every
+// element gets bit-identical math wherever a thread's range happens to end.
+template <DType G, DType O, Decay D>
+AVX2_FN void update_tail(const Segment& s, const Hyper& h, int64_t i, int64_t rem) {
+  const size_t gsize = G == DType::kF32 ? 4 : 2;
+  alignas(32) float p[kLanes] = {}, m[kLanes] = {}, v[kLanes] = {};
+  alignas(32) unsigned char g[kLanes * 4] = {};
+  alignas(32) uint16_t out[kLanes] = {};
+  std::memcpy(p, s.param + i, rem * 4);
+  std::memcpy(m, s.exp_avg + i, rem * 4);
+  std::memcpy(v, s.exp_avg_sq + i, rem * 4);
+  std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gsize, rem * gsize);
+  Segment t = s;
+  t.param = p;
+  t.exp_avg = m;
+  t.exp_avg_sq = v;
+  t.grad = g;
+  t.param_out = out;
+  update<G, O, D>(t, h, 0);
+  std::memcpy(s.param + i, p, rem * 4);
+  std::memcpy(s.exp_avg + i, m, rem * 4);
+  std::memcpy(s.exp_avg_sq + i, v, rem * 4);
+  if (O != DType::kNone) std::memcpy(static_cast<uint16_t*>(s.param_out) + i, out, rem * 2);
+}
+
+struct Avx2Kernel {
+  template <DType G, DType O, Decay D>
+  AVX2_FN static void run(const Segment& s, const Hyper& h, int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) update<G, O, D>(s, h, i);
+    if (i < end) update_tail<G, O, D>(s, h, i, end - i);
+  }
+};
+
+}  // namespace
+
+KernelFn avx2_kernel(const Hyper& h) { return select_kernel<Avx2Kernel>(h); }
+
+}  // namespace infinity_adam
