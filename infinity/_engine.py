@@ -1,0 +1,330 @@
+"""The engine behind ``infinity.initialize``: fetch units, hooks, gradient reduction.
+
+One ``Engine`` per model. It builds a ``FetchUnit`` per module that owns parameters,
+installs the hooks (in one place, handles kept), reduce-scatters gradients and hands the
+optimizer a flat fp32 view of this rank's shards. What differs between ZeRO stages is one
+small frozen policy (``StagePolicy``), not checks scattered through the code.
+
+Note [hook protocol] (stage 3):
+- pre-forward of module M: acquire (gather) the units M uses: the one it owns and the units
+  owning external parameters it touches; post-forward: release them and, when autograd
+  will come back through M, hook M's outputs so its units are re-acquired before M's
+  backward (pre-backward).
+- a parameter used while RELEASED inside a managed forward is gathered on demand, held until
+  the running module's post-forward, and recorded as an external dependency of that
+  module, so later iterations (and its backward) fetch it up front.
+- post-accumulate-grad hook of each parameter: when all parameters of a unit have their
+  gradient, the unit's gradients go to the reducer (stages 2 and 3) and every module whose
+  backward was waiting for that unit drops its hold.
+- end of backward (autograd callback): reduce what is left (unused parameters), wait for
+  every reduce-scatter, release every remaining hold. After backward no unit is gathered.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from . import _accelerator as acc
+from . import _comm as comm
+from ._log import logger
+from ._param import ParameterNotAvailableError, info_of, make_partitioned, not_available_message, raw_data, set_data
+from ._reduce import GradReducer
+from ._unit import FetchUnit
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# external parameters registered before initialize (e.g. inside a model's __init__)
+_pending_external: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """What a ZeRO stage partitions beyond the optimizer states."""
+
+    stage: int
+    partition_params: bool  # stage 3: parameters live as shards between uses
+    reduce_in_backward: bool  # stages 2-3: gradients reduce-scattered as backward produces them
+
+    @classmethod
+    def of(cls, stage: int) -> "StagePolicy":
+        return cls(stage, partition_params=stage >= 3, reduce_in_backward=stage >= 2)
+
+
+@dataclass(eq=False)
+class ModuleState:
+    """Per-module hook state: the units the module uses, in collective order."""
+
+    module: nn.Module
+    name: str
+    units: List[FetchUnit] = field(default_factory=list)
+
+    def add_unit(self, unit: FetchUnit) -> bool:
+        if unit in self.units:
+            return False
+        self.units.append(unit)
+        self.units.sort(key=lambda u: u.index)
+        return True
+
+
+@dataclass(eq=False)
+class _Frame:
+    state: ModuleState
+    held: List[FetchUnit]
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, model: nn.Module, cfg):
+        self.model = model
+        self.cfg = cfg
+        self.policy = StagePolicy.of(cfg.zero.stage)
+        self.world_size = comm.world_size()
+        self.rank = comm.rank()
+        self.dtype = DTYPES[cfg.precision.dtype]
+        acc.budget.set_limit(cfg.device_memory_limit)
+        self._check_same_model_on_all_ranks()
+        self.units: List[FetchUnit] = []
+        self.states: Dict[nn.Module, ModuleState] = {}
+        self._build_units()
+        self._stack: List[_Frame] = []
+        self._bwd_holds: Dict[ModuleState, set] = {}
+        self._bwd_active = False
+        self._handles: list = []
+        self.reducer: Optional[GradReducer] = None  # set by the optimizer, which owns the shards
+        self.optimizer = None
+        _engines[model] = self
+
+    # ------------------------------------------------------------ construction
+
+    def _check_same_model_on_all_ranks(self) -> None:
+        sig = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]
+        sigs = comm.all_gather_object(sig)
+        for r, other in enumerate(sigs):
+            if other != sig:
+                diff = next(((a, b) for a, b in zip(sig, other) if a != b), (len(sig), len(other)))
+                raise EngineError(
+                    f"rank {self.rank} and rank {r} built different models (first difference: {diff[0]} vs "
+                    f"{diff[1]}); every data-parallel rank must construct the same model")
+
+    def _build_units(self) -> None:
+        owner: Dict[nn.Parameter, FetchUnit] = {}
+        for name, module in self.model.named_modules():
+            state = ModuleState(module, name)
+            self.states[module] = state
+            own = [(f"{name}.{pn}" if name else pn, p) for pn, p in module._parameters.items()
+                   if p is not None and p not in owner]
+            if own:
+                unit = FetchUnit(self, len(self.units), name, own, partitioned=self.policy.partition_params)
+                self.units.append(unit)
+                for _, p in own:
+                    owner[p] = unit
+            for p in module._parameters.values():
+                if p is not None:
+                    state.add_unit(owner[p])  # tied/shared parameters owned by another module
+        for module, params in list(_pending_external.items()):
+            if module in self.states:
+                for p in params:
+                    self.register_external(module, p)
+
+    def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        info = info_of(param)
+        if info is None or info.unit.engine is not self:
+            raise EngineError(f"register_external_parameter: the parameter is not part of this model")
+        if module not in self.states:
+            raise EngineError(f"register_external_parameter: {type(module).__name__} is not a submodule of this model")
+        self.states[module].add_unit(info.unit)
+
+    def cast_and_partition(self) -> None:
+        """Cast parameters to the compute dtype; in stage 3 keep only this rank's shards."""
+        for unit in self.units:
+            for p in unit.params:
+                if raw_data(p).dtype != self.dtype and raw_data(p).is_floating_point():
+                    set_data(p, raw_data(p).to(self.dtype))
+        for b in self.model.buffers():
+            if b.is_floating_point() and b.dtype != self.dtype and self.dtype != torch.float32:
+                b.data = b.data.to(self.dtype)
+        if self.policy.partition_params:
+            shares_master = self.dtype == torch.float32  # Note: no second fp32 copy in fp32
+            for unit in self.units:
+                master = self.optimizer.master_slice(self.optimizer.master.data, unit)
+                unit.partition(master if shares_master else None)
+                for p in unit.params:
+                    make_partitioned(p)
+
+    # ------------------------------------------------------------ hooks
+
+    def install_hooks(self) -> None:
+        if self.policy.partition_params:
+            for module in self.states:
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+                self._handles.append(module.register_forward_hook(self._post_forward))
+        elif self.dtype == torch.float16:
+            self._handles.append(self.model.register_forward_pre_hook(self._pre_forward_root))
+            self._handles.append(self.model.register_forward_hook(self._post_forward_root))
+        if self.policy.reduce_in_backward:
+            for unit in self.units:
+                for p in unit.params:
+                    if p.requires_grad:
+                        self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre_forward_root(self, module, args):
+        self._reset_stack()
+
+    def _post_forward_root(self, module, args, output):
+        if self.dtype == torch.float16 and torch.is_grad_enabled():
+            self.optimizer.scale_outputs(output)
+
+    def _pre_forward(self, module, args):
+        if module is self.model:
+            self._reset_stack()
+        state = self.states[module]
+        for unit in state.units:
+            unit.acquire()
+        self._stack.append(_Frame(state, list(state.units)))
+
+    def _post_forward(self, module, args, output):
+        frame = self._stack.pop() if self._stack else None
+        if frame is None or frame.state.module is not module:
+            raise EngineError(f"forward hooks out of order at {type(module).__name__}; was a forward interrupted?")
+        for unit in frame.held:
+            unit.release()
+        if torch.is_grad_enabled() and frame.state.units:
+            outs = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
+            if outs:
+                state = frame.state
+                register_multi_grad_hook(outs, lambda _grad: self._pre_backward(state), mode="any")
+        if module is self.model:
+            self._post_forward_root(module, args, output)
+
+    def _reset_stack(self) -> None:
+        """A forward that raised leaves frames behind: release what they held."""
+        while self._stack:
+            for unit in self._stack.pop().held:
+                unit.release()
+
+    def fetch_on_demand(self, infos, op: str) -> None:
+        """A RELEASED parameter was touched: gather it inside a forward, else refuse."""
+        if not self._stack:
+            raise ParameterNotAvailableError(not_available_message(infos[0], op))
+        frame = self._stack[-1]
+        for unit in sorted({i.unit for i in infos}, key=lambda u: u.index):
+            unit.acquire()
+            frame.held.append(unit)
+            if frame.state.add_unit(unit):
+                logger.debug("external parameters of %s used by %s: fetched with it from now on",
+                             unit.module_name, frame.state.name or "<root>")
+
+    # ------------------------------------------------------------ backward
+
+    def _begin_backward(self) -> None:
+        if self._bwd_active:
+            return
+        self._bwd_active = True
+        for unit in self.units:
+            unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, state: ModuleState) -> None:
+        self._begin_backward()
+        if state in self._bwd_holds:
+            return
+        waiting = set()
+        for unit in state.units:
+            unit.acquire()
+            if unit.grads_pending > 0:
+                waiting.add(unit)
+        self._bwd_holds[state] = waiting
+        if not waiting:
+            self._drop_hold(state)
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        self._begin_backward()
+        unit = info_of(param).unit
+        unit.grads_pending -= 1
+        if unit.grads_pending == 0:
+            self._unit_grads_done(unit)
+
+    def _unit_grads_done(self, unit: FetchUnit) -> None:
+        if self.policy.reduce_in_backward:
+            self.reducer.add(unit)
+        for state in [s for s, waiting in self._bwd_holds.items() if waiting and unit in waiting]:
+            waiting = self._bwd_holds[state]
+            waiting.discard(unit)
+            if not waiting:
+                self._drop_hold(state)
+
+    def _drop_hold(self, state: ModuleState) -> None:
+        for unit in state.units:
+            unit.release()
+        self._bwd_holds[state] = None  # done for this backward; a later trigger is a no-op
+
+    def _end_backward(self) -> None:
+        if self.policy.reduce_in_backward:
+            for unit in self.units:
+                total = sum(1 for p in unit.params if p.requires_grad)
+                if 0 < unit.grads_pending < total:  # some parameters got no gradient
+                    unit.grads_pending = 0
+                    self.reducer.add(unit)
+            self.reducer.finish()
+        for state, waiting in list(self._bwd_holds.items()):
+            if waiting is not None:
+                self._drop_hold(state)
+        self._bwd_holds.clear()
+        self._bwd_active = False
+
+    def repartition(self, unit: FetchUnit) -> None:
+        """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
+        full = [raw_data(p) for p in unit.params]
+        master = self.optimizer.master_slice(self.optimizer.master.data, unit)
+        unit.shard_of(full, torch.float32, out=master)
+        if self.policy.partition_params and unit.shard is not master:
+            unit.shard.copy_(master)
+
+    # ------------------------------------------------------------ accounting
+
+    def model_state_bytes(self) -> dict:
+        """Bytes of model states this rank holds now: parameters, gradients, optimizer."""
+        params = 0
+        grads = 0
+        for unit in self.units:
+            if self.policy.partition_params:
+                params += unit.shard.numel() * unit.shard.element_size()
+            else:
+                params += sum(raw_data(p).numel() * raw_data(p).element_size() for p in unit.params)
+            grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)
+        opt = self.optimizer.state_bytes() if self.optimizer is not None else {}
+        return {"params": params, "grads": grads + opt.get("grads", 0), "optimizer": opt.get("optimizer", 0)}
+
+
+def _tensors(obj, depth: int = 0):
+    """Tensors inside a module output (tensors, sequences, mappings, HF ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 4:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x, depth + 1)
+
+
+_engines: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictionary()
+
+
+def engine_of(model: nn.Module) -> Optional[Engine]:
+    return _engines.get(model)

@@ -1,0 +1,34 @@
+"""``infinity.initialize``: wrap a model and build its partitioned optimizer."""
+from __future__ import annotations
+
+from typing import Tuple
+
+from torch import nn
+
+from . import _comm as comm
+from ._engine import Engine, engine_of
+from ._log import logger
+from ._optimizer import ZeroOptimizer
+
+
+def initialize(model: nn.Module, config=None) -> Tuple[nn.Module, ZeroOptimizer]:
+    """Return ``(model, optimizer)``: the same module with hooks installed and a partitioned
+    optimizer, so ``loss.backward()``, ``optimizer.step()`` and ``optimizer.zero_grad()``
+    work unchanged. ``config`` is a Config, a dict, a path (YAML/JSON/DeepSpeed JSON) or None."""
+    from .config import Config
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"infinity.initialize expects an nn.Module, got {type(model).__name__}")
+    if engine_of(model) is not None:
+        raise RuntimeError("this model was already passed to infinity.initialize; call it once per model")
+    cfg = Config.coerce(config)
+    comm.ensure_initialized()
+    engine = Engine(model, cfg)
+    optimizer = ZeroOptimizer(engine, cfg)  # takes fp32 master weights before the cast
+    engine.optimizer = optimizer
+    engine.cast_and_partition()
+    engine.install_hooks()
+    logger.info("ZeRO stage %d on %d rank(s): %d fetch units, %.1fM parameters, %s",
+                cfg.zero.stage, engine.world_size, len(engine.units),
+                sum(u.shard_numel for u in engine.units) * engine.world_size / 1e6, cfg.precision.dtype)
+    return model, optimizer

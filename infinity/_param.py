@@ -1,0 +1,206 @@
+"""Partitioned parameters: the state enum, the side-object registry and the placeholder.
+
+Note [partitioned parameter]: a stage-3 parameter keeps its identity (the same
+``nn.Parameter`` object the model and autograd hold) while its ``.data`` is swapped between
+the full gathered tensor (AVAILABLE) and an empty placeholder (every other state). Its class
+becomes ``PartitionedParameter``, whose ``__torch_function__`` makes the placeholder safe:
+- metadata queries (``shape``, ``size()``, ``numel()``, ``dim()``, dtype, device, ...)
+  answer with the full tensor's metadata in every state;
+- any other use of a parameter that is not AVAILABLE either gathers it on demand (inside a
+  managed forward: that is how external parameters are detected) or raises
+  ``ParameterNotAvailableError`` pointing to ``infinity.GatheredParameters``; the empty
+  placeholder never reaches an operator, so it can never silently broadcast.
+Engine state lives in ``ParamInfo`` side objects held by one registry, never as attributes
+on the parameter.
+"""
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ._unit import FetchUnit
+
+
+class ParamState(enum.Enum):
+    """Where a managed parameter's data is; exactly one at a time (DESIGN.md §3)."""
+
+    RELEASED = "released"  # only the shard exists, on its home tier
+    HOST = "host"  # the shard is staged in a host buffer (offload tiers)
+    DEVICE = "device"  # the shard is on the device, ready to all-gather
+    GATHERING = "gathering"  # the all-gather is in flight
+    AVAILABLE = "available"  # param.data is the full tensor
+
+
+class ParameterNotAvailableError(RuntimeError):
+    """A partitioned parameter was used while only its shard exists."""
+
+
+@dataclass
+class ParamInfo:
+    """The engine's side object for one managed parameter."""
+
+    name: str  # qualified name in the model, for messages
+    shape: torch.Size  # the full shape
+    numel: int  # elements of the full tensor
+    padded_numel: int  # numel rounded up to a multiple of the world size
+    shard_offset: int  # where this parameter's chunk starts in its unit's shard
+    unit: "FetchUnit"  # the unit that owns the storage
+
+    @property
+    def chunk(self) -> int:
+        """Elements of this parameter held by each rank."""
+        return self.padded_numel // self.unit.world_size
+
+    @property
+    def state(self) -> ParamState:
+        return self.unit.state
+
+
+# id(param) -> (weak reference, side object). Keyed by identity: tensors compare
+# elementwise, so they cannot be keys of a WeakKeyDictionary.
+_registry: "dict[int, tuple[weakref.ref, ParamInfo]]" = {}
+
+
+def register(param: nn.Parameter, info: ParamInfo) -> None:
+    key = id(param)
+
+    def _forget(_ref, key=key):
+        entry = _registry.get(key)
+        if entry is not None and entry[0] is _ref:
+            del _registry[key]
+
+    _registry[key] = (weakref.ref(param, _forget), info)
+
+
+def unregister(param: nn.Parameter) -> None:
+    if info_of(param) is not None:
+        del _registry[id(param)]
+
+
+def info_of(param) -> Optional[ParamInfo]:
+    """The side object of a managed parameter, or None."""
+    entry = _registry.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]
+
+
+def set_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Swap ``param.data`` without going through the placeholder's guard."""
+    with torch._C.DisableTorchFunctionSubclass():
+        param.data = data
+
+
+def raw_data(param: nn.Parameter) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        return param.data
+
+
+# Descriptors whose getters only read metadata: allowed in every state.
+_META_ATTRS = {
+    torch._C.TensorBase.dtype, torch._C.TensorBase.device, torch._C.TensorBase.requires_grad,
+    torch._C.TensorBase.grad, torch._C.TensorBase.is_leaf, torch._C.TensorBase.grad_fn,
+    torch._C.TensorBase.layout, torch._C.TensorBase.is_cuda, torch._C.TensorBase.is_sparse,
+    torch._C.TensorBase.is_meta, torch._C.TensorBase.is_quantized,
+    torch._C.TensorBase._backward_hooks, torch._C.TensorBase._post_accumulate_grad_hooks,
+    torch._C.TensorBase.is_nested, torch._C.TensorBase.name, torch._C.TensorBase._base,
+    torch._C.TensorBase.retains_grad, torch._C.TensorBase.itemsize,
+}
+_META_METHODS = {
+    torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+    torch.Tensor.get_device, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+    torch.Tensor.requires_grad_, torch.Tensor.is_contiguous, torch.Tensor.__format__,
+}
+
+
+def _shape_query(func, info: ParamInfo, args, kwargs):
+    """Answer shape/size/numel/dim from the full shape; None if ``func`` is not one of them."""
+    owner = getattr(func, "__self__", None)
+    if owner is torch._C.TensorBase.shape:
+        return info.shape
+    if owner is torch._C.TensorBase.ndim:
+        return len(info.shape)
+    if func is torch.Tensor.size:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return info.shape if dim is None else info.shape[dim]
+    if func is torch.Tensor.numel:
+        return info.numel
+    if func is torch.Tensor.dim:
+        return len(info.shape)
+    if owner is torch._C.TensorBase.nbytes:
+        return info.numel * args[0].element_size()
+    return None
+
+
+def _iter_params(obj, depth=0):
+    if isinstance(obj, PartitionedParameter):
+        yield obj
+    elif depth < 2 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _iter_params(x, depth + 1)
+    elif depth < 2 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _iter_params(x, depth + 1)
+
+
+class PartitionedParameter(nn.Parameter):
+    """The class of a stage-3 parameter; see Note [partitioned parameter]."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if owner in _META_ATTRS or func in _META_METHODS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.__repr__:
+            info = info_of(args[0])
+            if info is not None and info.state is not ParamState.AVAILABLE:
+                return (f"PartitionedParameter(name={info.name!r}, shape={tuple(info.shape)}, "
+                        f"dtype={args[0].dtype}, state={info.state.name})")
+        unavailable = []
+        for p in _iter_params((args, kwargs)):
+            info = info_of(p)
+            if info is None or info.state is ParamState.AVAILABLE:
+                continue
+            answer = _shape_query(func, info, args, kwargs) if p is args[0] else None
+            if answer is not None:
+                return answer
+            unavailable.append((p, info))
+        if unavailable:
+            engine = unavailable[0][1].unit.engine
+            engine.fetch_on_demand([info for _, info in unavailable], op=getattr(func, "__name__", str(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __reduce_ex__(self, proto):
+        info = info_of(self)
+        if info is not None and info.state is not ParamState.AVAILABLE:
+            raise ParameterNotAvailableError(not_available_message(info, "pickle/deepcopy"))
+        return super().__reduce_ex__(proto)
+
+
+def not_available_message(info: ParamInfo, op: str) -> str:
+    return (
+        f"parameter {info.name!r} (shape {tuple(info.shape)}) is partitioned across ranks and is "
+        f"{info.state.name} here; '{op}' needs the full tensor. Outside the model's forward/backward, "
+        f"wrap the access in `with infinity.GatheredParameters([param]):` (add modifier_rank=0 to "
+        f"keep edits), or use infinity.save_checkpoint / load_checkpoint for state dicts."
+    )
+
+
+def make_partitioned(param: nn.Parameter) -> None:
+    """Give a managed parameter the placeholder-safe class (idempotent)."""
+    if not isinstance(param, PartitionedParameter):
+        param.__class__ = PartitionedParameter
+
+
+def make_plain(param: nn.Parameter) -> None:
+    if isinstance(param, PartitionedParameter):
+        param.__class__ = nn.Parameter

@@ -1,0 +1,81 @@
+"""Gradient reduce-scatter in constant-size buckets, overlapped with backward.
+
+Units whose gradients are complete are appended to the open bucket; once the bucket holds
+``bucket_elems`` elements (of the full gradients) its reduce-scatter is launched
+asynchronously and the full gradients are freed. At most ``max_inflight`` buckets are in
+flight; older ones are waited on and folded into the fp32 gradient shards, so memory stays
+bounded by the bucket size whatever the model size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Tuple
+
+import torch
+
+from . import _accelerator as acc
+from . import _comm as comm
+from ._unit import FetchUnit
+
+
+@dataclass
+class _Bucket:
+    units: List[Tuple[FetchUnit, int]] = field(default_factory=list)  # (unit, column offset)
+    cols: int = 0
+
+
+@dataclass
+class _InFlight:
+    handle: comm.CommHandle
+    out: torch.Tensor
+    units: List[Tuple[FetchUnit, int]]
+    full: torch.Tensor  # kept alive until the collective is done
+
+
+class GradReducer:
+    """Reduce-scatters unit gradients into ``accumulate(unit, shard_grad)``."""
+
+    def __init__(self, world_size: int, bucket_elems: int, accumulate: Callable[[FetchUnit, torch.Tensor], None],
+                 *, drop_full_grads: bool, max_inflight: int = 2):
+        self.world_size = world_size
+        self.bucket_elems = max(1, bucket_elems)
+        self.accumulate = accumulate
+        self.drop_full_grads = drop_full_grads
+        self.max_inflight = max_inflight
+        self._open = _Bucket()
+        self._inflight: List[_InFlight] = []
+
+    def add(self, unit: FetchUnit) -> None:
+        self._open.units.append((unit, self._open.cols))
+        self._open.cols += unit.shard_numel
+        if self._open.cols * self.world_size >= self.bucket_elems:
+            self.flush()
+
+    def flush(self) -> None:
+        """Launch the reduce-scatter of the open bucket."""
+        bucket, self._open = self._open, _Bucket()
+        if not bucket.units:
+            return
+        full = torch.empty(self.world_size, bucket.cols, dtype=torch.float32, device=acc.device())
+        for unit, col in bucket.units:
+            unit.grads_into(full[:, col : col + unit.shard_numel])
+            if self.drop_full_grads:
+                unit.drop_grads()
+        out = torch.empty(bucket.cols, dtype=torch.float32, device=acc.device())
+        names = ", ".join(u.module_name or "<root>" for u, _ in bucket.units[:3])
+        handle = comm.reduce_scatter_tensor(out, full.view(-1), async_op=True,
+                                            what=f"reduce-scatter of gradients of [{names}...]")
+        self._inflight.append(_InFlight(handle, out, bucket.units, full))
+        while len(self._inflight) > self.max_inflight:
+            self._complete(self._inflight.pop(0))
+
+    def finish(self) -> None:
+        """Flush and wait for everything; every gradient shard is then up to date."""
+        self.flush()
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, item: _InFlight) -> None:
+        item.handle.wait()
+        for unit, col in item.units:
+            self.accumulate(unit, item.out[col : col + unit.shard_numel])

@@ -1,0 +1,102 @@
+"""Small models shared by the engine tests: a Hugging Face GPT-2 with tied embeddings and a
+custom model with shared and external parameters."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 96
+
+
+def gpt2(seed=0, layers=2, hidden=32, heads=2, tie=True):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=hidden, n_layer=layers, n_head=heads,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie)
+    model = GPT2LMHeadModel(cfg)
+    model.config.use_cache = False
+    return model
+
+
+class ScaleProvider(nn.Module):
+    """A submodule whose forward returns its parameter."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+
+    def forward(self):
+        return self.scale
+
+
+class Block(nn.Module):
+    def __init__(self, dim, shared: nn.Linear):
+        super().__init__()
+        self.inner = nn.Linear(dim, dim)
+        self.shared = shared  # the same module object in two blocks
+
+    def forward(self, x):
+        return x + torch.tanh(self.shared(torch.relu(self.inner(x))))
+
+
+class Custom(nn.Module):
+    """Shared module, tied weights, a parameter used by its parent, a returned parameter."""
+
+    def __init__(self, dim=24, vocab=VOCAB):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        shared = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList([Block(dim, shared), Block(dim, shared)])
+        self.proj = nn.Linear(dim, dim)  # its weight is used by the parent, not by proj's forward
+        self.gain = ScaleProvider(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.odd = nn.Parameter(torch.randn(7, 5) * 0.1)  # sizes no world size divides
+
+    def forward(self, input_ids, labels=None):
+        x = self.emb(input_ids)
+        for b in self.blocks:
+            x = b(x)
+        x = x + F.linear(x, self.proj.weight, self.proj.bias)
+        x = x * self.gain()
+        x = x + (self.odd.sum() * 0.01)
+        logits = self.head(x)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return loss
+
+
+class Stack(nn.Module):
+    """Each parameter used exactly once: the paper's communication volume holds exactly."""
+
+    def __init__(self, dim=32, depth=3):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(dim, dim) for _ in range(depth)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def build(kind, seed=0):
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        return gpt2(seed)
+    if kind == "custom":
+        return Custom()
+    if kind == "stack":
+        return Stack()
+    raise ValueError(kind)
+
+
+def batches(steps, global_batch=6, seq=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (global_batch, seq), generator=g) for _ in range(steps)]
+
+
+def loss_of(model, kind, ids):
+    if kind == "gpt2":
+        return model(input_ids=ids, labels=ids).loss
+    if kind == "custom":
+        return model(ids, labels=ids)
+    raise ValueError(kind)
