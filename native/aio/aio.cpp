@@ -1,5 +1,5 @@
 // infinity_aio: the request queue, the two backends (io_uring rings, a pread/pwrite pool)
-// and the C ABI declared in aio.h.
+// and the C ABI declared in infinity_aio.h.
 //
 // Note: how a request is cut into pieces.
 //   A request [off, off + len) is split at 4 KiB boundaries of the file. The whole blocks
@@ -12,7 +12,7 @@
 //   remainder, continues through fd_buffered. A short transfer of zero bytes is an error
 //   (ENODATA for reads past end of file), never a silent zero fill.
 
-#include "aio.h"
+#include "infinity_aio.h"
 
 #include <errno.h>
 #include <stdio.h>

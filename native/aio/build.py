@@ -75,9 +75,9 @@ ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "infinity._aio_cffi",
-    '#include "aio.h"\n',
+    '#include "infinity_aio.h"\n',
     sources=[_relative(os.path.join(HERE, "aio.cpp"))],
-    include_dirs=[_relative(HERE)],
+    include_dirs=[HERE],
     source_extension=".cpp",
     extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden"],
     define_macros=[] if _URING else [("INFINITY_AIO_NO_URING", "1")],
