@@ -284,3 +284,23 @@ def test_error_is_an_oserror(tmp_path):
         with pytest.raises(OSError) as info:
             h.pread(torch.zeros(1), tmp_path / "missing.bin")
     assert isinstance(info.value, AioError) and info.value.filename.endswith("missing.bin")
+
+
+def test_tune_prints_a_config_section(tmp_path, capsys):
+    import yaml
+
+    from infinity.aio import tune
+    from infinity.config import Config
+
+    args = ["--path", str(tmp_path), "--size", "2M", "--block-sizes", "256K,1M",
+            "--queue-depths", "2,4", "--threads", "1,2", "--reps", "1"]
+    assert tune.main(args) == 0
+    out = capsys.readouterr().out
+    section = yaml.safe_load(out[out.index("aio:"):])
+    assert set(section["aio"]) == {"block_size", "queue_depth", "threads"}
+    assert section["aio"]["block_size"] in (256 << 10, 1 << 20)
+    cfg = Config.from_dict(section)
+    assert (cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.threads) == tuple(section["aio"].values())
+    assert os.listdir(tmp_path) == []  # the probe file is gone
+    with pytest.raises(SystemExit):
+        tune.main(["--path", str(tmp_path / "nope")])

@@ -80,8 +80,8 @@ class AsyncIO:
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1,
                  direct: bool = True, *, fsync: bool = False, backend: Optional[str] = None):
         self.block_size = _check_int("block_size", block_size, 4096, 1 << 30, 4096)
-        self.queue_depth = _check_int("queue_depth", queue_depth, 1, 4096)
-        self.threads = _check_int("threads", threads, 1, 64)
+        self.queue_depth = _check_int("queue_depth", queue_depth, 1, 32768)
+        self.threads = _check_int("threads", threads, 1, 256)
         self.direct = bool(direct)
         self.fsync_on_wait = bool(fsync)
         requested = _resolve_backend(backend)

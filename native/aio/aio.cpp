@@ -491,7 +491,7 @@ int infinity_aio_create(int32_t backend, int64_t block_size, int32_t queue_depth
                         infinity_aio **out, char *why, size_t why_len) {
     if (why && why_len) why[0] = '\0';
     if (!out || block_size < kAlign || block_size % kAlign != 0 || block_size > (1LL << 30) ||
-        queue_depth < 1 || queue_depth > 4096 || threads < 1 || threads > 64 || backend < 0 ||
+        queue_depth < 1 || queue_depth > 32768 || threads < 1 || threads > 256 || backend < 0 ||
         backend > INFINITY_AIO_THREADS)
         return -EINVAL;
     auto *h = new (std::nothrow) infinity_aio(backend, block_size, queue_depth, threads);
