@@ -89,9 +89,12 @@ def build(kind, seed=0):
     raise ValueError(kind)
 
 
-def batches(steps, global_batch=6, seq=12, seed=1):
+def batches(steps, global_batch=6, seq=12, seed=1, distinct=2):
+    """``steps`` batches cycling through ``distinct`` random ones, so learning is visible:
+    the loss on batch i falls between its visits."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (global_batch, seq), generator=g) for _ in range(steps)]
+    pool = [torch.randint(0, VOCAB, (global_batch, seq), generator=g) for _ in range(distinct)]
+    return [pool[i % distinct] for i in range(steps)]
 
 
 def loss_of(model, kind, ids):
