@@ -52,60 +52,79 @@ AVX2_FN inline void store_out(void* out, int64_t i, __m256 p) {
   }
 }
 
+// Pointers and broadcast constants held in locals: through Segment& the compiler must
+// assume the float stores alias the struct and would reload every field each iteration.
+struct Ptrs {
+  float* __restrict p;
+  const void* __restrict g;
+  float* __restrict m;
+  float* __restrict v;
+  void* __restrict out;
+};
+
+struct Consts {
+  __m256 decay_factor, l2, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt, step_size;
+};
+
+AVX2_FN inline Consts make_consts(const Segment& s, const Hyper& h) {
+  return {_mm256_set1_ps(h.decay_factor), _mm256_set1_ps(h.l2),
+          _mm256_set1_ps(h.one_minus_beta1), _mm256_set1_ps(h.beta2),
+          _mm256_set1_ps(h.one_minus_beta2), _mm256_set1_ps(h.eps),
+          _mm256_set1_ps(s.inv_bc2_sqrt), _mm256_set1_ps(s.step_size)};
+}
+
 template <DType G, DType O, Decay D>
-AVX2_FN inline void update(const Segment& s, const Hyper& h, int64_t i) {
-  __m256 p = _mm256_loadu_ps(s.param + i);
-  __m256 g = load_grad<G>(s.grad, i);
+AVX2_FN inline void update(const Ptrs& x, const Consts& c, int64_t i) {
+  __m256 p = _mm256_loadu_ps(x.p + i);
+  __m256 g = load_grad<G>(x.g, i);
   if constexpr (D == Decay::kL2) {
-    g = _mm256_fmadd_ps(_mm256_set1_ps(h.l2), p, g);
+    g = _mm256_fmadd_ps(c.l2, p, g);
   } else {
-    p = _mm256_mul_ps(p, _mm256_set1_ps(h.decay_factor));
+    p = _mm256_mul_ps(p, c.decay_factor);
   }
-  __m256 m = _mm256_loadu_ps(s.exp_avg + i);
-  __m256 v = _mm256_loadu_ps(s.exp_avg_sq + i);
-  m = _mm256_fmadd_ps(_mm256_set1_ps(h.one_minus_beta1), _mm256_sub_ps(g, m), m);
-  v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h.one_minus_beta2), g), g,
-                      _mm256_mul_ps(v, _mm256_set1_ps(h.beta2)));
-  const __m256 denom =
-      _mm256_fmadd_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(s.inv_bc2_sqrt), _mm256_set1_ps(h.eps));
-  p = _mm256_fnmadd_ps(_mm256_set1_ps(s.step_size), _mm256_div_ps(m, denom), p);
-  _mm256_storeu_ps(s.exp_avg + i, m);
-  _mm256_storeu_ps(s.exp_avg_sq + i, v);
-  _mm256_storeu_ps(s.param + i, p);
-  store_out<O>(s.param_out, i, p);
+  __m256 m = _mm256_loadu_ps(x.m + i);
+  __m256 v = _mm256_loadu_ps(x.v + i);
+  m = _mm256_fmadd_ps(c.one_minus_beta1, _mm256_sub_ps(g, m), m);
+  v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g, _mm256_mul_ps(v, c.beta2));
+  const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), c.inv_bc2_sqrt, c.eps);
+  p = _mm256_fnmadd_ps(c.step_size, _mm256_div_ps(m, denom), p);
+  _mm256_storeu_ps(x.m + i, m);
+  _mm256_storeu_ps(x.v + i, v);
+  _mm256_storeu_ps(x.p + i, p);
+  store_out<O>(x.out, i, p);
 }
 
 // The last < 8 elements go through the same vector code on a padded copy, so every
 // element gets bit-identical math wherever a thread's range happens to end.
 template <DType G, DType O, Decay D>
-AVX2_FN void update_tail(const Segment& s, const Hyper& h, int64_t i, int64_t rem) {
+AVX2_FN void update_tail(const Ptrs& x, const Consts& c, int64_t i, int64_t rem) {
   const size_t gsize = G == DType::kF32 ? 4 : 2;
   alignas(32) float p[kLanes] = {}, m[kLanes] = {}, v[kLanes] = {};
   alignas(32) unsigned char g[kLanes * 4] = {};
   alignas(32) uint16_t out[kLanes] = {};
-  std::memcpy(p, s.param + i, rem * 4);
-  std::memcpy(m, s.exp_avg + i, rem * 4);
-  std::memcpy(v, s.exp_avg_sq + i, rem * 4);
-  std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gsize, rem * gsize);
-  Segment t = s;
-  t.param = p;
-  t.exp_avg = m;
-  t.exp_avg_sq = v;
-  t.grad = g;
-  t.param_out = out;
-  update<G, O, D>(t, h, 0);
-  std::memcpy(s.param + i, p, rem * 4);
-  std::memcpy(s.exp_avg + i, m, rem * 4);
-  std::memcpy(s.exp_avg_sq + i, v, rem * 4);
-  if (O != DType::kNone) std::memcpy(static_cast<uint16_t*>(s.param_out) + i, out, rem * 2);
+  std::memcpy(p, x.p + i, rem * 4);
+  std::memcpy(m, x.m + i, rem * 4);
+  std::memcpy(v, x.v + i, rem * 4);
+  std::memcpy(g, static_cast<const unsigned char*>(x.g) + i * gsize, rem * gsize);
+  update<G, O, D>(Ptrs{p, g, m, v, out}, c, 0);
+  std::memcpy(x.p + i, p, rem * 4);
+  std::memcpy(x.m + i, m, rem * 4);
+  std::memcpy(x.v + i, v, rem * 4);
+  if (O != DType::kNone) std::memcpy(static_cast<uint16_t*>(x.out) + i, out, rem * 2);
 }
 
 struct Avx2Kernel {
   template <DType G, DType O, Decay D>
   AVX2_FN static void run(const Segment& s, const Hyper& h, int64_t begin, int64_t end) {
+    const Ptrs x{s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.param_out};
+    const Consts c = make_consts(s, h);
     int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) update<G, O, D>(s, h, i);
-    if (i < end) update_tail<G, O, D>(s, h, i, end - i);
+    for (; i + 2 * kLanes <= end; i += 2 * kLanes) {
+      update<G, O, D>(x, c, i);
+      update<G, O, D>(x, c, i + kLanes);
+    }
+    for (; i + kLanes <= end; i += kLanes) update<G, O, D>(x, c, i);
+    if (i < end) update_tail<G, O, D>(x, c, i, end - i);
   }
 };
 

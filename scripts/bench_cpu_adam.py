@@ -1,0 +1,135 @@
+"""Benchmark of the native CPU Adam against torch, measured in the same run.
+
+For each size (default 64M and 256M parameters, 2 threads):
+  fp32:  infinity adam_step vs torch.optim.AdamW(fused=True) and (foreach=True)
+  mixed: fp32 master + bf16 grads + bf16 params_out in one pass, vs the torch sequence
+         doing the same work (cast grad to fp32, fused AdamW, cast params to bf16)
+  bound: bytes the step must touch / memory bandwidth measured here with torch
+         (a copy, counting the write-allocate read of its destination, and an in-place
+         add; the faster of the two), and our fraction of it.
+
+Contenders run interleaved, round after round, on the same buffers (torch's optimizer
+state is pointed at our moment tensors), so background load hits all of them alike.
+Each figure is the median of --reps rounds.
+
+    python scripts/bench_cpu_adam.py [--sizes 64M,256M] [--threads 2] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from infinity.optim import adam_step, simd_path
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def torch_adamw(param: torch.Tensor, exp_avg, exp_avg_sq, **kind) -> torch.optim.Optimizer:
+    """A torch AdamW whose state is our moment tensors, so no memory is duplicated."""
+    opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kind)
+    opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    return opt
+
+
+def run_size(n: int, threads: int, reps: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(n, generator=gen).requires_grad_()
+    grad = torch.randn(n, generator=gen)
+    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+    grad_bf16 = grad.bfloat16()
+    out_bf16 = torch.empty(n, dtype=torch.bfloat16)
+    scratch = torch.empty(n)
+    param.grad = grad
+    p = param.detach()
+    fused = torch_adamw(param, exp_avg, exp_avg_sq, fused=True)
+    foreach = torch_adamw(param, exp_avg, exp_avg_sq, foreach=True)
+    steps = iter(range(1, 10**9))
+
+    def ours_fp32():
+        adam_step(p, grad, exp_avg, exp_avg_sq, step=next(steps), lr=LR, betas=BETAS, eps=EPS,
+                  weight_decay=WD, num_threads=threads)
+
+    def ours_mixed():
+        adam_step(p, grad_bf16, exp_avg, exp_avg_sq, step=next(steps), lr=LR, betas=BETAS, eps=EPS,
+                  weight_decay=WD, params_out=out_bf16, num_threads=threads)
+
+    def torch_mixed():
+        grad.copy_(grad_bf16)
+        fused.step()
+        out_bf16.copy_(p)
+
+    contenders = {
+        "ours fp32": ours_fp32,
+        "torch fused fp32": fused.step,
+        "torch foreach fp32": foreach.step,
+        "ours mixed": ours_mixed,
+        "torch mixed": torch_mixed,
+        "copy": lambda: scratch.copy_(grad),
+        "add_": lambda: scratch.add_(grad),
+    }
+    times = {name: [] for name in contenders}
+    for fn in contenders.values():  # warm-up: page faults, torch's lazy state, thread pools
+        fn()
+    for _ in range(reps):
+        for name, fn in contenders.items():
+            times[name].append(timed(fn))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def report(n: int, t: dict, threads: int) -> None:
+    gb = 1e9
+    # Copy: read src + write dst + the write-allocate read of dst (ordinary stores).
+    # add_: read two operands, write one in place (no write-allocate).
+    bw_copy = 12 * n / t["copy"]
+    bw_add = 12 * n / t["add_"]
+    bw = max(bw_copy, bw_add)
+    # fp32 step: read p, g, m, v; write p, m, v.  mixed: read p, g(bf16), m, v; write p, m, v, out(bf16)
+    bytes_fp32, bytes_mixed = 28 * n, 28 * n
+    bound_fp32, bound_mixed = bytes_fp32 / bw, bytes_mixed / bw
+    print(f"\n== {n / 2**20:.0f}M parameters, {threads} threads, path {simd_path()} ==")
+    print(f"memory bandwidth: copy {bw_copy / gb:.1f} GB/s, in-place add {bw_add / gb:.1f} GB/s -> {bw / gb:.1f} GB/s")
+    rows = [
+        ("fp32  ours", t["ours fp32"], None),
+        ("fp32  torch AdamW(fused=True)", t["torch fused fp32"], t["ours fp32"]),
+        ("fp32  torch AdamW(foreach=True)", t["torch foreach fp32"], t["ours fp32"]),
+        ("mixed ours (bf16 grad + bf16 params_out)", t["ours mixed"], None),
+        ("mixed torch (cast grad, fused AdamW, cast params)", t["torch mixed"], t["ours mixed"]),
+    ]
+    for label, sec, ours in rows:
+        ratio = f"  speed-up of ours {sec / ours:.2f}x" if ours else ""
+        print(f"  {label:52s} {sec * 1e3:8.1f} ms{ratio}")
+    print(f"  bandwidth bound fp32 {bound_fp32 * 1e3:.1f} ms: ours at {bound_fp32 / t['ours fp32']:.0%} of it; "
+          f"mixed {bound_mixed * 1e3:.1f} ms: ours at {bound_mixed / t['ours mixed']:.0%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64M,256M", help="comma-separated parameter counts (K/M/G suffixes)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    if args.reps < 3:
+        ap.error("--reps must be >= 3 (figures are medians)")
+    torch.set_num_threads(args.threads)
+    for size in args.sizes.split(","):
+        n = parse_size(size)
+        report(n, run_size(n, args.threads, args.reps), args.threads)
+
+
+if __name__ == "__main__":
+    main()
