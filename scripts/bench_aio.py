@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,10 +57,19 @@ class HugePages:
         try:
             with open(NR_HUGEPAGES) as f:
                 self.old = int(f.read())
-            with open(NR_HUGEPAGES, "w") as f:
-                f.write(str(max(self.old, self.need)))
-            with open(NR_HUGEPAGES) as f:
-                self.ok = int(f.read()) >= self.need
+            for attempt in range(3):  # a fragmented memory may need compaction first
+                with open(NR_HUGEPAGES, "w") as f:
+                    f.write(str(max(self.old, self.need)))
+                with open(NR_HUGEPAGES) as f:
+                    got = int(f.read())
+                self.ok = got >= self.need
+                if self.ok:
+                    break
+                with open("/proc/sys/vm/compact_memory", "w") as f:
+                    f.write("1")
+            if not self.ok:
+                print(f"# only {got} of {self.need} huge pages could be reserved; fio uses --mem=malloc",
+                      file=sys.stderr)
         except OSError as e:
             print(f"# cannot reserve huge pages ({e}); fio uses --mem=malloc", file=sys.stderr)
         return self
@@ -112,6 +122,12 @@ def main(argv=None) -> int:
     if size <= 0:
         p.error("--size must be at least the largest block size")
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    with HugePages(max(block_sizes) * max(depths)) as hp:
+        return run(args, size, block_sizes, depths, "shmhuge" if hp.ok else "malloc")
+
+
+def run(args, size, block_sizes, depths, mem) -> int:
     workdir = args.path or tempfile.mkdtemp(prefix="bench_aio_", dir="/var/tmp")
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "bench_aio.bin")
@@ -125,16 +141,14 @@ def main(argv=None) -> int:
 
     rows = []
     try:
-        with HugePages(max(block_sizes) * max(depths)) as hp:
-            mem = "shmhuge" if hp.ok else "malloc"
-            print(f"# file {path}, {size / 1e9:.2f} GB; ours: {backend}, aligned_empty buffer "
-                  f"({thp:.0%} in huge pages); fio {subprocess.run(['fio', '--version'], capture_output=True, text=True).stdout.strip()}"
-                  f" --mem={mem}; medians of {args.reps}; GB/s = 1e9 B/s")
-            print(f"{'bs':>5} {'qd':>4} | {'ours W':>7} {'fio W':>7} {'W ratio':>7} | "
-                  f"{'ours R':>7} {'fio R':>7} {'R ratio':>7}")
-            for bs in block_sizes:
-                for qd in depths:
-                    rows.append(measure(path, buf, size, bs, qd, args.reps, mem))
+        fio = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+        print(f"# file {path}, {size / 1e9:.2f} GB; ours: {backend}, aligned_empty buffer "
+              f"({thp:.0%} in huge pages); {fio} --mem={mem}; medians of {args.reps}; GB/s = 1e9 B/s")
+        print(f"{'bs':>5} {'qd':>4} | {'ours W':>7} {'fio W':>7} {'W ratio':>7} | "
+              f"{'ours R':>7} {'fio R':>7} {'R ratio':>7}")
+        for bs in block_sizes:
+            for qd in depths:
+                rows.append(measure(path, buf, size, bs, qd, args.reps, mem))
     finally:
         if args.path is None:
             shutil.rmtree(workdir, ignore_errors=True)

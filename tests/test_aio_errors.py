@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from infinity import logger
+from infinity._log import logger
 from infinity.aio import AsyncIO, AioError
 
 BACKENDS = ["io_uring", "threads"]

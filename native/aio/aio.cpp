@@ -120,9 +120,16 @@ class BouncePool {
         void *p = nullptr;
         return posix_memalign(&p, kAlign, size_) == 0 ? static_cast<char *>(p) : nullptr;
     }
-    void put(char *p) { free_.push_back(p); }
+    void put(char *p) {
+        // Keep a few for reuse; a burst of misaligned requests must not pin qd * bs for good.
+        if (free_.size() < kKeep)
+            free_.push_back(p);
+        else
+            ::free(p);
+    }
 
   private:
+    static constexpr size_t kKeep = 4;
     int64_t size_;
     std::vector<char *> free_;
 };
