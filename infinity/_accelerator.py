@@ -81,6 +81,14 @@ def host_empty(numel: int, dtype: torch.dtype, *, alignment: int = 4096) -> torc
     return _aligned_storage(max(nbytes, 1), align)[:nbytes].view(dtype)
 
 
+def to_device(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor on the device (a copy on CUDA, the same tensor without an accelerator)."""
+    dev = device()
+    if t.device == dev:
+        return t
+    return t.to(dev, non_blocking=True)
+
+
 # ---------------------------------------------------------------- streams and events
 
 

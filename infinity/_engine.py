@@ -100,6 +100,7 @@ class Engine:
         self._handles: list = []
         self.reducer: Optional[GradReducer] = None  # set by the optimizer, which owns the shards
         self.optimizer = None
+        self.swap_dirs: dict = {}
         _engines[model] = self
 
     # ------------------------------------------------------------ construction
@@ -152,10 +153,8 @@ class Engine:
             if b.is_floating_point() and b.dtype != self.dtype and self.dtype != torch.float32:
                 b.data = b.data.to(self.dtype)
         if self.policy.partition_params:
-            shares_master = self.dtype == torch.float32  # Note: no second fp32 copy in fp32
             for unit in self.units:
-                master = self.optimizer.master_slice(self.optimizer.master.data, unit)
-                unit.partition(master if shares_master else None)
+                unit.partition()
                 for p in unit.params:
                     make_partitioned(p)
 
@@ -288,12 +287,30 @@ class Engine:
     def repartition(self, unit: FetchUnit) -> None:
         """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
         full = [raw_data(p) for p in unit.params]
-        master = self.optimizer.master_slice(self.optimizer.master.data, unit)
-        unit.shard_of(full, torch.float32, out=master)
-        if self.policy.partition_params and unit.shard is not master:
-            unit.shard.copy_(master)
+        opt = self.optimizer
+        opt.store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
+        if self.policy.partition_params and not opt.aliased:
+            opt.param_store.write(unit.opt_offset, unit.shard_of(full, self.dtype))
+            opt.param_store.flush()
 
     # ------------------------------------------------------------ accounting
+
+    def tier_bytes(self) -> dict:
+        """Bytes this rank keeps on each tier (device, host, nvme), pools included."""
+        out = {"device": 0, "host": 0, "nvme": 0}
+        stores = [self.optimizer.store] + ([self.optimizer.param_store] if self.optimizer.param_store else [])
+        for store in stores:
+            if store is self.optimizer.param_store and self.optimizer.aliased:
+                continue
+            for tier, n in store.nbytes().items():
+                out[tier] += n
+        return out
+
+    def close(self) -> None:
+        """Remove hooks and this run's swap files."""
+        self.remove_hooks()
+        for d in self.swap_dirs.values():
+            d.remove()
 
     def model_state_bytes(self) -> dict:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer."""
@@ -301,7 +318,7 @@ class Engine:
         grads = 0
         for unit in self.units:
             if self.policy.partition_params:
-                params += unit.shard.numel() * unit.shard.element_size()
+                params += unit.shard_numel * torch.empty((), dtype=self.dtype).element_size()
             else:
                 params += sum(raw_data(p).numel() * raw_data(p).element_size() for p in unit.params)
             grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)

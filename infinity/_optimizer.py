@@ -19,7 +19,10 @@ from . import _comm as comm
 from ._log import logger
 from ._loss_scale import LossScaler
 from ._param import raw_data
+from ._preflight import preflight
 from ._reduce import GradReducer
+from ._stores import ALIGN_ELEMS, Chunk, MemoryOptimizerStore, NvmeOptimizerStore, ParamStore
+from ._swap import SwapDir
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -50,47 +53,82 @@ def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, w
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """A torch Optimizer over this rank's flat fp32 master shard; LR schedulers work on it."""
+    """A torch Optimizer over this rank's flat fp32 shards; LR schedulers work on it.
+
+    The shards live in an optimizer store on the tier ``zero.offload_optimizer.device``
+    chooses; stage 3's compute-dtype parameter shards live in a ParamStore on the tier of
+    ``zero.offload_param.device``. Both are laid out unit after unit (``unit.opt_offset``).
+    """
 
     def __init__(self, engine: "Engine", cfg):
         self.engine = engine
         self.cfg = cfg
         oc = cfg.optimizer
+        z = cfg.zero
+        self.opt_tier = z.offload_optimizer.device
+        self.param_tier = z.offload_param.device if engine.policy.partition_params else "none"
+        align = ALIGN_ELEMS if "nvme" in (self.opt_tier, self.param_tier) else 1
         total = 0
         for unit in engine.units:
             unit.opt_offset = total
-            total += unit.shard_numel
-        master = torch.empty(total, dtype=torch.float32, device=acc.device())
+            total += -(-unit.shard_numel // align) * align
+        self.total = total
+        preflight(engine, self)
+        engine.swap_dirs = {}
+        self.store = self._make_store(total)
         for unit in engine.units:
-            unit.shard_of([raw_data(p) for p in unit.params], torch.float32, out=self.master_slice(master, unit))
+            self.store.load_master(unit.opt_offset, unit.shard_of([raw_data(p) for p in unit.params], torch.float32))
+        master = self.store.master if isinstance(self.store, MemoryOptimizerStore) else torch.empty(0)
         self.master = nn.Parameter(master, requires_grad=False)
-        self.grad = torch.zeros(total, dtype=torch.float32, device=acc.device()) if engine.policy.reduce_in_backward else None
         defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
                         adamw=oc.type == "adamw")
         super().__init__([self.master], defaults)
-        self._adam = _native_adam() if self.master.device.type == "cpu" else None
+        self.param_store = self._make_param_store(total) if engine.policy.partition_params else None
+        self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier != "none" else None
         self.scaler = LossScaler(static_scale=cfg.precision.loss_scale, initial_scale_power=cfg.precision.initial_scale_power,
                                  window=cfg.precision.loss_scale_window, hysteresis=cfg.precision.hysteresis,
                                  min_scale=cfg.precision.min_loss_scale) if engine.dtype == torch.float16 else None
         self.grad_scale = 1.0 / (engine.world_size * cfg.gradient_accumulation_steps)
-        engine.reducer = GradReducer(engine.world_size, cfg.zero.reduce_bucket_size, self._accumulate,
+        engine.reducer = GradReducer(engine.world_size, z.reduce_bucket_size, self._accumulate,
                                      drop_full_grads=engine.policy.reduce_in_backward)
         self.last_grad_norm: Optional[float] = None
         self.skipped = False
+        self._step = 0
 
-    @staticmethod
-    def master_slice(flat: torch.Tensor, unit: "FetchUnit") -> torch.Tensor:
-        return flat[unit.opt_offset : unit.opt_offset + unit.shard_numel]
+    def _swap_dir(self, nvme_path: str) -> SwapDir:
+        dirs = self.engine.swap_dirs
+        if nvme_path not in dirs:
+            dirs[nvme_path] = SwapDir(nvme_path, self.engine.rank)
+        return dirs[nvme_path]
+
+    def _make_store(self, total: int):
+        z = self.cfg.zero
+        if self.opt_tier == "nvme":
+            ranges = [(u.opt_offset, u.shard_numel) for u in self.engine.units]
+            return NvmeOptimizerStore(total, ranges, self._swap_dir(z.offload_optimizer.nvme_path), self.cfg.aio,
+                                      z.offload_optimizer.chunk_size, self.cfg.gradient_accumulation_steps)
+        return MemoryOptimizerStore(self.opt_tier, total, lazy_grad=not self.engine.policy.reduce_in_backward)
+
+    def _make_param_store(self, total: int) -> ParamStore:
+        z = self.cfg.zero
+        alias = None
+        if self.engine.dtype == torch.float32 and self.param_tier == self.opt_tier != "nvme":
+            alias = self.store.master  # Note: in fp32 the master weights are the parameter shards
+        return ParamStore(self.param_tier, self.engine.dtype, total,
+                          swap=self._swap_dir(z.offload_param.nvme_path) if self.param_tier == "nvme" else None,
+                          aio_cfg=self.cfg.aio, alias=alias,
+                          max_unit=max((u.shard_numel for u in self.engine.units), default=0),
+                          buffer_size=z.offload_param.buffer_size, buffer_count=z.offload_param.buffer_count)
+
+    @property
+    def aliased(self) -> bool:
+        return self.param_store is not None and self.param_store.flat is not None and \
+            self.param_store.flat is getattr(self.store, "master", None)
 
     # ------------------------------------------------------------ gradients
 
     def _accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
-        self.master_slice(self._grad_buffer(), unit).add_(shard_grad, alpha=self.grad_scale)
-
-    def _grad_buffer(self) -> torch.Tensor:
-        if self.grad is None:  # stage 1: only during the step
-            self.grad = torch.zeros_like(self.master.data)
-        return self.grad
+        self.store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
 
     def scale_outputs(self, output) -> None:
         """fp16: scale the gradient entering the graph at the model's outputs."""
@@ -111,83 +149,95 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for unit in engine.units:
                 engine.reducer.add(unit)
         engine.reducer.finish()
-        grad = self._grad_buffer()
+        self.store.finalize_grads()
+        sq, finite = self.store.grad_stats()
+        stats = torch.tensor([sq, 0.0 if finite else 1.0], dtype=torch.float64)
+        comm.all_reduce(stats, "sum")
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is not None:
-            overflow = torch.tensor([0.0 if bool(torch.isfinite(grad).all()) else 1.0])
-            comm.all_reduce(overflow, "max")
-            self.scaler.update(bool(overflow.item()))
-            if overflow.item():
+            overflow = bool(stats[1].item() > 0)
+            self.scaler.update(overflow)
+            if overflow:
                 self.skipped = True
-                self._drop_step_grads()
+                self._finish_step()
                 return loss
         self.skipped = False
+        self.last_grad_norm = math.sqrt(stats[0].item()) * inv_scale
         coef = inv_scale
         clip = self.cfg.gradient_clipping
-        sq = torch.tensor([float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2])
-        comm.all_reduce(sq, "sum")  # the norm is reported even when clipping is off
-        self.last_grad_norm = math.sqrt(sq.item()) * inv_scale
         if clip > 0:
             clip_coef = clip / (self.last_grad_norm + 1e-6)
             if clip_coef < 1.0:
                 coef *= clip_coef
         if coef != 1.0:
-            grad.mul_(coef)
-        self._adam_update(grad)
-        engine_after_step(engine, self)
-        self._drop_step_grads()
+            self.store.scale_grads(coef)
+        self._step += 1
+        group = self.param_groups[0]
+        hyper = dict(step=self._step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                     weight_decay=group["weight_decay"], adamw=group["adamw"])
+        out_flat = None
+        if not engine.policy.partition_params and engine.dtype != torch.float32:
+            out_flat = torch.empty(self.total, dtype=engine.dtype, device=acc.device())
+        self.store.update(lambda chunk: self._update_chunk(chunk, hyper, out_flat))
+        if self.param_store is not None:
+            self.param_store.flush()
+        else:
+            src = out_flat if out_flat is not None else None
+            gather_into_whole_params(engine, src if src is not None else self.store.master)
+        self.state[self.master]["step"] = torch.tensor(float(self._step))
+        self._finish_step()
         return loss
 
-    def _adam_update(self, grad: torch.Tensor) -> None:
-        group = self.param_groups[0]
-        state = self.state[self.master]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(self.master.data)
-            state["exp_avg_sq"] = torch.zeros_like(self.master.data)
-        state["step"] += 1
-        kwargs = dict(step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw=group["adamw"])
+    def _update_chunk(self, chunk: Chunk, hyper: dict, out_flat: Optional[torch.Tensor]) -> None:
+        """Adam on one chunk, with the fused low-precision copy going where it belongs."""
+        n = chunk.master.numel()
+        ps = self.param_store
+        params_out = None
+        if out_flat is not None:
+            params_out = out_flat[chunk.offset : chunk.offset + n]
+        elif ps is not None and not self.aliased and self.engine.dtype != torch.float32:
+            params_out = ps.view(chunk.offset, n) if ps.resident else torch.empty(n, dtype=self.engine.dtype)
         if self._adam is not None:
-            self._adam(self.master.data, grad, state["exp_avg"], state["exp_avg_sq"], **kwargs)
+            self._adam(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, params_out=params_out, **hyper)
         else:
-            torch_adam_step(self.master.data, grad, state["exp_avg"], state["exp_avg_sq"], **kwargs)
+            torch_adam_step(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, **hyper)
+            if params_out is not None:
+                params_out.copy_(chunk.master)
+        if ps is None or self.aliased or (ps.resident and params_out is not None):
+            return
+        if params_out is not None:
+            ps.write(chunk.offset, params_out)  # NVMe: async, the handle keeps the tensor alive
+        else:  # fp32 parameters with separate storage: the master chunk buffer gets reused
+            ps.write(chunk.offset, chunk.master.clone() if not ps.resident else chunk.master)
 
-    def _drop_step_grads(self) -> None:
-        if not self.engine.policy.reduce_in_backward:
-            self.grad = None  # stage 1 keeps no gradient shard between steps
-            for unit in self.engine.units:
-                unit.drop_grads()
-        else:
-            self.grad.zero_()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.grad is not None:
-            self.grad.zero_()
+    def _finish_step(self) -> None:
+        self.store.zero_grads()
         for unit in self.engine.units:
             unit.drop_grads()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.store.zero_grads()
+        for unit in self.engine.units:
+            unit.drop_grads()
+
+    def master_slice(self, unit: "FetchUnit") -> torch.Tensor:
+        """The fp32 master weights of one unit (a view in memory, a copy read from NVMe)."""
+        return self.store.read_master(unit.opt_offset, unit.shard_numel)
 
     # ------------------------------------------------------------ accounting
 
     def state_bytes(self) -> dict:
         """Optimizer states (fp32 master unless it is the parameter shard, Adam moments) and
-        gradient shards this rank holds."""
-        n = self.master.numel() * 4
-        master_is_param = self.engine.policy.partition_params and self.engine.dtype == torch.float32
-        moments = 2 * n
-        return {"optimizer": moments + (0 if master_is_param else n),
-                "grads": self.grad.numel() * 4 if self.grad is not None else 0}
+        gradient shards this rank holds in memory."""
+        if not isinstance(self.store, MemoryOptimizerStore):
+            return {"optimizer": 0, "grads": 0}
+        n = self.store.total * 4
+        return {"optimizer": 2 * n + (0 if self.aliased else n),
+                "grads": self.store.grad.numel() * 4 if self.store.grad is not None else 0}
 
 
-def engine_after_step(engine: "Engine", opt: ZeroOptimizer) -> None:
-    """Write the updated master weights back to what the model computes with."""
-    master = opt.master.data
-    if engine.policy.partition_params:
-        if engine.dtype != torch.float32:
-            for unit in engine.units:
-                unit.shard.copy_(opt.master_slice(master, unit))
-        return
-    # Stages 1-2: all-gather the updated shards in buckets and copy into the whole params.
+def gather_into_whole_params(engine: "Engine", flat: torch.Tensor) -> None:
+    """Stages 1-2: all-gather the updated shards in buckets and copy into the whole params."""
     budget = engine.cfg.zero.reduce_bucket_size
     group, cols = [], 0
     for unit in engine.units + [None]:
@@ -196,7 +246,7 @@ def engine_after_step(engine: "Engine", opt: ZeroOptimizer) -> None:
             cols += unit.shard_numel
         if group and (unit is None or cols * engine.world_size >= budget):
             first, last = group[0], group[-1]
-            span = master[first.opt_offset : last.opt_offset + last.shard_numel].to(engine.dtype)
+            span = flat[first.opt_offset : last.opt_offset + last.shard_numel].to(engine.dtype)
             full = torch.empty(engine.world_size * span.numel(), dtype=engine.dtype, device=acc.device())
             comm.all_gather_into_tensor(full, span, async_op=False, what="all-gather of updated parameters")
             rows = full.view(engine.world_size, span.numel())

@@ -51,7 +51,7 @@ class FetchUnit:
             offset += info.chunk
         self.shard_numel = offset
         self.opt_offset = 0  # start of this unit's range in the optimizer's flat fp32 space
-        self.shard: Optional[torch.Tensor] = None  # compute-dtype shard (stage 3 only)
+        self._staged: Optional[torch.Tensor] = None  # pool buffer holding the shard read from NVMe
         self._state = ParamState.AVAILABLE
         self._refs = 0
         self._gather_out: Optional[torch.Tensor] = None
@@ -94,12 +94,21 @@ class FetchUnit:
                 out[info.shard_offset : info.shard_offset + info.chunk].copy_(self.chunks_of(t, info)[self.rank])
         return out
 
-    def partition(self, shard: Optional[torch.Tensor] = None) -> None:
-        """AVAILABLE -> RELEASED for the first time: keep only this rank's shard (stage 3).
-        ``shard``, when given, already holds it (e.g. the fp32 master weights in fp32)."""
+    @property
+    def store(self):
+        return self.engine.optimizer.param_store
+
+    def partition(self) -> None:
+        """AVAILABLE -> RELEASED for the first time: keep only this rank's shard (stage 3),
+        written to the parameter store (unless that store is the fp32 master itself)."""
         assert self.partitioned and self._state is ParamState.AVAILABLE
-        self.shard = shard if shard is not None else self.shard_of([raw_data(p) for p in self.params], self.dtype)
+        if not self.engine.optimizer.aliased:
+            self.store.write(self.opt_offset, self.shard_of([raw_data(p) for p in self.params], self.dtype))
         self._drop_full()
+
+    def shard(self) -> torch.Tensor:
+        """This rank's compute-dtype shard where it is resident (device or cpu tier)."""
+        return self.store.view(self.opt_offset, self.shard_numel)
 
     def _placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=acc.device())
@@ -130,15 +139,35 @@ class FetchUnit:
             acc.budget.release(self._charged)
             self._charged = 0
 
+    def stage_to_host(self) -> None:
+        """RELEASED -> HOST: read the shard from NVMe into a pool buffer (resident tiers skip)."""
+        assert self._state is ParamState.RELEASED, self._state
+        if not self.store.resident:
+            self._staged = self.store.read_into(self.opt_offset, self.shard_numel)
+        self._state = ParamState.HOST
+
+    def stage_to_device(self) -> None:
+        """HOST -> DEVICE: the shard is where the all-gather reads it (a no-op without CUDA)."""
+        assert self._state is ParamState.HOST, self._state
+        self._state = ParamState.DEVICE
+
+    def _device_shard(self) -> torch.Tensor:
+        src = self._staged[: self.shard_numel] if self._staged is not None else self.shard()
+        return acc.to_device(src)
+
     def start_gather(self) -> None:
         """RELEASED/DEVICE -> GATHERING: launch the all-gather of this unit's shards."""
-        assert self._state in (ParamState.RELEASED, ParamState.DEVICE), self._state
+        if self._state is ParamState.RELEASED:
+            self.stage_to_host()
+        if self._state is ParamState.HOST:
+            self.stage_to_device()
+        assert self._state is ParamState.DEVICE, self._state
         nbytes = self.full_numel * torch.empty((), dtype=self.dtype).element_size()
         acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
         self._charged = nbytes
         self._gather_out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
         self._gather_handle = comm.all_gather_into_tensor(
-            self._gather_out, self.shard, async_op=True, what=f"all-gather of {self.module_name or '<root>'}")
+            self._gather_out, self._device_shard(), async_op=True, what=f"all-gather of {self.module_name or '<root>'}")
         self._state = ParamState.GATHERING
 
     def wait_gather(self) -> None:
@@ -151,6 +180,9 @@ class FetchUnit:
             set_data(p, block.reshape(-1)[: info.numel].view(info.shape))
         self._gather_out = None
         self._gather_handle = None
+        if self._staged is not None:
+            self.store.pool.put(self._staged)
+            self._staged = None
         self._state = ParamState.AVAILABLE
 
     # ------------------------------------------------------------ gradients

@@ -1,0 +1,85 @@
+"""Preflight: before the first byte is allocated, check that every tier has room.
+
+The bytes each tier needs follow from the shard sizes and the chosen placement; they are
+checked against free host memory (psutil) and free disk under each ``nvme_path``. A plan
+that does not fit is refused with the numbers and what to change, instead of dying halfway
+through the first step.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from . import _comm as comm
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+    from ._optimizer import ZeroOptimizer
+
+
+class InsufficientResourcesError(RuntimeError):
+    pass
+
+
+GiB = float(1 << 30)
+
+
+def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
+    """Bytes per tier this rank will hold, and per nvme_path on disk."""
+    esize = torch.empty((), dtype=engine.dtype).element_size()
+    n = opt.total
+    need = {"device": 0, "host": 0, "nvme": {}}
+    opt_bytes = 16 * n  # master, grad, exp_avg, exp_avg_sq in fp32
+    z = engine.cfg.zero
+    if opt.opt_tier == "nvme":
+        path = z.offload_optimizer.nvme_path
+        need["nvme"][path] = need["nvme"].get(path, 0) + opt_bytes
+        chunk = min(z.offload_optimizer.chunk_size or 16 << 20, n)
+        need["host"] += 3 * 16 * chunk
+    else:
+        need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes
+    if engine.policy.partition_params:
+        param_bytes = n * esize
+        if opt.param_tier == "nvme":
+            path = z.offload_param.nvme_path
+            need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
+            biggest = max((u.shard_numel for u in engine.units), default=0)
+            need["host"] += (z.offload_param.buffer_count or 2) * max(z.offload_param.buffer_size or 0, biggest) * esize
+        else:
+            need["host" if opt.param_tier == "cpu" else "device"] += param_bytes
+    return need
+
+
+def preflight(engine: "Engine", opt: "ZeroOptimizer") -> dict:
+    need = plan(engine, opt)
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
+    problems = []
+    host_total = need["host"] + (need["device"] if engine_device_is_host() else 0)
+    avail = psutil.virtual_memory().available
+    if host_total * ranks_here > avail:
+        problems.append(
+            f"host memory: {ranks_here} rank(s) x {host_total / GiB:.2f} GiB needed, {avail / GiB:.2f} GiB available; "
+            f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
+            f"lower zero.offload_optimizer.chunk_size, or run fewer ranks per node")
+    for path, nbytes in need["nvme"].items():
+        probe = path
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        free = shutil.disk_usage(probe or ".").free
+        if nbytes * ranks_here > free:
+            problems.append(
+                f"disk under {path}: {ranks_here} rank(s) x {nbytes / GiB:.2f} GiB of swap files needed, "
+                f"{free / GiB:.2f} GiB free; point nvme_path at a larger disk or free space")
+    if problems:
+        raise InsufficientResourcesError("this placement does not fit on this machine:\n  - " + "\n  - ".join(problems))
+    return need
+
+
+def engine_device_is_host() -> bool:
+    from . import _accelerator as acc
+
+    return not acc.has_cuda()

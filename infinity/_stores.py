@@ -1,0 +1,343 @@
+"""The homes of this rank's shards on each tier, and the pool that stages NVMe transfers.
+
+Both stores are flat, in the optimizer's layout (unit after unit at ``unit.opt_offset``,
+Note [shard layout] in _unit.py), so the optimizer's fused low-precision output for a chunk
+of the flat space lands in the parameter store at the same offsets without another pass.
+
+- ``ParamStore``: the compute-dtype parameter shards of stage 3: device memory (``none``),
+  host memory (``cpu``) or a swap file (``nvme``), read into pool buffers when fetched.
+- ``MemoryOptimizerStore`` / ``NvmeOptimizerStore``: fp32 master weights, gradient shards
+  and Adam moments, in memory (``none``/``cpu``) or in swap files (``nvme``). The NVMe one
+  streams the step through fixed-size chunks: Note [optimizer swapper].
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional
+
+import torch
+
+from . import _accelerator as acc
+from ._swap import SwapDir, nbytes_of, new_aio
+
+ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+class HostPool:
+    """A fixed set of equal, aligned host buffers reused for every staged transfer."""
+
+    def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str):
+        self.numel, self.count, self.dtype, self.what = numel, count, dtype, what
+        self._free = [acc.host_empty(numel, dtype) for _ in range(count)]
+        self._cond = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * nbytes_of(self.numel, self.dtype)
+
+    def get(self, numel: int, timeout: float = 600.0) -> torch.Tensor:
+        if numel > self.numel:
+            raise PoolExhausted(f"{self.what}: a request of {numel} elements exceeds the buffer size {self.numel}; "
+                                f"set the buffer size to at least {numel} (or leave it unset to size it automatically)")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout):
+                raise PoolExhausted(f"{self.what}: all {self.count} buffers stayed in use for {timeout:.0f}s")
+            return self._free.pop()
+
+    def put(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+# ------------------------------------------------------------------------ parameters
+
+
+class ParamStore:
+    """Compute-dtype parameter shards of stage 3 on their tier."""
+
+    def __init__(self, tier: str, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
+                 alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
+                 buffer_count: Optional[int] = None):
+        self.tier, self.dtype, self.total = tier, dtype, total
+        self.flat: Optional[torch.Tensor] = None
+        self.pool: Optional[HostPool] = None
+        self.bytes_read = 0
+        self.bytes_written = 0
+        if tier == "nvme":
+            self.path = swap.file("params.swp", nbytes_of(total, dtype))
+            self.reader = new_aio(aio_cfg)
+            self.writer = new_aio(aio_cfg)
+            size = buffer_size or max_unit
+            if size < max_unit:
+                raise ValueError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
+                                 f"unit's shard ({max_unit} elements); set it to at least {max_unit} or leave it unset")
+            self.pool = HostPool(max(size, 1), buffer_count or 2, dtype, "parameter staging pool")
+        elif alias is not None:
+            self.flat = alias
+        elif tier == "cpu":
+            self.flat = acc.host_empty(total, dtype)
+        else:
+            self.flat = torch.empty(total, dtype=dtype, device=acc.device())
+
+    @property
+    def resident(self) -> bool:
+        return self.flat is not None
+
+    def view(self, offset: int, numel: int) -> torch.Tensor:
+        return self.flat[offset : offset + numel]
+
+    def write(self, offset: int, values: torch.Tensor) -> None:
+        """Store ``values`` (any float dtype; cast here) at ``offset``; async on NVMe."""
+        if self.flat is not None:
+            self.flat[offset : offset + values.numel()].copy_(values)
+            return
+        if values.dtype != self.dtype:
+            values = values.to(self.dtype)
+        self.writer.pwrite(values, self.path, offset * values.element_size())
+        self.bytes_written += values.numel() * values.element_size()
+
+    def flush(self) -> None:
+        if self.flat is None:
+            self.writer.wait()
+
+    def read_into(self, offset: int, numel: int) -> torch.Tensor:
+        """NVMe -> a pool buffer; the caller returns it with ``pool.put``."""
+        buf = self.pool.get(numel)
+        out = buf[:numel]
+        self.reader.pread(out, self.path, offset * out.element_size())
+        self.reader.wait()
+        self.bytes_read += numel * out.element_size()
+        return buf
+
+    def nbytes(self) -> dict:
+        own = nbytes_of(self.total, self.dtype)
+        if self.tier == "nvme":
+            return {"nvme": own, "host": self.pool.nbytes}
+        return {"host" if self.tier == "cpu" else "device": own}
+
+
+# ------------------------------------------------------------------------ optimizer
+
+
+@dataclass
+class Chunk:
+    """One chunk of the flat fp32 space, as seen by the update function."""
+
+    offset: int
+    master: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class MemoryOptimizerStore:
+    """Master weights, moments and gradient shards as flat tensors in memory."""
+
+    def __init__(self, tier: str, total: int, *, lazy_grad: bool = False):
+        self._alloc = (lambda: _zeros_host(total)) if tier == "cpu" else (
+            lambda: torch.zeros(total, dtype=torch.float32, device=acc.device()))
+        self.tier = tier
+        self.total = total
+        self.lazy_grad = lazy_grad  # stage 1: a gradient shard exists only during the step
+        self.master = self._alloc()
+        self.grad = None if lazy_grad else self._alloc()
+        self.exp_avg = self._alloc()
+        self.exp_avg_sq = self._alloc()
+
+    def load_master(self, offset: int, values: torch.Tensor) -> None:
+        self.master[offset : offset + values.numel()].copy_(values)
+
+    def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
+        if self.grad is None:
+            self.grad = self._alloc()
+        self.grad[offset : offset + shard_grad.numel()].add_(shard_grad, alpha=scale)
+
+    def grad_stats(self) -> tuple:
+        """(sum of squares in float64, all finite) over the gradient shards."""
+        if self.grad is None:
+            self.grad = self._alloc()
+        return float(torch.linalg.vector_norm(self.grad, dtype=torch.float64)) ** 2, bool(torch.isfinite(self.grad).all())
+
+    def scale_grads(self, coef: float) -> None:
+        self.grad.mul_(coef)
+
+    def finalize_grads(self) -> None:
+        pass
+
+    def update(self, fn: Callable[[Chunk], None]) -> None:
+        fn(Chunk(0, self.master, self.grad, self.exp_avg, self.exp_avg_sq))
+
+    def zero_grads(self) -> None:
+        if self.lazy_grad:
+            self.grad = None
+        elif self.grad is not None:
+            self.grad.zero_()
+
+    def read_master(self, offset: int, numel: int) -> torch.Tensor:
+        return self.master[offset : offset + numel]
+
+    def nbytes(self) -> dict:
+        return {"host" if self.tier == "cpu" else "device": 4 * 4 * self.total}
+
+
+def _zeros_host(n: int) -> torch.Tensor:
+    t = acc.host_empty(n, torch.float32)
+    t.zero_()
+    return t
+
+
+_NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+class NvmeOptimizerStore:
+    """Note [optimizer swapper]: the fp32 master weights, both moments and the gradient
+    shards live in four swap files. ``update`` walks the flat space in chunks of
+    ``chunk`` elements through three buffer sets: while chunk k is updated on the CPU, the
+    read of chunk k+1 (one handle) and the write-back of chunk k-1 (a handle per set) are in
+    flight. Gradient shards are written as backward produces them; with gradient
+    accumulation the later micro-batches read, add and write back. The squared norm and the
+    finiteness of the gradients are folded in as their final values are written (one
+    micro-batch per step), or measured in a read pass otherwise."""
+
+    SETS = 3
+
+    def __init__(self, total: int, ranges: List[tuple], swap: SwapDir, aio_cfg, chunk: Optional[int],
+                 accumulation_steps: int):
+        self.tier = "nvme"
+        self.total = total
+        self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
+        self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in _NAMES}
+        self.chunk = min(_round_up(chunk or 16 * 1024 * 1024, ALIGN_ELEMS), _round_up(max(total, 1), ALIGN_ELEMS))
+        self.reader = new_aio(aio_cfg)
+        self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
+        self.grad_writer = new_aio(aio_cfg)
+        self.sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in _NAMES} for _ in range(self.SETS)]
+        self.accumulation_steps = accumulation_steps
+        self._written: set = set()  # offsets of gradient ranges written since the last step
+        self._sq, self._finite, self._stats_valid = 0.0, True, accumulation_steps == 1
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._zero_files()
+
+    def _zero_files(self) -> None:
+        zeros = self.sets[0]["grad"].zero_()
+        for name in ("exp_avg", "exp_avg_sq", "grad"):
+            for off in range(0, self.total, self.chunk):
+                n = min(self.chunk, self.total - off)
+                self.writers[0].pwrite(zeros[:n], self.paths[name], off * 4)
+        self.writers[0].wait()
+
+    # -------------------------------------------------------------- I/O helpers
+
+    def _read(self, name: str, offset: int, out: torch.Tensor) -> None:
+        self.reader.pread(out, self.paths[name], offset * 4)
+        self.bytes_read += out.numel() * 4
+
+    def _write(self, handle, name: str, offset: int, values: torch.Tensor) -> None:
+        handle.pwrite(values, self.paths[name], offset * 4)
+        self.bytes_written += values.numel() * 4
+
+    def load_master(self, offset: int, values: torch.Tensor) -> None:
+        buf = values.contiguous().to(torch.float32)
+        self._write(self.writers[0], "master", offset, buf)
+        self.writers[0].wait()
+
+    def read_master(self, offset: int, numel: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32)
+        self._read("master", offset, out)
+        self.reader.wait()
+        return out
+
+    # -------------------------------------------------------------- gradients
+
+    def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
+        g = shard_grad.mul(scale) if scale != 1.0 else shard_grad.contiguous()
+        if offset in self._written:
+            self.grad_writer.wait()  # the earlier write of this range must have landed
+            old = torch.empty_like(g)
+            self._read("grad", offset, old)
+            self.reader.wait()
+            g = old.add_(g)
+            self._stats_valid = False
+        else:
+            self._written.add(offset)
+        if self._stats_valid:
+            self._sq += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+            self._finite = self._finite and bool(torch.isfinite(g).all())
+        self._write(self.grad_writer, "grad", offset, g)  # the handle keeps g alive until written
+
+    def finalize_grads(self) -> None:
+        """Before the step: ranges that got no gradient this step must read as zeros."""
+        missing = [(o, n) for o, n in self.ranges if o not in self._written and n]
+        if missing:
+            zeros = torch.zeros(max(n for _, n in missing), dtype=torch.float32)
+            for o, n in missing:
+                self._write(self.grad_writer, "grad", o, zeros[:n])
+                self._written.add(o)
+        self.grad_writer.wait()
+
+    def grad_stats(self) -> tuple:
+        if self._stats_valid:
+            return self._sq, self._finite
+        sq, finite = 0.0, True
+        buf = self.sets[0]["grad"]
+        for off in range(0, self.total, self.chunk):
+            n = min(self.chunk, self.total - off)
+            self._read("grad", off, buf[:n])
+            self.reader.wait()
+            sq += float(torch.linalg.vector_norm(buf[:n], dtype=torch.float64)) ** 2
+            finite = finite and bool(torch.isfinite(buf[:n]).all())
+        return sq, finite
+
+    def scale_grads(self, coef: float) -> None:
+        self._coef = coef  # applied per chunk inside update, saving a pass over the file
+
+    def zero_grads(self) -> None:
+        """Forget this step's gradients: the next accumulation overwrites instead of adding."""
+        self.grad_writer.wait()
+        self._written.clear()
+        self._sq, self._finite, self._stats_valid = 0.0, True, self.accumulation_steps == 1
+
+    # -------------------------------------------------------------- the step
+
+    def update(self, fn: Callable[[Chunk], None]) -> None:
+        coef = getattr(self, "_coef", 1.0)
+        starts = list(range(0, self.total, self.chunk))
+        if not starts:
+            return
+        self._read_chunk(0, starts[0])
+        for k, off in enumerate(starts):
+            self.reader.wait()  # chunk k is in set k % 3
+            if k + 1 < len(starts):
+                self.writers[(k + 1) % self.SETS].wait()  # set (k+1) % 3 held chunk k-2
+                self._read_chunk((k + 1) % self.SETS, starts[k + 1])
+            n = min(self.chunk, self.total - off)
+            bufs = {name: t[:n] for name, t in self.sets[k % self.SETS].items()}
+            if coef != 1.0:
+                bufs["grad"].mul_(coef)
+            fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
+            w = self.writers[k % self.SETS]
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                self._write(w, name, off, bufs[name])
+        for w in self.writers:
+            w.wait()
+        self._coef = 1.0
+
+    def _read_chunk(self, s: int, off: int) -> None:
+        n = min(self.chunk, self.total - off)
+        for name in _NAMES:
+            self._read(name, off, self.sets[s][name][:n])
+
+    def nbytes(self) -> dict:
+        return {"nvme": 4 * 4 * self.total, "host": self.SETS * 4 * 4 * self.chunk}
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
