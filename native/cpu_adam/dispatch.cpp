@@ -1,6 +1,7 @@
 #include "dispatch.h"
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -33,8 +34,13 @@ namespace {
 
 // Below this many elements per thread, waking a worker costs more than it saves.
 constexpr int64_t kMinPerThread = 1 << 15;
-// Thread ranges start on multiples of this, so no two threads share a cache line.
-constexpr int64_t kAlign = 64;
+// Note: threads claim blocks of this many elements from a shared counter instead of
+// taking one fixed share each. A thread that the OS preempts (I/O threads, other ranks
+// on the same cores) then delays the step by one block, not by its whole share. Blocks
+// start on multiples of 64 elements, so no two threads write the same cache line, and
+// every element gets the same math whichever thread runs it (results do not depend on
+// the thread count).
+constexpr int64_t kBlock = 1 << 16;
 
 KernelFn pick_kernel(const Hyper& h, Isa isa, bool hw_bf16) {
   switch (isa) {
@@ -49,17 +55,29 @@ KernelFn pick_kernel(const Hyper& h, Isa isa, bool hw_bf16) {
   }
 }
 
-// Applies `kernel` to elements [begin, end) of the concatenation of all segments.
-void run_range(const std::vector<Segment>& segs, const Hyper& h, KernelFn kernel, int64_t begin,
-               int64_t end) {
-  int64_t base = 0;
-  for (const Segment& s : segs) {
-    const int64_t lo = std::max(begin, base), hi = std::min(end, base + s.n);
-    if (lo < hi) kernel(s, h, lo - base, hi - base);
-    base += s.n;
-    if (base >= end) break;
+// The segments laid end to end: starts[k] is where segment k begins.
+struct Plan {
+  const std::vector<Segment>& segs;
+  std::vector<int64_t> starts;
+  int64_t total = 0;
+
+  explicit Plan(const std::vector<Segment>& s) : segs(s) {
+    starts.reserve(s.size());
+    for (const Segment& seg : s) {
+      starts.push_back(total);
+      total += seg.n;
+    }
   }
-}
+
+  // Applies `kernel` to elements [begin, end) of the concatenation.
+  void run(const Hyper& h, KernelFn kernel, int64_t begin, int64_t end) const {
+    size_t k = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+    for (; k < segs.size() && starts[k] < end; ++k) {
+      const int64_t lo = std::max(begin, starts[k]), hi = std::min(end, starts[k] + segs[k].n);
+      if (lo < hi) kernel(segs[k], h, lo - starts[k], hi - starts[k]);
+    }
+  }
+};
 
 }  // namespace
 
@@ -67,17 +85,23 @@ void adam_step(const std::vector<Segment>& segments, const Hyper& hyper, Isa isa
                int threads) {
   if (isa == Isa::kAuto) isa = best_isa();
   const KernelFn kernel = pick_kernel(hyper, isa, hw_bf16);
-  int64_t total = 0;
-  for (const Segment& s : segments) total += s.n;
-  if (total == 0) return;
-  const int64_t useful = std::max<int64_t>(1, total / kMinPerThread);
-  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, useful)));
-  const int64_t per = (total + n - 1) / n;
-  const int64_t chunk = (per + kAlign - 1) / kAlign * kAlign;
-  ThreadPool::instance().run(n, [&](int t) {
-    const int64_t begin = std::min(total, t * chunk);
-    const int64_t end = std::min(total, begin + chunk);
-    if (begin < end) run_range(segments, hyper, kernel, begin, end);
+  const Plan plan(segments);
+  if (plan.total == 0) return;
+  const int64_t useful = std::max<int64_t>(1, plan.total / kMinPerThread);
+  const int n = static_cast<int>(std::min<int64_t>(threads, useful));
+  if (n <= 1) {
+    plan.run(hyper, kernel, 0, plan.total);
+    return;
+  }
+  // Smaller blocks when the work is small, so every thread still gets several.
+  const int64_t block = std::min<int64_t>(kBlock, std::max<int64_t>(64, plan.total / (4 * n)) / 64 * 64);
+  std::atomic<int64_t> next{0};
+  ThreadPool::instance().run(n, [&](int) {
+    for (;;) {
+      const int64_t begin = next.fetch_add(block, std::memory_order_relaxed);
+      if (begin >= plan.total) break;
+      plan.run(hyper, kernel, begin, std::min(plan.total, begin + block));
+    }
   });
 }
 
