@@ -420,3 +420,17 @@ def test_bias_correction_uses_each_tensors_own_step():
     opt.step()
     assert torch.allclose(p.detach(), -0.25 * torch.sign(p.grad), rtol=1e-6)
     assert math.isclose(opt.state[p]["step"].item(), 1.0)
+
+
+def test_step_bumps_autograd_versions_like_an_in_place_op():
+    p = torch.nn.Parameter(torch.ones(4))
+    m, v = torch.zeros(4), torch.zeros(4)
+    before = (p._version, m._version, v._version)
+    adam_step(p.detach(), torch.ones(4), m, v, step=1, lr=0.1)
+    assert all(after > b for after, b in zip((p._version, m._version, v._version), before))
+    loss = (p * p).sum()  # p saved for backward, then changed by a step: torch must notice
+    opt = CPUAdam([p], lr=0.1)
+    p.grad = torch.ones(4)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

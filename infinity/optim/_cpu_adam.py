@@ -124,7 +124,7 @@ class CPUAdam(torch.optim.Optimizer):
     def _step_group(self, index: int, group: dict) -> None:
         _refuse_unsupported(group)
         hyper = F.Hyper.checked(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["adamw"])
-        by_grad_dtype = defaultdict(list)
+        segments, written = defaultdict(list), defaultdict(list)  # by gradient dtype
         keep = []  # contiguous copies that must outlive the native call
         write_back = []
         for p in group["params"]:
@@ -134,17 +134,18 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"CPUAdam: group {index} has a sparse gradient; use torch.optim.SparseAdam")
             if p.dtype != torch.float32 or p.device.type != "cpu":
                 raise ValueError(f"CPUAdam: group {index} holds a {p.dtype} tensor on {p.device}; it needs fp32 CPU")
-            st = self._state_for(p)
-            st["step"] += 1
             grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            F.check_tensor(f"the gradient of a parameter in group {index}", grad, F.GRAD_DTYPES, p.numel())
             data = p if p.is_contiguous() else p.contiguous()
             if data is not p:
                 write_back.append((p, data))
             keep.append((grad, data))
-            F.check_tensor("grad", grad, (torch.float32, torch.bfloat16, torch.float16), p.numel())
+            st = self._state_for(p)
+            st["step"] += 1
+            written[grad.dtype] += [data, st["exp_avg"], st["exp_avg_sq"]]
             seg = F.segment(data, grad, st["exp_avg"], st["exp_avg_sq"], None, hyper, int(st["step"].item()))
-            by_grad_dtype[grad.dtype].append(seg)
-        for grad_dtype, segments in by_grad_dtype.items():
-            F.run_native(segments, hyper, grad_dtype, None, self._num_threads, self._simd)
+            segments[grad.dtype].append(seg)
+        for grad_dtype, segs in segments.items():
+            F.run_native(segs, hyper, grad_dtype, None, self._num_threads, self._simd, written[grad_dtype])
         for p, data in write_back:
             p.copy_(data)

@@ -14,6 +14,7 @@ updated fp32 weights rounded to nearest even, bit for bit what ``p.to(bf16|fp16)
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from . import _native
 
 _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_CODES = {torch.bfloat16: 1, torch.float16: 2}
+GRAD_DTYPES = tuple(_GRAD_CODES)
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,17 @@ def _scalar(name, value) -> float:
 
 
 def check_step(step) -> int:
-    if isinstance(step, torch.Tensor):
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
         step = step.item()
     if isinstance(step, float) and step.is_integer():
         step = int(step)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    try:
+        value = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        value = None
+    if value is None or value < 1:
         raise ValueError(f"step must be an integer >= 1 (the count including this step), got {step!r}")
-    return step
+    return value
 
 
 def check_tensor(name: str, t, dtypes, numel: int | None = None) -> None:
@@ -124,8 +130,12 @@ def segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper: Hyper, step: 
     )
 
 
-def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd) -> None:
-    """One native call over ``segments``; the caller keeps their tensors alive."""
+def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd, written) -> None:
+    """One native call over ``segments``; the caller keeps their tensors alive.
+
+    ``written`` are the tensors the call updates: their autograd version counters are
+    bumped as an in-place torch op would, so a stale use in a graph is still caught.
+    """
     if not segments:
         return
     isa, hw_bf16, _ = _native.resolve(simd)
@@ -141,6 +151,7 @@ def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd)
         threads=threads,
         **hyper.native_args(),
     )
+    torch.autograd.graph.increment_version(written)
 
 
 @torch.no_grad()
@@ -173,7 +184,7 @@ def adam_step(
     step = check_step(step)
     check_tensor("params", params, (torch.float32,))
     n = params.numel()
-    check_tensor("grads", grads, tuple(_GRAD_CODES), n)
+    check_tensor("grads", grads, GRAD_DTYPES, n)
     check_tensor("exp_avg", exp_avg, (torch.float32,), n)
     check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
     named = {"params": params, "grads": grads, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -185,4 +196,5 @@ def adam_step(
         return
     seg = segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper, step)
     out_dtype = None if params_out is None else params_out.dtype
-    run_native([seg], hyper, grads.dtype, out_dtype, num_threads, simd)
+    written = [params, exp_avg, exp_avg_sq] + ([] if params_out is None else [params_out])
+    run_native([seg], hyper, grads.dtype, out_dtype, num_threads, simd, written)
