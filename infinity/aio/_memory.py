@@ -13,6 +13,17 @@ from .._log import logger
 from ._native import ffi, lib
 
 _HUGE_WARNED = []
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _thp_mode() -> str:
+    """'always', 'madvise' or 'never' (the bracketed word of the sysfs file); '' if unknown."""
+    try:
+        with open(_THP_MODE) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
 
 
 class _Mapping:
@@ -47,8 +58,10 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     mapping = _Mapping(nbytes, hugepage)
-    if hugepage and not mapping.huge and not _HUGE_WARNED:
+    if hugepage and not _HUGE_WARNED and (not mapping.huge or _thp_mode() == "never"):
         _HUGE_WARNED.append(True)
-        logger.info("aligned_empty: transparent huge pages unavailable; using 4 KiB pages")
+        logger.info("aligned_empty: transparent huge pages are off (%s); using 4 KiB pages, "
+                    "O_DIRECT requests may be split into smaller device requests",
+                    _thp_mode() or "no THP support")
     # frombuffer keeps the cffi buffer (and through it the mapping) alive with the storage.
     return torch.frombuffer(mapping.buffer, dtype=torch.uint8).view(dtype)
