@@ -434,3 +434,17 @@ def test_step_bumps_autograd_versions_like_an_in_place_op():
     opt.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_worker_threads_follow_the_callers_flush_denormal_mode():
+    n = 1 << 18
+    assert torch.set_flush_denormal(True)  # FTZ/DAZ on this thread, as torch sets it
+    try:
+        p = torch.full((n,), 1e-39)  # subnormal: read as zero under denormals-are-zero
+        adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, num_threads=2)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.count_nonzero(p) == 0  # every element, whichever thread ran it
+    q = torch.full((n,), 1e-39)
+    adam_step(q, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, num_threads=2)
+    assert torch.count_nonzero(q) == n

@@ -1,11 +1,13 @@
 // The AVX2 + FMA + F16C path: 8 elements per vector. Compiled with per-function target
 // attributes (never -march), so this file is safe to load on any x86-64; the dispatcher
 // only calls it after checking CPUID.
+#include "cpu_adam.h"
+
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
 #include <cstring>
 
-#include "cpu_adam.h"
 #include "kernel_table.h"
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
@@ -133,3 +135,11 @@ struct Avx2Kernel {
 KernelFn avx2_kernel(const Hyper& h) { return select_kernel<Avx2Kernel>(h); }
 
 }  // namespace infinity_adam
+
+#else  // not x86: the dispatcher never asks for this path
+
+namespace infinity_adam {
+KernelFn avx2_kernel(const Hyper&) { return nullptr; }
+}  // namespace infinity_adam
+
+#endif

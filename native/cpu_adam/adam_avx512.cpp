@@ -1,9 +1,11 @@
 // The AVX512 path: 16 elements per vector, masked tails. Built twice from
 // adam_avx512.inc, with and without the avx512_bf16 conversion instruction, each under
 // its own per-function target attribute; the dispatcher checks CPUID before calling.
+#include "cpu_adam.h"
+
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
-#include "cpu_adam.h"
 #include "kernel_table.h"
 
 namespace infinity_adam {
@@ -34,3 +36,11 @@ KernelFn avx512_kernel(const Hyper& h, bool hw_bf16) {
 }
 
 }  // namespace infinity_adam
+
+#else  // not x86: the dispatcher never asks for this path
+
+namespace infinity_adam {
+KernelFn avx512_kernel(const Hyper&, bool) { return nullptr; }
+}  // namespace infinity_adam
+
+#endif

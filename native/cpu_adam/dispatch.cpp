@@ -5,6 +5,10 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "thread_pool.h"
 
 namespace infinity_adam {
@@ -12,13 +16,15 @@ namespace infinity_adam {
 const CpuFeatures& cpu_features() {
   // __builtin_cpu_supports also checks that the OS saves the vector state (XCR0).
   static const CpuFeatures f = [] {
+    CpuFeatures c{false, false, false};
+#if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    CpuFeatures c;
     c.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
     c.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl");
     c.avx512bf16 = c.avx512 && __builtin_cpu_supports("avx512bf16");
+#endif
     return c;
   }();
   return f;
@@ -96,7 +102,16 @@ void adam_step(const std::vector<Segment>& segments, const Hyper& hyper, Isa isa
   // Smaller blocks when the work is small, so every thread still gets several.
   const int64_t block = std::min<int64_t>(kBlock, std::max<int64_t>(64, plan.total / (4 * n)) / 64 * 64);
   std::atomic<int64_t> next{0};
+#if defined(__x86_64__) || defined(__i386__)
+  // Workers follow the caller's floating-point mode (flush-to-zero / denormals-are-zero,
+  // e.g. torch.set_flush_denormal), so an element's result never depends on which
+  // thread computed it.
+  const unsigned csr = _mm_getcsr();
+#endif
   ThreadPool::instance().run(n, [&](int) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (_mm_getcsr() != csr) _mm_setcsr(csr);
+#endif
     for (;;) {
       const int64_t begin = next.fetch_add(block, std::memory_order_relaxed);
       if (begin >= plan.total) break;
