@@ -157,6 +157,7 @@ class Engine:
                 unit.partition()
                 for p in unit.params:
                     make_partitioned(p)
+            self.optimizer.param_store.flush()  # shards must be on their tier before the first fetch
 
     # ------------------------------------------------------------ hooks
 

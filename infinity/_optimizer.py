@@ -175,15 +175,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
         hyper = dict(step=self._step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                      weight_decay=group["weight_decay"], adamw=group["adamw"])
-        out_flat = None
-        if not engine.policy.partition_params and engine.dtype != torch.float32:
-            out_flat = torch.empty(self.total, dtype=engine.dtype, device=acc.device())
+        out_flat = None  # stages 1-2: the updated compute-dtype shards, gathered after the update
+        if not engine.policy.partition_params:
+            in_memory_fp32 = engine.dtype == torch.float32 and isinstance(self.store, MemoryOptimizerStore)
+            out_flat = self.store.master if in_memory_fp32 else torch.empty(self.total, dtype=engine.dtype,
+                                                                           device=acc.device())
         self.store.update(lambda chunk: self._update_chunk(chunk, hyper, out_flat))
         if self.param_store is not None:
             self.param_store.flush()
         else:
-            src = out_flat if out_flat is not None else None
-            gather_into_whole_params(engine, src if src is not None else self.store.master)
+            gather_into_whole_params(engine, out_flat)
         self.state[self.master]["step"] = torch.tensor(float(self._step))
         self._finish_step()
         return loss
@@ -193,7 +194,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         n = chunk.master.numel()
         ps = self.param_store
         params_out = None
-        if out_flat is not None:
+        if out_flat is not None and out_flat.dtype != torch.float32:
             params_out = out_flat[chunk.offset : chunk.offset + n]
         elif ps is not None and not self.aliased and self.engine.dtype != torch.float32:
             params_out = ps.view(chunk.offset, n) if ps.resident else torch.empty(n, dtype=self.engine.dtype)
@@ -203,6 +204,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             torch_adam_step(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, **hyper)
             if params_out is not None:
                 params_out.copy_(chunk.master)
+        if out_flat is not None and out_flat.dtype == torch.float32 and out_flat is not getattr(self.store, "master", None):
+            out_flat[chunk.offset : chunk.offset + n].copy_(chunk.master)  # fp32 stages 1-2 from NVMe
         if ps is None or self.aliased or (ps.resident and params_out is not None):
             return
         if params_out is not None:

@@ -1,5 +1,5 @@
 // The AVX512 path: 16 elements per vector, masked tails. Built twice from
-// adam_avx512.inc, with and without the avx512_bf16 conversion instruction, each under
+// adam_avx512_body.h, with and without the avx512_bf16 conversion instruction, each under
 // its own per-function target attribute; the dispatcher checks CPUID before calling.
 #include "cpu_adam.h"
 
@@ -14,7 +14,7 @@ namespace {
 #define ADAM512_FN __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define ADAM512_NS soft_bf16
 #define ADAM512_HW_BF16 0
-#include "adam_avx512.inc"
+#include "adam_avx512_body.h"
 #undef ADAM512_FN
 #undef ADAM512_NS
 #undef ADAM512_HW_BF16
@@ -22,7 +22,7 @@ namespace {
 #define ADAM512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define ADAM512_NS hw_bf16
 #define ADAM512_HW_BF16 1
-#include "adam_avx512.inc"
+#include "adam_avx512_body.h"
 #undef ADAM512_FN
 #undef ADAM512_NS
 #undef ADAM512_HW_BF16

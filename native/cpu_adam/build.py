@@ -8,6 +8,7 @@ import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ["bindings.cpp", "dispatch.cpp", "thread_pool.cpp", "adam_scalar.cpp", "adam_avx2.cpp", "adam_avx512.cpp"]
+HEADERS = ["cpu_adam.h", "kernel_table.h", "dispatch.h", "thread_pool.h", "adam_avx512_body.h"]
 
 
 def extension():
@@ -19,6 +20,7 @@ def extension():
         # setuptools wants paths relative to setup.py
         sources=[os.path.relpath(os.path.join(HERE, s), root) for s in SOURCES],
         include_dirs=[os.path.relpath(HERE, root)],
+        depends=[os.path.relpath(os.path.join(HERE, h), root) for h in HEADERS],
         cxx_std=17,
         # GCC 12 warns about the _mm512_undefined_* idiom inside its own intrinsic headers.
         extra_compile_args=["-O3", "-fno-math-errno", "-Wall", "-Wextra", "-Wno-maybe-uninitialized"],

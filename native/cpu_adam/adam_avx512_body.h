@@ -1,3 +1,4 @@
+// No include guard on purpose: adam_avx512.cpp includes this file twice (see below).
 // The AVX512 kernel family, included twice by adam_avx512.cpp: once with the
 // avx512_bf16 conversion instruction and once without (bf16 rounded in integer
 // arithmetic). The includer defines ADAM512_FN (the target attribute), ADAM512_NS and
