@@ -304,3 +304,16 @@ def test_tune_prints_a_config_section(tmp_path, capsys):
     assert os.listdir(tmp_path) == []  # the probe file is gone
     with pytest.raises(SystemExit):
         tune.main(["--path", str(tmp_path / "nope")])
+
+
+def test_garbage_collected_handle_finishes_and_closes(backend, tmp_path):
+    fds_before = len(os.listdir("/proc/self/fd"))
+    data = random_bytes(2 * MiB + 1, seed=29)
+    h = AsyncIO(backend=backend)
+    for i in range(4):
+        h.pwrite(data, tmp_path / f"gc{i}.bin")
+    del h
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    for i in range(4):
+        assert (tmp_path / f"gc{i}.bin").read_bytes() == data.numpy().tobytes()
