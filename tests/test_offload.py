@@ -1,0 +1,150 @@
+"""The offload engine: every tier placement trains exactly like the no-offload run.
+
+Stage 3 with parameters on none/cpu/nvme x optimizer states on none/cpu/nvme, and optimizer
+offload for stages 1 and 2, on one rank and on two, fp32 within 1e-5 (the math is the same:
+only where the bytes live changes). Plus the swap-file life cycle, the preflight refusal,
+an injected I/O failure, and host memory that stays flat over many steps.
+"""
+import itertools
+import os
+import tempfile
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import infinity
+from infinity.testing import run_ranks
+
+from _models import batches, build, loss_of
+
+STEPS = 4
+PLACEMENTS = [(3, p, o) for p, o in itertools.product(["none", "cpu", "nvme"], repeat=2)] + \
+             [(s, "none", o) for s in (1, 2) for o in ("cpu", "nvme")]
+
+
+def _config(stage, param, optim, nvme, dtype="fp32", **extra):
+    zero = {"stage": stage, "reduce_bucket_size": 3000,
+            "offload_optimizer": {"device": optim, "nvme_path": nvme, "chunk_size": 4096}}
+    if stage == 3:
+        zero["offload_param"] = {"device": param, "nvme_path": nvme}
+    return {"zero": zero, "precision": {"dtype": dtype}, "optimizer": {"lr": 2e-3}, "gradient_clipping": 0.5, **extra}
+
+
+def _train(kind, cfg, steps=STEPS):
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    model, opt = infinity.initialize(build(kind), cfg)
+    losses = []
+    for ids in batches(steps):
+        loss = loss_of(model, kind, ids.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()])
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+    swap = [d.path for d in opt.engine.swap_dirs.values()]
+    opt.engine.close()
+    assert not any(os.path.exists(p) for p in swap), "swap files left behind after close"
+    return losses
+
+
+def _all_placements(nvme):
+    out = {}
+    for kind in ("gpt2", "custom"):
+        out[(kind, "base")] = _train(kind, _config(3, "none", "none", nvme))
+        for stage, param, optim in PLACEMENTS:
+            out[(kind, stage, param, optim)] = _train(kind, _config(stage, param, optim, nvme))
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
+def placements(request, tmp_path_factory):
+    nvme = str(tmp_path_factory.mktemp(f"nvme{request.param}"))
+    return run_ranks(_all_placements, request.param, nvme, timeout=600)[0], nvme
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "custom"])
+@pytest.mark.parametrize("stage,param,optim", PLACEMENTS)
+def test_placement_matches_no_offload(placements, kind, stage, param, optim):
+    results, nvme = placements
+    assert results[(kind, stage, param, optim)] == pytest.approx(results[(kind, "base")], rel=1e-5, abs=1e-6)
+    assert os.listdir(nvme) == []  # every run removed its directory
+
+
+def test_bf16_nvme_matches_no_offload(tmp_path):
+    base = _train("gpt2", _config(3, "none", "none", str(tmp_path), "bf16"))
+    nvme = _train("gpt2", _config(3, "nvme", "nvme", str(tmp_path), "bf16"))
+    assert nvme == pytest.approx(base, rel=1e-6)
+
+
+def test_gradient_accumulation_on_nvme(tmp_path):
+    """Several backward calls per step read, add and write the gradient shards on NVMe."""
+    results = []
+    for optim in ("none", "nvme"):
+        model, opt = infinity.initialize(build("custom"), _config(3, optim, optim, str(tmp_path),
+                                                                  gradient_accumulation_steps=2))
+        for ids in batches(3):
+            for half in ids.chunk(2):
+                loss_of(model, "custom", half).backward()
+            opt.step()
+            opt.zero_grad()
+        with infinity.GatheredParameters(list(model.parameters())):
+            results.append([p.detach().clone() for p in model.parameters()])
+        opt.engine.close()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_swap_dirs_are_per_run(tmp_path):
+    m1, o1 = infinity.initialize(build("stack"), _config(3, "nvme", "nvme", str(tmp_path)))
+    m2, o2 = infinity.initialize(build("stack"), _config(3, "nvme", "nvme", str(tmp_path)))
+    d1 = {d.path for d in o1.engine.swap_dirs.values()}
+    d2 = {d.path for d in o2.engine.swap_dirs.values()}
+    assert d1 and d2 and not d1 & d2
+    o1.engine.close()
+    o2.engine.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_preflight_refuses_what_does_not_fit(tmp_path, monkeypatch):
+    import infinity._preflight as pf
+
+    class _Tiny:
+        free = 1 << 20
+
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda path: _Tiny)
+    with pytest.raises(pf.InsufficientResourcesError, match=r"disk under .*GiB of swap files needed"):
+        infinity.initialize(build("gpt2"), _config(3, "nvme", "nvme", str(tmp_path)))
+    assert os.listdir(tmp_path) == []  # refused before creating anything
+
+
+def test_injected_io_failure_raises(tmp_path):
+    from infinity.aio import AioError
+
+    model, opt = infinity.initialize(build("stack"), _config(3, "nvme", "nvme", str(tmp_path)))
+    loss = model(torch.randn(4, 32))
+    loss.backward()
+    opt.step()
+    path = opt.param_store.path
+    os.truncate(path, 0)  # the parameter shards vanish under the engine
+    with pytest.raises(AioError, match="params.swp"):
+        model(torch.randn(4, 32))
+    opt.engine.close()
+
+
+def test_host_memory_flat_over_many_steps(tmp_path):
+    model, opt = infinity.initialize(build("gpt2"), _config(3, "nvme", "nvme", str(tmp_path), "bf16"))
+    proc = psutil.Process()
+    ids = batches(1)[0]
+    rss = []
+    for step in range(200):
+        loss_of(model, "gpt2", ids).backward()
+        opt.step()
+        opt.zero_grad()
+        if step in (20, 199):
+            rss.append(proc.memory_info().rss)
+    opt.engine.close()
+    assert rss[1] - rss[0] < 32 << 20, f"RSS grew by {(rss[1] - rss[0]) >> 20} MiB between steps 20 and 199"
