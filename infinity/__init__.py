@@ -4,13 +4,14 @@ The package exports the public API of DESIGN.md and nothing else.
 """
 from ._estimate import estimate
 from ._gathered import GatheredParameters, register_external_parameter
+from ._init import Init
 from ._initialize import initialize
 from ._log import logger
 from ._param import ParameterNotAvailableError
 from .config import Config, ConfigError
 
 __all__ = [
-    "Config", "ConfigError", "GatheredParameters", "ParameterNotAvailableError", "estimate", "initialize",
+    "Config", "ConfigError", "GatheredParameters", "Init", "ParameterNotAvailableError", "estimate", "initialize",
     "logger", "register_external_parameter",
 ]
 __version__ = "0.1.0"

@@ -144,7 +144,11 @@ class Engine:
         self.states[module].add_unit(info.unit)
 
     def cast_and_partition(self) -> None:
-        """Cast parameters to the compute dtype; in stage 3 keep only this rank's shards."""
+        """Cast parameters to the compute dtype; in stage 3 keep only this rank's shards.
+        Parameters built under infinity.Init are adopted: whole again for stages 1-2."""
+        if not self.policy.partition_params:
+            for unit in self.units:
+                unit.materialize_init_params()
         for unit in self.units:
             for p in unit.params:
                 if raw_data(p).dtype != self.dtype and raw_data(p).is_floating_point():
@@ -158,6 +162,8 @@ class Engine:
                 for p in unit.params:
                     make_partitioned(p)
             self.optimizer.param_store.flush()  # shards must be on their tier before the first fetch
+        for unit in self.units:
+            unit.forget_init()
 
     # ------------------------------------------------------------ hooks
 
@@ -214,6 +220,12 @@ class Engine:
         while self._stack:
             for unit in self._stack.pop().held:
                 unit.release()
+
+    def on_unavailable(self, func, args, kwargs, infos):
+        """A RELEASED parameter reached an operator: fetch it (inside forward) and run."""
+        self.fetch_on_demand(infos, op=getattr(func, "__name__", str(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     def fetch_on_demand(self, infos, op: str) -> None:
         """A RELEASED parameter was touched: gather it inside a forward, else refuse."""

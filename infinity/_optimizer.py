@@ -77,7 +77,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine.swap_dirs = {}
         self.store = self._make_store(total)
         for unit in engine.units:
-            self.store.load_master(unit.opt_offset, unit.shard_of([raw_data(p) for p in unit.params], torch.float32))
+            self.store.load_master(unit.opt_offset, unit.local_shard(torch.float32))
         master = self.store.master if isinstance(self.store, MemoryOptimizerStore) else torch.empty(0)
         self.master = nn.Parameter(master, requires_grad=False)
         defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,

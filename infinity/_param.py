@@ -149,6 +149,13 @@ def _iter_params(obj, depth=0):
             yield from _iter_params(x, depth + 1)
 
 
+def first_arg(args, kwargs):
+    """The tensor an operator acts on: its first argument (``torch.nn.init`` passes it by name)."""
+    if args:
+        return args[0]
+    return kwargs.get("tensor", kwargs.get("input", kwargs.get("self")))
+
+
 class PartitionedParameter(nn.Parameter):
     """The class of a stage-3 parameter; see Note [partitioned parameter]."""
 
@@ -165,17 +172,18 @@ class PartitionedParameter(nn.Parameter):
                 return (f"PartitionedParameter(name={info.name!r}, shape={tuple(info.shape)}, "
                         f"dtype={args[0].dtype}, state={info.state.name})")
         unavailable = []
+        first = first_arg(args, kwargs)
         for p in _iter_params((args, kwargs)):
             info = info_of(p)
             if info is None or info.state is ParamState.AVAILABLE:
                 continue
-            answer = _shape_query(func, info, args, kwargs) if p is args[0] else None
+            answer = _shape_query(func, info, args, kwargs) if p is first else None
             if answer is not None:
                 return answer
             unavailable.append((p, info))
         if unavailable:
             engine = unavailable[0][1].unit.engine
-            engine.fetch_on_demand([info for _, info in unavailable], op=getattr(func, "__name__", str(func)))
+            return engine.on_unavailable(func, args, kwargs, [info for _, info in unavailable])
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

@@ -43,6 +43,13 @@ class FetchUnit:
         self.params: List[nn.Parameter] = []
         self.infos: List[ParamInfo] = []
         offset = 0
+        self._init_units = [_init_unit_of(p) for _, p in params]  # built under infinity.Init
+        for init_unit, (name, _) in zip(self._init_units, params):
+            if init_unit is not None and init_unit.world_size != self.world_size:
+                raise RuntimeError(
+                    f"{name} was partitioned by infinity.Init over {init_unit.world_size} rank(s) but this job "
+                    f"has {self.world_size}: build the model under Init in the same job (same world size) that "
+                    f"calls infinity.initialize")
         for name, p in params:
             info = ParamInfo(name, p.shape, p.numel(), padded(p.numel(), self.world_size), offset, self)
             register(p, info)
@@ -78,6 +85,29 @@ class FetchUnit:
 
     # ------------------------------------------------------------ shard <-> full
 
+    def local_shard(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard, from the full parameters or from chunks made by infinity.Init."""
+        if not any(self._init_units):
+            return self.shard_of([raw_data(p) for p in self.params], dtype)
+        out = torch.empty(self.shard_numel, dtype=dtype, device=acc.device())
+        for info, p, iu in zip(self.infos, self.params, self._init_units):
+            src = iu.chunk() if iu is not None else self.chunks_of(raw_data(p), info)[self.rank]
+            out[info.shard_offset : info.shard_offset + info.chunk].copy_(src)
+        return out
+
+    def materialize_init_params(self) -> None:
+        """Stages 1-2 keep parameters whole: gather what Init partitioned."""
+        from ._param import make_plain
+
+        for p, iu in zip(self.params, self._init_units):
+            if iu is not None:
+                set_data(p, iu.materialize())
+                make_plain(p)
+        self._init_units = [None] * len(self.params)
+
+    def forget_init(self) -> None:
+        self._init_units = [None] * len(self.params)
+
     def chunks_of(self, full: torch.Tensor, info: ParamInfo) -> torch.Tensor:
         """The (N, chunk) view of one parameter's padded, flattened values."""
         flat = full.reshape(-1)
@@ -103,7 +133,7 @@ class FetchUnit:
         written to the parameter store (unless that store is the fp32 master itself)."""
         assert self.partitioned and self._state is ParamState.AVAILABLE
         if not self.engine.optimizer.aliased:
-            self.store.write(self.opt_offset, self.shard_of([raw_data(p) for p in self.params], self.dtype))
+            self.store.write(self.opt_offset, self.local_shard(self.dtype))
         self._drop_full()
 
     def shard(self) -> torch.Tensor:
@@ -207,3 +237,11 @@ class FetchUnit:
             for p, info in zip(self.params, self.infos):
                 block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
                 raw_data(p).copy_(block.reshape(-1)[: info.numel].view(info.shape))
+
+
+def _init_unit_of(param):
+    from ._init import InitUnit
+    from ._param import info_of
+
+    info = info_of(param)
+    return info.unit if info is not None and isinstance(info.unit, InitUnit) else None
