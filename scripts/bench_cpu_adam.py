@@ -10,7 +10,7 @@ For each size (default 64M and 256M parameters, 2 threads):
 
 Contenders run interleaved, round after round, on the same buffers (torch's optimizer
 state is pointed at our moment tensors), so background load hits all of them alike.
-Each figure is the median of --reps rounds.
+Each figure is the median of --reps rounds ([min-max] beside it shows the noise).
 
     python scripts/bench_cpu_adam.py [--sizes 64M,256M] [--threads 2] [--reps 5]
 """
@@ -88,11 +88,12 @@ def run_size(n: int, threads: int, reps: int) -> dict:
     for _ in range(reps):
         for name, fn in contenders.items():
             times[name].append(timed(fn))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
-def report(n: int, t: dict, threads: int) -> None:
+def report(n: int, times: dict, threads: int) -> None:
     gb = 1e9
+    t = {name: statistics.median(ts) for name, ts in times.items()}
     # Copy: read src + write dst + the write-allocate read of dst (ordinary stores).
     # add_: read two operands, write one in place (no write-allocate).
     bw_copy = 12 * n / t["copy"]
@@ -103,16 +104,17 @@ def report(n: int, t: dict, threads: int) -> None:
     bound_fp32, bound_mixed = bytes_fp32 / bw, bytes_mixed / bw
     print(f"\n== {n / 2**20:.0f}M parameters, {threads} threads, path {simd_path()} ==")
     print(f"memory bandwidth: copy {bw_copy / gb:.1f} GB/s, in-place add {bw_add / gb:.1f} GB/s -> {bw / gb:.1f} GB/s")
-    rows = [
-        ("fp32  ours", t["ours fp32"], None),
-        ("fp32  torch AdamW(fused=True)", t["torch fused fp32"], t["ours fp32"]),
-        ("fp32  torch AdamW(foreach=True)", t["torch foreach fp32"], t["ours fp32"]),
-        ("mixed ours (bf16 grad + bf16 params_out)", t["ours mixed"], None),
-        ("mixed torch (cast grad, fused AdamW, cast params)", t["torch mixed"], t["ours mixed"]),
+    rows = [  # (label, contender, the "ours" it is compared with)
+        ("fp32  ours", "ours fp32", None),
+        ("fp32  torch AdamW(fused=True)", "torch fused fp32", "ours fp32"),
+        ("fp32  torch AdamW(foreach=True)", "torch foreach fp32", "ours fp32"),
+        ("mixed ours (bf16 grad + bf16 params_out)", "ours mixed", None),
+        ("mixed torch (cast grad, fused AdamW, cast params)", "torch mixed", "ours mixed"),
     ]
-    for label, sec, ours in rows:
-        ratio = f"  speed-up of ours {sec / ours:.2f}x" if ours else ""
-        print(f"  {label:52s} {sec * 1e3:8.1f} ms{ratio}")
+    for label, name, ours in rows:
+        ratio = f"  speed-up of ours {t[name] / t[ours]:.2f}x" if ours else ""
+        lo, hi = min(times[name]), max(times[name])
+        print(f"  {label:52s} {t[name] * 1e3:8.1f} ms  [{lo * 1e3:.0f}-{hi * 1e3:.0f}]{ratio}")
     print(f"  bandwidth bound fp32 {bound_fp32 * 1e3:.1f} ms: ours at {bound_fp32 / t['ours fp32']:.0%} of it; "
           f"mixed {bound_mixed * 1e3:.1f} ms: ours at {bound_mixed / t['ours mixed']:.0%}")
 
