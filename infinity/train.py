@@ -354,6 +354,9 @@ def train_step(run: Run, step: int) -> dict:
         r, w = record["disk_read_bytes"], record["disk_write_bytes"]
         tiers["nvme"] = {"read": float(r), "write": float(w), "total": float(r + w)}
     record["_tiers"] = tiers
+    for tier, entry in tiers.items():
+        record[f"tier.{tier}.read_bytes"] = entry["read"]
+        record[f"tier.{tier}.write_bytes"] = entry["write"]
     return record
 
 
@@ -400,11 +403,11 @@ def setup(cfg: Config) -> Run:
     comm.ensure_initialized()
     torch.manual_seed(cfg.seed)
     t = cfg.train
+    texts = read_texts(t.data) if t.data else [builtin_corpus()]  # bad data fails before the model is built
     spec = build_model(t.model, t.seq_len)
     if hasattr(spec.model.config, "use_cache"):
         spec.model.config.use_cache = False
     spec.model.train()
-    texts = read_texts(t.data) if t.data else [builtin_corpus()]
     windows = token_windows(texts, spec.tokenizer, t.seq_len)
     batches = Batches(windows, t.micro_batch_size, cfg.gradient_accumulation_steps, comm.world_size(),
                       comm.rank(), cfg.seed)
