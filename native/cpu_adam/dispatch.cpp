@@ -43,9 +43,9 @@ constexpr int64_t kMinPerThread = 1 << 15;
 // Note: threads claim blocks of this many elements from a shared counter instead of
 // taking one fixed share each. A thread that the OS preempts (I/O threads, other ranks
 // on the same cores) then delays the step by one block, not by its whole share. Blocks
-// start on multiples of 64 elements, so no two threads write the same cache line, and
-// every element gets the same math whichever thread runs it (results do not depend on
-// the thread count).
+// start on multiples of 64 elements (whole cache lines for 64-byte-aligned tensors, as
+// torch allocates them), and every element gets the same math whichever thread runs it:
+// results do not depend on the thread count.
 constexpr int64_t kBlock = 1 << 16;
 
 KernelFn pick_kernel(const Hyper& h, Isa isa, bool hw_bf16) {
