@@ -9,7 +9,7 @@ fio's hugepage buffers need reserved huge pages: as root the script raises vm.nr
 for the run and restores the old value afterwards; otherwise fio falls back to --mem=malloc
 and the table says so.
 
-    python scripts/bench_aio.py --path /local_nvme [--size 2G] [--quick] [--reps 3]
+    python scripts/bench_aio.py --path /local_nvme [--size 2G] [--quick] [--reps 5]
 """
 import argparse
 import json
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", default=None, help="directory on the disk to measure (default: a temp dir in /var/tmp)")
     p.add_argument("--size", default="2G", help="file size (default 2G)")
-    p.add_argument("--reps", type=int, default=3, help="runs per setting; medians are printed (>= 3)")
+    p.add_argument("--reps", type=int, default=5, help="runs per setting; medians are printed (>= 3)")
     p.add_argument("--quick", action="store_true", help="1 GiB, bs 1M and 8M at queue depth 32 only")
     p.add_argument("--bs", default="256K,1M,8M", help="block sizes, comma separated")
     p.add_argument("--qd", default="8,32,128", help="queue depths, comma separated")
@@ -119,6 +119,8 @@ def main(argv=None) -> int:
     block_sizes = [parse_size(b) for b in ("1M,8M" if args.quick else args.bs).split(",")]
     depths = [int(q) for q in ("32" if args.quick else args.qd).split(",")]
     size -= size % max(block_sizes)
+    if args.reps < 3:
+        p.error("--reps must be >= 3 (medians of at least three runs)")
     if size <= 0:
         p.error("--size must be at least the largest block size")
 
