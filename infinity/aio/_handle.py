@@ -75,6 +75,11 @@ class AsyncIO:
     O_DIRECT where the file system allows it; ``fsync``: ``wait`` also flushes the files
     written since the previous wait; ``backend``: "io_uring", "threads" or "auto"/None
     (then ``INFINITY_AIO_BACKEND``, default auto: io_uring when it works).
+
+    Files are opened on first use and stay open until ``close``: a file deleted and
+    re-created under the same path meanwhile is not seen by this handle. Failing to open a
+    file raises ``AioError`` from ``pread``/``pwrite`` at once; failed transfers raise from
+    ``wait``.
     """
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1,
