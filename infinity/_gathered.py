@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import _comm as comm
-from ._engine import _pending_external
+from ._engine import EngineError, _engines, _pending_external
 from ._param import info_of, raw_data
 
 
@@ -66,7 +66,20 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     if not isinstance(module, nn.Module) or not isinstance(param, nn.Parameter):
         raise TypeError("register_external_parameter(module, param) takes an nn.Module and an nn.Parameter")
     info = info_of(param)
-    if info is None:
-        _pending_external.setdefault(module, []).append(param)
-    else:
+    if info is not None:
         info.unit.engine.register_external(module, param)
+        return
+    engine = _engine_containing(module)
+    if engine is not None:  # too late to wait for initialize: the parameter is not in that model
+        raise EngineError(
+            f"register_external_parameter: the parameter (shape {tuple(param.shape)}) is not part of the model that "
+            f"{type(module).__name__} {engine.states[module].name!r} belongs to; register one of that model's parameters")
+    _pending_external.setdefault(module, []).append(param)
+
+
+def _engine_containing(module: nn.Module):
+    """The engine whose model has ``module`` as a submodule, or None."""
+    for engine in list(_engines.values()):
+        if module in engine.states:
+            return engine
+    return None
