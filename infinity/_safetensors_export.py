@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -26,6 +27,7 @@ from ._gathered import GatheredParameters
 DEFAULT_MAX_SHARD_BYTES = 200 * 1000 * 1000
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 @dataclass
@@ -147,6 +149,10 @@ def _write_index_and_config(model: nn.Module, directory: str, shards: List[_Shar
         os.replace(index_path + ".tmp", index_path)
     elif os.path.exists(index_path):
         os.remove(index_path)  # a stale index from an earlier, larger export would mislead loaders
+    current = {s.file for s in shards}
+    for name in os.listdir(directory):  # weight files of an earlier export with another shard count
+        if name not in current and (name == SINGLE_FILE or _SHARD_NAME.fullmatch(name)):
+            os.remove(os.path.join(directory, name))
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(directory)

@@ -66,7 +66,7 @@ def default_config() -> dict:
         "optimizer": {"type": "adamw", "lr": 1.0e-3, "weight_decay": 0.01},
         "gradient_clipping": 1.0,
         "seed": 1234,
-        "train": {"model": "gpt2-tiny", "data": None, "steps": 100, "micro_batch_size": 8, "seq_len": 128,
+        "train": {"model": "gpt2-tiny", "data": None, "steps": 60, "micro_batch_size": 8, "seq_len": 128,
                   "output_dir": os.path.join("runs", "train-" + time.strftime("%Y%m%d-%H%M%S")),
                   "save": True, "log_every": 20, "lr_warmup_steps": 10},
     }

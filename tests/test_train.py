@@ -194,6 +194,11 @@ def test_export_equals_the_trained_weights(tmp_path, max_shard_bytes):
         names = [n for n, _ in run.model.named_parameters()]
         with infinity.GatheredParameters(list(run.model.parameters())):
             trained = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+        other = str(tmp_path / "reexport")  # a later export with another shard count replaces every file
+        export_safetensors(run.model, other, max_shard_bytes=10**9 + 60_000 - max_shard_bytes)
+        export_safetensors(run.model, other, max_shard_bytes=max_shard_bytes)
+        assert sorted(f for f in os.listdir(other) if "safetensors" in f) == \
+            sorted(result.files + ([INDEX_FILE] if len(result.files) > 1 else []))
     finally:
         run.telemetry.close()
         run.optimizer.engine.close()
