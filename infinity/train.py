@@ -15,8 +15,10 @@ import contextlib
 import json
 import os
 import resource
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -456,13 +458,10 @@ def save(run: Run) -> None:
 
 
 def _state_rows(per_rank: List[dict]) -> List[tuple]:
-    """Bytes each tier holds (all ranks), and the in-memory model states by kind."""
+    """Bytes each tier holds for model states, staging pools included, summed over ranks."""
     rows = [("bytes per tier", "device", "cpu", "nvme")]
     totals = {t: sum(r["tiers"].get(t, 0) for r in per_rank) for t in ("device", "host", "nvme")}
     rows.append(("  model states, all ranks", *(fmt_bytes(totals[t]) for t in ("device", "host", "nvme"))))
-    kinds = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"))
-    in_memory = ", ".join(f"{label} {fmt_bytes(sum(r['states'][k] for r in per_rank))}" for k, label in kinds)
-    rows.append(("  of which in memory", in_memory))
     return rows
 
 
@@ -536,7 +535,7 @@ def _saved_text(run: Run) -> str:
 
 def finish(run: Run) -> Optional[str]:
     engine = run.optimizer.engine
-    mine = {"peak_rss": _peak_rss(), "states": engine.model_state_bytes(), "tiers": engine.tier_bytes(),
+    mine = {"peak_rss": _peak_rss(), "tiers": engine.tier_bytes(),
             "device_peak": acc.budget.stats().peak, "nvme": run.stats.tier_totals().get("nvme", {})}
     per_rank = comm.all_gather_object(mine)
     if not run.rank0:
@@ -567,8 +566,15 @@ def run_job(cfg: Config) -> Optional[str]:
             run.optimizer.engine.close()  # hooks off, this run's swap files removed
 
 
+def _exit_on_sigterm(signum, frame):
+    # torchrun and job schedulers stop workers with SIGTERM: unwind so the swap files go too.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)

@@ -328,3 +328,14 @@ def test_plot_run_makes_pngs(one_rank_run, tmp_path):
         path = plots / name
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert path.stat().st_size > 5000, name
+
+
+def test_accumulation_matches_a_bigger_micro_batch(tmp_path):
+    losses = []
+    for micro, accum in ((2, 1), (1, 2)):
+        cfg = tiny_config(micro_batch_size=micro, steps=3)
+        cfg["gradient_accumulation_steps"] = accum
+        run = _train_in_process(cfg, tmp_path)
+        run.optimizer.engine.close()
+        losses.append(run.stats.column("loss"))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
