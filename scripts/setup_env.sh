@@ -38,7 +38,9 @@ stamp=".build-stamp"
 sig=$( (cat setup.py pyproject.toml; find native -type f \( -name '*.c' -o -name '*.cc' -o -name '*.cpp' \
         -o -name '*.h' -o -name '*.hpp' -o -name '*.py' \) -print0 | sort -z | xargs -0 cat 2>/dev/null) \
       | sha256sum | cut -c1-16)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$sig" ] || ! "$PY" -c "import infinity" 2>/dev/null; then
+here=$(pwd -P)
+installed=$(cd / && "$PY" -c "import infinity, os; print(os.path.dirname(os.path.dirname(os.path.realpath(infinity.__file__))))" 2>/dev/null || true)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$sig" ] || [ "$installed" != "$here" ]; then
   echo "[setup] building infinity (pip install -e .)"
   "$PY" -m pip install -q --no-build-isolation --no-deps -e . 
   echo "$sig" > "$stamp"
