@@ -339,3 +339,15 @@ def test_accumulation_matches_a_bigger_micro_batch(tmp_path):
         run.optimizer.engine.close()
         losses.append(run.stats.column("loss"))
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_fine_tunes_from_a_saved_model_directory(one_rank_run, tmp_path):
+    proc, out = one_rank_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = tiny_config(steps=1)
+    cfg["train"]["model"] = os.path.join(out, "model")
+    run = _train_in_process(cfg, tmp_path)
+    run.optimizer.engine.close()
+    assert "1 safetensors file(s)" in run.spec.description
+    # the same first batch as the run that saved the weights: its trained weights do better on it
+    assert run.stats.column("loss")[0] < step_losses(out)[0] - 0.1
