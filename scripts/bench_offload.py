@@ -192,7 +192,15 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def warn_if_loaded() -> None:
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1) * 0.5:
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores before the run; other processes "
+              f"share the CPU and disk, so the times below are inflated")
+
+
 def check_disk(nvme_path: str, need: int) -> None:
+    warn_if_loaded()
     os.makedirs(nvme_path, exist_ok=True)
     free = shutil.disk_usage(nvme_path).free
     print(f"disk under {nvme_path}: {fmt_bytes(free)} free, this run needs about {fmt_bytes(need)}")
