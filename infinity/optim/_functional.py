@@ -154,7 +154,6 @@ def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd,
     torch.autograd.graph.increment_version(written)
 
 
-@torch.no_grad()
 def adam_step(
     params: torch.Tensor,
     grads: torch.Tensor,

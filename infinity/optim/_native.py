@@ -34,9 +34,15 @@ def lib():
     return _cpu_adam
 
 
+@functools.lru_cache(maxsize=None)
+def _features() -> tuple:
+    f = lib().cpu_features()
+    return tuple(sorted(f.items()))
+
+
 def cpu_features() -> dict:
     """``{"avx2": bool, "avx512": bool, "avx512bf16": bool}`` as CPUID reports them."""
-    return dict(lib().cpu_features())
+    return dict(_features())
 
 
 def _best() -> str:
@@ -49,8 +55,14 @@ def resolve(simd: str | None) -> tuple[int, bool, str]:
 
     None means the environment's choice, else the best path of this CPU.
     """
-    name = simd if simd is not None else os.environ.get(ENV_SIMD, "auto")
-    name = name.strip().lower()
+    return _resolve(simd, os.environ.get(ENV_SIMD) if simd is None else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve(simd: str | None, env: str | None) -> tuple[int, bool, str]:
+    if simd is not None and not isinstance(simd, str):
+        raise TypeError(f"simd must be a string ({', '.join(SIMD_CHOICES)}) or None, got {simd!r}")
+    name = (simd if simd is not None else env or "auto").strip().lower()
     if name not in SIMD_CHOICES:
         source = "simd=" if simd is not None else f"{ENV_SIMD}="
         raise ValueError(f"{source}{name!r} is not a CPU Adam path; use one of {', '.join(SIMD_CHOICES)}")
