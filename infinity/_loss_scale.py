@@ -27,6 +27,11 @@ class LossScaler:
             if not self.dynamic:
                 logger.warning("fp16 overflow with static loss scale %g: step skipped", self.scale)
                 return
+            if self.scale <= self.min_scale:
+                # Nothing left to back off: the gradients overflow whatever the scale.
+                logger.warning("fp16 gradient overflow with the loss scale at its minimum %g: step skipped; look for "
+                               "inf/nan in the loss or the inputs, or lower precision.min_loss_scale", self.scale)
+                return
             self._overflows_left -= 1
             if self._overflows_left <= 0:
                 self.scale = max(self.scale / 2, self.min_scale)
