@@ -15,6 +15,7 @@
 World sizes 2 and 3, one spawn each; the custom model has sizes 3 does not divide.
 """
 import copy
+import logging
 import math
 import random
 
@@ -84,11 +85,39 @@ def test_hysteresis_delays_the_backoff():
     assert s.scale == 128 and s.skipped_steps == 5
 
 
-def test_dynamic_scale_never_drops_below_min_scale():
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_dynamic_scale_never_drops_below_min_scale_and_says_so():
     s = LossScaler(initial_scale_power=3, window=100, hysteresis=1, min_scale=2.0)
-    for _ in range(5):
-        s.update(True)
-    assert s.scale == 2.0
+    records = _Records()
+    infinity.logger.addHandler(records)
+    try:
+        for _ in range(5):
+            s.update(True)
+    finally:
+        infinity.logger.removeHandler(records)
+    assert s.scale == 2.0 and s.skipped_steps == 5
+    warnings = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3 and all("at its minimum 2" in w for w in warnings), warnings
+
+
+def test_scaler_state_round_trips():
+    s = LossScaler(initial_scale_power=12, window=3, hysteresis=2)
+    for overflow in (True, True, False, False):
+        s.update(overflow)
+    t = LossScaler(initial_scale_power=0, window=3, hysteresis=2)  # same settings, fresh state
+    t.load_state_dict(s.state_dict())
+    for overflow in (False, True, True, False, False, False):
+        s.update(overflow)
+        t.update(overflow)
+        assert (t.scale, t.skipped_steps) == (s.scale, s.skipped_steps)
 
 
 def test_static_scale_stays_fixed_and_still_skips():
