@@ -14,6 +14,7 @@ updated fp32 weights rounded to nearest even, bit for bit what ``p.to(bf16|fp16)
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ def _scalar(name, value) -> float:
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     return float(value)
 
