@@ -387,6 +387,7 @@ def test_state_dict_moves_between_cpu_adam_and_torch():
         (dict(lr=-1.0), "lr must be"),
         (dict(betas=(1.5, 0.9)), r"betas\[0\]"),
         (dict(num_threads=0), "num_threads"),
+        (dict(simd="mmx"), "not a CPU Adam path"),
     ],
 )
 def test_cpu_adam_refuses_unsupported_options(kwargs, match):
@@ -397,6 +398,12 @@ def test_cpu_adam_refuses_unsupported_options(kwargs, match):
 def test_cpu_adam_refuses_non_fp32_parameters_and_amsgrad_states():
     with pytest.raises(ValueError, match="fp32 CPU"):
         CPUAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
+    opt = CPUAdam([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="parameter 0 of group 1 is a torch.float16"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))]})
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "amsgrad": True})
+    assert len(opt.param_groups) == 1  # a refused group leaves the optimizer as it was
     p = torch.nn.Parameter(torch.zeros(3))
     ref = torch.optim.AdamW([p], amsgrad=True)
     ours = CPUAdam([torch.nn.Parameter(torch.zeros(3))])

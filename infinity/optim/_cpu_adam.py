@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 
 from . import _functional as F
+from . import _native
 
 # torch options whose non-default values change the math, and why we refuse them.
 _REFUSED = {
@@ -61,6 +62,7 @@ class CPUAdam(torch.optim.Optimizer):
         F.Hyper.checked(lr, betas, eps, weight_decay, adamw)
         if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer or None, got {num_threads!r}")
+        _native.resolve(simd)  # an unknown or unsupported path fails here, not at the first step
         self._num_threads = num_threads
         self._simd = simd
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
@@ -68,14 +70,21 @@ class CPUAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+
+    @staticmethod
+    def _check_group(group: dict, index: int) -> None:
         _refuse_unsupported(group)
         F.Hyper.checked(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["adamw"])
         for i, p in enumerate(group["params"]):
             if p.device.type != "cpu" or p.dtype != torch.float32 or p.is_complex() or p.layout != torch.strided:
                 raise ValueError(
-                    f"CPUAdam: parameter {i} of group {len(self.param_groups) - 1} is a {p.dtype} {p.layout} "
-                    f"tensor on {p.device}; CPUAdam updates dense fp32 CPU tensors (keep fp32 master weights on the CPU)"
+                    f"CPUAdam: parameter {i} of group {index} is a {p.dtype} {p.layout} tensor on {p.device}; "
+                    "CPUAdam updates dense fp32 CPU tensors (keep fp32 master weights on the CPU)"
                 )
 
     def __setstate__(self, state: dict) -> None:
