@@ -12,6 +12,8 @@
   concatenated batch (mean loss), fp32 within 1e-5, with clipping on.
 - Clipping by the global norm across ranks equals torch.nn.utils.clip_grad_norm_ on the
   reference, and ``optimizer.last_grad_norm`` its total norm before clipping, within 1e-5.
+- Uneven sizes: parameters with fewer elements than ranks (1 and 2 elements on 3 ranks) train
+  like plain PyTorch in every stage.
 World sizes 2 and 3, one spawn each; the custom model has sizes 3 does not divide.
 """
 import copy
@@ -181,9 +183,39 @@ def _clipping_run(stage):
     return norms, _params(model)
 
 
+class _Tiny(nn.Module):
+    """Parameters of 1 and 2 elements: most ranks hold only padding of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(1))
+        self.b = nn.Parameter(torch.randn(2))
+        self.lin = nn.Linear(2, 1)
+
+    def forward(self, x):
+        return (self.lin(x * self.b) * self.a).pow(2).mean()
+
+
+def _tiny_batches():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(6, 2, generator=g) for _ in range(STEPS)]
+
+
+def _tiny_run(stage):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(_Tiny(), _config(stage, {"dtype": "fp32"}, clip=CLIP))
+    for x in _tiny_batches():
+        model(x.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(model)
+
+
 def _on_ranks():
     out = {}
     for stage in STAGES:
+        out[("tiny", stage)] = _tiny_run(stage)
         out[("dynamic", stage)] = _fp16_run(stage, DYNAMIC, FP16_STEPS)
         out[("accumulation", stage)] = _accumulation_run(stage)
         out[("clipping", stage)] = _clipping_run(stage)
@@ -335,3 +367,19 @@ def test_clipping_by_global_norm_matches_clip_grad_norm(ranks, references, stage
         norms, params = r[("clipping", stage)]
         assert norms == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}: last_grad_norm"
         _assert_params_close(params, ref_params, 1e-5, 1e-5, f"world {world} rank {rank} stage {stage}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameters_smaller_than_the_world_size(ranks, stage):
+    world, results = ranks
+    torch.manual_seed(0)
+    model = _Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    for x in _tiny_batches():
+        model(x).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    for rank, r in enumerate(results):
+        _assert_params_close(r[("tiny", stage)], ref, 1e-6, 1e-6, f"world {world} rank {rank} stage {stage}")
