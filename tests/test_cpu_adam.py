@@ -55,8 +55,7 @@ def test_matches_torch_over_100_steps(adamw, n):
     ref = p0.clone().requires_grad_()
     opt = torch_opt(ref, adamw, **HP)
     ours = {path: (p0.clone(), torch.zeros(n), torch.zeros(n)) for path in PATHS}
-    steps = 100 if n < 1000 else 30  # the 1M case keeps the file fast; tails are the small sizes
-    for step in range(1, steps + 1):
+    for step in range(1, 101):
         grad = torch.randn(n, generator=g)
         ref.grad = grad
         opt.step()
@@ -65,7 +64,9 @@ def test_matches_torch_over_100_steps(adamw, n):
     st = opt.state[ref]
     for path, (p, m, v) in ours.items():
         torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-7, msg=lambda s: f"{path}: {s}")
-        torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=1e-7, msg=lambda s: f"{path}: {s}")
+        # exp_avg is a running sum of O(0.1) terms: near its zero crossings the error is
+        # ulps of those terms, so the absolute floor is 1e-5 of its scale (~0.2), not of 0
+        torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=2e-6, msg=lambda s: f"{path}: {s}")
         torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-5, atol=1e-10, msg=lambda s: f"{path}: {s}")
 
 
