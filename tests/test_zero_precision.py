@@ -6,8 +6,9 @@
   scale backs off, then training proceeds; the scale doubles after ``loss_scale_window`` clean
   steps. The reference is plain PyTorch doing the same data-parallel computation serially: fp16
   model, each rank's micro-batch backward with the same scale, fp32 sum, an overflow check of
-  its own, fp32 master weights and AdamW. Before the first non-skipped step the losses agree
-  exactly (nothing was updated); from it on within one fp16 ulp (FP16_TOL).
+  its own, fp32 master weights, clip_grad_norm_ and AdamW; ``last_grad_norm`` is the unscaled
+  norm. Before the first non-skipped step the losses agree exactly (nothing was updated); from
+  it on within one fp16 ulp (FP16_TOL).
 - Gradient accumulation: k backward calls then one step equals plain PyTorch on the
   concatenated batch (mean loss), fp32 within 1e-5, with clipping on.
 - Clipping by the global norm across ranks equals torch.nn.utils.clip_grad_norm_ on the
@@ -146,7 +147,7 @@ def _params(model):
 
 def _fp16_run(stage, precision, steps):
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = infinity.initialize(build(KIND), _config(stage, precision))
+    model, opt = infinity.initialize(build(KIND), _config(stage, precision, clip=CLIP))
     record = []
     for ids in batches(steps):
         scale = opt.scaler.scale
@@ -154,7 +155,7 @@ def _fp16_run(stage, precision, steps):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        record.append((scale, opt.skipped, _mean_over_ranks(loss.item())))
+        record.append((scale, opt.skipped, _mean_over_ranks(loss.item()), None if opt.skipped else opt.last_grad_norm))
     return record, _params(model), opt.scaler.skipped_steps
 
 
@@ -250,15 +251,17 @@ def _reference_fp16(world, scales):
             model.zero_grad()
             losses.append(loss.item())
         overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
+        norm = None
         if not overflow:
             for m, g in zip(master.parameters(), grads):
                 m.grad = g / (world * scale)
+            norm = torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP).item()
             opt.step()
             opt.zero_grad()
             with torch.no_grad():
                 for p, m in zip(model.parameters(), master.parameters()):
                     p.copy_(m)
-        record.append((overflow, sum(losses) / world))
+        record.append((overflow, sum(losses) / world, norm))
     return record, {n: p.detach().float() for n, p in model.named_parameters()}
 
 
@@ -286,7 +289,7 @@ def _assert_params_close(ours, ref, rtol, atol, what):
 def _check_scale_rule(record, window, hysteresis):
     """The scale between consecutive steps changes exactly as documented in LossScaler."""
     overflows_in_a_row = clean_in_a_row = 0
-    for (scale, skipped, _), (next_scale, _, _) in zip(record, record[1:]):
+    for (scale, skipped, *_), (next_scale, *_) in zip(record, record[1:]):
         if skipped:
             clean_in_a_row = 0
             overflows_in_a_row += 1
@@ -318,7 +321,8 @@ def test_fp16_dynamic_loss_scaling_matches_plain_pytorch(ranks, stage):
     ref_record, ref_params = _reference_fp16(world, scales)
     assert [r[0] for r in ref_record] == skipped, "our overflow decisions differ from the reference's"
     first_step = skipped.index(False)
-    for i, ((_, _, loss), (_, ref_loss)) in enumerate(zip(record, ref_record)):
+    for i, ((_, _, loss, norm), (_, ref_loss, ref_norm)) in enumerate(zip(record, ref_record)):
+        assert (norm is None) == (ref_norm is None) and (norm is None or norm == pytest.approx(ref_norm, rel=1e-5))
         if i <= first_step:
             assert loss == ref_loss, f"step {i}: parameters changed before the first non-skipped step"
         else:
@@ -336,6 +340,7 @@ def test_fp16_static_loss_scale(ranks):
     ref_record, ref_params = _reference_fp16(world, [r[0] for r in record])
     assert not any(r[0] for r in ref_record)
     assert [r[2] for r in record] == pytest.approx([r[1] for r in ref_record], rel=FP16_TOL)
+    assert [r[3] for r in record] == pytest.approx([r[2] for r in ref_record], rel=1e-5)  # clipping norms
     _assert_params_close(params, ref_params, FP16_TOL, FP16_TOL, f"world {world} static")
 
 
