@@ -38,7 +38,9 @@ def _config(stage, dtype):
     precision = {"dtype": dtype}
     if dtype == "fp16":
         precision["loss_scale"] = 1024.0  # static: the first step is not skipped, Adam states exist
-    return {"zero": {"stage": stage, "reduce_bucket_size": 2000}, "precision": precision,
+    # persistence_threshold 0: every stage-3 parameter is partitioned between uses, as in the paper
+    zero = {"stage": stage, "reduce_bucket_size": 2000, "prefetch": {"persistence_threshold": 0}}
+    return {"zero": zero, "precision": precision,
             "optimizer": {"type": "adamw", "lr": 2e-3}, "gradient_clipping": 1.0}
 
 
