@@ -124,7 +124,8 @@ def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *
         raise ValueError(f"{what}: output has {out.numel()} elements, expected {shard.numel()} x {world_size(group)}")
     counters.add("all_gather", out)
     if not is_distributed():
-        out.copy_(shard)
+        if out.data_ptr() != shard.data_ptr():  # one rank may gather in place
+            out.copy_(shard)
         return CommHandle(None, what)
     work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
     return CommHandle(work if async_op else None, what)
@@ -137,7 +138,8 @@ def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, 
         raise ValueError(f"{what}: input has {full.numel()} elements, expected {out.numel()} x {world_size(group)}")
     counters.add("reduce_scatter", full)
     if not is_distributed():
-        out.copy_(full)
+        if out.data_ptr() != full.data_ptr():  # one rank may reduce in place
+            out.copy_(full)
         return CommHandle(None, what)
     work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return CommHandle(work if async_op else None, what)

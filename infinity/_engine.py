@@ -33,7 +33,9 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
 from ._param import ParameterNotAvailableError, info_of, make_partitioned, not_available_message, raw_data, set_data
+from ._prefetch import Prefetcher
 from ._reduce import GradReducer
+from ._telemetry_counters import Counters
 from ._unit import FetchUnit
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,6 +103,11 @@ class Engine:
         self.reducer: Optional[GradReducer] = None  # set by the optimizer, which owns the shards
         self.optimizer = None
         self.swap_dirs: dict = {}
+        self.counters = Counters()
+        self.live_elems = 0  # elements of gathered (full) parameters alive now
+        self.peak_live_elems = 0
+        self.persistence_threshold = cfg.zero.prefetch.persistence_threshold if self.policy.partition_params else 0
+        self.prefetcher = Prefetcher(self, cfg.zero.prefetch)
         _engines[model] = self
 
     # ------------------------------------------------------------ construction
@@ -110,7 +117,8 @@ class Engine:
         sigs = comm.all_gather_object(sig)
         for r, other in enumerate(sigs):
             if other != sig:
-                diff = next(((a, b) for a, b in zip(sig, other) if a != b), (len(sig), len(other)))
+                diff = next(((a, b) for a, b in zip(sig, other) if a != b),
+                            (f"{len(sig)} parameters", f"{len(other)} parameters"))
                 raise EngineError(
                     f"rank {self.rank} and rank {r} built different models (first difference: {diff[0]} vs "
                     f"{diff[1]}); every data-parallel rank must construct the same model")
@@ -146,6 +154,7 @@ class Engine:
     def cast_and_partition(self) -> None:
         """Cast parameters to the compute dtype; in stage 3 keep only this rank's shards.
         Parameters built under infinity.Init are adopted: whole again for stages 1-2."""
+        inits = {id(iu.engine): iu.engine for unit in self.units for iu in unit._init_units if iu is not None}
         if not self.policy.partition_params:
             for unit in self.units:
                 unit.materialize_init_params()
@@ -164,6 +173,8 @@ class Engine:
             self.optimizer.param_store.flush()  # shards must be on their tier before the first fetch
         for unit in self.units:
             unit.forget_init()
+        for init in inits.values():
+            init.close()  # its chunks now live in this engine's stores
 
     # ------------------------------------------------------------ hooks
 
@@ -196,10 +207,13 @@ class Engine:
     def _pre_forward(self, module, args):
         if module is self.model:
             self._reset_stack()
+            self.prefetcher.begin("forward")
         state = self.states[module]
         for unit in state.units:
             unit.acquire()
         self._stack.append(_Frame(state, list(state.units)))
+        if state.units:
+            self.prefetcher.on_module(state)
 
     def _post_forward(self, module, args, output):
         frame = self._stack.pop() if self._stack else None
@@ -213,6 +227,7 @@ class Engine:
                 state = frame.state
                 register_multi_grad_hook(outs, lambda _grad: self._pre_backward(state), mode="any")
         if module is self.model:
+            self.prefetcher.end()
             self._post_forward_root(module, args, output)
 
     def _reset_stack(self) -> None:
@@ -230,7 +245,11 @@ class Engine:
     def fetch_on_demand(self, infos, op: str) -> None:
         """A RELEASED parameter was touched: gather it inside a forward, else refuse."""
         if not self._stack:
-            raise ParameterNotAvailableError(not_available_message(infos[0], op))
+            msg = not_available_message(infos[0], op)
+            if self._bwd_active:
+                msg += (" This happened during backward: a parameter used there but owned by another module must be "
+                        "declared with infinity.register_external_parameter(module, param).")
+            raise ParameterNotAvailableError(msg)
         frame = self._stack[-1]
         for unit in sorted({i.unit for i in infos}, key=lambda u: u.index):
             unit.acquire()
@@ -248,6 +267,7 @@ class Engine:
         for unit in self.units:
             unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.prefetcher.begin("backward")
 
     def _pre_backward(self, state: ModuleState) -> None:
         self._begin_backward()
@@ -259,6 +279,7 @@ class Engine:
             if unit.grads_pending > 0:
                 waiting.add(unit)
         self._bwd_holds[state] = waiting
+        self.prefetcher.on_module(state)
         if not waiting:
             self._drop_hold(state)
 
@@ -290,12 +311,14 @@ class Engine:
                 if 0 < unit.grads_pending < total:  # some parameters got no gradient
                     unit.grads_pending = 0
                     self.reducer.add(unit)
-            self.reducer.finish()
+            with self.counters.blocked("reduce_scatter"):
+                self.reducer.finish()
         for state, waiting in list(self._bwd_holds.items()):
             if waiting is not None:
                 self._drop_hold(state)
         self._bwd_holds.clear()
         self._bwd_active = False
+        self.prefetcher.end()
 
     def repartition(self, unit: FetchUnit) -> None:
         """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
@@ -307,6 +330,26 @@ class Engine:
             opt.param_store.flush()
 
     # ------------------------------------------------------------ accounting
+
+    def after_step(self) -> None:
+        """Gathered copies of persistent units are stale once the shards were updated."""
+        for unit in self.units:
+            unit.refresh()
+
+    def telemetry(self, reset: bool = True) -> dict:
+        """Counters since the last call: stall seconds and bytes per stage, prefetch hit
+        rate, trace divergences, NVMe traffic of the stores, peak gathered elements."""
+        out = self.counters.snapshot()
+        opt = self.optimizer
+        for name, store in (("optimizer", opt.store), ("params", opt.param_store)):
+            if store is not None and hasattr(store, "bytes_read"):
+                out[f"nvme_{name}_read_bytes"] = store.bytes_read
+                out[f"nvme_{name}_write_bytes"] = store.bytes_written
+        out["peak_live_parameters"] = self.peak_live_elems
+        out["comm"] = comm.counters.snapshot()["bytes"]
+        if reset:
+            self.counters.reset()
+        return out
 
     def tier_bytes(self) -> dict:
         """Bytes this rank keeps on each tier (device, host, nvme), pools included."""

@@ -14,6 +14,7 @@ shards, one unit at a time, and the Init store is released.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Dict, List, Optional
 
@@ -277,7 +278,7 @@ def _params_in(args, kwargs):
     from ._param import _iter_params
 
     seen = []
-    for p in _iter_params((args, kwargs)):
+    for p in itertools.chain(_iter_params(args), _iter_params(kwargs)):
         i = info_of(p)
         if i is not None and i.state is not ParamState.AVAILABLE and all(p is not q for q in seen):
             seen.append(p)

@@ -94,6 +94,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Optional[float] = None
         self.skipped = False
         self._step = 0
+        self.frozen = _frozen_ranges(engine.units)  # flat ranges Adam must leave alone
 
     def _swap_dir(self, nvme_path: str) -> SwapDir:
         dirs = self.engine.swap_dirs
@@ -118,7 +119,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                           swap=self._swap_dir(z.offload_param.nvme_path) if self.param_tier == "nvme" else None,
                           aio_cfg=self.cfg.aio, alias=alias,
                           max_unit=max((u.shard_numel for u in self.engine.units), default=0),
-                          buffer_size=z.offload_param.buffer_size, buffer_count=z.offload_param.buffer_count)
+                          buffer_size=z.offload_param.buffer_size,
+                          buffer_count=z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2))
 
     @property
     def aliased(self) -> bool:
@@ -128,7 +130,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ gradients
 
     def _accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
-        self.store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
+        with self.engine.counters.blocked("grad_offload"):
+            self.store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
+        self.engine.counters.bytes["grad_offload"] += shard_grad.numel() * 4
 
     def scale_outputs(self, output) -> None:
         """fp16: scale the gradient entering the graph at the model's outputs."""
@@ -149,7 +153,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for unit in engine.units:
                 engine.reducer.add(unit)
         engine.reducer.finish()
-        self.store.finalize_grads()
+        with engine.counters.blocked("grad_offload"):
+            self.store.finalize_grads()
         sq, finite = self.store.grad_stats()
         stats = torch.tensor([sq, 0.0 if finite else 1.0], dtype=torch.float64)
         comm.all_reduce(stats, "sum")
@@ -183,6 +188,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.store.update(lambda chunk: self._update_chunk(chunk, hyper, out_flat))
         if self.param_store is not None:
             self.param_store.flush()
+            engine.after_step()
         else:
             gather_into_whole_params(engine, out_flat)
         self.state[self.master]["step"] = torch.tensor(float(self._step))
@@ -198,12 +204,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             params_out = out_flat[chunk.offset : chunk.offset + n]
         elif ps is not None and not self.aliased and self.engine.dtype != torch.float32:
             params_out = ps.view(chunk.offset, n) if ps.resident else torch.empty(n, dtype=self.engine.dtype)
-        if self._adam is not None:
-            self._adam(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, params_out=params_out, **hyper)
-        else:
-            torch_adam_step(chunk.master, chunk.grad, chunk.exp_avg, chunk.exp_avg_sq, **hyper)
-            if params_out is not None:
-                params_out.copy_(chunk.master)
+        for lo, hi in _runs(chunk.offset, n, self.frozen):  # trainable stretches of this chunk
+            sl = slice(lo - chunk.offset, hi - chunk.offset)
+            out = params_out[sl] if params_out is not None else None
+            if self._adam is not None:
+                self._adam(chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl], params_out=out,
+                           **hyper)
+            else:
+                torch_adam_step(chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl], **hyper)
+                if out is not None:
+                    out.copy_(chunk.master[sl])
+        if params_out is not None and self.frozen:
+            for lo, hi in self.frozen:  # frozen values still go to the parameter tier unchanged
+                a, b = max(lo, chunk.offset), min(hi, chunk.offset + n)
+                if a < b:
+                    params_out[a - chunk.offset : b - chunk.offset].copy_(chunk.master[a - chunk.offset : b - chunk.offset])
         if out_flat is not None and out_flat.dtype == torch.float32 and out_flat is not getattr(self.store, "master", None):
             out_flat[chunk.offset : chunk.offset + n].copy_(chunk.master)  # fp32 stages 1-2 from NVMe
         if ps is None or self.aliased or (ps.resident and params_out is not None):
@@ -237,6 +252,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
         n = self.store.total * 4
         return {"optimizer": 2 * n + (0 if self.aliased else n),
                 "grads": self.store.grad.numel() * 4 if self.store.grad is not None else 0}
+
+
+def _frozen_ranges(units) -> list:
+    """Flat [start, end) ranges of parameters that do not require grad, merged."""
+    out = []
+    for unit in units:
+        for p, info in zip(unit.params, unit.infos):
+            if not p.requires_grad:
+                lo = unit.opt_offset + info.shard_offset
+                if out and out[-1][1] == lo:
+                    out[-1] = (out[-1][0], lo + info.chunk)
+                else:
+                    out.append((lo, lo + info.chunk))
+    return out
+
+
+def _runs(offset: int, n: int, frozen: list):
+    """The stretches of [offset, offset + n) outside the frozen ranges."""
+    pos, end = offset, offset + n
+    for lo, hi in frozen:
+        if hi <= pos or lo >= end:
+            continue
+        if lo > pos:
+            yield pos, lo
+        pos = max(pos, hi)
+    if pos < end:
+        yield pos, end
 
 
 def gather_into_whole_params(engine: "Engine", flat: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ on the parameter.
 from __future__ import annotations
 
 import enum
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -173,7 +174,7 @@ class PartitionedParameter(nn.Parameter):
                         f"dtype={args[0].dtype}, state={info.state.name})")
         unavailable = []
         first = first_arg(args, kwargs)
-        for p in _iter_params((args, kwargs)):
+        for p in itertools.chain(_iter_params(args), _iter_params(kwargs)):
             info = info_of(p)
             if info is None or info.state is ParamState.AVAILABLE:
                 continue

@@ -48,7 +48,7 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
             path = z.offload_param.nvme_path
             need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
             biggest = max((u.shard_numel for u in engine.units), default=0)
-            need["host"] += (z.offload_param.buffer_count or 2) * max(z.offload_param.buffer_size or 0, biggest) * esize
+            need["host"] += (z.offload_param.buffer_count or z.prefetch.depth + 2) * max(z.offload_param.buffer_size or 0, biggest) * esize
         else:
             need["host" if opt.param_tier == "cpu" else "device"] += param_bytes
     return need

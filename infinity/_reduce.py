@@ -61,7 +61,9 @@ class GradReducer:
             unit.grads_into(full[:, col : col + unit.shard_numel])
             if self.drop_full_grads:
                 unit.drop_grads()
-        out = torch.empty(bucket.cols, dtype=torch.float32, device=acc.device())
+        # One rank: the bucket is its own shard; no second buffer, no copy.
+        out = full.view(-1) if self.world_size == 1 else torch.empty(bucket.cols, dtype=torch.float32,
+                                                                       device=acc.device())
         names = ", ".join(u.module_name or "<root>" for u, _ in bucket.units[:3])
         handle = comm.reduce_scatter_tensor(out, full.view(-1), async_op=True,
                                             what=f"reduce-scatter of gradients of [{names}...]")

@@ -41,11 +41,13 @@ class HostPool:
     def nbytes(self) -> int:
         return self.count * nbytes_of(self.numel, self.dtype)
 
-    def get(self, numel: int, timeout: float = 600.0) -> torch.Tensor:
+    def get(self, numel: int, timeout: float = 600.0, *, block: bool = True) -> Optional[torch.Tensor]:
         if numel > self.numel:
             raise PoolExhausted(f"{self.what}: a request of {numel} elements exceeds the buffer size {self.numel}; "
                                 f"set the buffer size to at least {numel} (or leave it unset to size it automatically)")
         with self._cond:
+            if not block and not self._free:
+                return None
             if not self._cond.wait_for(lambda: self._free, timeout):
                 raise PoolExhausted(f"{self.what}: all {self.count} buffers stayed in use for {timeout:.0f}s")
             return self._free.pop()
@@ -72,13 +74,17 @@ class ParamStore:
         self.bytes_written = 0
         if tier == "nvme":
             self.path = swap.file("params.swp", nbytes_of(total, dtype))
-            self.reader = new_aio(aio_cfg)
             self.writer = new_aio(aio_cfg)
             size = buffer_size or max_unit
             if size < max_unit:
                 raise ValueError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
                                  f"unit's shard ({max_unit} elements); set it to at least {max_unit} or leave it unset")
-            self.pool = HostPool(max(size, 1), buffer_count or 2, dtype, "parameter staging pool")
+            count = buffer_count or 2
+            if count < 2:
+                raise ValueError(f"zero.offload_param.buffer_count={buffer_count}: at least 2 staging buffers are "
+                                 f"needed (one being gathered, one being read); leave it unset to size it automatically")
+            self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool")
+            self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
         elif alias is not None:
             self.flat = alias
         elif tier == "cpu":
@@ -89,6 +95,10 @@ class ParamStore:
     @property
     def resident(self) -> bool:
         return self.flat is not None
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
     def view(self, offset: int, numel: int) -> torch.Tensor:
         return self.flat[offset : offset + numel]
@@ -107,13 +117,26 @@ class ParamStore:
         if self.flat is None:
             self.writer.wait()
 
-    def read_into(self, offset: int, numel: int) -> torch.Tensor:
-        """NVMe -> a pool buffer; the caller returns it with ``pool.put``."""
-        buf = self.pool.get(numel)
-        out = buf[:numel]
-        self.reader.pread(out, self.path, offset * out.element_size())
-        self.reader.wait()
-        self.bytes_read += numel * out.element_size()
+    def start_read(self, offset: int, numel: int, *, block: bool = True):
+        """Submit NVMe -> a pool buffer; None when ``block`` is off and no buffer is free.
+        ``finish_read`` returns the buffer, which the caller gives back with ``pool.put``."""
+        buf = self.pool.get(numel, block=block)
+        if buf is None:
+            return None
+        reader = self._readers.pop()
+        reader.pread(buf[:numel], self.path, offset * self.itemsize)
+        self.bytes_read += numel * self.itemsize
+        return buf, reader
+
+    def finish_read(self, pending) -> torch.Tensor:
+        buf, reader = pending
+        try:
+            reader.wait()
+        except Exception:
+            self.pool.put(buf)
+            raise
+        finally:
+            self._readers.append(reader)
         return buf
 
     def nbytes(self) -> dict:
@@ -163,7 +186,7 @@ class MemoryOptimizerStore:
         """(sum of squares in float64, all finite) over the gradient shards."""
         if self.grad is None:
             self.grad = self._alloc()
-        return float(torch.linalg.vector_norm(self.grad, dtype=torch.float64)) ** 2, bool(torch.isfinite(self.grad).all())
+        return _sq_and_finite(self.grad)
 
     def scale_grads(self, coef: float) -> None:
         self.grad.mul_(coef)
@@ -269,8 +292,9 @@ class NvmeOptimizerStore:
         else:
             self._written.add(offset)
         if self._stats_valid:
-            self._sq += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
-            self._finite = self._finite and bool(torch.isfinite(g).all())
+            s, f = _sq_and_finite(g)
+            self._sq += s
+            self._finite = self._finite and f
         self._write(self.grad_writer, "grad", offset, g)  # the handle keeps g alive until written
 
     def finalize_grads(self) -> None:
@@ -292,8 +316,9 @@ class NvmeOptimizerStore:
             n = min(self.chunk, self.total - off)
             self._read("grad", off, buf[:n])
             self.reader.wait()
-            sq += float(torch.linalg.vector_norm(buf[:n], dtype=torch.float64)) ** 2
-            finite = finite and bool(torch.isfinite(buf[:n]).all())
+            s, f = _sq_and_finite(buf[:n])
+            sq += s
+            finite = finite and f
         return sq, finite
 
     def scale_grads(self, coef: float) -> None:
@@ -337,6 +362,13 @@ class NvmeOptimizerStore:
 
     def nbytes(self) -> dict:
         return {"nvme": 4 * 4 * self.total, "host": self.SETS * 4 * 4 * self.chunk}
+
+
+def _sq_and_finite(t: torch.Tensor) -> tuple:
+    """Squared L2 norm and finiteness in one pass: a NaN or inf anywhere makes the norm
+    non-finite (so does overflow of the sum, which only ever matters as an overflow)."""
+    norm = float(torch.linalg.vector_norm(t))
+    return norm * norm, math.isfinite(norm)
 
 
 def _round_up(n: int, m: int) -> int:

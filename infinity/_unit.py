@@ -59,6 +59,7 @@ class FetchUnit:
         self.shard_numel = offset
         self.opt_offset = 0  # start of this unit's range in the optimizer's flat fp32 space
         self._staged: Optional[torch.Tensor] = None  # pool buffer holding the shard read from NVMe
+        self._read = None  # the read of the shard in flight (HOST state on the NVMe tier)
         self._state = ParamState.AVAILABLE
         self._refs = 0
         self._gather_out: Optional[torch.Tensor] = None
@@ -150,35 +151,81 @@ class FetchUnit:
 
     # ------------------------------------------------------------ fetch / release
 
+    @property
+    def refs(self) -> int:
+        return self._refs
+
+    @property
+    def persistent(self) -> bool:
+        """Small units stay gathered between uses (zero.prefetch.persistence_threshold)."""
+        return self.partitioned and self.full_numel < self.engine.persistence_threshold
+
     def acquire(self) -> None:
-        """Take a reference; gather if this is the first. Pairs with ``release``."""
+        """Take a reference; gather if needed (waiting for what the prefetcher started).
+        Pairs with ``release``."""
         self._refs += 1
+        counters = self.engine.counters
         if self._state is ParamState.AVAILABLE:
+            if self.partitioned:
+                counters.hits += 1
             return
+        if self._state is ParamState.RELEASED:
+            counters.misses += 1
+        else:
+            counters.hits += 1
         if self._state is not ParamState.GATHERING:
             self.start_gather()
         self.wait_gather()
 
     def release(self) -> None:
-        """Drop a reference; free the full tensors when it was the last."""
+        """Drop a reference; free the full tensors when it was the last (unless persistent)."""
         if self._refs <= 0:
             raise AssertionError(f"{self!r} released more often than acquired")
         self._refs -= 1
-        if self._refs == 0 and self.partitioned and self._state is ParamState.AVAILABLE:
-            self._drop_full()
-            acc.budget.release(self._charged)
-            self._charged = 0
+        if self._refs == 0 and self.partitioned and self._state is ParamState.AVAILABLE and not self.persistent:
+            self._free_full()
 
-    def stage_to_host(self) -> None:
-        """RELEASED -> HOST: read the shard from NVMe into a pool buffer (resident tiers skip)."""
+    def _free_full(self) -> None:
+        self._drop_full()
+        acc.budget.release(self._charged)
+        self.engine.live_elems -= self.full_numel
+        self._charged = 0
+
+    def abandon(self) -> None:
+        """Undo a prefetch nobody used: back to RELEASED, buffers returned (refs must be 0)."""
+        assert self._refs == 0, self
+        if self._state is ParamState.GATHERING:
+            self.wait_gather()
+        if self._state is ParamState.AVAILABLE:
+            if self.partitioned:
+                self._free_full()
+            return
+        if self._state in (ParamState.HOST, ParamState.DEVICE):
+            self.stage_to_device()  # completes an in-flight read before its buffer is reused
+            self.store.pool.put(self._staged)
+            self._staged = None
+            self._state = ParamState.RELEASED
+
+    def stage_to_host(self, *, block: bool = True) -> bool:
+        """RELEASED -> HOST: submit the read of the shard from NVMe into a pool buffer
+        (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
         assert self._state is ParamState.RELEASED, self._state
         if not self.store.resident:
-            self._staged = self.store.read_into(self.opt_offset, self.shard_numel)
+            self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block)
+            if self._read is None:
+                return False
+            self.engine.counters.bytes["nvme_read"] += self.shard_numel * self.store.itemsize
         self._state = ParamState.HOST
+        return True
 
     def stage_to_device(self) -> None:
-        """HOST -> DEVICE: the shard is where the all-gather reads it (a no-op without CUDA)."""
-        assert self._state is ParamState.HOST, self._state
+        """HOST -> DEVICE: wait for the read, then the shard is where the all-gather reads it
+        (on CUDA a copy to the device; without an accelerator the host buffer is it)."""
+        assert self._state in (ParamState.HOST, ParamState.DEVICE), self._state
+        if self._read is not None:
+            with self.engine.counters.blocked("nvme_read"):
+                self._staged = self.store.finish_read(self._read)
+            self._read = None
         self._state = ParamState.DEVICE
 
     def _device_shard(self) -> torch.Tensor:
@@ -186,24 +233,32 @@ class FetchUnit:
         return acc.to_device(src)
 
     def start_gather(self) -> None:
-        """RELEASED/DEVICE -> GATHERING: launch the all-gather of this unit's shards."""
+        """RELEASED/HOST/DEVICE -> GATHERING: launch the all-gather of this unit's shards."""
         if self._state is ParamState.RELEASED:
             self.stage_to_host()
         if self._state is ParamState.HOST:
             self.stage_to_device()
         assert self._state is ParamState.DEVICE, self._state
         nbytes = self.full_numel * torch.empty((), dtype=self.dtype).element_size()
-        acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
-        self._charged = nbytes
-        self._gather_out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
+        in_place = self.world_size == 1 and self._staged is None  # one rank, resident shard: views of it
+        if not in_place:
+            acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
+            self._charged = nbytes
+        self.engine.live_elems += self.full_numel
+        self.engine.peak_live_elems = max(self.engine.peak_live_elems, self.engine.live_elems)
+        self.engine.counters.bytes["all_gather"] += nbytes
+        self._gather_out = self._device_shard() if in_place else torch.empty(self.full_numel, dtype=self.dtype,
+                                                                               device=acc.device())
         self._gather_handle = comm.all_gather_into_tensor(
-            self._gather_out, self._device_shard(), async_op=True, what=f"all-gather of {self.module_name or '<root>'}")
+            self._gather_out, self._device_shard(), async_op=True,
+            what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
         self._state = ParamState.GATHERING
 
     def wait_gather(self) -> None:
         """GATHERING -> AVAILABLE: wait, then point every parameter at its full tensor."""
         assert self._state is ParamState.GATHERING, self._state
-        self._gather_handle.wait()
+        with self.engine.counters.blocked("all_gather"):
+            self._gather_handle.wait()
         rows = self._gather_out.view(self.world_size, self.shard_numel)
         for p, info in zip(self.params, self.infos):
             block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
@@ -214,6 +269,11 @@ class FetchUnit:
             self.store.pool.put(self._staged)
             self._staged = None
         self._state = ParamState.AVAILABLE
+
+    def refresh(self) -> None:
+        """After the optimizer step: a persistent unit's gathered copy is stale; drop it."""
+        if self._state is ParamState.AVAILABLE and self.partitioned and self._refs == 0:
+            self._free_full()
 
     # ------------------------------------------------------------ gradients
 

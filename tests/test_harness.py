@@ -59,8 +59,8 @@ def test_failing_rank_traceback():
 def test_hanging_rank_times_out():
     start = time.monotonic()
     with pytest.raises(RankTimeout, match=r"ranks \[0\]"):
-        run_ranks(_rank0_hangs, 2, timeout=8)
-    assert time.monotonic() - start < 40
+        run_ranks(_rank0_hangs, 2, timeout=30)  # room for rank 1 to start on a loaded machine
+    assert time.monotonic() - start < 90
 
 
 def test_exiting_rank_fails():

@@ -1,0 +1,122 @@
+"""The trace-based prefetcher (paper 002 §6.2).
+
+Note [trace and prefetch]: the first iteration records the order in which modules with
+parameters run in forward and in backward (the *trace*). In later iterations, when module i
+starts, the prefetcher has already submitted the NVMe reads of the units of modules
+i+1 .. i+depth (bounded by ``bucket_size`` elements in flight and by free staging buffers)
+and launches the all-gather of module i+1 (bounded by ``max_live_parameters``), so I/O and
+collectives run while module i computes. Each iteration is checked against the trace: on
+the first mismatch (a block skipped, another branch, a different depth) every prefetch not
+yet used is abandoned (waited for and returned: collectives stay matched across ranks),
+the rest of the iteration fetches on demand, the divergence is counted, and the order this
+iteration took becomes the trace. Prefetching never makes a parameter AVAILABLE early to a
+computation: modules still acquire their units, which waits for what is in flight.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional
+
+from ._param import ParamState
+
+if TYPE_CHECKING:
+    from ._engine import Engine, ModuleState
+    from ._unit import FetchUnit
+
+
+class _Pass:
+    """One direction (forward or backward) of one iteration."""
+
+    def __init__(self, trace: Optional[list]):
+        self.trace = trace  # what to expect; None while recording the first iteration
+        self.seen: List["ModuleState"] = []
+        self.diverged = False
+
+
+class Prefetcher:
+    def __init__(self, engine: "Engine", cfg):
+        self.engine = engine
+        self.enabled = cfg.enabled and engine.policy.partition_params
+        self.depth = cfg.depth
+        self.bucket = cfg.bucket_size
+        self.max_live = cfg.max_live_parameters
+        self.traces = {"forward": None, "backward": None}
+        self._pass: Optional[_Pass] = None
+        self._direction = None
+        self._prefetched: List["FetchUnit"] = []
+
+    # ------------------------------------------------------------ iteration boundaries
+
+    def begin(self, direction: str) -> None:
+        self._finish_pass()
+        self._direction = direction
+        self._pass = _Pass(self.traces[direction])
+        if self.enabled and self._pass.trace:
+            self._ahead(0)
+
+    def end(self) -> None:
+        self._finish_pass()
+        self._pass = None
+
+    def _finish_pass(self) -> None:
+        if self._pass is None:
+            return
+        p = self._pass
+        if p.trace is not None and (p.diverged or len(p.seen) != len(p.trace)) and p.seen:
+            if not p.diverged:
+                self.engine.counters.divergences += 1  # a shorter pass (early exit)
+        if p.seen and (p.trace is None or p.seen != p.trace):
+            self.traces[self._direction] = list(p.seen)
+        self._abandon_unused()
+
+    # ------------------------------------------------------------ per module
+
+    def on_module(self, state: "ModuleState") -> None:
+        """``state``'s units were just acquired: check the trace, then prefetch ahead."""
+        p = self._pass
+        if p is None:
+            return
+        pos = len(p.seen)
+        p.seen.append(state)
+        if p.trace is None or p.diverged:
+            return
+        if pos >= len(p.trace) or p.trace[pos] is not state:
+            p.diverged = True
+            self.engine.counters.divergences += 1
+            self._abandon_unused()
+            return
+        if self.enabled:
+            self._ahead(pos + 1)
+
+    def _ahead(self, nxt: int) -> None:
+        trace = self._pass.trace
+        in_flight = sum(u.shard_numel for u in self._prefetched
+                        if u.state in (ParamState.HOST, ParamState.DEVICE))
+        for j in range(nxt, min(len(trace), nxt + self.depth)):
+            for unit in trace[j].units:
+                if unit.state is not ParamState.RELEASED or not unit.partitioned:
+                    continue
+                if in_flight and in_flight + unit.shard_numel > self.bucket:
+                    break
+                if not unit.stage_to_host(block=False):
+                    break
+                in_flight += unit.shard_numel
+                self._prefetched.append(unit)
+        if nxt < len(trace):
+            for unit in trace[nxt].units:
+                if unit.state in (ParamState.RELEASED, ParamState.HOST, ParamState.DEVICE) and unit.partitioned \
+                        and self.engine.live_elems + unit.full_numel <= self.max_live:
+                    unit.start_gather()
+                    if unit not in self._prefetched:
+                        self._prefetched.append(unit)
+        self._prefetched = [u for u in self._prefetched if u.state is not ParamState.RELEASED or u.refs]
+
+    def _abandon_unused(self) -> None:
+        for unit in self._prefetched:
+            if unit.refs:
+                continue
+            if unit.state is ParamState.GATHERING:
+                unit.wait_gather()
+            if unit.state in (ParamState.HOST, ParamState.DEVICE) or \
+                    (unit.state is ParamState.AVAILABLE and not unit.persistent):
+                unit.abandon()
+        self._prefetched = []

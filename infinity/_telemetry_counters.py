@@ -1,0 +1,41 @@
+"""Per-step counters of the engine: time blocked per transfer stage, bytes moved, prefetch
+hit rate, trace divergences. ``Engine.telemetry()`` hands them out and starts afresh."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+
+class Counters:
+    STAGES = ("nvme_read", "host_to_device", "all_gather", "reduce_scatter", "grad_offload", "optimizer_io")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.stall = collections.Counter({s: 0.0 for s in self.STAGES})
+        self.bytes = collections.Counter()
+        self.hits = 0
+        self.misses = 0
+        self.divergences = 0
+
+    @contextlib.contextmanager
+    def blocked(self, stage: str):
+        """Time spent waiting on ``stage`` on the critical path."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stall[stage] += time.perf_counter() - start
+
+    def snapshot(self) -> dict:
+        fetches = self.hits + self.misses
+        return {
+            "stall_s": dict(self.stall),
+            "bytes": dict(self.bytes),
+            "prefetch_hits": self.hits,
+            "prefetch_misses": self.misses,
+            "prefetch_hit_rate": self.hits / fetches if fetches else None,
+            "trace_divergences": self.divergences,
+        }
