@@ -263,6 +263,7 @@ class Engine:
     def _begin_backward(self) -> None:
         if self._bwd_active:
             return
+        self.optimizer.wait_step()  # an overlapped step must finish reading gradients first
         self._bwd_active = True
         for unit in self.units:
             unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
@@ -324,6 +325,7 @@ class Engine:
         """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
         full = [raw_data(p) for p in unit.params]
         opt = self.optimizer
+        opt.wait_step()
         opt.store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
         if self.policy.partition_params and not opt.aliased:
             opt.param_store.write(unit.opt_offset, unit.shard_of(full, self.dtype))
@@ -364,6 +366,7 @@ class Engine:
 
     def close(self) -> None:
         """Remove hooks and this run's swap files."""
+        self.optimizer.wait_step()
         self.remove_hooks()
         for d in self.swap_dirs.values():
             d.remove()

@@ -9,6 +9,7 @@ math in torch) and writes the updated low-precision values back to the parameter
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -95,6 +96,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped = False
         self._step = 0
         self.frozen = _frozen_ranges(engine.units)  # flat ranges Adam must leave alone
+        self.overlap = engine.policy.partition_params and isinstance(self.store, NvmeOptimizerStore)
+        self._bg: Optional[threading.Thread] = None
+        self._bg_error: Optional[BaseException] = None
+        self._updated_upto = math.inf
+        self._cond = threading.Condition()
 
     def _swap_dir(self, nvme_path: str) -> SwapDir:
         dirs = self.engine.swap_dirs
@@ -149,6 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         engine = self.engine
+        self.wait_step()
         if not engine.policy.reduce_in_backward:
             for unit in engine.units:
                 engine.reducer.add(unit)
@@ -185,17 +192,78 @@ class ZeroOptimizer(torch.optim.Optimizer):
             in_memory_fp32 = engine.dtype == torch.float32 and isinstance(self.store, MemoryOptimizerStore)
             out_flat = self.store.master if in_memory_fp32 else torch.empty(self.total, dtype=engine.dtype,
                                                                            device=acc.device())
+        self.state[self.master]["step"] = torch.tensor(float(self._step))
+        if self.overlap:
+            self._launch_step(hyper)
+            return loss
         self.store.update(lambda chunk: self._update_chunk(chunk, hyper, out_flat))
         if self.param_store is not None:
             self.param_store.flush()
             engine.after_step()
         else:
             gather_into_whole_params(engine, out_flat)
-        self.state[self.master]["step"] = torch.tensor(float(self._step))
         self._finish_step()
         return loss
 
-    def _update_chunk(self, chunk: Chunk, hyper: dict, out_flat: Optional[torch.Tensor]) -> None:
+    # ------------------------------------------------------------ overlapped step
+
+    def _launch_step(self, hyper: dict) -> None:
+        """Note [overlapped step]: with the optimizer states on NVMe the step is I/O-bound,
+        so it runs on a background thread, chunk by chunk in flat (= unit) order, while the
+        next forward starts. ``_updated_upto`` is the flat offset below which every shard is
+        updated and on its tier; a unit is fetched only once its range is below it
+        (``wait_updated``), so no computation ever sees a stale parameter. Backward (which
+        writes new gradients), a second step, GatheredParameters edits and close wait for
+        the whole step (``wait_step``)."""
+        self.engine.after_step()  # persistent units' gathered copies are about to be stale
+        with self._cond:
+            self._updated_upto = 0
+        self._bg = threading.Thread(target=self._run_step, args=(hyper,), name="infinity-optimizer-step", daemon=True)
+        self._bg.start()
+
+    def _run_step(self, hyper: dict) -> None:
+        try:
+            self.store.update(lambda chunk: self._update_chunk(chunk, hyper, None, publish=True))
+            self.param_store.flush()
+            self.store.zero_grads()
+            with self._cond:
+                self._updated_upto = math.inf
+                self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread at the next wait
+            with self._cond:
+                self._bg_error = e
+                self._cond.notify_all()
+
+    def _publish(self, upto: int) -> None:
+        with self._cond:
+            self._updated_upto = upto
+            self._cond.notify_all()
+
+    def wait_updated(self, end: int, *, block: bool = True, what: str = "") -> bool:
+        """True once the flat range below ``end`` holds this step's values (see the Note)."""
+        if self._updated_upto >= end and self._bg_error is None:
+            return True
+        with self._cond:
+            if not block and self._bg_error is None:
+                return self._updated_upto >= end
+            ok = self._cond.wait_for(lambda: self._updated_upto >= end or self._bg_error is not None,
+                                     timeout=comm.DEFAULT_TIMEOUT_S)
+            if self._bg_error is not None:
+                raise self._bg_error
+            if not ok:
+                raise TimeoutError(f"rank {self.engine.rank}: waited {comm.DEFAULT_TIMEOUT_S:.0f}s for the optimizer "
+                                   f"step to update {what or 'a parameter shard'}")
+        return True
+
+    def wait_step(self) -> None:
+        """Join an in-flight overlapped step; re-raise its error, if any."""
+        if self._bg is not None:
+            self._bg.join()
+            self._bg = None
+        if self._bg_error is not None:
+            raise self._bg_error
+
+    def _update_chunk(self, chunk: Chunk, hyper: dict, out_flat: Optional[torch.Tensor], publish: bool = False) -> None:
         """Adam on one chunk, with the fused low-precision copy going where it belongs."""
         n = chunk.master.numel()
         ps = self.param_store
@@ -221,12 +289,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     params_out[a - chunk.offset : b - chunk.offset].copy_(chunk.master[a - chunk.offset : b - chunk.offset])
         if out_flat is not None and out_flat.dtype == torch.float32 and out_flat is not getattr(self.store, "master", None):
             out_flat[chunk.offset : chunk.offset + n].copy_(chunk.master)  # fp32 stages 1-2 from NVMe
-        if ps is None or self.aliased or (ps.resident and params_out is not None):
-            return
-        if params_out is not None:
-            ps.write(chunk.offset, params_out)  # NVMe: async, the handle keeps the tensor alive
-        else:  # fp32 parameters with separate storage: the master chunk buffer gets reused
-            ps.write(chunk.offset, chunk.master.clone() if not ps.resident else chunk.master)
+        if not (ps is None or self.aliased or (ps.resident and params_out is not None)):
+            if params_out is not None:
+                ps.write(chunk.offset, params_out)  # NVMe: async, the handle keeps the tensor alive
+            else:  # fp32 parameters with separate storage: the master chunk buffer gets reused
+                ps.write(chunk.offset, chunk.master.clone() if not ps.resident else chunk.master)
+        if publish:
+            ps.flush()
+            self._publish(chunk.offset + n)
 
     def _finish_step(self) -> None:
         self.store.zero_grads()
@@ -234,12 +304,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             unit.drop_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.store.zero_grads()
+        if self._bg is None:  # an overlapped step zeroes the store's gradients when it is done
+            self.store.zero_grads()
         for unit in self.engine.units:
             unit.drop_grads()
 
     def master_slice(self, unit: "FetchUnit") -> torch.Tensor:
         """The fp32 master weights of one unit (a view in memory, a copy read from NVMe)."""
+        self.wait_step()
         return self.store.read_master(unit.opt_offset, unit.shard_numel)
 
     # ------------------------------------------------------------ accounting

@@ -210,6 +210,9 @@ class FetchUnit:
         """RELEASED -> HOST: submit the read of the shard from NVMe into a pool buffer
         (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
         assert self._state is ParamState.RELEASED, self._state
+        if not self.engine.optimizer.wait_updated(self.opt_offset + self.shard_numel, block=block,
+                                                  what=f"the shard of {self.module_name or '<root>'}"):
+            return False
         if not self.store.resident:
             self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block)
             if self._read is None:

@@ -128,6 +128,7 @@ def test_injected_io_failure_raises(tmp_path):
     loss = model(torch.randn(4, 32))
     loss.backward()
     opt.step()
+    opt.wait_step()  # the overlapped step has written every shard: now inject the failure
     path = opt.param_store.path
     os.truncate(path, 0)  # the parameter shards vanish under the engine
     with pytest.raises(AioError, match="params.swp"):
