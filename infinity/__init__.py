@@ -2,6 +2,7 @@
 
 The package exports the public API of DESIGN.md and nothing else.
 """
+from . import aio, optim
 from ._estimate import estimate
 from ._gathered import GatheredParameters, register_external_parameter
 from ._init import Init
@@ -11,7 +12,7 @@ from ._param import ParameterNotAvailableError
 from .config import Config, ConfigError
 
 __all__ = [
-    "Config", "ConfigError", "GatheredParameters", "Init", "ParameterNotAvailableError", "estimate", "initialize",
+    "Config", "ConfigError", "aio", "optim", "GatheredParameters", "Init", "ParameterNotAvailableError", "estimate", "initialize",
     "logger", "register_external_parameter",
 ]
 __version__ = "0.1.0"

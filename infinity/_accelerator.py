@@ -8,15 +8,11 @@ optional ``device_memory_limit`` budget makes "larger than device memory" testab
 from __future__ import annotations
 
 import contextlib
-import mmap
 import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-HUGE_PAGE = 2 << 20
-
 
 class DeviceOutOfMemory(MemoryError):
     """The engine's own device allocations would exceed the configured budget."""
@@ -46,39 +42,22 @@ def is_device_tensor(t: torch.Tensor) -> bool:
 # ---------------------------------------------------------------- host buffers
 
 
-def _aligned_storage(nbytes: int, alignment: int) -> torch.Tensor:
-    """A uint8 tensor whose first byte is ``alignment``-aligned; THP advised when large."""
-    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % alignment
-    view = raw[start : start + nbytes]
-    if nbytes >= HUGE_PAGE and alignment >= HUGE_PAGE:
-        _advise_hugepages(view.data_ptr(), nbytes)
-    return view
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory (CUDA machines only): the CUDA host allocator aligns it."""
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
-def _advise_hugepages(ptr: int, nbytes: int) -> None:
-    """MADV_HUGEPAGE on [ptr, ptr+nbytes): physically contiguous 2 MiB pages let the disk
-    merge O_DIRECT requests (DESIGN.md §7). Best effort: a kernel without THP just ignores it."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_int(getattr(mmap, "MADV_HUGEPAGE", 14)))
-    except (OSError, AttributeError):
-        pass
-
-
-def host_empty(numel: int, dtype: torch.dtype, *, alignment: int = 4096) -> torch.Tensor:
-    """A host tensor ready for DMA and O_DIRECT: pinned on CUDA machines, page-aligned
-    (2 MiB-aligned and advised for huge pages when large) otherwise."""
+def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor ready for DMA and O_DIRECT: pinned on CUDA machines; otherwise 2 MiB
+    aligned and advised for transparent huge pages (physically contiguous buffers let the
+    disk merge O_DIRECT requests: DESIGN.md §7), from native/aio's allocator."""
     if numel < 0:
         raise ValueError(f"host_empty: numel must be >= 0, got {numel}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
     if has_cuda():
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
-    align = HUGE_PAGE if nbytes >= HUGE_PAGE else max(alignment, 4096)
-    return _aligned_storage(max(nbytes, 1), align)[:nbytes].view(dtype)
+        return pinned_empty(numel, dtype)
+    from .aio import aligned_empty  # lazy: aio imports this module
+
+    return aligned_empty(numel, dtype)
 
 
 def to_device(t: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ which is all O_DIRECT needs.
 """
 import torch
 
+from .. import _accelerator as acc
 from .._log import logger
 from ._native import ffi, lib
 
@@ -51,9 +52,8 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
     if numel < 0:
         raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if torch.cuda.is_available():
-        # The CUDA host allocator returns page-aligned, page-locked memory.
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    if acc.has_cuda():
+        return acc.pinned_empty(numel, dtype)  # page-aligned and page-locked
     nbytes = numel * itemsize
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
