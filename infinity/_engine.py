@@ -146,7 +146,7 @@ class Engine:
     def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
         info = info_of(param)
         if info is None or info.unit.engine is not self:
-            raise EngineError(f"register_external_parameter: the parameter is not part of this model")
+            raise EngineError("register_external_parameter: the parameter is not part of this model")
         if module not in self.states:
             raise EngineError(f"register_external_parameter: {type(module).__name__} is not a submodule of this model")
         self.states[module].add_unit(info.unit)

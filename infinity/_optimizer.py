@@ -19,7 +19,6 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
 from ._loss_scale import LossScaler
-from ._param import raw_data
 from ._preflight import preflight
 from ._reduce import GradReducer
 from ._stores import ALIGN_ELEMS, Chunk, MemoryOptimizerStore, NvmeOptimizerStore, ParamStore

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 

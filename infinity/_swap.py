@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from ._log import logger
 
 
 class SwapDir:

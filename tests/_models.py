@@ -97,6 +97,25 @@ def batches(steps, global_batch=6, seq=12, seed=1, distinct=2):
     return [pool[i % distinct] for i in range(steps)]
 
 
+def train_losses(model, opt, kind, steps):
+    """Train ``steps`` steps on each rank's slice of the global batches; return the global
+    mean loss of every step (what a single process on the whole batch reports)."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    losses = []
+    for ids in batches(steps):
+        loss = loss_of(model, kind, ids.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()])
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
 def loss_of(model, kind, ids):
     if kind == "gpt2":
         return model(input_ids=ids, labels=ids).loss

@@ -6,12 +6,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import infinity
 from infinity.testing import run_ranks
 
-from _models import batches, build, loss_of
+from _models import batches, build, loss_of, train_losses
 
 
 def _gpt2_config(**kw):
@@ -47,7 +46,6 @@ def test_hf_init_takes_effect_and_ties_survive(tmp_path, offload):
 
 
 def _init_then_train(nvme, stage):
-    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = {"zero": {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
            "optimizer": {"lr": 2e-3}, "gradient_clipping": 0.0}
     if stage == 3:
@@ -56,15 +54,7 @@ def _init_then_train(nvme, stage):
     with infinity.Init(config=cfg if stage == 3 else None, offload=None if stage == 3 else "cpu"):
         model = build("custom")
     model, opt = infinity.initialize(model, cfg)
-    losses = []
-    for ids in batches(3):
-        loss = loss_of(model, "custom", ids.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([loss.item()])
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_losses(model, opt, "custom", 3)
     opt.engine.close()
     return losses
 

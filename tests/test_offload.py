@@ -7,17 +7,15 @@ an injected I/O failure, and host memory that stays flat over many steps.
 """
 import itertools
 import os
-import tempfile
 
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 
 import infinity
 from infinity.testing import run_ranks
 
-from _models import batches, build, loss_of
+from _models import batches, build, loss_of, train_losses
 
 STEPS = 4
 PLACEMENTS = [(3, p, o) for p, o in itertools.product(["none", "cpu", "nvme"], repeat=2)] + \
@@ -33,18 +31,8 @@ def _config(stage, param, optim, nvme, dtype="fp32", **extra):
 
 
 def _train(kind, cfg, steps=STEPS):
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model, opt = infinity.initialize(build(kind), cfg)
-    losses = []
-    for ids in batches(steps):
-        loss = loss_of(model, kind, ids.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([loss.item()])
-        if dist.is_initialized():
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_losses(model, opt, kind, steps)
     swap = [d.path for d in opt.engine.swap_dirs.values()]
     opt.engine.close()
     assert not any(os.path.exists(p) for p in swap), "swap files left behind after close"

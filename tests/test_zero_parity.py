@@ -10,12 +10,11 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import infinity
 from infinity.testing import run_ranks
 
-from _models import batches, build, loss_of
+from _models import batches, build, loss_of, train_losses
 
 STEPS = 6
 LR = 2e-3
@@ -35,19 +34,10 @@ def _config(stage, dtype):
 
 def _train_on_ranks(combos):
     """On each rank: train every (kind, stage, dtype) combination; return losses and params."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for kind, stage, dtype in combos:
         model, opt = infinity.initialize(build(kind), _config(stage, dtype))
-        losses = []
-        for ids in batches(STEPS):
-            loss = loss_of(model, kind, ids.chunk(world)[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = torch.tensor([loss.item()])
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
+        losses = train_losses(model, opt, kind, STEPS)
         with infinity.GatheredParameters(list(model.parameters())):
             params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         out[(kind, stage, dtype)] = (losses, params)
