@@ -6,6 +6,7 @@ cffi's generated wrapper (API mode, out of line). When liburing's header is miss
 thread-pool backend serves every handle. Nothing here links against torch.
 """
 import os
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -15,33 +16,16 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CDEF = """
-typedef struct infinity_aio infinity_aio;
-typedef struct infinity_aio_error {
-    int64_t id;
-    int64_t offset;
-    int64_t length;
-    int64_t transferred;
-    int32_t err;
-    int32_t op;
-} infinity_aio_error;
+def header_declarations() -> str:
+    """The C ABI's declarations for cffi, read from the header itself so the two never
+    drift: comments, preprocessor lines and the extern "C" wrapper are dropped."""
+    with open(os.path.join(HERE, "infinity_aio.h")) as f:
+        text = re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+    keep = [line for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#") and line.strip() not in ('extern "C" {', "}")]
+    return "\n".join(keep) + "\n"
 
-int infinity_aio_has_uring(void);
-int infinity_aio_create(int32_t backend, int64_t block_size, int32_t queue_depth, int32_t threads,
-                        infinity_aio **out, char *why, size_t why_len);
-int infinity_aio_backend(const infinity_aio *h);
-void infinity_aio_destroy(infinity_aio *h);
-int64_t infinity_aio_submit(infinity_aio *h, int32_t op, int32_t fd_direct, int32_t fd_buffered,
-                            void *buf, int64_t length, int64_t offset);
-int infinity_aio_rw(infinity_aio *h, int32_t op, int32_t fd_direct, int32_t fd_buffered, void *buf,
-                    int64_t length, int64_t offset, infinity_aio_error *err);
-int64_t infinity_aio_wait(infinity_aio *h, infinity_aio_error *errs, int32_t max_errs,
-                          int32_t *n_errs, int64_t *horizon);
-int64_t infinity_aio_in_flight(infinity_aio *h);
-int64_t infinity_aio_direct_fallbacks(infinity_aio *h);
-void *infinity_aio_alloc(int64_t bytes, int32_t hugepage, int32_t *huge);
-void infinity_aio_free(void *p, int64_t bytes, int32_t hugepage);
-"""
+
 
 _PROBE = "#include <liburing.h>\nint main(void) { struct io_uring r; return io_uring_queue_init(1, &r, 0); }\n"
 
@@ -72,7 +56,7 @@ def _relative(path: str) -> str:
 
 _URING = have_liburing()
 ffibuilder = FFI()
-ffibuilder.cdef(CDEF)
+ffibuilder.cdef(header_declarations())
 ffibuilder.set_source(
     "infinity._aio_cffi",
     '#include "infinity_aio.h"\n',
