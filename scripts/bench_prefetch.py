@@ -98,7 +98,9 @@ class PlainTrainer:
     def step(self, ids) -> dict:
         import torch
 
+        start = time.perf_counter()
         self.model(input_ids=ids, labels=ids).loss.backward()
+        fwd_bwd = time.perf_counter() - start
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float()
             p.grad = None
@@ -107,7 +109,7 @@ class PlainTrainer:
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
-        return {}
+        return {"fwd_bwd": fwd_bwd}
 
 
 class InfinityTrainer:
@@ -124,14 +126,16 @@ class InfinityTrainer:
         return {k: v for k, v in tel.items() if k.startswith("nvme_") and k.endswith("_bytes")}
 
     def step(self, ids) -> dict:
+        start = time.perf_counter()
         self.model(input_ids=ids, labels=ids).loss.backward()
+        fwd_bwd = time.perf_counter() - start
         self.opt.step()
         self.opt.zero_grad()
         tel = self.engine.telemetry()
         nvme = self._nvme_bytes()
         moved = {k: v - self._nvme.get(k, 0) for k, v in nvme.items()}
         self._nvme = nvme
-        return {"stall_s": tel["stall_s"], "bytes": tel["bytes"], "hit_rate": tel["prefetch_hit_rate"],
+        return {"fwd_bwd": fwd_bwd, "stall_s": tel["stall_s"], "bytes": tel["bytes"], "hit_rate": tel["prefetch_hit_rate"],
                 "divergences": tel["trace_divergences"],
                 "nvme_read": sum(v for k, v in moved.items() if k.endswith("_read_bytes")),
                 "nvme_written": sum(v for k, v in moved.items() if k.endswith("_write_bytes"))}
@@ -215,7 +219,7 @@ def study(args, nvme_root: str, bw: tuple[float, float]) -> None:
     write_bw, read_bw = bw
     print(f"params: {res[specs[0]['name']]['params'] / 1e6:.1f} M; disk: read {read_bw / MiB:.0f} MiB/s, "
           f"write {write_bw / MiB:.0f} MiB/s")
-    head = f"{'contender':<34} {'step s':>7} {'hit':>5} " + " ".join(f"{s[:12]:>12}" for s in STAGES) + \
+    head = f"{'contender':<34} {'step s':>7} {'fwd+bwd':>7} {'hit':>5} " + " ".join(f"{s[:12]:>12}" for s in STAGES) + \
         f" {'NVMe rd MiB':>11} {'NVMe wr MiB':>11} {'bound s':>8} {'x bound':>8}"
     print("stall seconds per stage (median per step):")
     print(head)
@@ -225,7 +229,7 @@ def study(args, nvme_root: str, bw: tuple[float, float]) -> None:
         rd, wr = med(r, "nvme_read"), med(r, "nvme_written")
         bound = max(compute, rd / read_bw + wr / write_bw)
         hit = statistics.median(s["hit_rate"] or 0.0 for s in r["steps"])
-        print(f"{spec['name']:<34} {step:>7.3f} {hit:>5.2f} " +
+        print(f"{spec['name']:<34} {step:>7.3f} {med(r, 'fwd_bwd'):>7.3f} {hit:>5.2f} " +
               " ".join(f"{med_stall(r, s):>12.3f}" for s in STAGES) +
               f" {rd / MiB:>11.1f} {wr / MiB:>11.1f} {bound:>8.3f} {step / bound:>8.2f}")
     print("bytes per stage per step (MiB, median): ")
@@ -255,7 +259,8 @@ def headline(args, nvme_root: str) -> None:
     print(f"params: {res[specs[0]['name']]['params'] / 1e6:.1f} M")
     for spec in specs:
         t = med(res[spec["name"]], "time")
-        print(f"{spec['name']:<30} step {t:7.3f} s  {mb * seq / t:8.0f} tok/s  {t / plain:5.2f}x plain")
+        print(f"{spec['name']:<30} step {t:7.3f} s (fwd+bwd {med(res[spec['name']], 'fwd_bwd'):.3f} s)  "
+              f"{mb * seq / t:8.0f} tok/s  {t / plain:5.2f}x plain")
     nv = res[specs[1]["name"]]
     print("  NVMe stalls per step: " + ", ".join(f"{s} {med_stall(nv, s):.3f}s" for s in STAGES) +
           f"; NVMe read {med(nv, 'nvme_read') / MiB:.0f} MiB, written {med(nv, 'nvme_written') / MiB:.0f} MiB")
