@@ -144,8 +144,6 @@ class InfinityTrainer:
 def run_child(spec: dict) -> dict:
     import torch
 
-    import infinity
-
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     model = build_gpt(spec["layers"], spec["hidden"])

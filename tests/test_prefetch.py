@@ -9,14 +9,12 @@
 - slowed NVMe reads still give the same losses, and the stall shows in telemetry;
 - telemetry after a step: stalls >= 0, NVMe bytes equal to what the store read, hit rate.
 """
-import copy
 import logging
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import infinity
