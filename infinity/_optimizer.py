@@ -90,7 +90,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  min_scale=cfg.precision.min_loss_scale) if engine.dtype == torch.float16 else None
         self.grad_scale = 1.0 / (engine.world_size * cfg.gradient_accumulation_steps)
         engine.reducer = GradReducer(engine.world_size, z.reduce_bucket_size, self._accumulate,
-                                     drop_full_grads=engine.policy.reduce_in_backward)
+                                     drop_full_grads=engine.policy.reduce_in_backward,
+                                     consumers_done=self.store.wait_grad_writes)
         self.last_grad_norm: Optional[float] = None
         self.skipped = False
         self._step = 0
@@ -222,6 +223,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _run_step(self, hyper: dict) -> None:
         try:
+            # One thread for the math: the next forward computes on the other cores meanwhile.
+            hyper = dict(hyper, num_threads=1) if self._adam is not None else hyper
             self.store.update(lambda chunk: self._update_chunk(chunk, hyper, None, publish=True))
             self.param_store.flush()
             self.store.zero_grads()

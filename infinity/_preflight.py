@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from . import _comm as comm
+from ._stores import DEFAULT_CHUNK
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -38,7 +39,7 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     if opt.opt_tier == "nvme":
         path = z.offload_optimizer.nvme_path
         need["nvme"][path] = need["nvme"].get(path, 0) + opt_bytes
-        chunk = min(z.offload_optimizer.chunk_size or 16 << 20, n)
+        chunk = min(z.offload_optimizer.chunk_size or DEFAULT_CHUNK, n)
         need["host"] += 3 * 16 * chunk
     else:
         need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes

@@ -36,14 +36,20 @@ class GradReducer:
     """Reduce-scatters unit gradients into ``accumulate(unit, shard_grad)``."""
 
     def __init__(self, world_size: int, bucket_elems: int, accumulate: Callable[[FetchUnit, torch.Tensor], None],
-                 *, drop_full_grads: bool, max_inflight: int = 2):
+                 *, drop_full_grads: bool, max_inflight: int = 2, consumers_done: Callable[[], None] = lambda: None):
         self.world_size = world_size
         self.bucket_elems = max(1, bucket_elems)
         self.accumulate = accumulate
         self.drop_full_grads = drop_full_grads
         self.max_inflight = max_inflight
+        self.consumers_done = consumers_done  # waits until nothing reads a completed bucket any more
         self._open = _Bucket()
         self._inflight: List[_InFlight] = []
+        # Note: bucket buffers are allocated once and reused: fresh 100s-of-MB buffers every
+        # flush cost more in page faults than the copies into them.
+        self._ring: List[torch.Tensor] = []
+        self._ring_allocated = 0
+        self._ring_dirty = False  # a reused buffer may still be read by an async consumer
 
     def add(self, unit: FetchUnit) -> None:
         self._open.units.append((unit, self._open.cols))
@@ -56,7 +62,7 @@ class GradReducer:
         bucket, self._open = self._open, _Bucket()
         if not bucket.units:
             return
-        full = torch.empty(self.world_size, bucket.cols, dtype=torch.float32, device=acc.device())
+        full = self._buffer(self.world_size, bucket.cols)
         for unit, col in bucket.units:
             unit.grads_into(full[:, col : col + unit.shard_numel])
             if self.drop_full_grads:
@@ -81,3 +87,22 @@ class GradReducer:
         item.handle.wait()
         for unit, col in item.units:
             self.accumulate(unit, item.out[col : col + unit.shard_numel])
+        base = item.full._base if item.full._base is not None else item.full
+        if base.numel() == self.bucket_elems:
+            self._ring.append(base)
+            self._ring_dirty = True
+
+    def _buffer(self, rows: int, cols: int) -> torch.Tensor:
+        """An (rows, cols) fp32 bucket from the ring (a one-off buffer if it does not fit)."""
+        n = rows * cols
+        if n > self.bucket_elems:
+            return torch.empty(rows, cols, dtype=torch.float32, device=acc.device())
+        if not self._ring and self._ring_allocated <= self.max_inflight:
+            self._ring_allocated += 1
+            return torch.empty(self.bucket_elems, dtype=torch.float32, device=acc.device())[:n].view(rows, cols)
+        if not self._ring:  # every buffer is in flight: complete the oldest
+            self._complete(self._inflight.pop(0))
+        if self._ring_dirty:
+            self.consumers_done()
+            self._ring_dirty = False
+        return self._ring.pop()[:n].view(rows, cols)

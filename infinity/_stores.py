@@ -23,6 +23,9 @@ from . import _accelerator as acc
 from ._swap import SwapDir, nbytes_of, new_aio
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
+# Elements per optimizer swap chunk by default: 3 buffer sets x 4 fp32 arrays x 16 MiB =
+# 192 MiB of host memory, and the overlapped step publishes its first units early.
+DEFAULT_CHUNK = 4 << 20
 
 
 class PoolExhausted(RuntimeError):
@@ -194,6 +197,9 @@ class MemoryOptimizerStore:
     def finalize_grads(self) -> None:
         pass
 
+    def wait_grad_writes(self) -> None:
+        pass
+
     def update(self, fn: Callable[[Chunk], None]) -> None:
         fn(Chunk(0, self.master, self.grad, self.exp_avg, self.exp_avg_sq))
 
@@ -237,7 +243,7 @@ class NvmeOptimizerStore:
         self.total = total
         self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
         self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in _NAMES}
-        self.chunk = min(_round_up(chunk or 16 * 1024 * 1024, ALIGN_ELEMS), _round_up(max(total, 1), ALIGN_ELEMS))
+        self.chunk = min(_round_up(chunk or DEFAULT_CHUNK, ALIGN_ELEMS), _round_up(max(total, 1), ALIGN_ELEMS))
         self.reader = new_aio(aio_cfg)
         self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
         self.grad_writer = new_aio(aio_cfg)
@@ -296,6 +302,10 @@ class NvmeOptimizerStore:
             self._sq += s
             self._finite = self._finite and f
         self._write(self.grad_writer, "grad", offset, g)  # the handle keeps g alive until written
+
+    def wait_grad_writes(self) -> None:
+        """Gradient buffers handed to ``accumulate`` may be reused once this returns."""
+        self.grad_writer.wait()
 
     def finalize_grads(self) -> None:
         """Before the step: ranges that got no gradient this step must read as zeros."""
