@@ -218,7 +218,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine.after_step()  # persistent units' gathered copies are about to be stale
         with self._cond:
             self._updated_upto = 0
-        self._bg = threading.Thread(target=self._run_step, args=(hyper,), name="infinity-optimizer-step", daemon=True)
+        # Not a daemon: an interpreter that exits right after step() first lets the update land.
+        self._bg = threading.Thread(target=self._run_step, args=(hyper,), name="infinity-optimizer-step", daemon=False)
         self._bg.start()
 
     def _run_step(self, hyper: dict) -> None:
