@@ -104,6 +104,7 @@ class Engine:
         self.optimizer = None
         self.swap_dirs: dict = {}
         self.counters = Counters()
+        self._telemetry_totals: dict = {}  # running totals at the last telemetry() call
         self.live_elems = 0  # elements of gathered (full) parameters alive now
         self.peak_live_elems = 0
         self.persistence_threshold = cfg.zero.prefetch.persistence_threshold if self.policy.partition_params else 0
@@ -340,17 +341,23 @@ class Engine:
 
     def telemetry(self, reset: bool = True) -> dict:
         """Counters since the last call: stall seconds and bytes per stage, prefetch hit
-        rate, trace divergences, NVMe traffic of the stores, peak gathered elements."""
+        rate, trace divergences, NVMe traffic of the stores and collective bytes (deltas,
+        like everything else here), and the peak of gathered elements."""
         out = self.counters.snapshot()
         opt = self.optimizer
+        totals = {}
         for name, store in (("optimizer", opt.store), ("params", opt.param_store)):
             if store is not None and hasattr(store, "bytes_read"):
-                out[f"nvme_{name}_read_bytes"] = store.bytes_read
-                out[f"nvme_{name}_write_bytes"] = store.bytes_written
+                totals[f"nvme_{name}_read_bytes"] = store.bytes_read
+                totals[f"nvme_{name}_write_bytes"] = store.bytes_written
+        for kind, n in comm.counters.snapshot()["bytes"].items():
+            totals[f"comm_{kind}_bytes"] = n
+        last = self._telemetry_totals
+        out.update({k: v - last.get(k, 0) for k, v in totals.items()})
         out["peak_live_parameters"] = self.peak_live_elems
-        out["comm"] = comm.counters.snapshot()["bytes"]
         if reset:
             self.counters.reset()
+            self._telemetry_totals = totals
         return out
 
     def tier_bytes(self) -> dict:

@@ -119,11 +119,6 @@ class InfinityTrainer:
         self.model, self.opt = infinity.initialize(model, cfg)
         self.engine = self.opt.engine
         self.engine.telemetry()  # setup traffic is not a step's
-        self._nvme = self._nvme_bytes()
-
-    def _nvme_bytes(self) -> dict:
-        tel = self.engine.telemetry(reset=False)
-        return {k: v for k, v in tel.items() if k.startswith("nvme_") and k.endswith("_bytes")}
 
     def step(self, ids) -> dict:
         start = time.perf_counter()
@@ -131,10 +126,8 @@ class InfinityTrainer:
         fwd_bwd = time.perf_counter() - start
         self.opt.step()
         self.opt.zero_grad()
-        tel = self.engine.telemetry()
-        nvme = self._nvme_bytes()
-        moved = {k: v - self._nvme.get(k, 0) for k, v in nvme.items()}
-        self._nvme = nvme
+        tel = self.engine.telemetry()  # counters of this step only
+        moved = {k: v for k, v in tel.items() if k.startswith("nvme_") and k.endswith("_bytes")}
         return {"fwd_bwd": fwd_bwd, "stall_s": tel["stall_s"], "bytes": tel["bytes"], "hit_rate": tel["prefetch_hit_rate"],
                 "divergences": tel["trace_divergences"],
                 "nvme_read": sum(v for k, v in moved.items() if k.endswith("_read_bytes")),
