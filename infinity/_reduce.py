@@ -52,6 +52,8 @@ class GradReducer:
         self._ring_dirty = False  # a reused buffer may still be read by an async consumer
 
     def add(self, unit: FetchUnit) -> None:
+        if self._open.units and (self._open.cols + unit.shard_numel) * self.world_size > self.bucket_elems:
+            self.flush()  # keep every bucket within bucket_elems, so it fits a ring buffer
         self._open.units.append((unit, self._open.cols))
         self._open.cols += unit.shard_numel
         if self._open.cols * self.world_size >= self.bucket_elems:
@@ -91,6 +93,8 @@ class GradReducer:
         if base.numel() == self.bucket_elems:
             self._ring.append(base)
             self._ring_dirty = True
+        else:  # a one-off buffer for a unit bigger than a bucket: free it as soon as it is read
+            self.consumers_done()
 
     def _buffer(self, rows: int, cols: int) -> torch.Tensor:
         """An (rows, cols) fp32 bucket from the ring (a one-off buffer if it does not fit)."""
