@@ -59,10 +59,10 @@ def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
             value = fn(*args, **kwargs)
+            # Report before teardown: a peer closing its sockets first must not cost the result.
+            results.put((rank, "ok", _dumps(value)))
         finally:
-            # A rank that fails must not block the others in destroy's barrier-free teardown.
             dist.destroy_process_group()
-        results.put((rank, "ok", _dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent
         results.put((rank, "error", traceback.format_exc()))
 

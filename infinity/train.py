@@ -575,15 +575,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    finished = False
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
         text = run_job(cfg)
+        finished = True
     except (TrainError, DataError, ConfigError, NotImplementedError, InsufficientResourcesError) as err:
         print(f"infinity.train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:
         if comm.is_distributed():
+            if finished:
+                comm.barrier()  # no rank tears its sockets down while another still talks
             torch.distributed.destroy_process_group()
     if text is not None:
         print(text)
