@@ -21,7 +21,7 @@ import infinity
 import infinity._stores as stores
 from infinity.testing import run_ranks
 
-from _models import batches, build, loss_of
+from _models import Stack, batches, build, loss_of
 
 STEPS = 4
 LR = 2e-3
@@ -207,22 +207,9 @@ def test_dynamic_control_flow_on_nvme(tmp_path):
 # ------------------------------------------------------------------ live parameters
 
 
-class Deep(nn.Module):
-    """Eight equal layers of dim x dim weights (one fetch unit each)."""
-
-    def __init__(self, dim=64, depth=8):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(dim, dim) for _ in range(depth)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.pow(2).mean()
-
-
 def _train_deep(cfg, steps=4, slow=0.0, monkeypatch=None):
     torch.manual_seed(0)
-    model, opt = infinity.initialize(Deep(), cfg)
+    model, opt = infinity.initialize(Stack(dim=64, depth=8), cfg)
     g = torch.Generator().manual_seed(5)
     losses, tels = [], []
     try:
@@ -277,7 +264,7 @@ def test_slow_nvme_reads_same_result(tmp_path, monkeypatch):
 def _telemetry_run(tmp_path, prefetch):
     cfg = _config(3, "nvme", "nvme", str(tmp_path), prefetch=prefetch, persist=0)
     torch.manual_seed(0)
-    model, opt = infinity.initialize(Deep(), cfg)
+    model, opt = infinity.initialize(Stack(dim=64, depth=8), cfg)
     g = torch.Generator().manual_seed(5)
     tels, read = [], []
     try:
