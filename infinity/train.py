@@ -581,7 +581,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = resolve_config(args)
         text = run_job(cfg)
         finished = True
-    except (TrainError, DataError, ConfigError, NotImplementedError, InsufficientResourcesError) as err:
+    except (TrainError, DataError, ConfigError, InsufficientResourcesError) as err:
         print(f"infinity.train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:

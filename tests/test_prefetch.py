@@ -14,14 +14,13 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import infinity
 import infinity._stores as stores
 from infinity.testing import run_ranks
 
-from _models import Stack, batches, build, loss_of
+from _models import Stack, build, train_losses
 
 STEPS = 4
 LR = 2e-3
@@ -46,24 +45,10 @@ def _config(stage, param, optim, nvme, *, prefetch=True, persist=DEFAULT_PERSIST
             "optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.01}, "gradient_clipping": CLIP}
 
 
-def _world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _train(kind, cfg, steps=STEPS):
-    rank, world = _world()
     model, opt = infinity.initialize(build(kind), cfg)
-    losses = []
     try:
-        for ids in batches(steps):
-            loss = loss_of(model, kind, ids.chunk(world)[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = torch.tensor([loss.item()])
-            if dist.is_initialized():
-                dist.all_reduce(t)
-            losses.append(t.item() / world)
+        losses = train_losses(model, opt, kind, steps)
         tel = opt.engine.telemetry()
     finally:
         opt.engine.close()
