@@ -264,8 +264,7 @@ class Engine:
     def _begin_backward(self) -> None:
         if self._bwd_active:
             return
-        self.optimizer.wait_step()  # an overlapped step must finish reading gradients first
-        self._bwd_active = True
+        self._bwd_active = True  # an overlapped step may still run: Note [overlapped step] in _optimizer.py
         for unit in self.units:
             unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

@@ -73,6 +73,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             unit.opt_offset = total
             total += -(-unit.shard_numel // align) * align
         self.total = total
+        # Note [overlapped step]: stage 3 with the optimizer states on NVMe steps in the background.
+        self.overlap = engine.policy.partition_params and self.opt_tier == "nvme"
         preflight(engine, self)
         engine.swap_dirs = {}
         self.store = self._make_store(total)
@@ -96,7 +98,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped = False
         self._step = 0
         self.frozen = _frozen_ranges(engine.units)  # flat ranges Adam must leave alone
-        self.overlap = engine.policy.partition_params and isinstance(self.store, NvmeOptimizerStore)
         self._bg: Optional[threading.Thread] = None
         self._bg_error: Optional[BaseException] = None
         self._updated_upto = math.inf
@@ -193,6 +194,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             out_flat = self.store.master if in_memory_fp32 else torch.empty(self.total, dtype=engine.dtype,
                                                                            device=acc.device())
         self.state[self.master]["step"] = torch.tensor(float(self._step))
+        self.store.seal_grads()
         if self.overlap:
             self._launch_step(hyper)
             return loss
@@ -210,11 +212,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _launch_step(self, hyper: dict) -> None:
         """Note [overlapped step]: with the optimizer states on NVMe the step is I/O-bound,
         so it runs on a background thread, chunk by chunk in flat (= unit) order, while the
-        next forward starts. ``_updated_upto`` is the flat offset below which every shard is
-        updated and on its tier; a unit is fetched only once its range is below it
-        (``wait_updated``), so no computation ever sees a stale parameter. Backward (which
-        writes new gradients), a second step, GatheredParameters edits and close wait for
-        the whole step (``wait_step``)."""
+        next forward and backward run. ``_updated_upto`` is the flat offset below which every
+        shard is updated and on its tier; a unit is fetched only once its range is below it
+        (``wait_updated``), so no computation ever sees a stale parameter. The next backward
+        needs no wait either: it writes the gradients of a unit only after computing with
+        that unit, which was fetched, hence updated, hence its gradient range (whole chunks)
+        already read by the step. A second step, GatheredParameters edits, reading master
+        weights and close wait for the whole step (``wait_step``). Time the main thread
+        spends waiting on the step is telemetry's ``optimizer_io`` stall."""
         self.engine.after_step()  # persistent units' gathered copies are about to be stale
         with self._cond:
             self._updated_upto = 0
@@ -228,7 +233,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hyper = dict(hyper, num_threads=1) if self._adam is not None else hyper
             self.store.update(lambda chunk: self._update_chunk(chunk, hyper, None, publish=True))
             self.param_store.flush()
-            self.store.zero_grads()
             with self._cond:
                 self._updated_upto = math.inf
                 self._cond.notify_all()
@@ -249,8 +253,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with self._cond:
             if not block and self._bg_error is None:
                 return self._updated_upto >= end
-            ok = self._cond.wait_for(lambda: self._updated_upto >= end or self._bg_error is not None,
-                                     timeout=comm.DEFAULT_TIMEOUT_S)
+            with self.engine.counters.blocked("optimizer_io"):
+                ok = self._cond.wait_for(lambda: self._updated_upto >= end or self._bg_error is not None,
+                                         timeout=comm.DEFAULT_TIMEOUT_S)
             if self._bg_error is not None:
                 raise self._bg_error
             if not ok:
@@ -261,7 +266,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def wait_step(self) -> None:
         """Join an in-flight overlapped step; re-raise its error, if any."""
         if self._bg is not None:
-            self._bg.join()
+            with self.engine.counters.blocked("optimizer_io"):
+                self._bg.join()
             self._bg = None
         if self._bg_error is not None:
             raise self._bg_error
@@ -307,8 +313,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             unit.drop_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._bg is None:  # an overlapped step zeroes the store's gradients when it is done
-            self.store.zero_grads()
+        self.store.zero_grads()  # the accumulating gradients; an overlapped step reads sealed ones
         for unit in self.engine.units:
             unit.drop_grads()
 

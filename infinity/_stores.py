@@ -197,6 +197,9 @@ class MemoryOptimizerStore:
     def finalize_grads(self) -> None:
         pass
 
+    def seal_grads(self) -> None:
+        pass  # the step reads ``grad`` in place and zeroes it when done
+
     def wait_grad_writes(self) -> None:
         pass
 
@@ -227,13 +230,15 @@ _NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 class NvmeOptimizerStore:
     """Note [optimizer swapper]: the fp32 master weights, both moments and the gradient
-    shards live in four swap files. ``update`` walks the flat space in chunks of
-    ``chunk`` elements through three buffer sets: while chunk k is updated on the CPU, the
-    read of chunk k+1 (one handle) and the write-back of chunk k-1 (a handle per set) are in
-    flight. Gradient shards are written as backward produces them; with gradient
-    accumulation the later micro-batches read, add and write back. The squared norm and the
+    shards live in swap files. ``update`` walks the flat space in chunks of ``chunk``
+    elements through ``SETS`` buffer sets, each with its own read and write handle: while
+    chunk k is updated on the CPU, the reads of chunks k+1 .. k+SETS-2 and the write-back of
+    chunk k-1 are in flight (three sets already keep a 2 GB/s disk busy both ways; a fourth
+    measured no faster). Gradient shards are written as backward produces them; with
+    gradient accumulation the later micro-batches read, add and write back. The squared norm and the
     finiteness of the gradients are folded in as their final values are written (one
-    micro-batch per step), or measured in a read pass otherwise."""
+    micro-batch per step), or measured in a read pass otherwise. Accumulation (main thread)
+    and an overlapped step (its own thread) use separate I/O handles and byte counters."""
 
     SETS = 3
 
@@ -245,33 +250,51 @@ class NvmeOptimizerStore:
         self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in _NAMES}
         self.chunk = min(_round_up(chunk or DEFAULT_CHUNK, ALIGN_ELEMS), _round_up(max(total, 1), ALIGN_ELEMS))
         self.reader = new_aio(aio_cfg)
+        self.readers = [new_aio(aio_cfg) for _ in range(self.SETS)]  # a read and a write handle per set
         self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
+        self.grad_reader = new_aio(aio_cfg)
         self.grad_writer = new_aio(aio_cfg)
         self.sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in _NAMES} for _ in range(self.SETS)]
         self.accumulation_steps = accumulation_steps
         self._written: set = set()  # offsets of gradient ranges written since the last step
         self._sq, self._finite, self._stats_valid = 0.0, True, accumulation_steps == 1
-        self.bytes_read = 0
-        self.bytes_written = 0
+        self._io = {"step": [0, 0], "grad": [0, 0]}  # [read, written] bytes by the step's and the grads' handles
         self._zero_files()
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r for r, _ in self._io.values())
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(w for _, w in self._io.values())
 
     def _zero_files(self) -> None:
         zeros = self.sets[0]["grad"].zero_()
-        for name in ("exp_avg", "exp_avg_sq", "grad"):
+        for path in (self.paths["exp_avg"], self.paths["exp_avg_sq"], self.paths["grad"]):
             for off in range(0, self.total, self.chunk):
                 n = min(self.chunk, self.total - off)
-                self.writers[0].pwrite(zeros[:n], self.paths[name], off * 4)
+                self.writers[0].pwrite(zeros[:n], path, off * 4)
         self.writers[0].wait()
 
     # -------------------------------------------------------------- I/O helpers
 
     def _read(self, name: str, offset: int, out: torch.Tensor) -> None:
         self.reader.pread(out, self.paths[name], offset * 4)
-        self.bytes_read += out.numel() * 4
+        self._io["step"][0] += out.numel() * 4
 
     def _write(self, handle, name: str, offset: int, values: torch.Tensor) -> None:
         handle.pwrite(values, self.paths[name], offset * 4)
-        self.bytes_written += values.numel() * 4
+        self._io["step"][1] += values.numel() * 4
+
+    def _grad_read(self, offset: int, out: torch.Tensor) -> None:
+        self.grad_reader.pread(out, self.paths["grad"], offset * 4)
+        self.grad_reader.wait()
+        self._io["grad"][0] += out.numel() * 4
+
+    def _grad_write(self, offset: int, values: torch.Tensor) -> None:
+        self.grad_writer.pwrite(values, self.paths["grad"], offset * 4)
+        self._io["grad"][1] += values.numel() * 4
 
     def load_master(self, offset: int, values: torch.Tensor) -> None:
         buf = values.contiguous().to(torch.float32)
@@ -291,8 +314,7 @@ class NvmeOptimizerStore:
         if offset in self._written:
             self.grad_writer.wait()  # the earlier write of this range must have landed
             old = torch.empty_like(g)
-            self._read("grad", offset, old)
-            self.reader.wait()
+            self._grad_read(offset, old)
             g = old.add_(g)
             self._stats_valid = False
         else:
@@ -301,7 +323,7 @@ class NvmeOptimizerStore:
             s, f = _sq_and_finite(g)
             self._sq += s
             self._finite = self._finite and f
-        self._write(self.grad_writer, "grad", offset, g)  # the handle keeps g alive until written
+        self._grad_write(offset, g)  # the handle keeps g alive until written
 
     def wait_grad_writes(self) -> None:
         """Gradient buffers handed to ``accumulate`` may be reused once this returns."""
@@ -313,19 +335,19 @@ class NvmeOptimizerStore:
         if missing:
             zeros = torch.zeros(max(n for _, n in missing), dtype=torch.float32)
             for o, n in missing:
-                self._write(self.grad_writer, "grad", o, zeros[:n])
+                self._grad_write(o, zeros[:n])
                 self._written.add(o)
         self.grad_writer.wait()
 
     def grad_stats(self) -> tuple:
+        """Of the gradients accumulated so far (call with no step in flight: it borrows a buffer set)."""
         if self._stats_valid:
             return self._sq, self._finite
         sq, finite = 0.0, True
         buf = self.sets[0]["grad"]
         for off in range(0, self.total, self.chunk):
             n = min(self.chunk, self.total - off)
-            self._read("grad", off, buf[:n])
-            self.reader.wait()
+            self._grad_read(off, buf[:n])
             s, f = _sq_and_finite(buf[:n])
             sq += s
             finite = finite and f
@@ -335,10 +357,16 @@ class NvmeOptimizerStore:
         self._coef = coef  # applied per chunk inside update, saving a pass over the file
 
     def zero_grads(self) -> None:
-        """Forget this step's gradients: the next accumulation overwrites instead of adding."""
+        """Forget the gradients accumulated so far: the next accumulation overwrites instead of adding."""
         self.grad_writer.wait()
         self._written.clear()
         self._sq, self._finite, self._stats_valid = 0.0, True, self.accumulation_steps == 1
+
+    def seal_grads(self) -> None:
+        """The accumulated gradients now belong to the next ``update``; accumulation starts
+        afresh (the next backward may run while an overlapped update still reads: Note
+        [overlapped step] in _optimizer.py says why it never reads a range being rewritten)."""
+        self.zero_grads()
 
     # -------------------------------------------------------------- the step
 
@@ -347,12 +375,15 @@ class NvmeOptimizerStore:
         starts = list(range(0, self.total, self.chunk))
         if not starts:
             return
-        self._read_chunk(0, starts[0])
+        ahead = self.SETS - 2  # chunks read ahead; one set computes, one set's writes drain
+        for j in range(min(ahead, len(starts))):
+            self._read_chunk(j, starts[j])
         for k, off in enumerate(starts):
-            self.reader.wait()  # chunk k is in set k % 3
-            if k + 1 < len(starts):
-                self.writers[(k + 1) % self.SETS].wait()  # set (k+1) % 3 held chunk k-2
-                self._read_chunk((k + 1) % self.SETS, starts[k + 1])
+            self.readers[k % self.SETS].wait()  # chunk k is in set k % SETS
+            j = k + ahead
+            if j < len(starts):
+                self.writers[j % self.SETS].wait()  # that set held chunk j - SETS: written back
+                self._read_chunk(j % self.SETS, starts[j])
             n = min(self.chunk, self.total - off)
             bufs = {name: t[:n] for name, t in self.sets[k % self.SETS].items()}
             if coef != 1.0:
@@ -368,7 +399,8 @@ class NvmeOptimizerStore:
     def _read_chunk(self, s: int, off: int) -> None:
         n = min(self.chunk, self.total - off)
         for name in _NAMES:
-            self._read(name, off, self.sets[s][name][:n])
+            self.readers[s].pread(self.sets[s][name][:n], self.paths[name], off * 4)
+            self._io["step"][0] += n * 4
 
     def nbytes(self) -> dict:
         return {"nvme": 4 * 4 * self.total, "host": self.SETS * 4 * 4 * self.chunk}

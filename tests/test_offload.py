@@ -7,6 +7,7 @@ an injected I/O failure, and host memory that stays flat over many steps.
 """
 import itertools
 import os
+import time
 
 import psutil
 import pytest
@@ -83,6 +84,62 @@ def test_gradient_accumulation_on_nvme(tmp_path):
             results.append([p.detach().clone() for p in model.parameters()])
         opt.engine.close()
     for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _TailHeavy(torch.nn.Module):
+    """Two used layers, then a large layer the forward never calls: it is last in the flat
+    space, so the overlapped step is still updating it when the next backward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32)
+        self.b = torch.nn.Linear(32, 1)
+        self.tail = torch.nn.Linear(128, 128)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+def _train_tail_heavy(cfg, monkeypatch=None):
+    from infinity import _optimizer
+
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(_TailHeavy(), cfg)
+    during_step = []  # per gradient arrival: was the previous step still running?
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: during_step.append(opt._bg is not None and opt._bg.is_alive()))
+    if monkeypatch is not None:  # a slow step: every chunk of the update takes 20 ms longer
+        real = _optimizer.ZeroOptimizer._update_chunk
+
+        def slow(self, *args, **kwargs):
+            time.sleep(0.02)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(_optimizer.ZeroOptimizer, "_update_chunk", slow)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(4):
+        for _ in range(2):  # gradient accumulation: the second micro-batch reads and adds
+            loss = model(torch.randn(6, 32, generator=g))
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()  # while the step may still run: it clears the gradients being accumulated
+    with infinity.GatheredParameters(list(model.parameters())):
+        params = [p.detach().clone() for p in model.parameters()]
+    opt.engine.close()
+    return losses, params, during_step
+
+
+def test_backward_overlaps_the_running_step(tmp_path, monkeypatch):
+    """The next forward and backward (with accumulation, and zero_grad) run while the
+    overlapped step is still updating: the same result as with the step in memory."""
+    ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
+    got = _train_tail_heavy(_config(3, "nvme", "nvme", str(tmp_path), gradient_accumulation_steps=2), monkeypatch)
+    assert any(got[2]), "no gradient arrived while the previous step was running: the test lost its point"
+    assert got[0] == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
+    for a, b in zip(got[1], ref[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
