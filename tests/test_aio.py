@@ -162,6 +162,65 @@ def test_wait_from_another_thread(backend, tmp_path):
     assert (tmp_path / "bg.bin").read_bytes() == data.numpy().tobytes()
 
 
+def test_wait_with_generous_timeout(backend, tmp_path):
+    data = random_bytes(8 * MiB + 5, seed=31)
+    pieces = [(i * MiB, MiB + (5 if i == 7 else 0)) for i in range(8)]
+    with AsyncIO(block_size=256 * KiB, queue_depth=4, backend=backend) as h:
+        assert h.wait(timeout=0) == 0  # nothing in flight: done at once
+        for off, n in pieces:
+            h.pwrite(data[off:off + n], tmp_path / "t.bin", off)
+        assert h.wait(timeout=60, what="eight writes") == 8
+        back = torch.zeros_like(data)
+        for off, n in pieces:
+            h.pread(back[off:off + n], tmp_path / "t.bin", off)
+        assert h.wait(timeout=float("inf")) == 8
+        assert h.wait(timeout=0) == 0
+    assert torch.equal(back, data)
+
+
+def test_wait_timeout_names_the_file_and_keeps_the_handle(backend, tmp_path):
+    """A read far larger than 1 ms of any disk can move: wait(timeout=1e-6) gives up (rounded
+    up to 1 ms), says on what and for what, and the next wait() collects the read intact.
+    Should the read still beat the deadline, the next size is tried."""
+    what = "the shard of transformer.h.3 (rank 0)"
+    with AsyncIO(block_size=MiB, queue_depth=32, backend=backend) as h:
+        for n in (64 * MiB, 256 * MiB):
+            path = tmp_path / f"slow{n}.bin"
+            src = aligned_empty(n // 8, torch.int64)
+            torch.arange(n // 8, out=src)
+            h.pwrite(src, path)
+            assert h.wait() == 1
+            dst = aligned_empty(n // 8, torch.int64)
+            dst.zero_()
+            h.pread(dst, path)
+            try:
+                h.wait(timeout=1e-6, what=what)
+            except TimeoutError as e:
+                message = str(e)
+                break
+            assert torch.equal(dst, src)  # it beat the deadline: all there, try a bigger one
+        else:
+            pytest.fail("a 256 MiB read finished within 1 ms twice; the timeout path was never taken")
+        assert "1 request(s) still in flight" in message and "timeout=1e-06 s" in message
+        assert str(path) in message and f"for {what}" in message and f"{n} bytes" in message
+        assert "hung or very slow disk" in message and "raise the timeout" in message
+        assert h.wait() == 1
+        assert torch.equal(dst, src)
+        assert h.in_flight() == 0 and h.wait(timeout=1.0) == 0
+
+
+def test_wait_timeout_bad_arguments(tmp_path):
+    with AsyncIO() as h:
+        with pytest.raises(ValueError, match="timeout must be >= 0 seconds"):
+            h.wait(timeout=-1)
+        with pytest.raises(ValueError, match="timeout must be >= 0 seconds"):
+            h.wait(timeout=float("nan"))
+        with pytest.raises(TypeError, match="timeout must be a number of seconds or None, got str"):
+            h.wait(timeout="5")
+        with pytest.raises(TypeError, match="what must be a str"):
+            h.wait(timeout=5, what=3)
+
+
 def test_two_handles_from_two_threads(backend, tmp_path):
     failures = []
 

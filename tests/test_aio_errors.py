@@ -98,6 +98,18 @@ def test_read_past_end_of_file(backend, tmp_path, file_size):
         assert_usable(h, tmp_path / "ok.bin")
 
 
+def test_wait_with_timeout_still_reports_failures(backend, tmp_path):
+    """The timed part of wait consumes nothing: the failure is raised by the same call."""
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(MiB))
+    with AsyncIO(backend=backend) as h:
+        h.pread(torch.empty(2 * MiB, dtype=torch.uint8), path, 0)
+        with pytest.raises(AioError, match="end of file") as info:
+            h.wait(timeout=60, what="a read past the end")
+        assert info.value.filename == str(path) and info.value.length == 2 * MiB
+        assert_usable(h, tmp_path / "ok.bin")
+
+
 def test_permission_error_for_root(backend, tmp_path):
     """An immutable file (chattr +i) refuses writes even to root."""
     path = tmp_path / "locked.bin"

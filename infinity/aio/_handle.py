@@ -8,8 +8,10 @@ Note: lifetime of submitted memory.
     freed under the kernel, whichever thread submits and whichever thread waits.
 """
 import errno as _errno
+import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -212,13 +214,20 @@ class AsyncIO:
         return (f" (the piece at offset {err.offset}, {err.length} bytes, "
                 f"failed after {err.transferred} bytes)")
 
-    def wait(self) -> int:
+    def wait(self, timeout: Optional[float] = None, what: str = "") -> int:
         """Blocks until every request submitted so far has finished; returns how many finished.
 
         Raises ``AioError`` for the first failed request (after all of them drained); the
         handle stays usable. Safe to call from a thread other than the submitter's.
+
+        ``timeout``: seconds to wait at most (None: no limit). When it passes first,
+        ``TimeoutError`` names the requests still in flight, their files and ``what`` (the
+        caller's words for what was being waited for); nothing is collected or dropped, so a
+        later ``wait`` completes normally.
         """
         self._check_open()
+        if timeout is not None:
+            self._wait_for(timeout, what)
         errs = ffi.new("infinity_aio_error[]", _MAX_ERRORS)
         n_errs = ffi.new("int32_t *")
         horizon = ffi.new("int64_t *")
@@ -234,6 +243,57 @@ class AsyncIO:
         if n_errs[0]:
             raise self._error(failed, n_errs[0])
         return int(done)
+
+    def _wait_for(self, timeout, what: str) -> None:
+        """Waits up to ``timeout`` seconds without collecting anything; raises TimeoutError."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"AsyncIO.wait: timeout must be a number of seconds or None, "
+                            f"got {type(timeout).__name__}")
+        if math.isnan(timeout) or timeout < 0:
+            raise ValueError(f"AsyncIO.wait: timeout must be >= 0 seconds (or None for no limit), got {timeout}")
+        if not isinstance(what, str):
+            raise TypeError(f"AsyncIO.wait: what must be a str describing what is waited for, "
+                            f"got {type(what).__name__}")
+        # Rounded up: a positive timeout never degenerates into a mere look.
+        ms = -1 if math.isinf(timeout) else min(math.ceil(timeout * 1000), 1 << 62)
+        with self._lock:
+            covered = set(self._pending)
+        start = time.monotonic()
+        if lib.infinity_aio_wait_for(self._h, ms):
+            return
+        waited = time.monotonic() - start
+        stuck = self._stuck(covered)
+        if stuck:  # none left means they finished just after the deadline: not a timeout
+            raise TimeoutError(self._timeout_message(stuck, timeout, waited, what))
+
+    def _stuck(self, covered) -> List[_Pending]:
+        """The requests among ``covered`` (ids) that are still in flight, oldest first."""
+        n = int(lib.infinity_aio_in_flight(self._h))
+        while True:
+            ids = ffi.new("int64_t[]", max(n, 1))
+            total = int(lib.infinity_aio_in_flight_ids(self._h, ids, n))
+            if total <= n:
+                break
+            n = total  # more were submitted meanwhile: ask again with room for all
+        with self._lock:
+            return [self._pending[i] for i in ids[0:total] if i in covered and i in self._pending]
+
+    @staticmethod
+    def _timeout_message(stuck: List[_Pending], timeout: float, waited: float, what: str) -> str:
+        per_file: Dict[str, List[_Pending]] = {}
+        for req in stuck:
+            per_file.setdefault(req.path, []).append(req)
+        files = []
+        for path, reqs in list(per_file.items())[:8]:
+            ops = "/".join(sorted({r.op for r in reqs}))
+            files.append(f"{path!r} ({len(reqs)} {ops}(s), {sum(r.length for r in reqs)} bytes)")
+        if len(per_file) > 8:
+            files.append(f"and {len(per_file) - 8} more file(s)")
+        target = f" for {what}" if what else ""
+        return (f"AsyncIO.wait: {len(stuck)} request(s) still in flight after waiting {waited:.3g} s "
+                f"(timeout={timeout:g} s){target}, on {', '.join(files)}. Check for a hung or very slow "
+                f"disk (dmesg for I/O errors, `iostat -x 1` for a device stuck at 100% util), or raise "
+                f"the timeout. The requests stay queued: a later wait() collects them.")
 
     def _error(self, failed, count: int) -> AioError:
         err, req = failed[0]

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -148,8 +149,15 @@ class Engine {
     int rw(int op, int fd_direct, int fd_buffered, char *buf, int64_t len, int64_t off,
            infinity_aio_error *err);
     int64_t wait(infinity_aio_error *errs, int max_errs, int *n_errs, int64_t *horizon);
+    bool wait_for(int64_t timeout_ms);
     int64_t in_flight() {
         std::lock_guard<std::mutex> lk(mu_);
+        return static_cast<int64_t>(incomplete_.size());
+    }
+    int64_t in_flight_ids(int64_t *ids, int64_t max_ids) {
+        std::lock_guard<std::mutex> lk(mu_);
+        int64_t i = 0;
+        for (auto it = incomplete_.begin(); it != incomplete_.end() && i < max_ids; ++it) ids[i++] = *it;
         return static_cast<int64_t>(incomplete_.size());
     }
     int64_t direct_fallbacks() const { return fallbacks_.load(); }
@@ -251,6 +259,19 @@ int64_t Engine::wait(infinity_aio_error *errs, int max_errs, int *n_errs, int64_
     int64_t done = completed_;
     completed_ = 0;
     return done;
+}
+
+bool Engine::wait_for(int64_t timeout_ms) {
+    std::unique_lock<std::mutex> lk(mu_);
+    const int64_t target = next_id_;
+    auto covered = [&] { return incomplete_.empty() || *incomplete_.begin() >= target; };
+    if (timeout_ms < 0) {
+        cv_done_.wait(lk, covered);
+        return true;
+    }
+    // Capped so that now() + timeout cannot overflow the clock's representation (~31 years).
+    const auto limit = std::chrono::milliseconds(std::min<int64_t>(timeout_ms, 1000000000000LL));
+    return cv_done_.wait_for(lk, limit, covered);
 }
 
 // Prepares a piece for its first attempt; false if it must not be attempted at all.
@@ -533,7 +554,16 @@ int64_t infinity_aio_wait(infinity_aio *h, infinity_aio_error *errs, int32_t max
     return h->engine.wait(errs, max_errs, n_errs, horizon);
 }
 
+int infinity_aio_wait_for(infinity_aio *h, int64_t timeout_ms) {
+    return h->engine.wait_for(timeout_ms) ? 1 : 0;
+}
+
 int64_t infinity_aio_in_flight(infinity_aio *h) { return h->engine.in_flight(); }
+
+int64_t infinity_aio_in_flight_ids(infinity_aio *h, int64_t *ids, int64_t max_ids) {
+    if (!ids) max_ids = 0;
+    return h->engine.in_flight_ids(ids, max_ids);
+}
 
 int64_t infinity_aio_direct_fallbacks(infinity_aio *h) { return h->engine.direct_fallbacks(); }
 

@@ -71,8 +71,18 @@ int infinity_aio_rw(infinity_aio *h, int32_t op, int32_t fd_direct, int32_t fd_b
 int64_t infinity_aio_wait(infinity_aio *h, infinity_aio_error *errs, int32_t max_errs,
                           int32_t *n_errs, int64_t *horizon);
 
+/* Blocks until every request submitted before the call has completed (1) or `timeout_ms`
+ * milliseconds passed (0); a negative timeout waits without limit, 0 only looks. Consumes
+ * nothing: completions, errors and the horizon are still collected by infinity_aio_wait,
+ * which returns at once afterwards when this returned 1. Safe beside other waiters. */
+int infinity_aio_wait_for(infinity_aio *h, int64_t timeout_ms);
+
 /* Requests submitted and not yet completed. */
 int64_t infinity_aio_in_flight(infinity_aio *h);
+
+/* Ids of the requests submitted and not yet completed, smallest first: up to `max_ids`
+ * are copied to `ids`; returns how many there are in all. */
+int64_t infinity_aio_in_flight_ids(infinity_aio *h, int64_t *ids, int64_t max_ids);
 
 /* How many pieces were retried through fd_buffered after fd_direct refused them (EINVAL). */
 int64_t infinity_aio_direct_fallbacks(infinity_aio *h);
