@@ -120,6 +120,37 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+_copy_stream = None
+
+
+def start_copy_to_device(src: torch.Tensor):
+    """Begin copying a host tensor to the device on the side stream for host->device
+    traffic; returns ``(device tensor, event)``. The copy overlaps compute on the current
+    stream; ``finish_copy_to_device`` orders a stream after it. Without an accelerator the
+    host tensor is the device tensor and the event has already happened."""
+    global _copy_stream
+    if not has_cuda() or src.device == device():
+        return src, _SyncEvent()
+    if _copy_stream is None:
+        _copy_stream = torch.cuda.Stream()
+    _copy_stream.wait_stream(torch.cuda.current_stream())  # src was filled before this call
+    with torch.cuda.stream(_copy_stream):
+        dst = src.to(device(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(_copy_stream)
+    return dst, event
+
+
+def finish_copy_to_device(dst: torch.Tensor, event) -> torch.Tensor:
+    """Make the current stream wait for a ``start_copy_to_device`` copy (no CPU wait) and
+    let the caching allocator know ``dst`` is now used on it."""
+    if has_cuda() and dst.is_cuda:
+        stream = torch.cuda.current_stream()
+        event.wait(stream)
+        dst.record_stream(stream)
+    return dst
+
+
 # ---------------------------------------------------------------- memory budget
 
 

@@ -3,9 +3,12 @@
 Note [trace and prefetch]: the first iteration records the order in which modules with
 parameters run in forward and in backward (the *trace*). In later iterations, when module i
 starts, the prefetcher has already submitted the NVMe reads of the units of modules
-i+1 .. i+depth (bounded by ``bucket_size`` elements in flight and by free staging buffers)
-and launches the all-gather of module i+1 (bounded by ``max_live_parameters``), so I/O and
-collectives run while module i computes. Each iteration is checked against the trace: on
+i+1 .. i+depth (bounded by ``bucket_size`` elements in flight and by free staging buffers),
+starts the host->device copies of those among i+1 .. i+device_depth whose reads have
+landed (a side stream on CUDA; nothing to copy without an accelerator), and launches the
+all-gathers of i+1 .. i+gather_depth (bounded by ``max_live_parameters``), so I/O, copies
+and collectives run while module i computes. By default depth 3, device_depth 2 and
+gather_depth 1: paper 002 §6.2's NVMe->host for i+3, host->device for i+2, all-gather for i+1. Each iteration is checked against the trace: on
 the first mismatch (a block skipped, another branch, a different depth) every prefetch not
 yet used is abandoned (waited for and returned: collectives stay matched across ranks),
 the rest of the iteration fetches on demand, the divergence is counted, and the order this
@@ -37,6 +40,8 @@ class Prefetcher:
         self.engine = engine
         self.enabled = cfg.enabled and engine.policy.partition_params
         self.depth = cfg.depth
+        self.device_depth = cfg.device_depth
+        self.gather_depth = cfg.gather_depth
         self.bucket = cfg.bucket_size
         self.max_live = cfg.max_live_parameters
         self.traces = {"forward": None, "backward": None}
@@ -101,8 +106,12 @@ class Prefetcher:
                     break
                 in_flight += unit.shard_numel
                 self._prefetched.append(unit)
-        if nxt < len(trace):
-            for unit in trace[nxt].units:
+        for j in range(nxt, min(len(trace), nxt + self.device_depth)):
+            for unit in trace[j].units:
+                if unit.state is ParamState.HOST and unit.partitioned:
+                    unit.stage_to_device(block=False)  # only once its read has landed
+        for j in range(nxt, min(len(trace), nxt + self.gather_depth)):
+            for unit in trace[j].units:
                 if unit.state in (ParamState.RELEASED, ParamState.HOST, ParamState.DEVICE) and unit.partitioned \
                         and self.engine.live_elems + unit.full_numel <= self.max_live:
                     unit.start_gather()

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional
 import torch
 
 from . import _accelerator as acc
-from ._swap import SwapDir, nbytes_of, new_aio
+from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
 # Elements per optimizer swap chunk by default: 3 buffer sets x 4 fp32 arrays x 16 MiB =
@@ -78,6 +78,7 @@ class ParamStore:
         if tier == "nvme":
             self.path = swap.file("params.swp", nbytes_of(total, dtype))
             self.writer = new_aio(aio_cfg)
+            self._rank = swap.rank
             size = buffer_size or max_unit
             if size < max_unit:
                 raise ValueError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
@@ -118,7 +119,7 @@ class ParamStore:
 
     def flush(self) -> None:
         if self.flat is None:
-            self.writer.wait()
+            wait_io(self.writer, f"parameter shard writes on rank {self._rank}")
 
     def start_read(self, offset: int, numel: int, *, block: bool = True):
         """Submit NVMe -> a pool buffer; None when ``block`` is off and no buffer is free.
@@ -131,10 +132,15 @@ class ParamStore:
         self.bytes_read += numel * self.itemsize
         return buf, reader
 
-    def finish_read(self, pending) -> torch.Tensor:
+    @staticmethod
+    def read_done(pending) -> bool:
+        """The read has landed (``finish_read`` will not block)."""
+        return pending[1].in_flight() == 0
+
+    def finish_read(self, pending, what: str = "") -> torch.Tensor:
         buf, reader = pending
         try:
-            reader.wait()
+            wait_io(reader, what or "a parameter shard read")
         except Exception:
             self.pool.put(buf)
             raise
@@ -256,6 +262,7 @@ class NvmeOptimizerStore:
         self.grad_writer = new_aio(aio_cfg)
         self.sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in _NAMES} for _ in range(self.SETS)]
         self.accumulation_steps = accumulation_steps
+        self.rank = swap.rank
         self._written: set = set()  # offsets of gradient ranges written since the last step
         self._sq, self._finite, self._stats_valid = 0.0, True, accumulation_steps == 1
         self._io = {"step": [0, 0], "grad": [0, 0]}  # [read, written] bytes by the step's and the grads' handles
@@ -275,9 +282,12 @@ class NvmeOptimizerStore:
             for off in range(0, self.total, self.chunk):
                 n = min(self.chunk, self.total - off)
                 self.writers[0].pwrite(zeros[:n], path, off * 4)
-        self.writers[0].wait()
+        self._wait(self.writers[0], "zero-filling the optimizer swap files")
 
     # -------------------------------------------------------------- I/O helpers
+
+    def _wait(self, handle, what: str) -> None:
+        wait_io(handle, f"{what} (optimizer swapper, rank {self.rank})")
 
     def _read(self, name: str, offset: int, out: torch.Tensor) -> None:
         self.reader.pread(out, self.paths[name], offset * 4)
@@ -289,7 +299,7 @@ class NvmeOptimizerStore:
 
     def _grad_read(self, offset: int, out: torch.Tensor) -> None:
         self.grad_reader.pread(out, self.paths["grad"], offset * 4)
-        self.grad_reader.wait()
+        self._wait(self.grad_reader, f"reading gradient shards at element {offset}")
         self._io["grad"][0] += out.numel() * 4
 
     def _grad_write(self, offset: int, values: torch.Tensor) -> None:
@@ -299,12 +309,12 @@ class NvmeOptimizerStore:
     def load_master(self, offset: int, values: torch.Tensor) -> None:
         buf = values.contiguous().to(torch.float32)
         self._write(self.writers[0], "master", offset, buf)
-        self.writers[0].wait()
+        self._wait(self.writers[0], f"writing master weights at element {offset}")
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32)
         self._read("master", offset, out)
-        self.reader.wait()
+        self._wait(self.reader, f"reading master weights at element {offset}")
         return out
 
     # -------------------------------------------------------------- gradients
@@ -312,7 +322,7 @@ class NvmeOptimizerStore:
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
         g = shard_grad.mul(scale) if scale != 1.0 else shard_grad.contiguous()
         if offset in self._written:
-            self.grad_writer.wait()  # the earlier write of this range must have landed
+            self._wait(self.grad_writer, "gradient shard writes")  # the earlier write of this range must land
             old = torch.empty_like(g)
             self._grad_read(offset, old)
             g = old.add_(g)
@@ -327,7 +337,7 @@ class NvmeOptimizerStore:
 
     def wait_grad_writes(self) -> None:
         """Gradient buffers handed to ``accumulate`` may be reused once this returns."""
-        self.grad_writer.wait()
+        self._wait(self.grad_writer, "gradient shard writes")
 
     def finalize_grads(self) -> None:
         """Before the step: ranges that got no gradient this step must read as zeros."""
@@ -337,7 +347,7 @@ class NvmeOptimizerStore:
             for o, n in missing:
                 self._grad_write(o, zeros[:n])
                 self._written.add(o)
-        self.grad_writer.wait()
+        self._wait(self.grad_writer, "gradient shard writes")
 
     def grad_stats(self) -> tuple:
         """Of the gradients accumulated so far (call with no step in flight: it borrows a buffer set)."""
@@ -358,7 +368,7 @@ class NvmeOptimizerStore:
 
     def zero_grads(self) -> None:
         """Forget the gradients accumulated so far: the next accumulation overwrites instead of adding."""
-        self.grad_writer.wait()
+        self._wait(self.grad_writer, "gradient shard writes")
         self._written.clear()
         self._sq, self._finite, self._stats_valid = 0.0, True, self.accumulation_steps == 1
 
@@ -379,10 +389,10 @@ class NvmeOptimizerStore:
         for j in range(min(ahead, len(starts))):
             self._read_chunk(j, starts[j])
         for k, off in enumerate(starts):
-            self.readers[k % self.SETS].wait()  # chunk k is in set k % SETS
+            self._wait(self.readers[k % self.SETS], f"reading optimizer chunk at element {off}")  # set k % SETS
             j = k + ahead
             if j < len(starts):
-                self.writers[j % self.SETS].wait()  # that set held chunk j - SETS: written back
+                self._wait(self.writers[j % self.SETS], "writing back an optimizer chunk")  # set held chunk j - SETS
                 self._read_chunk(j % self.SETS, starts[j])
             n = min(self.chunk, self.total - off)
             bufs = {name: t[:n] for name, t in self.sets[k % self.SETS].items()}
@@ -393,7 +403,7 @@ class NvmeOptimizerStore:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 self._write(w, name, off, bufs[name])
         for w in self.writers:
-            w.wait()
+            self._wait(w, "writing back optimizer chunks")
         self._coef = 1.0
 
     def _read_chunk(self, s: int, off: int) -> None:

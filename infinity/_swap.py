@@ -24,6 +24,7 @@ class SwapDir:
             raise ValueError("NVMe offload needs nvme_path: set zero.offload_param.nvme_path / "
                              "zero.offload_optimizer.nvme_path to a directory on a fast local disk")
         os.makedirs(nvme_path, exist_ok=True)
+        self.rank = rank
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.path = os.path.join(os.path.abspath(nvme_path), f"infinity-{self.run_id}", f"rank{rank}")
         os.makedirs(self.path, exist_ok=False)
@@ -62,6 +63,14 @@ def new_aio(cfg, *, backend: Optional[str] = None):
 
     return AsyncIO(block_size=cfg.block_size, queue_depth=cfg.queue_depth, threads=cfg.threads,
                    direct=cfg.direct, backend=backend or cfg.backend)
+
+
+def wait_io(handle, what: str) -> None:
+    """Wait for a handle's requests, at most the engine's wait timeout (INFINITY_COMM_TIMEOUT
+    seconds); a timeout raises TimeoutError naming ``what`` and the files still in flight."""
+    from ._comm import DEFAULT_TIMEOUT_S
+
+    handle.wait(timeout=DEFAULT_TIMEOUT_S, what=what)
 
 
 def nbytes_of(numel: int, dtype: torch.dtype) -> int:

@@ -60,6 +60,9 @@ class FetchUnit:
         self.opt_offset = 0  # start of this unit's range in the optimizer's flat fp32 space
         self._staged: Optional[torch.Tensor] = None  # pool buffer holding the shard read from NVMe
         self._read = None  # the read of the shard in flight (HOST state on the NVMe tier)
+        self._dev_shard: Optional[torch.Tensor] = None  # the shard on the device (DEVICE state)
+        self._h2d = None  # the event of its host->device copy
+        self._h2d_copied = False  # the device shard is a copy (CUDA), not the host tensor itself
         self._state = ParamState.AVAILABLE
         self._refs = 0
         self._gather_out: Optional[torch.Tensor] = None
@@ -200,10 +203,10 @@ class FetchUnit:
             if self.partitioned:
                 self._free_full()
             return
-        if self._state in (ParamState.HOST, ParamState.DEVICE):
+        if self._state is ParamState.HOST:
             self.stage_to_device()  # completes an in-flight read before its buffer is reused
-            self.store.pool.put(self._staged)
-            self._staged = None
+        if self._state is ParamState.DEVICE:
+            self._drop_device_shard()
             self._state = ParamState.RELEASED
 
     def stage_to_host(self, *, block: bool = True) -> bool:
@@ -221,19 +224,38 @@ class FetchUnit:
         self._state = ParamState.HOST
         return True
 
-    def stage_to_device(self) -> None:
-        """HOST -> DEVICE: wait for the read, then the shard is where the all-gather reads it
-        (on CUDA a copy to the device; without an accelerator the host buffer is it)."""
-        assert self._state in (ParamState.HOST, ParamState.DEVICE), self._state
+    def stage_to_device(self, *, block: bool = True) -> bool:
+        """HOST -> DEVICE: once the shard's read has landed (waiting for it when ``block``),
+        start its copy to the device on the host->device stream (without an accelerator the
+        host buffer is the device shard). False when ``block`` is off and the read is still
+        in flight."""
+        assert self._state is ParamState.HOST, self._state
         if self._read is not None:
+            if not block and not self.store.read_done(self._read):
+                return False
             with self.engine.counters.blocked("nvme_read"):
-                self._staged = self.store.finish_read(self._read)
+                self._staged = self.store.finish_read(self._read, what=self._what())
             self._read = None
-        self._state = ParamState.DEVICE
-
-    def _device_shard(self) -> torch.Tensor:
         src = self._staged[: self.shard_numel] if self._staged is not None else self.shard()
-        return acc.to_device(src)
+        self._dev_shard, self._h2d = acc.start_copy_to_device(src)
+        self._h2d_copied = self._dev_shard is not src
+        if self._h2d_copied:
+            self.engine.counters.bytes["host_to_device"] += src.numel() * src.element_size()
+        self._state = ParamState.DEVICE
+        return True
+
+    def _drop_device_shard(self) -> None:
+        """The device shard was consumed: give the staging buffer back once its copy is done."""
+        if self._staged is not None:
+            with self.engine.counters.blocked("host_to_device"):
+                self._h2d.synchronize()
+            self.store.pool.put(self._staged)
+            self._staged = None
+        self._dev_shard = self._h2d = None
+
+    def _what(self) -> str:
+        return f"the shard of {self.module_name or '<root>'} ({len(self.params)} params, first " \
+               f"{self.infos[0].name}) on rank {self.rank}"
 
     def start_gather(self) -> None:
         """RELEASED/HOST/DEVICE -> GATHERING: launch the all-gather of this unit's shards."""
@@ -242,18 +264,20 @@ class FetchUnit:
         if self._state is ParamState.HOST:
             self.stage_to_device()
         assert self._state is ParamState.DEVICE, self._state
+        shard = acc.finish_copy_to_device(self._dev_shard, self._h2d)
         nbytes = self.full_numel * torch.empty((), dtype=self.dtype).element_size()
-        in_place = self.world_size == 1 and self._staged is None  # one rank, resident shard: views of it
-        if not in_place:
+        # One rank: the parameters are views of the device shard unless it is a staging buffer
+        # (no accelerator, NVMe tier); that is new device memory only when it is a copy.
+        in_place = self.world_size == 1 and (self._staged is None or self._h2d_copied)
+        if not in_place or self._h2d_copied:
             acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             self._charged = nbytes
         self.engine.live_elems += self.full_numel
         self.engine.peak_live_elems = max(self.engine.peak_live_elems, self.engine.live_elems)
         self.engine.counters.bytes["all_gather"] += nbytes
-        self._gather_out = self._device_shard() if in_place else torch.empty(self.full_numel, dtype=self.dtype,
-                                                                               device=acc.device())
+        self._gather_out = shard if in_place else torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
         self._gather_handle = comm.all_gather_into_tensor(
-            self._gather_out, self._device_shard(), async_op=True,
+            self._gather_out, shard, async_op=True,
             what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
         self._state = ParamState.GATHERING
 
@@ -268,9 +292,7 @@ class FetchUnit:
             set_data(p, block.reshape(-1)[: info.numel].view(info.shape))
         self._gather_out = None
         self._gather_handle = None
-        if self._staged is not None:
-            self.store.pool.put(self._staged)
-            self._staged = None
+        self._drop_device_shard()
         self._state = ParamState.AVAILABLE
 
     def refresh(self) -> None:

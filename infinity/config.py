@@ -164,9 +164,24 @@ class PrefetchConfig:
 
     enabled: bool = _opt(True, "prefetch upcoming fetch units along the recorded trace")
     depth: int = _opt(3, "how many fetch units ahead the NVMe->host stage runs", ge=1, le=64)
+    device_depth: int = _opt(2, "how many fetch units ahead the host->device stage runs (<= depth)", ge=0, le=64)
+    gather_depth: int = _opt(1, "how many fetch units ahead the all-gather is launched (<= device_depth)",
+                             ge=0, le=64)
     bucket_size: int = _opt(50_000_000, "elements in flight in prefetches at a time", gt=0)
     max_live_parameters: int = _opt(1_000_000_000, "cap on gathered (full) parameter elements", gt=0)
     persistence_threshold: int = _opt(100_000, "parameters with fewer elements stay gathered", ge=0)
+
+    def _cross_check(self, prefix: str) -> list:
+        # A unit moves NVMe -> host -> device -> gathered in order, so each stage can run
+        # at most as far ahead as the one before it.
+        if self.device_depth > self.depth:
+            return [(f"{prefix}.device_depth", f"({self.device_depth}) exceeds {prefix}.depth ({self.depth}): a unit "
+                     f"is copied to the device only after its NVMe read; set device_depth <= depth")]
+        if self.gather_depth > self.device_depth:
+            return [(f"{prefix}.gather_depth", f"({self.gather_depth}) exceeds {prefix}.device_depth "
+                     f"({self.device_depth}): a unit is gathered only once its shard is on the device; set "
+                     f"gather_depth <= device_depth")]
+        return []
 
 
 @dataclass(frozen=True)

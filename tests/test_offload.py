@@ -194,3 +194,17 @@ def test_host_memory_flat_over_many_steps(tmp_path):
             rss.append(proc.memory_info().rss)
     opt.engine.close()
     assert rss[1] - rss[0] < 32 << 20, f"RSS grew by {(rss[1] - rss[0]) >> 20} MiB between steps 20 and 199"
+
+
+def test_io_wait_timeout_names_the_shard_and_rank(tmp_path, monkeypatch):
+    """Every NVMe wait has a timeout (INFINITY_COMM_TIMEOUT seconds); its error names what
+    was awaited. A 64 MiB shard read cannot land within the 1 ms timeout set here."""
+    from infinity import _comm
+
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(torch.nn.Linear(4096, 4096), _config(3, "nvme", "none", str(tmp_path)))
+    monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 1e-6)
+    with pytest.raises(TimeoutError, match=r"the shard of <root> \(2 params, first weight\) on rank 0"):
+        model(torch.randn(2, 4096))
+    monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 600.0)
+    opt.engine.close()

@@ -225,6 +225,22 @@ def test_live_parameters_bounded(tmp_path, tier):
     assert losses == pytest.approx(ref[0], rel=0, abs=1e-6)
 
 
+@pytest.mark.parametrize("depths", [(1, 0, 0), (1, 1, 1), (3, 2, 1), (4, 3, 3)], ids=lambda d: "-".join(map(str, d)))
+def test_stage_depths(tmp_path, depths):
+    """NVMe->host, host->device and all-gather each run their own depth ahead: the same
+    losses for every setting, and the all-gather stage holds gather_depth units ahead."""
+    depth, device_depth, gather_depth = depths
+    unit = 64 * 64 + 64
+    ref = _train_deep(_config(3, "nvme", "nvme", str(tmp_path), prefetch=False, persist=0))
+    losses, tels, peak, _ = _train_deep(_config(3, "nvme", "nvme", str(tmp_path), persist=0, depth=depth,
+                                                 device_depth=device_depth, gather_depth=gather_depth))
+    assert losses == pytest.approx(ref[0], rel=0, abs=1e-6)
+    # module i computes while i+1 .. i+gather_depth are gathered, and no more
+    assert peak == (1 + gather_depth) * unit
+    if gather_depth:
+        assert all(t["prefetch_hit_rate"] > 0.5 for t in tels[1:])
+
+
 # ------------------------------------------------------------------ slowed I/O
 
 
@@ -232,9 +248,9 @@ def test_slow_nvme_reads_same_result(tmp_path, monkeypatch):
     fast = _train_deep(_config(3, "nvme", "nvme", str(tmp_path), persist=0))
     real = stores.ParamStore.finish_read
 
-    def slow_finish_read(self, pending):
+    def slow_finish_read(self, pending, **kwargs):
         time.sleep(0.02)
-        return real(self, pending)
+        return real(self, pending, **kwargs)
 
     monkeypatch.setattr(stores.ParamStore, "finish_read", slow_finish_read)
     losses, tels, _, _ = _train_deep(_config(3, "nvme", "nvme", str(tmp_path), persist=0))
