@@ -2,9 +2,12 @@
 
 Units whose gradients are complete are appended to the open bucket; once the bucket holds
 ``bucket_elems`` elements (of the full gradients) its reduce-scatter is launched
-asynchronously and the full gradients are freed. At most ``max_inflight`` buckets are in
-flight; older ones are waited on and folded into the fp32 gradient shards, so memory stays
-bounded by the bucket size whatever the model size.
+asynchronously and the full gradients are freed. Whenever a unit arrives, buckets whose
+reduce-scatter has finished are folded into the fp32 gradient shards (``accumulate``: the
+offload to host or NVMe, itself asynchronous on NVMe), so the offload of older gradients
+runs while backward computes newer ones. At most ``max_inflight`` buckets are in flight;
+beyond that the oldest is waited on, so memory stays bounded by the bucket size whatever the
+model size.
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ class GradReducer:
         self._ring_dirty = False  # a reused buffer may still be read by an async consumer
 
     def add(self, unit: FetchUnit) -> None:
+        while self._inflight and self._inflight[0].handle.done():
+            self._complete(self._inflight.pop(0))  # reduced already: offload it now
         if self._open.units and (self._open.cols + unit.shard_numel) * self.world_size > self.bucket_elems:
             self.flush()  # keep every bucket within bucket_elems, so it fits a ring buffer
         self._open.units.append((unit, self._open.cols))
@@ -76,7 +81,7 @@ class GradReducer:
         handle = comm.reduce_scatter_tensor(out, full.view(-1), async_op=True,
                                             what=f"reduce-scatter of gradients of [{names}...]")
         self._inflight.append(_InFlight(handle, out, bucket.units, full))
-        while len(self._inflight) > self.max_inflight:
+        while len(self._inflight) > self.max_inflight or (self._inflight and self._inflight[0].handle.done()):
             self._complete(self._inflight.pop(0))
 
     def finish(self) -> None:
