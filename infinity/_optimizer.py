@@ -299,10 +299,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if out_flat is not None and out_flat.dtype == torch.float32 and out_flat is not getattr(self.store, "master", None):
             out_flat[chunk.offset : chunk.offset + n].copy_(chunk.master)  # fp32 stages 1-2 from NVMe
         if not (ps is None or self.aliased or (ps.resident and params_out is not None)):
-            if params_out is not None:
-                ps.write(chunk.offset, params_out)  # NVMe: async, the handle keeps the tensor alive
+            if params_out is not None:  # NVMe: async, the handle keeps the fresh tensor alive
+                ps.write(chunk.offset, params_out, keep=True)
             else:  # fp32 parameters with separate storage: the master chunk buffer gets reused
-                ps.write(chunk.offset, chunk.master.clone() if not ps.resident else chunk.master)
+                ps.write(chunk.offset, chunk.master.clone() if not ps.resident else chunk.master, keep=True)
         if publish:
             ps.flush()
             self._publish(chunk.offset + n)

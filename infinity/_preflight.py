@@ -49,7 +49,9 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
             path = z.offload_param.nvme_path
             need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
             biggest = max((u.shard_numel for u in engine.units), default=0)
-            need["host"] += (z.offload_param.buffer_count or z.prefetch.depth + 2) * max(z.offload_param.buffer_size or 0, biggest) * esize
+            # the staging pool, plus two buffers' worth of the step's fresh output (Note [hand-off])
+            buffers = (z.offload_param.buffer_count or z.prefetch.depth + 2) + 2
+            need["host"] += buffers * max(z.offload_param.buffer_size or 0, biggest) * esize
         else:
             need["host" if opt.param_tier == "cpu" else "device"] += param_bytes
     return need

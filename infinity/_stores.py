@@ -65,7 +65,15 @@ class HostPool:
 
 
 class ParamStore:
-    """Compute-dtype parameter shards of stage 3 on their tier."""
+    """Compute-dtype parameter shards of stage 3 on their tier.
+
+    Note [hand-off]: on the NVMe tier, the shards the optimizer step has just written
+    (``write(..., keep=True)``) also stay in host memory, up to two staging buffers' worth,
+    oldest dropped first. The next forward fetches units in the order the step produces
+    them, so its reads are mostly served from there by a memory copy instead of an NVMe read
+    that would compete with the step's own I/O. A read takes what it served out (it is not
+    needed again before the next step); any other write over a range drops what was kept.
+    """
 
     def __init__(self, tier: str, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
@@ -89,6 +97,10 @@ class ParamStore:
                                  f"needed (one being gathered, one being read); leave it unset to size it automatically")
             self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool")
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
+            self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
+            self._kept_cap = 2 * nbytes_of(self.pool.numel, dtype)
+            self._kept_lock = threading.Lock()
+            self.bytes_handed_off = 0
         elif alias is not None:
             self.flat = alias
         elif tier == "cpu":
@@ -107,8 +119,10 @@ class ParamStore:
     def view(self, offset: int, numel: int) -> torch.Tensor:
         return self.flat[offset : offset + numel]
 
-    def write(self, offset: int, values: torch.Tensor) -> None:
-        """Store ``values`` (any float dtype; cast here) at ``offset``; async on NVMe."""
+    def write(self, offset: int, values: torch.Tensor, *, keep: bool = False) -> None:
+        """Store ``values`` (any float dtype; cast here) at ``offset``; async on NVMe. With
+        ``keep`` (the optimizer step's fresh output, never modified afterwards) the values
+        also stay in memory for the next fetch (Note [hand-off])."""
         if self.flat is not None:
             self.flat[offset : offset + values.numel()].copy_(values)
             return
@@ -116,6 +130,33 @@ class ParamStore:
             values = values.to(self.dtype)
         self.writer.pwrite(values, self.path, offset * values.element_size())
         self.bytes_written += values.numel() * values.element_size()
+        end = offset + values.numel()
+        with self._kept_lock:
+            self._kept = [(o, t) for o, t in self._kept if o + t.numel() <= offset or o >= end]
+            if keep and values.numel() * values.element_size() <= self._kept_cap:
+                self._kept.append((offset, values))
+                while sum(t.numel() for _, t in self._kept) * values.element_size() > self._kept_cap:
+                    self._kept.pop(0)
+
+    def _take_kept(self, offset: int, out: torch.Tensor) -> bool:
+        """Fill ``out`` with [offset, offset + numel) from kept shards if they cover it all."""
+        end = offset + out.numel()
+        with self._kept_lock:
+            pieces = sorted((o, t) for o, t in self._kept if o < end and o + t.numel() > offset)
+            pos = offset
+            for o, t in pieces:
+                if o > pos:
+                    return False
+                pos = max(pos, o + t.numel())
+            if pos < end:
+                return False
+            for o, t in pieces:
+                lo, hi = max(o, offset), min(o + t.numel(), end)
+                out[lo - offset : hi - offset].copy_(t[lo - o : hi - o])
+            used = {id(t) for o, t in pieces if o >= offset and o + t.numel() <= end}
+            self._kept = [(o, t) for o, t in self._kept if id(t) not in used]
+        self.bytes_handed_off += out.numel() * out.element_size()
+        return True
 
     def flush(self) -> None:
         if self.flat is None:
@@ -127,6 +168,8 @@ class ParamStore:
         buf = self.pool.get(numel, block=block)
         if buf is None:
             return None
+        if self._take_kept(offset, buf[:numel]):
+            return buf, None
         reader = self._readers.pop()
         reader.pread(buf[:numel], self.path, offset * self.itemsize)
         self.bytes_read += numel * self.itemsize
@@ -135,10 +178,12 @@ class ParamStore:
     @staticmethod
     def read_done(pending) -> bool:
         """The read has landed (``finish_read`` will not block)."""
-        return pending[1].in_flight() == 0
+        return pending[1] is None or pending[1].in_flight() == 0
 
     def finish_read(self, pending, what: str = "") -> torch.Tensor:
         buf, reader = pending
+        if reader is None:  # served from memory (Note [hand-off])
+            return buf
         try:
             wait_io(reader, what or "a parameter shard read")
         except Exception:
@@ -151,7 +196,7 @@ class ParamStore:
     def nbytes(self) -> dict:
         own = nbytes_of(self.total, self.dtype)
         if self.tier == "nvme":
-            return {"nvme": own, "host": self.pool.nbytes}
+            return {"nvme": own, "host": self.pool.nbytes + self._kept_cap}
         return {"host" if self.tier == "cpu" else "device": own}
 
 

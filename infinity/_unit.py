@@ -220,7 +220,9 @@ class FetchUnit:
             self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block)
             if self._read is None:
                 return False
-            self.engine.counters.bytes["nvme_read"] += self.shard_numel * self.store.itemsize
+            handed_off = self._read[1] is None  # served from the step's fresh output (Note [hand-off])
+            self.engine.counters.bytes["param_handoff" if handed_off else "nvme_read"] += \
+                self.shard_numel * self.store.itemsize
         self._state = ParamState.HOST
         return True
 

@@ -208,3 +208,27 @@ def test_io_wait_timeout_names_the_shard_and_rank(tmp_path, monkeypatch):
         model(torch.randn(2, 4096))
     monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 600.0)
     opt.engine.close()
+
+
+def test_fresh_shards_are_handed_off_to_the_next_forward(tmp_path):
+    """The shards the overlapped step just wrote serve the next forward from memory (Note
+    [hand-off]); what is fetched is still exactly the updated values."""
+    ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
+    cfg = _config(3, "nvme", "nvme", str(tmp_path), gradient_accumulation_steps=2)
+    cfg["zero"]["offload_optimizer"]["chunk_size"] = 2048  # several chunks per unit
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(_TailHeavy(), cfg)
+    g = torch.Generator().manual_seed(3)
+    losses, handed = [], []
+    opt.engine.telemetry()
+    for _ in range(4):
+        for _ in range(2):
+            loss = model(torch.randn(6, 32, generator=g))
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        handed.append(opt.engine.telemetry()["bytes"].get("param_handoff", 0))
+    opt.engine.close()
+    assert losses == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
+    assert handed[0] == 0 and all(h > 0 for h in handed[1:]), handed  # from the second step on
