@@ -15,14 +15,15 @@
 
 Note [interleaved rounds]: the machine drifts (the same step varies by a third between runs
 minutes apart), so contenders are not run one after the other. Each is a persistent child
-process (its own memory and threads) (forked from a server that imported torch, transformers and infinity once) driven over a pipe; after one warm-up step each (the
-step that records the trace), the parent runs --rounds rounds, and in each round asks every
-contender in turn for --block steps, rotating which goes first. Only one child computes at a
-time: infinity's overlapped optimizer step (a background thread that runs during the next
-forward) is joined with ``wait_step()`` inside the timed region of a block's last step, so it
-never runs during another contender's block and its cost is counted. A block's time is the
-mean of its steps (all work of the block over its steps; with --block 2 it is also their
-median); ratios are taken within a round and the reported ratio is the median over rounds.
+process with its own memory and threads (forked from a server that imported torch, transformers
+and infinity once) driven over a pipe; after one warm-up step each (the step that records the
+trace), the parent runs --rounds rounds, and in each round asks every contender in turn for
+--block steps, rotating which goes first. Only one child computes at a time: infinity's
+overlapped optimizer step (a background thread that runs during the next forward) is joined with
+``wait_step()`` inside the timed region of a block's last step, so it never runs during another
+contender's block and its cost is counted. A block's time is the mean of its steps (all work of
+the block over its steps; with --block 2 it is also their median); ratios are taken within a
+round and the reported ratio is the median over rounds.
 
     python scripts/bench_prefetch.py --quick
     python scripts/bench_prefetch.py [--rounds 4 --block 2] [--study-batch 1 --study-seq 16] [--nvme-path DIR]
@@ -266,7 +267,8 @@ def interleaved(specs: list, args) -> dict:
             for c in order:
                 c.blocks.append(c.run(args.block))
             print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{c.name} {c.block_time(r):.3f}s" for c in contenders), file=sys.stderr, flush=True)
+                f"{c.name} {c.block_time(r):.3f}s" for c in contenders) + f" (load {os.getloadavg()[0]:.1f})",
+                file=sys.stderr, flush=True)
     finally:
         for c in contenders:
             c.close()
