@@ -335,6 +335,7 @@ class Engine:
 
     def after_step(self) -> None:
         """Gathered copies of persistent units are stale once the shards were updated."""
+        self.prefetcher.release_held()
         for unit in self.units:
             unit.refresh()
 
@@ -373,6 +374,7 @@ class Engine:
     def close(self) -> None:
         """Remove hooks and this run's swap files."""
         self.optimizer.wait_step()
+        self.prefetcher.release_held()
         self.remove_hooks()
         for d in self.swap_dirs.values():
             d.remove()

@@ -8,7 +8,14 @@ starts the host->device copies of those among i+1 .. i+device_depth whose reads 
 landed (a side stream on CUDA; nothing to copy without an accelerator), and launches the
 all-gathers of i+1 .. i+gather_depth (bounded by ``max_live_parameters``), so I/O, copies
 and collectives run while module i computes. By default depth 3, device_depth 2 and
-gather_depth 1: paper 002 §6.2's NVMe->host for i+3, host->device for i+2, all-gather for i+1. Each iteration is checked against the trace: on
+gather_depth 1: paper 002 §6.2's NVMe->host for i+3, host->device for i+2, all-gather for i+1.
+Depths count modules that have something to fetch: modules whose units all stay gathered
+(below ``persistence_threshold``, e.g. layer norms) do not use up the look-ahead.
+
+At the end of a forward that autograd will come back through, the units the backward trace
+starts with (typically the output layer's, used last in forward and first in backward) are
+held instead of released, so backward does not fetch them again; the hold ends when backward
+reaches them, when backward ends, at the next forward or at the optimizer step. Each iteration is checked against the trace: on
 the first mismatch (a block skipped, another branch, a different depth) every prefetch not
 yet used is abandoned (waited for and returned: collectives stay matched across ranks),
 the rest of the iteration fetches on demand, the divergence is counted, and the order this
@@ -18,6 +25,8 @@ computation: modules still acquire their units, which waits for what is in fligh
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional
+
+import torch
 
 from ._param import ParamState
 
@@ -48,11 +57,14 @@ class Prefetcher:
         self._pass: Optional[_Pass] = None
         self._direction = None
         self._prefetched: List["FetchUnit"] = []
+        self._held: List["FetchUnit"] = []  # kept gathered from the end of forward into backward
 
     # ------------------------------------------------------------ iteration boundaries
 
     def begin(self, direction: str) -> None:
         self._finish_pass()
+        if direction == "forward":
+            self.release_held()
         self._direction = direction
         self._pass = _Pass(self.traces[direction])
         if self.enabled and self._pass.trace:
@@ -60,7 +72,26 @@ class Prefetcher:
 
     def end(self) -> None:
         self._finish_pass()
+        if self._direction == "backward":
+            self.release_held()
         self._pass = None
+
+    def release_held(self) -> None:
+        held, self._held = self._held, []
+        for unit in held:
+            unit.release()
+
+    def _hold_for_backward(self) -> None:
+        """The last forward module runs: keep what backward starts with gathered."""
+        trace = self.traces["backward"]
+        if not trace or not torch.is_grad_enabled():
+            return
+        for state in trace[: max(1, self.gather_depth)]:
+            for unit in state.units:
+                if unit.partitioned and unit.state is ParamState.AVAILABLE and not unit.persistent \
+                        and unit not in self._held:
+                    unit.hold()
+                    self._held.append(unit)
 
     def _finish_pass(self) -> None:
         if self._pass is None:
@@ -89,15 +120,30 @@ class Prefetcher:
             self.engine.counters.divergences += 1
             self._abandon_unused()
             return
+        if self._held and self._direction == "backward":
+            for unit in [u for u in self._held if u in state.units]:  # acquired by its module now
+                self._held.remove(unit)
+                unit.release()
         if self.enabled:
             self._ahead(pos + 1)
+            if self._direction == "forward" and pos == len(p.trace) - 1:
+                self._hold_for_backward()
+
+    def _window(self, nxt: int, depth: int) -> list:
+        """The next ``depth`` modules of the trace from ``nxt`` that have a unit to fetch."""
+        out = []
+        for state in self._pass.trace[nxt:]:
+            if len(out) >= depth:
+                break
+            if any(u.partitioned and not u.persistent for u in state.units):
+                out.append(state)
+        return out
 
     def _ahead(self, nxt: int) -> None:
-        trace = self._pass.trace
         in_flight = sum(u.shard_numel for u in self._prefetched
                         if u.state in (ParamState.HOST, ParamState.DEVICE))
-        for j in range(nxt, min(len(trace), nxt + self.depth)):
-            for unit in trace[j].units:
+        for state in self._window(nxt, self.depth):
+            for unit in state.units:
                 if unit.state is not ParamState.RELEASED or not unit.partitioned:
                     continue
                 if in_flight and in_flight + unit.shard_numel > self.bucket:
@@ -106,12 +152,12 @@ class Prefetcher:
                     break
                 in_flight += unit.shard_numel
                 self._prefetched.append(unit)
-        for j in range(nxt, min(len(trace), nxt + self.device_depth)):
-            for unit in trace[j].units:
+        for state in self._window(nxt, self.device_depth):
+            for unit in state.units:
                 if unit.state is ParamState.HOST and unit.partitioned:
                     unit.stage_to_device(block=False)  # only once its read has landed
-        for j in range(nxt, min(len(trace), nxt + self.gather_depth)):
-            for unit in trace[j].units:
+        for state in self._window(nxt, self.gather_depth):
+            for unit in state.units:
                 if unit.state in (ParamState.RELEASED, ParamState.HOST, ParamState.DEVICE) and unit.partitioned \
                         and self.engine.live_elems + unit.full_numel <= self.max_live:
                     unit.start_gather()

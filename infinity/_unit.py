@@ -180,6 +180,11 @@ class FetchUnit:
             self.start_gather()
         self.wait_gather()
 
+    def hold(self) -> None:
+        """Take a reference on a gathered unit (no fetch); pairs with ``release``."""
+        assert self._state is ParamState.AVAILABLE, self._state
+        self._refs += 1
+
     def release(self) -> None:
         """Drop a reference; free the full tensors when it was the last (unless persistent)."""
         if self._refs <= 0:

@@ -18,12 +18,14 @@ minutes apart), so contenders are not run one after the other. Each is a persist
 process with its own memory and threads (forked from a server that imported torch, transformers
 and infinity once) driven over a pipe; after one warm-up step each (the step that records the
 trace), the parent runs --rounds rounds, and in each round asks every contender in turn for
---block steps, rotating which goes first. Only one child computes at a time: infinity's
-overlapped optimizer step (a background thread that runs during the next forward) is joined with
-``wait_step()`` inside the timed region of a block's last step, so it never runs during another
-contender's block and its cost is counted. A block's time is the mean of its steps (all work of
-the block over its steps; with --block 2 it is also their median); ratios are taken within a
-round and the reported ratio is the median over rounds.
+--block timed steps, rotating which goes first. Only one child computes at a time. Every block
+measures the steady state: it starts with one untimed lead-in step and ends by joining
+infinity's overlapped optimizer step (a background thread that runs during the next forward)
+with ``wait_step()``, untimed, so it never runs during another contender's block. Each timed
+step therefore carries exactly one optimizer step's cost: its own step() call plus the part of
+the previous step's background update it waited for or competed with, as in a long run. A
+block's time is the mean of its timed steps; ratios are taken within a round and the reported
+ratio is the median over rounds.
 
     python scripts/bench_prefetch.py --quick
     python scripts/bench_prefetch.py [--rounds 4 --block 2] [--study-batch 1 --study-seq 16] [--nvme-path DIR]
@@ -104,7 +106,7 @@ class PlainTrainer:
         self.masters = [p.detach().float() for p in self.params]
         self.opt = torch.optim.AdamW(self.masters, lr=1e-4, weight_decay=0.01, fused=True)
 
-    def step(self, ids, settle: bool) -> dict:
+    def step(self, ids) -> dict:
         import torch
 
         start = time.perf_counter()
@@ -120,6 +122,9 @@ class PlainTrainer:
                 p.copy_(m)
         return {"time": time.perf_counter() - start, "fwd_bwd": fwd_bwd}
 
+    def settle(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -132,14 +137,15 @@ class InfinityTrainer:
         self.engine = self.opt.engine
         self.engine.telemetry()  # setup traffic is not a step's
 
-    def step(self, ids, settle: bool) -> dict:
+    def settle(self) -> None:
+        self.opt.wait_step()  # see Note [interleaved rounds]
+
+    def step(self, ids) -> dict:
         start = time.perf_counter()
         self.model(input_ids=ids, labels=ids).loss.backward()
         fwd_bwd = time.perf_counter() - start
         self.opt.step()
         self.opt.zero_grad()
-        if settle:  # see Note [interleaved rounds]
-            self.opt.wait_step()
         elapsed = time.perf_counter() - start
         tel = self.engine.telemetry()  # counters since the previous step's call
         moved = {k: v for k, v in tel.items() if k.startswith("nvme_") and k.endswith("_bytes")}
@@ -167,9 +173,12 @@ def serve(spec: dict, conn) -> None:
     gen = torch.Generator().manual_seed(0)  # every contender sees the same batches in the same order
     conn.send({"params": sum(p.numel() for p in model.parameters())})
     try:
-        while (n := conn.recv()) > 0:  # steps to run; 0 closes
-            ids = [torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen) for _ in range(n)]
-            conn.send([trainer.step(x, settle=i == n - 1) for i, x in enumerate(ids)])
+        while (n := conn.recv()) != 0:  # timed steps to run after a lead-in step (-n: no lead-in); 0 closes
+            ids = [torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
+                   for _ in range(abs(n) + (n > 0))]
+            out = [trainer.step(x) for x in ids]
+            trainer.settle()  # untimed: nothing of this contender runs during another's block
+            conn.send(out[1:] if n > 0 else out)
     finally:
         trainer.close()
     conn.send("closed")
@@ -239,7 +248,7 @@ class Contender:
         return statistics.mean(s["time"] for s in self.blocks[r])
 
     def step_time(self) -> float:
-        """Median over rounds of the block means (each block ends settled, Note [interleaved rounds])."""
+        """Median over rounds of the block means (steady-state steps, Note [interleaved rounds])."""
         return statistics.median(self.block_time(r) for r in range(len(self.blocks)))
 
     def med(self, key: str) -> float:
@@ -261,7 +270,7 @@ def interleaved(specs: list, args) -> dict:
             c.started()
         print(f"  {len(contenders)} contenders started; warm-up", file=sys.stderr, flush=True)
         for c in contenders:
-            c.warmup = c.run(1)
+            c.warmup = c.run(-1)
         for r in range(args.rounds):
             order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
             for c in order:
@@ -293,7 +302,8 @@ def load_note() -> str:
 
 
 def rounds_note(args) -> str:
-    return f"1 warm-up step each, then {args.rounds} interleaved rounds of {args.block} steps per contender"
+    return (f"1 warm-up step each, then {args.rounds} interleaved rounds of 1 lead-in + {args.block} timed steps "
+            f"per contender (steady state)")
 
 
 def study(args, nvme_root: str, bw: tuple[float, float]) -> None:

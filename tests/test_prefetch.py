@@ -241,6 +241,33 @@ def test_stage_depths(tmp_path, depths):
         assert all(t["prefetch_hit_rate"] > 0.5 for t in tels[1:])
 
 
+def test_backward_keeps_what_forward_ended_with(tmp_path):
+    """The last module of forward is the first of backward: with the prefetcher on it stays
+    gathered across the turn instead of being read again, and nothing stays gathered after
+    backward."""
+    from infinity._param import ParamState
+
+    reads = {}
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        model, opt = infinity.initialize(Stack(dim=64, depth=8), _config(3, "nvme", "none", str(tmp_path),
+                                                                          prefetch=prefetch, persist=0))
+        g = torch.Generator().manual_seed(5)
+        per_step = []
+        for _ in range(3):
+            before = opt.param_store.bytes_read
+            model(torch.randn(8, 64, generator=g)).backward()
+            assert all(u.state is ParamState.RELEASED for u in opt.engine.units)
+            per_step.append(opt.param_store.bytes_read - before)
+            opt.step()
+            opt.zero_grad()
+        opt.engine.close()
+        reads[prefetch] = per_step
+    shard_bytes = (64 * 64 + 64) * 4
+    assert reads[False] == [2 * 8 * shard_bytes] * 3  # every layer read in forward and in backward
+    assert reads[True][1:] == [(2 * 8 - 1) * shard_bytes] * 2  # the last layer is read once
+
+
 # ------------------------------------------------------------------ slowed I/O
 
 
