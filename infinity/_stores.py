@@ -70,9 +70,10 @@ class ParamStore:
     Note [hand-off]: on the NVMe tier, the shards the optimizer step has just written
     (``write(..., keep=True)``) also stay in host memory, up to two staging buffers' worth,
     oldest dropped first. The next forward fetches units in the order the step produces
-    them, so its reads are mostly served from there by a memory copy instead of an NVMe read
-    that would compete with the step's own I/O. A read takes what it served out (it is not
-    needed again before the next step); any other write over a range drops what was kept.
+    them, so most fetches take their shard from there (``take_kept``: a view, or one copy
+    when it spans several writes) instead of an NVMe read that would compete with the step's
+    own I/O, and without a staging buffer. A fetch drops what it used up (it is not needed
+    again before the next step); any other write over a range drops what was kept.
     """
 
     def __init__(self, tier: str, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
@@ -138,25 +139,33 @@ class ParamStore:
                 while sum(t.numel() for _, t in self._kept) * values.element_size() > self._kept_cap:
                     self._kept.pop(0)
 
-    def _take_kept(self, offset: int, out: torch.Tensor) -> bool:
-        """Fill ``out`` with [offset, offset + numel) from kept shards if they cover it all."""
-        end = offset + out.numel()
+    def take_kept(self, offset: int, numel: int) -> Optional[torch.Tensor]:
+        """[offset, offset + numel) from the step's kept output, if it covers it all: a view
+        when one kept tensor holds it (no copy), else a new tensor assembled from the pieces.
+        Kept tensors wholly inside the range are dropped (Note [hand-off])."""
+        end = offset + numel
         with self._kept_lock:
-            pieces = sorted((o, t) for o, t in self._kept if o < end and o + t.numel() > offset)
+            pieces = sorted(((o, t) for o, t in self._kept if o < end and o + t.numel() > offset),
+                            key=lambda ot: ot[0])
             pos = offset
             for o, t in pieces:
                 if o > pos:
-                    return False
+                    return None
                 pos = max(pos, o + t.numel())
-            if pos < end:
-                return False
-            for o, t in pieces:
-                lo, hi = max(o, offset), min(o + t.numel(), end)
-                out[lo - offset : hi - offset].copy_(t[lo - o : hi - o])
+            if pos < end or not pieces:
+                return None
+            if len(pieces) == 1:
+                o, t = pieces[0]
+                out = t[offset - o : end - o]
+            else:
+                out = torch.empty(numel, dtype=self.dtype)
+                for o, t in pieces:
+                    lo, hi = max(o, offset), min(o + t.numel(), end)
+                    out[lo - offset : hi - offset].copy_(t[lo - o : hi - o])
             used = {id(t) for o, t in pieces if o >= offset and o + t.numel() <= end}
             self._kept = [(o, t) for o, t in self._kept if id(t) not in used]
-        self.bytes_handed_off += out.numel() * out.element_size()
-        return True
+        self.bytes_handed_off += numel * self.itemsize
+        return out
 
     def flush(self) -> None:
         if self.flat is None:
@@ -168,8 +177,6 @@ class ParamStore:
         buf = self.pool.get(numel, block=block)
         if buf is None:
             return None
-        if self._take_kept(offset, buf[:numel]):
-            return buf, None
         reader = self._readers.pop()
         reader.pread(buf[:numel], self.path, offset * self.itemsize)
         self.bytes_read += numel * self.itemsize
@@ -178,12 +185,10 @@ class ParamStore:
     @staticmethod
     def read_done(pending) -> bool:
         """The read has landed (``finish_read`` will not block)."""
-        return pending[1] is None or pending[1].in_flight() == 0
+        return pending[1].in_flight() == 0
 
     def finish_read(self, pending, what: str = "") -> torch.Tensor:
         buf, reader = pending
-        if reader is None:  # served from memory (Note [hand-off])
-            return buf
         try:
             wait_io(reader, what or "a parameter shard read")
         except Exception:

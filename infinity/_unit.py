@@ -60,6 +60,7 @@ class FetchUnit:
         self.opt_offset = 0  # start of this unit's range in the optimizer's flat fp32 space
         self._staged: Optional[torch.Tensor] = None  # pool buffer holding the shard read from NVMe
         self._read = None  # the read of the shard in flight (HOST state on the NVMe tier)
+        self._kept: Optional[torch.Tensor] = None  # the shard handed off by the optimizer step (HOST state)
         self._dev_shard: Optional[torch.Tensor] = None  # the shard on the device (DEVICE state)
         self._h2d = None  # the event of its host->device copy
         self._h2d_copied = False  # the device shard is a copy (CUDA), not the host tensor itself
@@ -222,12 +223,15 @@ class FetchUnit:
                                                   what=f"the shard of {self.module_name or '<root>'}"):
             return False
         if not self.store.resident:
-            self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block)
-            if self._read is None:
-                return False
-            handed_off = self._read[1] is None  # served from the step's fresh output (Note [hand-off])
-            self.engine.counters.bytes["param_handoff" if handed_off else "nvme_read"] += \
-                self.shard_numel * self.store.itemsize
+            nbytes = self.shard_numel * self.store.itemsize
+            self._kept = self.store.take_kept(self.opt_offset, self.shard_numel)  # Note [hand-off] in _stores.py
+            if self._kept is not None:
+                self.engine.counters.bytes["param_handoff"] += nbytes
+            else:
+                self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block)
+                if self._read is None:
+                    return False
+                self.engine.counters.bytes["nvme_read"] += nbytes
         self._state = ParamState.HOST
         return True
 
@@ -243,7 +247,10 @@ class FetchUnit:
             with self.engine.counters.blocked("nvme_read"):
                 self._staged = self.store.finish_read(self._read, what=self._what())
             self._read = None
-        src = self._staged[: self.shard_numel] if self._staged is not None else self.shard()
+        if self._staged is not None:
+            src = self._staged[: self.shard_numel]
+        else:
+            src = self._kept if self._kept is not None else self.shard()
         self._dev_shard, self._h2d = acc.start_copy_to_device(src)
         self._h2d_copied = self._dev_shard is not src
         if self._h2d_copied:
@@ -258,7 +265,7 @@ class FetchUnit:
                 self._h2d.synchronize()
             self.store.pool.put(self._staged)
             self._staged = None
-        self._dev_shard = self._h2d = None
+        self._dev_shard = self._h2d = self._kept = None
 
     def _what(self) -> str:
         return f"the shard of {self.module_name or '<root>'} ({len(self.params)} params, first " \
@@ -274,9 +281,9 @@ class FetchUnit:
         shard = acc.finish_copy_to_device(self._dev_shard, self._h2d)
         nbytes = self.full_numel * torch.empty((), dtype=self.dtype).element_size()
         # One rank: the parameters are views of the device shard unless it is a staging buffer
-        # (no accelerator, NVMe tier); that is new device memory only when it is a copy.
+        # (no accelerator, NVMe tier); it is new memory when it is a copy or was handed off.
         in_place = self.world_size == 1 and (self._staged is None or self._h2d_copied)
-        if not in_place or self._h2d_copied:
+        if not in_place or self._h2d_copied or self._kept is not None:
             acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             self._charged = nbytes
         self.engine.live_elems += self.full_numel

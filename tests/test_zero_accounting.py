@@ -34,12 +34,13 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMM_STEPS = 3
 
 
-def _config(stage, dtype):
+def _config(stage, dtype, prefetch=True):
     precision = {"dtype": dtype}
     if dtype == "fp16":
         precision["loss_scale"] = 1024.0  # static: the first step is not skipped, Adam states exist
     # persistence_threshold 0: every stage-3 parameter is partitioned between uses, as in the paper
-    zero = {"stage": stage, "reduce_bucket_size": 2000, "prefetch": {"persistence_threshold": 0}}
+    zero = {"stage": stage, "reduce_bucket_size": 2000,
+            "prefetch": {"persistence_threshold": 0, "enabled": prefetch}}
     return {"zero": zero, "precision": precision,
             "optimizer": {"type": "adamw", "lr": 2e-3}, "gradient_clipping": 1.0}
 
@@ -66,18 +67,20 @@ def _measure_on_ranks():
             loss_of(model, "custom", second).backward()
             memory[(stage, dtype)] = (psi, psi_padded, opt.engine.model_state_bytes())
     for stage in STAGES:
-        model = build("stack")
-        _, psi_padded = _counts(model, world)
-        model, opt = infinity.initialize(model, _config(stage, "fp32"))
-        g = torch.Generator().manual_seed(rank)
-        steps = []
-        for _ in range(COMM_STEPS):
-            _comm.counters.reset()
-            model(torch.randn(4, 32, generator=g)).backward()
-            opt.step()
-            opt.zero_grad()
-            steps.append(_comm.counters.snapshot()["elements"])
-        comm[stage] = (psi_padded, steps)
+        for prefetch in (False, True):
+            model = build("stack")
+            _, psi_padded = _counts(model, world)
+            _, last_padded = _counts(model.layers[-1], world)
+            model, opt = infinity.initialize(model, _config(stage, "fp32", prefetch))
+            g = torch.Generator().manual_seed(rank)
+            steps = []
+            for _ in range(COMM_STEPS):
+                _comm.counters.reset()
+                model(torch.randn(4, 32, generator=g)).backward()
+                opt.step()
+                opt.zero_grad()
+                steps.append(_comm.counters.snapshot()["elements"])
+            comm[(stage, prefetch)] = (psi_padded, last_padded, steps)
     return {"memory": memory, "comm": comm}
 
 
@@ -133,11 +136,27 @@ def test_padding_is_counted(measured):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_communication_volume_per_step(measured, stage):
+    """The paper's 2Ψ (stages 1-2) and 3Ψ (stage 3) exactly, without the prefetcher."""
     world, results = measured
     for rank, result in enumerate(results):
-        psi_padded, steps = result["comm"][stage]
+        psi_padded, _, steps = result["comm"][(stage, False)]
         gathers = 2 if stage == 3 else 1  # stage 3 gathers in forward and again in backward
         for step, elements in enumerate(steps):
             assert elements == {"all_gather": gathers * psi_padded, "reduce_scatter": psi_padded}, \
                 f"rank {rank}, step {step}"
             assert sum(elements.values()) == (3 if stage == 3 else 2) * psi_padded
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_prefetcher_saves_the_turn_gather(measured, stage):
+    """With the prefetcher, stage 3 keeps the last forward layer gathered into backward once
+    the trace is known: 3Ψ minus that layer from the second step on; stages 1-2 unchanged."""
+    world, results = measured
+    for rank, result in enumerate(results):
+        psi_padded, last_padded, steps = result["comm"][(stage, True)]
+        for step, elements in enumerate(steps):
+            if stage < 3:
+                expected = psi_padded
+            else:
+                expected = 2 * psi_padded - (last_padded if step > 0 else 0)  # step 0 records the trace
+            assert elements == {"all_gather": expected, "reduce_scatter": psi_padded}, f"rank {rank}, step {step}"
