@@ -163,9 +163,9 @@ class PrefetchConfig:
     """The trace-based prefetcher of stage 3."""
 
     enabled: bool = _opt(True, "prefetch upcoming fetch units along the recorded trace")
-    depth: int = _opt(3, "how many fetch units ahead the NVMe->host stage runs", ge=1, le=64)
-    device_depth: int = _opt(2, "how many fetch units ahead the host->device stage runs (<= depth)", ge=0, le=64)
-    gather_depth: int = _opt(1, "how many fetch units ahead the all-gather is launched (<= device_depth)",
+    depth: int = _opt(3, "modules ahead (those with a unit to fetch) that NVMe->host reads run", ge=1, le=64)
+    device_depth: int = _opt(2, "modules ahead that host->device copies run (<= depth)", ge=0, le=64)
+    gather_depth: int = _opt(1, "modules ahead that all-gathers are launched (<= device_depth)",
                              ge=0, le=64)
     bucket_size: int = _opt(50_000_000, "elements in flight in prefetches at a time", gt=0)
     max_live_parameters: int = _opt(1_000_000_000, "cap on gathered (full) parameter elements", gt=0)
