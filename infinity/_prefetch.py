@@ -113,17 +113,19 @@ class Prefetcher:
             return
         pos = len(p.seen)
         p.seen.append(state)
+        if self._held and self._direction == "backward":
+            for unit in [u for u in self._held if u in state.units]:  # acquired by its module now
+                self._held.remove(unit)
+                unit.release()
         if p.trace is None or p.diverged:
             return
         if pos >= len(p.trace) or p.trace[pos] is not state:
             p.diverged = True
             self.engine.counters.divergences += 1
             self._abandon_unused()
+            if self._direction == "backward":
+                self.release_held()  # backward went another way: do not keep them through it
             return
-        if self._held and self._direction == "backward":
-            for unit in [u for u in self._held if u in state.units]:  # acquired by its module now
-                self._held.remove(unit)
-                unit.release()
         if self.enabled:
             self._ahead(pos + 1)
             if self._direction == "forward" and pos == len(p.trace) - 1:
