@@ -213,7 +213,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Note [overlapped step]: with the optimizer states on NVMe the step is I/O-bound,
         so it runs on a background thread, chunk by chunk in flat (= unit) order, while the
         next forward and backward run. ``_updated_upto`` is the flat offset below which every
-        shard is updated and on its tier; a unit is fetched only once its range is below it
+        shard is updated (its write to the parameter tier may still be in flight: a fetch
+        that reads the tier waits for the writes first); a unit is fetched only once its range is below it
         (``wait_updated``), so no computation ever sees a stale parameter. The next backward
         needs no wait either: it writes the gradients of a unit only after computing with
         that unit, which was fetched, hence updated, hence its gradient range (whole chunks)
@@ -303,8 +304,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 ps.write(chunk.offset, params_out, keep=True)
             else:  # fp32 parameters with separate storage: the master chunk buffer gets reused
                 ps.write(chunk.offset, chunk.master.clone() if not ps.resident else chunk.master, keep=True)
-        if publish:
-            ps.flush()
+        if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
             self._publish(chunk.offset + n)
 
     def _finish_step(self) -> None:

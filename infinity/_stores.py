@@ -177,6 +177,12 @@ class ParamStore:
         buf = self.pool.get(numel, block=block)
         if buf is None:
             return None
+        if self.writer.in_flight():  # the overlapped step publishes before its writes land
+            try:
+                wait_io(self.writer, f"parameter shard writes on rank {self._rank}")
+            except Exception:
+                self.pool.put(buf)
+                raise
         reader = self._readers.pop()
         reader.pread(buf[:numel], self.path, offset * self.itemsize)
         self.bytes_read += numel * self.itemsize
