@@ -132,9 +132,15 @@ def _train_tail_heavy(cfg, monkeypatch=None):
     return losses, params, during_step
 
 
-def test_backward_overlaps_the_running_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "reads"])
+def test_backward_overlaps_the_running_step(tmp_path, monkeypatch, handoff):
     """The next forward and backward (with accumulation, and zero_grad) run while the
-    overlapped step is still updating: the same result as with the step in memory."""
+    overlapped step is still updating: the same result as with the step in memory. Without
+    the hand-off every fetch reads shards the step published before their writes landed."""
+    if not handoff:
+        import infinity._stores as stores
+
+        monkeypatch.setattr(stores.ParamStore, "take_kept", lambda self, offset, numel: None)
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
     got = _train_tail_heavy(_config(3, "nvme", "nvme", str(tmp_path), gradient_accumulation_steps=2), monkeypatch)
     assert any(got[2]), "no gradient arrived while the previous step was running: the test lost its point"
