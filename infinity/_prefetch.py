@@ -15,11 +15,12 @@ Depths count modules that have something to fetch: modules whose units all stay 
 At the end of a forward that autograd will come back through, the units the backward trace
 starts with (typically the output layer's, used last in forward and first in backward) are
 held instead of released, so backward does not fetch them again; the hold ends when backward
-reaches them, when backward ends, at the next forward or at the optimizer step. Each iteration is checked against the trace: on
-the first mismatch (a block skipped, another branch, a different depth) every prefetch not
-yet used is abandoned (waited for and returned: collectives stay matched across ranks),
-the rest of the iteration fetches on demand, the divergence is counted, and the order this
-iteration took becomes the trace. Prefetching never makes a parameter AVAILABLE early to a
+reaches them, when backward ends, at the next forward or at the optimizer step.
+
+Each iteration is checked against the trace: on the first mismatch (a block skipped,
+another branch, a different depth) every prefetch not yet used is abandoned (waited for and
+returned: collectives stay matched across ranks), the rest of the iteration fetches on
+demand, the divergence is counted, and the order this iteration took becomes the trace. Prefetching never makes a parameter AVAILABLE early to a
 computation: modules still acquire their units, which waits for what is in flight.
 """
 from __future__ import annotations
@@ -144,7 +145,8 @@ class Prefetcher:
     def _ahead(self, nxt: int) -> None:
         in_flight = sum(u.shard_numel for u in self._prefetched
                         if u.state in (ParamState.HOST, ParamState.DEVICE))
-        for state in self._window(nxt, self.depth):
+        window = self._window(nxt, self.depth)  # device_depth <= depth and gather_depth <= device_depth (config)
+        for state in window:
             for unit in state.units:
                 if unit.state is not ParamState.RELEASED or not unit.partitioned:
                     continue
@@ -154,11 +156,11 @@ class Prefetcher:
                     break
                 in_flight += unit.shard_numel
                 self._prefetched.append(unit)
-        for state in self._window(nxt, self.device_depth):
+        for state in window[: self.device_depth]:
             for unit in state.units:
                 if unit.state is ParamState.HOST and unit.partitioned:
                     unit.stage_to_device(block=False)  # only once its read has landed
-        for state in self._window(nxt, self.gather_depth):
+        for state in window[: self.gather_depth]:
             for unit in state.units:
                 if unit.state in (ParamState.RELEASED, ParamState.HOST, ParamState.DEVICE) and unit.partitioned \
                         and self.engine.live_elems + unit.full_numel <= self.max_live:

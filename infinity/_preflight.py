@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from . import _comm as comm
-from ._stores import DEFAULT_CHUNK
+from ._stores import DEFAULT_CHUNK, HANDOFF_BUFFERS
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -50,7 +50,7 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
             need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
             biggest = max((u.shard_numel for u in engine.units), default=0)
             # the staging pool, plus two buffers' worth of the step's fresh output (Note [hand-off])
-            buffers = (z.offload_param.buffer_count or z.prefetch.depth + 2) + 2
+            buffers = (z.offload_param.buffer_count or z.prefetch.depth + 2) + HANDOFF_BUFFERS
             need["host"] += buffers * max(z.offload_param.buffer_size or 0, biggest) * esize
         else:
             need["host" if opt.param_tier == "cpu" else "device"] += param_bytes

@@ -26,6 +26,7 @@ ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for f
 # Elements per optimizer swap chunk by default: 3 buffer sets x 4 fp32 arrays x 16 MiB =
 # 192 MiB of host memory, and the overlapped step publishes its first units early.
 DEFAULT_CHUNK = 4 << 20
+HANDOFF_BUFFERS = 2  # staging buffers' worth of the step's fresh parameter output kept in memory (Note [hand-off])
 
 
 class PoolExhausted(RuntimeError):
@@ -68,7 +69,7 @@ class ParamStore:
     """Compute-dtype parameter shards of stage 3 on their tier.
 
     Note [hand-off]: on the NVMe tier, the shards the optimizer step has just written
-    (``write(..., keep=True)``) also stay in host memory, up to two staging buffers' worth,
+    (``write(..., keep=True)``) also stay in host memory, up to HANDOFF_BUFFERS staging buffers' worth,
     oldest dropped first. The next forward fetches units in the order the step produces
     them, so most fetches take their shard from there (``take_kept``: a view, or one copy
     when it spans several writes) instead of an NVMe read that would compete with the step's
@@ -99,9 +100,8 @@ class ParamStore:
             self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool")
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
             self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
-            self._kept_cap = 2 * nbytes_of(self.pool.numel, dtype)
+            self._kept_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
             self._kept_lock = threading.Lock()
-            self.bytes_handed_off = 0
         elif alias is not None:
             self.flat = alias
         elif tier == "cpu":
@@ -164,7 +164,6 @@ class ParamStore:
                     out[lo - offset : hi - offset].copy_(t[lo - o : hi - o])
             used = {id(t) for o, t in pieces if o >= offset and o + t.numel() <= end}
             self._kept = [(o, t) for o, t in self._kept if id(t) not in used]
-        self.bytes_handed_off += numel * self.itemsize
         return out
 
     def flush(self) -> None:
@@ -345,8 +344,8 @@ class NvmeOptimizerStore:
     def _wait(self, handle, what: str) -> None:
         wait_io(handle, f"{what} (optimizer swapper, rank {self.rank})")
 
-    def _read(self, name: str, offset: int, out: torch.Tensor) -> None:
-        self.reader.pread(out, self.paths[name], offset * 4)
+    def _read(self, handle, name: str, offset: int, out: torch.Tensor) -> None:
+        handle.pread(out, self.paths[name], offset * 4)
         self._io["step"][0] += out.numel() * 4
 
     def _write(self, handle, name: str, offset: int, values: torch.Tensor) -> None:
@@ -369,7 +368,7 @@ class NvmeOptimizerStore:
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32)
-        self._read("master", offset, out)
+        self._read(self.reader, "master", offset, out)
         self._wait(self.reader, f"reading master weights at element {offset}")
         return out
 
@@ -465,8 +464,7 @@ class NvmeOptimizerStore:
     def _read_chunk(self, s: int, off: int) -> None:
         n = min(self.chunk, self.total - off)
         for name in _NAMES:
-            self.readers[s].pread(self.sets[s][name][:n], self.paths[name], off * 4)
-            self._io["step"][0] += n * 4
+            self._read(self.readers[s], name, off, self.sets[s][name][:n])
 
     def nbytes(self) -> dict:
         return {"nvme": 4 * 4 * self.total, "host": self.SETS * 4 * 4 * self.chunk}

@@ -220,7 +220,7 @@ class FetchUnit:
         (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
         assert self._state is ParamState.RELEASED, self._state
         if not self.engine.optimizer.wait_updated(self.opt_offset + self.shard_numel, block=block,
-                                                  what=f"the shard of {self.module_name or '<root>'}"):
+                                                  what=self._what()):
             return False
         if not self.store.resident:
             nbytes = self.shard_numel * self.store.itemsize
