@@ -114,7 +114,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.opt_tier == "nvme":
             ranges = [(u.opt_offset, u.shard_numel) for u in self.engine.units]
             return NvmeOptimizerStore(total, ranges, self._swap_dir(z.offload_optimizer.nvme_path), self.cfg.aio,
-                                      z.offload_optimizer.chunk_size, self.cfg.gradient_accumulation_steps)
+                                      z.offload_optimizer.chunk_size, self.cfg.gradient_accumulation_steps,
+                                      z.offload_optimizer.host_cache)
         return MemoryOptimizerStore(self.opt_tier, total, lazy_grad=not self.engine.policy.reduce_in_backward)
 
     def _make_param_store(self, total: int) -> ParamStore:
@@ -224,6 +225,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine.after_step()  # persistent units' gathered copies are about to be stale
         with self._cond:
             self._updated_upto = 0
+        # The cached head (Note [host cache] in _stores.py) is what the next forward needs first:
+        # update it here, on every core, from memory; the background thread streams the rest.
+        self.store.update_head(lambda chunk: self._update_chunk(chunk, hyper, None, publish=True))
         # Not a daemon: an interpreter that exits right after step() first lets the update land.
         self._bg = threading.Thread(target=self._run_step, args=(hyper,), name="infinity-optimizer-step", daemon=False)
         self._bg.start()
@@ -232,7 +236,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             # One thread for the math: the next forward computes on the other cores meanwhile.
             hyper = dict(hyper, num_threads=1) if self._adam is not None else hyper
-            self.store.update(lambda chunk: self._update_chunk(chunk, hyper, None, publish=True))
+            self.store.update_tail(lambda chunk: self._update_chunk(chunk, hyper, None, publish=True))
             self.param_store.flush()
             with self._cond:
                 self._updated_upto = math.inf

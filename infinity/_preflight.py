@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from . import _comm as comm
-from ._stores import DEFAULT_CHUNK, HANDOFF_BUFFERS
+from ._stores import HANDOFF_BUFFERS, NvmeOptimizerStore, chunk_elems, head_elems
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -39,8 +39,10 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     if opt.opt_tier == "nvme":
         path = z.offload_optimizer.nvme_path
         need["nvme"][path] = need["nvme"].get(path, 0) + opt_bytes
-        chunk = min(z.offload_optimizer.chunk_size or DEFAULT_CHUNK, n)
-        need["host"] += 3 * 16 * chunk
+        chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
+        ranges = [(u.opt_offset, u.shard_numel) for u in engine.units]
+        head = head_elems(z.offload_optimizer.host_cache, ranges, chunk, n)  # Note [host cache]
+        need["host"] += NvmeOptimizerStore.SETS * 16 * chunk + 16 * head
     else:
         need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes
     if engine.policy.partition_params:
@@ -67,7 +69,8 @@ def preflight(engine: "Engine", opt: "ZeroOptimizer") -> dict:
         problems.append(
             f"host memory: {ranks_here} rank(s) x {host_total / GiB:.2f} GiB needed, {avail / GiB:.2f} GiB available; "
             f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
-            f"lower zero.offload_optimizer.chunk_size, or run fewer ranks per node")
+            f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, or run fewer ranks "
+            f"per node")
     for path, nbytes in need["nvme"].items():
         probe = path
         while probe and not os.path.exists(probe):

@@ -26,6 +26,7 @@ ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for f
 # Elements per optimizer swap chunk by default: 3 buffer sets x 4 fp32 arrays x 16 MiB =
 # 192 MiB of host memory, and the overlapped step publishes its first units early.
 DEFAULT_CHUNK = 4 << 20
+HOST_CACHE_AUTO = 64 << 20  # elements: at most 1 GiB of optimizer state cached by default (Note [host cache])
 HANDOFF_BUFFERS = 2  # staging buffers' worth of the step's fresh parameter output kept in memory (Note [hand-off])
 
 
@@ -299,17 +300,36 @@ class NvmeOptimizerStore:
     gradient accumulation the later micro-batches read, add and write back. The squared norm and the
     finiteness of the gradients are folded in as their final values are written (one
     micro-batch per step), or measured in a read pass otherwise. Accumulation (main thread)
-    and an overlapped step (its own thread) use separate I/O handles and byte counters."""
+    and an overlapped step (its own thread) use separate I/O handles and byte counters.
+
+    Note [host cache]: the first ``head`` elements of the flat space (whole chunks; by
+    default the first fetch unit's range, e.g. a tied embedding) also stay in host memory.
+    The overlapped step cannot hand the next forward anything before it has updated that
+    range, and its gradients are complete only at the very end of backward, so its disk
+    round trips would all lie on the critical path. Instead its master weights and moments
+    are a write-through cache (the files stay complete and authoritative; the cache is
+    filled by the first update and dropped by ``load_master``), and its gradient shards
+    live in memory only (the files never hold them). ``update_head`` then runs on the
+    caller's thread without waiting for a single read, and ``update_tail`` streams the rest
+    through the buffer sets, whose first reads ``update_head`` has already started."""
 
     SETS = 3
 
     def __init__(self, total: int, ranges: List[tuple], swap: SwapDir, aio_cfg, chunk: Optional[int],
-                 accumulation_steps: int):
+                 accumulation_steps: int, host_cache: Optional[int] = None):
         self.tier = "nvme"
         self.total = total
         self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
         self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in _NAMES}
-        self.chunk = min(_round_up(chunk or DEFAULT_CHUNK, ALIGN_ELEMS), _round_up(max(total, 1), ALIGN_ELEMS))
+        self.chunk = chunk_elems(chunk, total)
+        self.head = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]
+        self.head_sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in _NAMES}
+                          for _ in range(self.head // self.chunk)]
+        for hs in self.head_sets:
+            hs["grad"].zero_()  # the gaps between aligned unit ranges must read as zero gradients
+        self.head_io = new_aio(aio_cfg)
+        self._head_loaded = False  # the head sets hold the current master weights and moments
+        self._tail_primed = False  # the first tail chunks' reads are in flight
         self.reader = new_aio(aio_cfg)
         self.readers = [new_aio(aio_cfg) for _ in range(self.SETS)]  # a read and a write handle per set
         self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
@@ -321,6 +341,7 @@ class NvmeOptimizerStore:
         self._written: set = set()  # offsets of gradient ranges written since the last step
         self._sq, self._finite, self._stats_valid = 0.0, True, accumulation_steps == 1
         self._io = {"step": [0, 0], "grad": [0, 0]}  # [read, written] bytes by the step's and the grads' handles
+        self._coef = 1.0  # the gradients' scale (unscaling and clipping), applied inside the next update
         self._zero_files()
 
     @property
@@ -362,25 +383,41 @@ class NvmeOptimizerStore:
         self._io["grad"][1] += values.numel() * 4
 
     def load_master(self, offset: int, values: torch.Tensor) -> None:
+        self._wait(self.head_io, "writing back the cached optimizer chunks")  # older values must land first
         buf = values.contiguous().to(torch.float32)
         self._write(self.writers[0], "master", offset, buf)
         self._wait(self.writers[0], f"writing master weights at element {offset}")
+        if offset < self.head:
+            self._head_loaded = False  # the next update reads the cache afresh (Note [host cache])
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
+        self._wait(self.head_io, "writing back the cached optimizer chunks")  # the files are then complete
         out = torch.empty(numel, dtype=torch.float32)
         self._read(self.reader, "master", offset, out)
         self._wait(self.reader, f"reading master weights at element {offset}")
         return out
 
+    def _head_pieces(self, offset: int, numel: int):
+        """(head set, start in its chunk, length, start in the range) of the part of
+        [offset, offset + numel) inside the head, which is always a prefix of the range."""
+        end = min(offset + numel, self.head)
+        pos = offset
+        while pos < end:
+            i, lo = divmod(pos, self.chunk)
+            n = min(self.chunk - lo, end - pos)
+            yield self.head_sets[i], lo, n, pos - offset
+            pos += n
+
+    def _in_head(self, offset: int, numel: int) -> int:
+        """Elements of [offset, offset + numel) inside the head."""
+        return max(0, min(offset + numel, self.head) - offset)
+
     # -------------------------------------------------------------- gradients
 
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
         g = shard_grad.mul(scale) if scale != 1.0 else shard_grad.contiguous()
-        if offset in self._written:
-            self._wait(self.grad_writer, "gradient shard writes")  # the earlier write of this range must land
-            old = torch.empty_like(g)
-            self._grad_read(offset, old)
-            g = old.add_(g)
+        again = offset in self._written
+        if again:
             self._stats_valid = False
         else:
             self._written.add(offset)
@@ -388,7 +425,19 @@ class NvmeOptimizerStore:
             s, f = _sq_and_finite(g)
             self._sq += s
             self._finite = self._finite and f
-        self._grad_write(offset, g)  # the handle keeps g alive until written
+        for hs, lo, n, at in self._head_pieces(offset, g.numel()):  # Note [host cache]: in memory only
+            dst, src = hs["grad"][lo : lo + n], g[at : at + n]
+            dst.add_(src) if again else dst.copy_(src)
+        h = self._in_head(offset, g.numel())
+        if h == g.numel():
+            return
+        g = g[h:]
+        if again:
+            self._wait(self.grad_writer, "gradient shard writes")  # the earlier write of this range must land
+            old = torch.empty_like(g)
+            self._grad_read(offset + h, old)
+            g = old.add_(g)
+        self._grad_write(offset + h, g)  # the handle keeps g alive until written
 
     def wait_grad_writes(self) -> None:
         """Gradient buffers handed to ``accumulate`` may be reused once this returns."""
@@ -400,7 +449,11 @@ class NvmeOptimizerStore:
         if missing:
             zeros = torch.zeros(max(n for _, n in missing), dtype=torch.float32)
             for o, n in missing:
-                self._grad_write(o, zeros[:n])
+                for hs, lo, k, _ in self._head_pieces(o, n):
+                    hs["grad"][lo : lo + k].zero_()
+                h = self._in_head(o, n)
+                if h < n:
+                    self._grad_write(o + h, zeros[: n - h])
                 self._written.add(o)
         self._wait(self.grad_writer, "gradient shard writes")
 
@@ -409,11 +462,14 @@ class NvmeOptimizerStore:
         if self._stats_valid:
             return self._sq, self._finite
         sq, finite = 0.0, True
-        buf = self.sets[0]["grad"]
         for off in range(0, self.total, self.chunk):
             n = min(self.chunk, self.total - off)
-            self._grad_read(off, buf[:n])
-            s, f = _sq_and_finite(buf[:n])
+            if off < self.head:
+                buf = self.head_sets[off // self.chunk]["grad"][:n]
+            else:
+                buf = self.sets[0]["grad"][:n]
+                self._grad_read(off, buf)
+            s, f = _sq_and_finite(buf)
             sq += s
             finite = finite and f
         return sq, finite
@@ -436,13 +492,35 @@ class NvmeOptimizerStore:
     # -------------------------------------------------------------- the step
 
     def update(self, fn: Callable[[Chunk], None]) -> None:
-        coef = getattr(self, "_coef", 1.0)
-        starts = list(range(0, self.total, self.chunk))
-        if not starts:
+        """Run ``fn`` over every chunk of the flat space, in order, and write the results back."""
+        self.update_head(fn)
+        self.update_tail(fn)
+
+    def update_head(self, fn: Callable[[Chunk], None]) -> None:
+        """The cached chunks, on this thread (Note [host cache]). Starts the tail's first
+        reads before computing, so that they land meanwhile."""
+        self._prime_tail()
+        if not self.head_sets:
             return
+        self._wait(self.head_io, "writing back the cached optimizer chunks")  # their buffers change now
+        if not self._head_loaded:
+            for i, hs in enumerate(self.head_sets):
+                off = i * self.chunk
+                n = min(self.chunk, self.total - off)
+                for name in ("master", "exp_avg", "exp_avg_sq"):
+                    self._read(self.head_io, name, off, hs[name][:n])
+            self._wait(self.head_io, "reading the cached optimizer chunks")
+            self._head_loaded = True
+        for i, hs in enumerate(self.head_sets):
+            off = i * self.chunk
+            n = min(self.chunk, self.total - off)
+            self._update_one(fn, off, {name: t[:n] for name, t in hs.items()}, self.head_io)
+
+    def update_tail(self, fn: Callable[[Chunk], None]) -> None:
+        """The chunks past the head, streamed through the buffer sets (Note [optimizer swapper])."""
+        self._prime_tail()
+        starts = self._tail_starts()
         ahead = self.SETS - 2  # chunks read ahead; one set computes, one set's writes drain
-        for j in range(min(ahead, len(starts))):
-            self._read_chunk(j, starts[j])
         for k, off in enumerate(starts):
             self._wait(self.readers[k % self.SETS], f"reading optimizer chunk at element {off}")  # set k % SETS
             j = k + ahead
@@ -450,16 +528,31 @@ class NvmeOptimizerStore:
                 self._wait(self.writers[j % self.SETS], "writing back an optimizer chunk")  # set held chunk j - SETS
                 self._read_chunk(j % self.SETS, starts[j])
             n = min(self.chunk, self.total - off)
-            bufs = {name: t[:n] for name, t in self.sets[k % self.SETS].items()}
-            if coef != 1.0:
-                bufs["grad"].mul_(coef)
-            fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
-            w = self.writers[k % self.SETS]
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                self._write(w, name, off, bufs[name])
+            self._update_one(fn, off, {name: t[:n] for name, t in self.sets[k % self.SETS].items()},
+                             self.writers[k % self.SETS])
         for w in self.writers:
             self._wait(w, "writing back optimizer chunks")
         self._coef = 1.0
+        self._tail_primed = False
+
+    def _update_one(self, fn: Callable[[Chunk], None], off: int, bufs: dict, writer) -> None:
+        if self._coef != 1.0:
+            bufs["grad"].mul_(self._coef)
+        fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            self._write(writer, name, off, bufs[name])
+
+    def _tail_starts(self) -> list:
+        return list(range(self.head, self.total, self.chunk))
+
+    def _prime_tail(self) -> None:
+        """Submit the reads of the first tail chunks (once per update)."""
+        if self._tail_primed:
+            return
+        starts = self._tail_starts()
+        for j in range(min(self.SETS - 2, len(starts))):
+            self._read_chunk(j, starts[j])
+        self._tail_primed = True
 
     def _read_chunk(self, s: int, off: int) -> None:
         n = min(self.chunk, self.total - off)
@@ -467,7 +560,22 @@ class NvmeOptimizerStore:
             self._read(self.readers[s], name, off, self.sets[s][name][:n])
 
     def nbytes(self) -> dict:
-        return {"nvme": 4 * 4 * self.total, "host": self.SETS * 4 * 4 * self.chunk}
+        return {"nvme": 4 * 4 * self.total, "host": (self.SETS + len(self.head_sets)) * 4 * 4 * self.chunk}
+
+
+def chunk_elems(chunk_size: Optional[int], total: int) -> int:
+    """Elements per optimizer swap chunk (``zero.offload_optimizer.chunk_size``)."""
+    return min(_round_up(chunk_size or DEFAULT_CHUNK, ALIGN_ELEMS), _round_up(max(total, 1), ALIGN_ELEMS))
+
+
+def head_elems(host_cache: Optional[int], ranges: List[tuple], chunk: int, total: int) -> int:
+    """Elements at the start of the flat space cached in host memory, in whole chunks
+    (``zero.offload_optimizer.host_cache``; Note [host cache]). Automatic: the range up to
+    the end of the first unit with a shard, at most HOST_CACHE_AUTO elements."""
+    if host_cache is None:
+        end = next((o + n for o, n in ranges if n), 0)
+        host_cache = min(end, HOST_CACHE_AUTO)
+    return min(_round_up(host_cache, chunk), _round_up(total, chunk))
 
 
 def _sq_and_finite(t: torch.Tensor) -> tuple:

@@ -9,7 +9,7 @@
     The default shape (GPT-2 124M, 1 x 16 tokens) makes the parameter I/O of a step about as
     long as its computation; both are printed side by side.
 
-(b) headline: Hugging Face GPT-2 124M (GPT2Config defaults), bf16, micro-batch 4 x 256
+(b) headline: Hugging Face GPT-2 124M (GPT2Config defaults), {args.dtype}, micro-batch 4 x 256
     tokens, one rank, parameters and optimizer states on NVMe (prefetch on), against plain
     PyTorch bf16 training (bf16 model, fp32 master weights, fused AdamW, clipping).
 
@@ -54,11 +54,36 @@ def build_gpt(layers: int, hidden: int):
     return GPT2LMHeadModel(cfg)
 
 
-def infinity_config(param: str, optim: str, prefetch: bool, nvme_path: str) -> dict:
+def infinity_config(param: str, optim: str, prefetch: bool, nvme_path: str, dtype: str) -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": param, "nvme_path": nvme_path},
                      "offload_optimizer": {"device": optim, "nvme_path": nvme_path},
                      "prefetch": {"enabled": prefetch}},
-            "precision": {"dtype": "bf16"}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
+            "precision": {"dtype": dtype}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
+
+
+def choose_dtype(requested: str) -> str:
+    """``auto``: bf16 (the issue's setting) where this CPU multiplies bf16 matrices at least
+    half as fast as fp32; otherwise fp32, said out loud. CPUs without native bf16 (no
+    avx512_bf16 / AMX) run torch's bf16 matmul on a reference path tens of times slower,
+    which would make both contenders minutes per step and hide every overhead."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    def seconds(dtype) -> float:
+        a, b = torch.randn(256, 768, dtype=dtype), torch.randn(768, 768, dtype=dtype)
+        torch.mm(a, b)
+        start = time.perf_counter()
+        for _ in range(3):
+            torch.mm(a, b)
+        return time.perf_counter() - start
+
+    slowdown = seconds(torch.bfloat16) / seconds(torch.float32)
+    if slowdown <= 2.0:
+        return "bf16"
+    print(f"note: bf16 matmul is {slowdown:.0f}x slower than fp32 on this CPU (no native bf16); measuring in fp32 "
+          f"(--dtype bf16 forces it)")
+    return "fp32"
 
 
 # ------------------------------------------------------------------ disk probe
@@ -96,14 +121,15 @@ def disk_bandwidth(directory: str, nbytes: int, repeats: int = 3) -> tuple[float
 
 
 class PlainTrainer:
-    """The reference: bf16 model, fp32 master weights, fused torch AdamW, gradient clipping."""
+    """The reference: the model in the compute dtype, fp32 master weights (the parameters
+    themselves in fp32), fused torch AdamW, gradient clipping."""
 
-    def __init__(self, model):
+    def __init__(self, model, dtype: str):
         import torch
 
-        self.model = model.to(torch.bfloat16)
+        self.model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
         self.params = list(self.model.parameters())
-        self.masters = [p.detach().float() for p in self.params]
+        self.masters = [p.detach().float() if dtype == "bf16" else p for p in self.params]
         self.opt = torch.optim.AdamW(self.masters, lr=1e-4, weight_decay=0.01, fused=True)
 
     def step(self, ids) -> dict:
@@ -113,13 +139,16 @@ class PlainTrainer:
         self.model(input_ids=ids, labels=ids).loss.backward()
         fwd_bwd = time.perf_counter() - start
         for p, m in zip(self.params, self.masters):
-            m.grad = p.grad.float()
-            p.grad = None
+            if m is not p:
+                m.grad = p.grad.float()
+                p.grad = None
         torch.nn.utils.clip_grad_norm_(self.masters, 1.0)
         self.opt.step()
+        self.opt.zero_grad()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
-                p.copy_(m)
+                if m is not p:
+                    p.copy_(m)
         return {"time": time.perf_counter() - start, "fwd_bwd": fwd_bwd}
 
     def settle(self) -> None:
@@ -166,10 +195,10 @@ def serve(spec: dict, conn) -> None:
     torch.manual_seed(0)
     model = build_gpt(spec["layers"], spec["hidden"])
     if spec["kind"] == "plain":
-        trainer = PlainTrainer(model)
+        trainer = PlainTrainer(model, spec["dtype"])
     else:
         trainer = InfinityTrainer(model, infinity_config(spec["param"], spec["optim"], spec["prefetch"],
-                                                         spec["nvme_path"]))
+                                                         spec["nvme_path"], spec["dtype"]))
     gen = torch.Generator().manual_seed(0)  # every contender sees the same batches in the same order
     conn.send({"params": sum(p.numel() for p in model.parameters())})
     try:
@@ -310,13 +339,13 @@ def study(args, nvme_root: str, bw: tuple[float, float]) -> None:
     layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
     mb, seq = (1, 16) if args.quick else (args.study_batch, args.study_seq)
     base = {"layers": layers, "hidden": hidden, "micro_batch": mb, "seq_len": seq, "threads": args.threads,
-            "nvme_path": nvme_root, "kind": "infinity"}
+            "nvme_path": nvme_root, "kind": "infinity", "dtype": args.dtype}
     specs = [dict(base, name="compute only (no offload)", param="none", optim="none", prefetch=True)]
     for param, optim, label in (("nvme", "none", "params on NVMe"), ("nvme", "nvme", "params+optim on NVMe")):
         for prefetch in (False, True):
             specs.append(dict(base, name=f"{label}, prefetch {'on' if prefetch else 'off'}", param=param,
                               optim=optim, prefetch=prefetch))
-    print(f"\n(a) prefetch study: GPT-2 {layers} x {hidden}, vocab {VOCAB}, bf16, stage 3, one rank, micro-batch "
+    print(f"\n(a) prefetch study: GPT-2 {layers} x {hidden}, vocab {VOCAB}, {args.dtype}, stage 3, one rank, micro-batch "
           f"{mb} x {seq} tokens; {rounds_note(args)}")
     res = interleaved(specs, args)
     first = res[specs[0]["name"]]
@@ -354,11 +383,11 @@ def headline(args, nvme_root: str) -> None:
     layers, hidden = (2, 256) if args.quick else (12, 768)
     mb, seq = (2, 64) if args.quick else (4, 256)
     base = {"layers": layers, "hidden": hidden, "micro_batch": mb, "seq_len": seq, "threads": args.threads,
-            "nvme_path": nvme_root}
-    specs = [dict(base, name="plain PyTorch bf16", kind="plain"),
+            "nvme_path": nvme_root, "dtype": args.dtype}
+    specs = [dict(base, name=f"plain PyTorch {args.dtype}", kind="plain"),
              dict(base, name="infinity NVMe, prefetch on", kind="infinity", param="nvme", optim="nvme",
                   prefetch=True)]
-    print(f"\n(b) headline: GPT-2 {layers} x {hidden} (GPT2Config defaults), bf16, micro-batch {mb} x {seq} tokens, "
+    print(f"\n(b) headline: GPT-2 {layers} x {hidden} (GPT2Config defaults), {args.dtype}, micro-batch {mb} x {seq} tokens, "
           f"one rank; {rounds_note(args)}")
     res = interleaved(specs, args)
     plain, nv = res[specs[0]["name"]], res[specs[1]["name"]]
@@ -389,6 +418,8 @@ def main() -> None:
     ap.add_argument("--study-batch", type=int, default=1, help="(a) micro-batch")
     ap.add_argument("--study-seq", type=int, default=16, help="(a) tokens per sequence")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="compute dtype of both contenders; auto = bf16 unless this CPU lacks native bf16 matmul")
     ap.add_argument("--skip-study", action="store_true", help="only (b)")
     ap.add_argument("--skip-headline", action="store_true", help="only (a)")
     ap.add_argument("--nvme-path", default=tempfile.gettempdir(), help="directory for the swap files")
@@ -405,6 +436,7 @@ def main() -> None:
     if args.hidden % 64:
         ap.error("--hidden must be a multiple of 64 (heads of 64)")
     print(load_note() + " (before the run; the machine may be shared)")
+    args.dtype = choose_dtype(args.dtype)
     nvme_root = tempfile.mkdtemp(prefix="bench_prefetch_", dir=args.nvme_path)
     try:
         bw = disk_bandwidth(nvme_root, (64 if args.quick else 256) * MiB)

@@ -200,6 +200,8 @@ BAD_CONFIGS = [
     ("bucket-zero", {"zero": {"reduce_bucket_size": 0}}, "zero.reduce_bucket_size", "> 0"),
     ("buffer-count-negative", {"zero": {"offload_param": {"buffer_count": -1}}},
      "zero.offload_param.buffer_count", "> 0"),
+    ("host-cache-negative", {"zero": {"offload_optimizer": {"host_cache": -1}}},
+     "zero.offload_optimizer.host_cache", ">= 0"),
     ("prefetch-enabled-int", {"zero": {"prefetch": {"enabled": 1}}}, "zero.prefetch.enabled", "bool"),
     ("device-depth-over-depth", {"zero": {"prefetch": {"depth": 2, "device_depth": 3}}},
      "zero.prefetch.device_depth", "device_depth <= depth"),
