@@ -73,8 +73,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             unit.opt_offset = total
             total += -(-unit.shard_numel // align) * align
         self.total = total
-        # Note [overlapped step]: stage 3 with the optimizer states on NVMe steps in the background.
-        self.overlap = engine.policy.partition_params and self.opt_tier == "nvme"
+        # Note [overlapped step]: stage 3 with the optimizer states, or the parameters with the
+        # optimizer states in host memory, on NVMe steps in the background.
+        self.overlap = engine.policy.partition_params and (
+            self.opt_tier == "nvme" or (self.param_tier == "nvme" and self.opt_tier == "cpu"))
         preflight(engine, self)
         engine.swap_dirs = {}
         self.store = self._make_store(total)
@@ -116,7 +118,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return NvmeOptimizerStore(total, ranges, self._swap_dir(z.offload_optimizer.nvme_path), self.cfg.aio,
                                       z.offload_optimizer.chunk_size, self.cfg.gradient_accumulation_steps,
                                       z.offload_optimizer.host_cache)
-        return MemoryOptimizerStore(self.opt_tier, total, lazy_grad=not self.engine.policy.reduce_in_backward)
+        return MemoryOptimizerStore(self.opt_tier, total, lazy_grad=not self.engine.policy.reduce_in_backward,
+                                    overlapped=self.overlap, ranges=[(u.opt_offset, u.shard_numel) for u in self.engine.units],
+                                    chunk=z.offload_optimizer.chunk_size)
 
     def _make_param_store(self, total: int) -> ParamStore:
         z = self.cfg.zero
@@ -211,8 +215,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ overlapped step
 
     def _launch_step(self, hyper: dict) -> None:
-        """Note [overlapped step]: with the optimizer states on NVMe the step is I/O-bound,
-        so it runs on a background thread, chunk by chunk in flat (= unit) order, while the
+        """Note [overlapped step]: with the optimizer states on NVMe, or the parameters on NVMe
+        and the optimizer states in host memory, the step is bound by its reads and writes
+        rather than by its arithmetic, so it runs on a background thread, chunk by chunk in flat (= unit) order, while the
         next forward and backward run. ``_updated_upto`` is the flat offset below which every
         shard is updated (its write to the parameter tier may still be in flight: a fetch
         that reads the tier waits for the writes first); a unit is fetched only once its range is below it
@@ -334,8 +339,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not isinstance(self.store, MemoryOptimizerStore):
             return {"optimizer": 0, "grads": 0}
         n = self.store.total * 4
-        return {"optimizer": 2 * n + (0 if self.aliased else n),
-                "grads": self.store.grad.numel() * 4 if self.store.grad is not None else 0}
+        return {"optimizer": 2 * n + (0 if self.aliased else n), "grads": self.store.grad_bytes()}
 
 
 def _frozen_ranges(units) -> list:

@@ -226,32 +226,46 @@ class Chunk:
 
 
 class MemoryOptimizerStore:
-    """Master weights, moments and gradient shards as flat tensors in memory."""
+    """Master weights, moments and gradient shards as flat tensors in memory.
 
-    def __init__(self, tier: str, total: int, *, lazy_grad: bool = False):
+    ``overlapped``: the step runs beside the next forward and backward (Note [overlapped
+    step] in _optimizer.py, here with the parameters on NVMe). ``seal_grads`` then hands the
+    accumulated gradients to the update and accumulation starts in a second buffer; the
+    update walks the flat space chunk by chunk (``update_head`` the first unit's range,
+    ``update_tail`` the rest) and zeroes each sealed chunk once used, so the sealed buffer
+    comes back as the next step's accumulation buffer instead of a fresh allocation."""
+
+    def __init__(self, tier: str, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
+                 ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
         self._alloc = (lambda: _zeros_host(total)) if tier == "cpu" else (
             lambda: torch.zeros(total, dtype=torch.float32, device=acc.device()))
         self.tier = tier
         self.total = total
         self.lazy_grad = lazy_grad  # stage 1: a gradient shard exists only during the step
+        self.overlapped = overlapped
+        self.chunk = chunk_elems(chunk, total)
+        self.head = head_elems(None, ranges or [], self.chunk, total) if overlapped else 0
         self.master = self._alloc()
         self.grad = None if lazy_grad else self._alloc()
+        self._sealed: Optional[torch.Tensor] = None  # the gradients an overlapped update reads
+        self._spare: Optional[torch.Tensor] = None  # a zeroed buffer the last update gave back
         self.exp_avg = self._alloc()
         self.exp_avg_sq = self._alloc()
 
     def load_master(self, offset: int, values: torch.Tensor) -> None:
         self.master[offset : offset + values.numel()].copy_(values)
 
-    def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
+    def _grad_buffer(self) -> torch.Tensor:
         if self.grad is None:
-            self.grad = self._alloc()
-        self.grad[offset : offset + shard_grad.numel()].add_(shard_grad, alpha=scale)
+            self.grad, self._spare = (self._spare if self._spare is not None else self._alloc()), None
+        return self.grad
+
+    def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
+        self._grad_buffer()[offset : offset + shard_grad.numel()].add_(shard_grad, alpha=scale)
 
     def grad_stats(self) -> tuple:
         """(sum of squares in float64, all finite) over the gradient shards."""
-        if self.grad is None:
-            self.grad = self._alloc()
-        return _sq_and_finite(self.grad)
+        return _sq_and_finite(self._grad_buffer())
 
     def scale_grads(self, coef: float) -> None:
         self.grad.mul_(coef)
@@ -260,13 +274,33 @@ class MemoryOptimizerStore:
         pass
 
     def seal_grads(self) -> None:
-        pass  # the step reads ``grad`` in place and zeroes it when done
+        if self.overlapped:
+            self._sealed, self.grad = self._grad_buffer(), None
+        # otherwise the step reads ``grad`` in place and zeroes it when done
 
     def wait_grad_writes(self) -> None:
         pass
 
     def update(self, fn: Callable[[Chunk], None]) -> None:
-        fn(Chunk(0, self.master, self.grad, self.exp_avg, self.exp_avg_sq))
+        if self._sealed is None:
+            fn(Chunk(0, self.master, self.grad, self.exp_avg, self.exp_avg_sq))
+        else:
+            self.update_head(fn)
+            self.update_tail(fn)
+
+    def update_head(self, fn: Callable[[Chunk], None]) -> None:
+        self._walk(fn, 0, self.head)
+
+    def update_tail(self, fn: Callable[[Chunk], None]) -> None:
+        self._walk(fn, self.head, self.total)
+        self._spare, self._sealed = self._sealed, None
+
+    def _walk(self, fn: Callable[[Chunk], None], lo: int, hi: int) -> None:
+        g = self._sealed
+        for off in range(lo, hi, self.chunk):
+            sl = slice(off, min(off + self.chunk, hi))
+            fn(Chunk(off, self.master[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl]))
+            g[sl].zero_()
 
     def zero_grads(self) -> None:
         if self.lazy_grad:
@@ -277,8 +311,13 @@ class MemoryOptimizerStore:
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         return self.master[offset : offset + numel]
 
+    def grad_bytes(self) -> int:
+        """Bytes of gradient buffers held now: accumulating, sealed for an update, spare."""
+        return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
+
     def nbytes(self) -> dict:
-        return {"host" if self.tier == "cpu" else "device": 4 * 4 * self.total}
+        buffers = 5 if self.overlapped else 4  # an overlapped step's sealed gradients beside the accumulating ones
+        return {"host" if self.tier == "cpu" else "device": buffers * 4 * self.total}
 
 
 def _zeros_host(n: int) -> torch.Tensor:

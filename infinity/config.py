@@ -153,7 +153,8 @@ class OptimizerOffloadConfig:
     device: Device = _opt("none", "tier of optimizer states and gradient shards: none, cpu or nvme")
     nvme_path: Optional[str] = _opt(None, "directory for the swap files; required when device is nvme",
                                     check=_check_dir)
-    chunk_size: Optional[int] = _opt(None, "elements per optimizer swap chunk; null = automatic", gt=0)
+    chunk_size: Optional[int] = _opt(None, "elements per optimizer swap chunk (and per chunk of a "
+                                     "background step over states in host memory); null = automatic", gt=0)
     host_cache: Optional[int] = _opt(None, "nvme: elements at the start of the optimizer states (the first the "
                                      "next forward needs) also cached in host memory; null = the first fetch "
                                      "unit's (at most 64M), 0 = none", ge=0)
