@@ -75,8 +75,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.total = total
         # Note [overlapped step]: stage 3 with the optimizer states, or the parameters with the
         # optimizer states in host memory, on NVMe steps in the background.
+        states_in_host = self.opt_tier == "cpu" or (self.opt_tier == "none" and acc.device().type == "cpu")
         self.overlap = engine.policy.partition_params and (
-            self.opt_tier == "nvme" or (self.param_tier == "nvme" and self.opt_tier == "cpu"))
+            self.opt_tier == "nvme" or (self.param_tier == "nvme" and states_in_host))
         preflight(engine, self)
         engine.swap_dirs = {}
         self.store = self._make_store(total)

@@ -231,9 +231,12 @@ class MemoryOptimizerStore:
     ``overlapped``: the step runs beside the next forward and backward (Note [overlapped
     step] in _optimizer.py, here with the parameters on NVMe). ``seal_grads`` then hands the
     accumulated gradients to the update and accumulation starts in a second buffer; the
-    update walks the flat space chunk by chunk (``update_head`` the first unit's range,
-    ``update_tail`` the rest) and zeroes each sealed chunk once used, so the sealed buffer
-    comes back as the next step's accumulation buffer instead of a fresh allocation."""
+    update walks the flat space in pieces of whole units, about ``chunk`` elements each
+    (``update_head`` the first piece, ``update_tail`` the rest), and zeroes each sealed piece
+    once used, so the sealed buffer comes back as the next step's accumulation buffer instead
+    of a fresh allocation. Whole units, because each piece's parameter write is also handed
+    to the next forward (Note [hand-off]), which can then take a unit's shard as a view
+    instead of assembling it from two pieces."""
 
     def __init__(self, tier: str, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
@@ -243,8 +246,8 @@ class MemoryOptimizerStore:
         self.total = total
         self.lazy_grad = lazy_grad  # stage 1: a gradient shard exists only during the step
         self.overlapped = overlapped
-        self.chunk = chunk_elems(chunk, total)
-        self.head = head_elems(None, ranges or [], self.chunk, total) if overlapped else 0
+        self.pieces = _unit_pieces(ranges or [], total, chunk_elems(chunk, total)) if overlapped else []
+        self.head = self.pieces[0][1] if self.pieces else 0
         self.master = self._alloc()
         self.grad = None if lazy_grad else self._alloc()
         self._sealed: Optional[torch.Tensor] = None  # the gradients an overlapped update reads
@@ -297,10 +300,11 @@ class MemoryOptimizerStore:
 
     def _walk(self, fn: Callable[[Chunk], None], lo: int, hi: int) -> None:
         g = self._sealed
-        for off in range(lo, hi, self.chunk):
-            sl = slice(off, min(off + self.chunk, hi))
-            fn(Chunk(off, self.master[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl]))
-            g[sl].zero_()
+        for start, end in self.pieces:
+            if lo <= start < hi:
+                sl = slice(start, end)
+                fn(Chunk(start, self.master[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl]))
+                g[sl].zero_()
 
     def zero_grads(self) -> None:
         if self.lazy_grad:
@@ -600,6 +604,18 @@ class NvmeOptimizerStore:
 
     def nbytes(self) -> dict:
         return {"nvme": 4 * 4 * self.total, "host": (self.SETS + len(self.head_sets)) * 4 * 4 * self.chunk}
+
+
+def _unit_pieces(ranges: List[tuple], total: int, target: int) -> List[tuple]:
+    """[start, end) pieces covering the flat space, each made of whole units (with the
+    padding after them), consecutive units merged until a piece reaches ``target`` elements."""
+    bounds = sorted({o for o, _ in ranges if 0 < o < total} | {total})
+    pieces, start = [], 0
+    for b in bounds:
+        if b - start >= target or b == total:
+            pieces.append((start, b))
+            start = b
+    return [p for p in pieces if p[1] > p[0]]
 
 
 def chunk_elems(chunk_size: Optional[int], total: int) -> int:

@@ -4,7 +4,8 @@ Both parts compute in bf16, as the issue asks, where the CPU multiplies bf16 nat
 CPU without native bf16 (torch's reference bf16 matmul is tens of times slower than fp32
 there) ``--dtype auto`` measures both contenders in fp32 and says so.
 
-(a) prefetch study: stage 3, parameters on NVMe (and separately parameters and
+(a) prefetch study: stage 3, parameters on NVMe with the optimizer states in host memory
+    (and separately parameters and
     optimizer states on NVMe), prefetch off vs on, beside the compute-only step (stage 3, no
     offload) and the disk bandwidth measured in the same run with infinity.aio (O_DIRECT
     write then read of a 256 MiB file). Prints step time, stall per stage, bytes moved per
@@ -346,7 +347,7 @@ def study(args, nvme_root: str, bw: tuple[float, float]) -> None:
     base = {"layers": layers, "hidden": hidden, "micro_batch": mb, "seq_len": seq, "threads": args.threads,
             "nvme_path": nvme_root, "kind": "infinity", "dtype": args.dtype}
     specs = [dict(base, name="compute only (no offload)", param="none", optim="none", prefetch=True)]
-    for param, optim, label in (("nvme", "none", "params on NVMe"), ("nvme", "nvme", "params+optim on NVMe")):
+    for param, optim, label in (("nvme", "cpu", "params on NVMe"), ("nvme", "nvme", "params+optim on NVMe")):
         for prefetch in (False, True):
             specs.append(dict(base, name=f"{label}, prefetch {'on' if prefetch else 'off'}", param=param,
                               optim=optim, prefetch=prefetch))
