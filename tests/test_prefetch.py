@@ -243,8 +243,8 @@ def test_stage_depths(tmp_path, depths):
 
 def test_backward_keeps_what_forward_ended_with(tmp_path):
     """The last module of forward is the first of backward: with the prefetcher on it stays
-    gathered across the turn instead of being read again, and nothing stays gathered after
-    backward."""
+    gathered across the turn instead of being fetched again, and nothing stays gathered after
+    backward. (A fetch either reads the disk or takes the shard the step handed off.)"""
     from infinity._param import ParamState
 
     reads = {}
@@ -255,17 +255,18 @@ def test_backward_keeps_what_forward_ended_with(tmp_path):
         g = torch.Generator().manual_seed(5)
         per_step = []
         for _ in range(3):
-            before = opt.param_store.bytes_read
+            opt.engine.telemetry()  # resets the counters
             model(torch.randn(8, 64, generator=g)).backward()
             assert all(u.state is ParamState.RELEASED for u in opt.engine.units)
-            per_step.append(opt.param_store.bytes_read - before)
+            moved = opt.engine.telemetry()["bytes"]
+            per_step.append(moved.get("nvme_read", 0) + moved.get("param_handoff", 0))
             opt.step()
             opt.zero_grad()
         opt.engine.close()
         reads[prefetch] = per_step
     shard_bytes = (64 * 64 + 64) * 4
-    assert reads[False] == [2 * 8 * shard_bytes] * 3  # every layer read in forward and in backward
-    assert reads[True][1:] == [(2 * 8 - 1) * shard_bytes] * 2  # the last layer is read once
+    assert reads[False] == [2 * 8 * shard_bytes] * 3  # every layer fetched in forward and in backward
+    assert reads[True][1:] == [(2 * 8 - 1) * shard_bytes] * 2  # the last layer is fetched once
 
 
 # ------------------------------------------------------------------ slowed I/O
