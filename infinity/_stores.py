@@ -27,6 +27,7 @@ ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for f
 # 192 MiB of host memory, and the overlapped step publishes its first units early.
 DEFAULT_CHUNK = 4 << 20
 HOST_CACHE_AUTO = 64 << 20  # elements: at most 1 GiB of optimizer state cached by default (Note [host cache])
+WRITE_HANDLES = 4  # the parameter tier's writes rotate over these (Note [write ordering])
 HANDOFF_BUFFERS = 2  # staging buffers' worth of the step's fresh parameter output kept in memory (Note [hand-off])
 
 
@@ -88,7 +89,9 @@ class ParamStore:
         self.bytes_written = 0
         if tier == "nvme":
             self.path = swap.file("params.swp", nbytes_of(total, dtype))
-            self.writer = new_aio(aio_cfg)
+            self._writers = [new_aio(aio_cfg) for _ in range(WRITE_HANDLES)]  # Note [write ordering]
+            self._next_writer = 0
+            self._writes: List[tuple] = []  # (start, end, handle) of writes not yet seen to land
             self._rank = swap.rank
             size = buffer_size or max_unit
             if size < max_unit:
@@ -102,7 +105,7 @@ class ParamStore:
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
             self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
             self._kept_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
-            self._kept_lock = threading.Lock()
+            self._lock = threading.Lock()  # the step's thread writes while the forward reads
         elif alias is not None:
             self.flat = alias
         elif tier == "cpu":
@@ -130,10 +133,13 @@ class ParamStore:
             return
         if values.dtype != self.dtype:
             values = values.to(self.dtype)
-        self.writer.pwrite(values, self.path, offset * values.element_size())
-        self.bytes_written += values.numel() * values.element_size()
         end = offset + values.numel()
-        with self._kept_lock:
+        with self._lock:
+            handle = self._writers[self._next_writer]
+            self._next_writer = (self._next_writer + 1) % len(self._writers)
+            handle.pwrite(values, self.path, offset * values.element_size())
+            self._writes.append((offset, end, handle))
+            self.bytes_written += values.numel() * values.element_size()
             self._kept = [(o, t) for o, t in self._kept if o + t.numel() <= offset or o >= end]
             if keep and values.numel() * values.element_size() <= self._kept_cap:
                 self._kept.append((offset, values))
@@ -145,7 +151,7 @@ class ParamStore:
         when one kept tensor holds it (no copy), else a new tensor assembled from the pieces.
         Kept tensors wholly inside the range are dropped (Note [hand-off])."""
         end = offset + numel
-        with self._kept_lock:
+        with self._lock:
             pieces = sorted(((o, t) for o, t in self._kept if o < end and o + t.numel() > offset),
                             key=lambda ot: ot[0])
             pos = offset
@@ -168,21 +174,38 @@ class ParamStore:
         return out
 
     def flush(self) -> None:
+        """Wait for every write so far."""
         if self.flat is None:
-            wait_io(self.writer, f"parameter shard writes on rank {self._rank}")
+            self._writes_landed(0, self.total, block=True)
+
+    def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:
+        """Note [write ordering]: the overlapped step publishes a range before its write has
+        landed, so a read waits for the writes that overlap its range, and only for those:
+        writes rotate over WRITE_HANDLES handles, and a read waits for the handles holding an
+        overlapping write (a prefetch, ``block`` off, does not wait: it tries again later).
+        Waiting also raises a failed write's error, so none goes unseen."""
+        end = offset + numel
+        with self._lock:
+            mine = [w for w in self._writes if w[0] < end and w[1] > offset]
+        handles = list({id(h): h for _, _, h in mine}.values())
+        if not block and any(h.in_flight() for h in handles):
+            return False
+        for h in handles:
+            wait_io(h, f"parameter shard writes on rank {self._rank}")
+        done = {id(w) for w in mine}
+        with self._lock:
+            self._writes = [w for w in self._writes if id(w) not in done]
+        return True
 
     def start_read(self, offset: int, numel: int, *, block: bool = True):
-        """Submit NVMe -> a pool buffer; None when ``block`` is off and no buffer is free.
-        ``finish_read`` returns the buffer, which the caller gives back with ``pool.put``."""
+        """Submit NVMe -> a pool buffer; None when ``block`` is off and the range's writes are
+        still landing or no buffer is free. ``finish_read`` returns the buffer, which the caller
+        gives back with ``pool.put``."""
+        if not self._writes_landed(offset, numel, block=block):
+            return None
         buf = self.pool.get(numel, block=block)
         if buf is None:
             return None
-        if self.writer.in_flight():  # the overlapped step publishes before its writes land
-            try:
-                wait_io(self.writer, f"parameter shard writes on rank {self._rank}")
-            except Exception:
-                self.pool.put(buf)
-                raise
         reader = self._readers.pop()
         reader.pread(buf[:numel], self.path, offset * self.itemsize)
         self.bytes_read += numel * self.itemsize

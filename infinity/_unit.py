@@ -228,7 +228,8 @@ class FetchUnit:
             if self._kept is not None:
                 self.engine.counters.bytes["param_handoff"] += nbytes
             else:
-                self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block)
+                with self.engine.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
+                    self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block)
                 if self._read is None:
                     return False
                 self.engine.counters.bytes["nvme_read"] += nbytes

@@ -116,6 +116,22 @@ def train_losses(model, opt, kind, steps):
     return losses
 
 
+def train_accumulated(model, opt, kind, steps=3):
+    """Train with two micro-batches per step (one rank); return the trained parameters,
+    gathered, and close the engine."""
+    import infinity
+
+    for ids in batches(steps):
+        for half in ids.chunk(2):
+            loss_of(model, kind, half).backward()
+        opt.step()
+        opt.zero_grad()
+    with infinity.GatheredParameters(list(model.parameters())):
+        params = [p.detach().clone() for p in model.parameters()]
+    opt.engine.close()
+    return params
+
+
 def loss_of(model, kind, ids):
     if kind == "gpt2":
         return model(input_ids=ids, labels=ids).loss

@@ -13,7 +13,7 @@ import infinity
 from infinity._preflight import plan
 from infinity.testing import run_ranks
 
-from _models import batches, build, loss_of, train_losses
+from _models import batches, build, loss_of, train_accumulated, train_losses
 
 STEPS = 3
 CACHES = {"off": 0, "auto": None, "all": 10**9}
@@ -87,14 +87,7 @@ def test_accumulation_with_the_cache_matches_the_uncached_store(tmp_path):
     for cache in (0, None):
         model, opt = infinity.initialize(build("gpt2"), _config(str(tmp_path), host_cache=cache, accumulation=2))
         assert (opt.store.head == 0) if cache == 0 else (0 < opt.store.head < opt.store.total)
-        for ids in batches(3):
-            for half in ids.chunk(2):
-                loss_of(model, "gpt2", half).backward()
-            opt.step()
-            opt.zero_grad()
-        with infinity.GatheredParameters(list(model.parameters())):
-            results.append([p.detach().clone() for p in model.parameters()])
-        opt.engine.close()
+        results.append(train_accumulated(model, opt, "gpt2"))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 

@@ -16,7 +16,7 @@ import torch
 import infinity
 from infinity.testing import run_ranks
 
-from _models import batches, build, loss_of, train_losses
+from _models import batches, build, loss_of, train_accumulated, train_losses
 
 STEPS = 4
 PLACEMENTS = [(3, p, o) for p, o in itertools.product(["none", "cpu", "nvme"], repeat=2)] + \
@@ -75,14 +75,7 @@ def test_gradient_accumulation_on_nvme(tmp_path):
     for optim in ("none", "nvme"):
         model, opt = infinity.initialize(build("custom"), _config(3, optim, optim, str(tmp_path),
                                                                   gradient_accumulation_steps=2))
-        for ids in batches(3):
-            for half in ids.chunk(2):
-                loss_of(model, "custom", half).backward()
-            opt.step()
-            opt.zero_grad()
-        with infinity.GatheredParameters(list(model.parameters())):
-            results.append([p.detach().clone() for p in model.parameters()])
-        opt.engine.close()
+        results.append(train_accumulated(model, opt, "custom"))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -240,3 +233,30 @@ def test_fresh_shards_are_handed_off_to_the_next_forward(tmp_path):
     opt.engine.close()
     assert losses == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
     assert handed[0] == 0 and all(h > 0 for h in handed[1:]), handed  # from the second step on
+
+
+def test_param_reads_wait_for_their_own_writes(tmp_path):
+    """Note [write ordering]: writes rotate over several handles; a read right after the
+    writes returns exactly what was written, whichever handle carried it, and a prefetch
+    (non-blocking) read of a range still being written is refused instead of reading it."""
+    from infinity._stores import WRITE_HANDLES, ParamStore
+    from infinity._swap import SwapDir
+
+    n, count = 1 << 16, 3 * WRITE_HANDLES
+    swap = SwapDir(str(tmp_path), 0)  # the directory lives as long as this object
+    store = ParamStore("nvme", torch.float32, n * count, swap=swap,
+                       aio_cfg=infinity.Config().aio, max_unit=n, buffer_count=2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        values = [torch.randn(n, generator=g) for _ in range(count)]
+        for i, v in enumerate(values):
+            store.write(i * n, v)
+        for i in reversed(range(count)):
+            pending = store.start_read(i * n, n, block=False)
+            if pending is None:  # its write was still landing: a blocking read waits for it
+                pending = store.start_read(i * n, n)
+            buf = store.finish_read(pending)
+            assert torch.equal(buf[:n], values[i]), f"chunk {i} read back wrong"
+            store.pool.put(buf)
+    store.flush()
+    assert store._writes == []
