@@ -43,8 +43,8 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
         ranges = [(u.opt_offset, u.shard_numel) for u in engine.units]
         head = head_elems(z.offload_optimizer.host_cache, ranges, chunk, n)  # Note [host cache]
         need["host"] += NvmeOptimizerStore.SETS * 16 * chunk + 16 * head
-    else:  # an overlapped step's sealed gradients sit beside the accumulating ones
-        need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes + (4 * n if opt.overlap else 0)
+    else:  # an overlapped step's sealed and spare gradients (MemoryOptimizerStore.nbytes)
+        need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes + (8 * n if opt.overlap else 0)
     if engine.policy.partition_params:
         param_bytes = n * esize
         if opt.param_tier == "nvme":

@@ -343,7 +343,9 @@ class MemoryOptimizerStore:
         return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
 
     def nbytes(self) -> dict:
-        buffers = 5 if self.overlapped else 4  # an overlapped step's sealed gradients beside the accumulating ones
+        # an overlapped step's sealed gradients beside the accumulating ones, and for a moment
+        # the spare it gives back when the next backward has already started a new buffer
+        buffers = 6 if self.overlapped else 4
         return {"host" if self.tier == "cpu" else "device": buffers * 4 * self.total}
 
 
