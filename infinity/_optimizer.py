@@ -73,6 +73,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             unit.opt_offset = total
             total += -(-unit.shard_numel // align) * align
         self.total = total
+        self.unit_ranges = [(u.opt_offset, u.shard_numel) for u in engine.units]  # each unit's flat shard range
         # Note [overlapped step]: stage 3 with the optimizer states, or the parameters with the
         # optimizer states in host memory, on NVMe steps in the background.
         states_in_host = self.opt_tier == "cpu" or (self.opt_tier == "none" and acc.device().type == "cpu")
@@ -115,13 +116,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _make_store(self, total: int):
         z = self.cfg.zero
         if self.opt_tier == "nvme":
-            ranges = [(u.opt_offset, u.shard_numel) for u in self.engine.units]
-            return NvmeOptimizerStore(total, ranges, self._swap_dir(z.offload_optimizer.nvme_path), self.cfg.aio,
+            return NvmeOptimizerStore(total, self.unit_ranges, self._swap_dir(z.offload_optimizer.nvme_path), self.cfg.aio,
                                       z.offload_optimizer.chunk_size, self.cfg.gradient_accumulation_steps,
                                       z.offload_optimizer.host_cache)
         return MemoryOptimizerStore(self.opt_tier, total, lazy_grad=not self.engine.policy.reduce_in_backward,
-                                    overlapped=self.overlap, ranges=[(u.opt_offset, u.shard_numel) for u in self.engine.units],
-                                    chunk=z.offload_optimizer.chunk_size)
+                                    overlapped=self.overlap, ranges=self.unit_ranges, chunk=z.offload_optimizer.chunk_size)
 
     def _make_param_store(self, total: int) -> ParamStore:
         z = self.cfg.zero
@@ -218,8 +217,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _launch_step(self, hyper: dict) -> None:
         """Note [overlapped step]: with the optimizer states on NVMe, or the parameters on NVMe
         and the optimizer states in host memory, the step is bound by its reads and writes
-        rather than by its arithmetic, so it runs on a background thread, chunk by chunk in flat (= unit) order, while the
-        next forward and backward run. ``_updated_upto`` is the flat offset below which every
+        rather than by its arithmetic, so it runs on a background thread, chunk by chunk in
+        flat (= unit) order, while the next forward and backward run. ``_updated_upto`` is the flat offset below which every
         shard is updated (its write to the parameter tier may still be in flight: a fetch
         that reads the tier waits for the writes first); a unit is fetched only once its range is below it
         (``wait_updated``), so no computation ever sees a stale parameter. The next backward

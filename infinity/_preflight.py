@@ -40,8 +40,7 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
         path = z.offload_optimizer.nvme_path
         need["nvme"][path] = need["nvme"].get(path, 0) + opt_bytes
         chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
-        ranges = [(u.opt_offset, u.shard_numel) for u in engine.units]
-        head = head_elems(z.offload_optimizer.host_cache, ranges, chunk, n)  # Note [host cache]
+        head = head_elems(z.offload_optimizer.host_cache, opt.unit_ranges, chunk, n)  # Note [host cache]
         need["host"] += NvmeOptimizerStore.SETS * 16 * chunk + 16 * head
     else:  # an overlapped step's sealed and spare gradients (MemoryOptimizerStore.nbytes)
         need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes + (8 * n if opt.overlap else 0)

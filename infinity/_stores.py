@@ -495,7 +495,10 @@ class NvmeOptimizerStore:
             self._finite = self._finite and f
         for hs, lo, n, at in self._head_pieces(offset, g.numel()):  # Note [host cache]: in memory only
             dst, src = hs["grad"][lo : lo + n], g[at : at + n]
-            dst.add_(src) if again else dst.copy_(src)
+            if again:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
         h = self._in_head(offset, g.numel())
         if h == g.numel():
             return
@@ -572,17 +575,20 @@ class NvmeOptimizerStore:
             return
         self._wait(self.head_io, "writing back the cached optimizer chunks")  # their buffers change now
         if not self._head_loaded:
-            for i, hs in enumerate(self.head_sets):
-                off = i * self.chunk
-                n = min(self.chunk, self.total - off)
+            for off, bufs in self._head_chunks():
                 for name in ("master", "exp_avg", "exp_avg_sq"):
-                    self._read(self.head_io, name, off, hs[name][:n])
+                    self._read(self.head_io, name, off, bufs[name])
             self._wait(self.head_io, "reading the cached optimizer chunks")
             self._head_loaded = True
+        for off, bufs in self._head_chunks():
+            self._update_one(fn, off, bufs, self.head_io)
+
+    def _head_chunks(self):
+        """(offset, the head set's arrays cut to the chunk's length) of every cached chunk."""
         for i, hs in enumerate(self.head_sets):
             off = i * self.chunk
             n = min(self.chunk, self.total - off)
-            self._update_one(fn, off, {name: t[:n] for name, t in hs.items()}, self.head_io)
+            yield off, {name: t[:n] for name, t in hs.items()}
 
     def update_tail(self, fn: Callable[[Chunk], None]) -> None:
         """The chunks past the head, streamed through the buffer sets (Note [optimizer swapper])."""

@@ -5,11 +5,10 @@ CPU without native bf16 (torch's reference bf16 matmul is tens of times slower t
 there) ``--dtype auto`` measures both contenders in fp32 and says so.
 
 (a) prefetch study: stage 3, parameters on NVMe with the optimizer states in host memory
-    (and separately parameters and
-    optimizer states on NVMe), prefetch off vs on, beside the compute-only step (stage 3, no
-    offload) and the disk bandwidth measured in the same run with infinity.aio (O_DIRECT
-    write then read of a 256 MiB file). Prints step time, stall per stage, bytes moved per
-    step, the on/off speedup and the step time against its bound
+    (and separately parameters and optimizer states on NVMe), prefetch off vs on, beside the
+    compute-only step (stage 3, no offload) and the disk bandwidth measured in the same run
+    with infinity.aio (O_DIRECT write then read of a 256 MiB file). Prints step time, stall
+    per stage, bytes moved per step, the on/off speedup and the step time against its bound
     max(compute-only step, NVMe read bytes / read bandwidth + write bytes / write bandwidth).
     The default shape (GPT-2 124M, 1 x 16 tokens) makes the parameter I/O of a step about as
     long as its computation; both are printed side by side.
