@@ -34,10 +34,12 @@ from . import _comm as comm
 from ._log import logger
 from ._param import ParameterNotAvailableError, info_of, make_partitioned, not_available_message, raw_data, set_data
 from ._prefetch import Prefetcher
+from ._recycle import Recycler
 from ._reduce import GradReducer
 from ._telemetry_counters import Counters
 from ._unit import FetchUnit
 
+GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # external parameters registered before initialize (e.g. inside a model's __init__)
@@ -108,6 +110,7 @@ class Engine:
         self.live_elems = 0  # elements of gathered (full) parameters alive now
         self.peak_live_elems = 0
         self.persistence_threshold = cfg.zero.prefetch.persistence_threshold if self.policy.partition_params else 0
+        self.gathered = gathered_recycler(self.units, self.dtype)  # Note [recycled host memory] in _recycle.py
         self.prefetcher = Prefetcher(self, cfg.zero.prefetch)
         _engines[model] = self
 
@@ -391,6 +394,16 @@ class Engine:
             grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)
         opt = self.optimizer.state_bytes() if self.optimizer is not None else {}
         return {"params": params, "grads": grads + opt.get("grads", 0), "optimizer": opt.get("optimizer", 0)}
+
+
+def gathered_recycler(units: List[FetchUnit], dtype: torch.dtype) -> Optional[Recycler]:
+    """Where gathered parameters come from on a CPU-only run: two of the largest units' worth
+    of returned buffers (a CUDA caching allocator already reuses device memory)."""
+    if acc.has_cuda():
+        return None
+    biggest = max((u.full_numel for u in units), default=0)
+    return Recycler(GATHERED_REUSE * biggest * torch.empty((), dtype=dtype).element_size(),
+                    lambda n, d: torch.empty(n, dtype=d, device=acc.device()))
 
 
 def _tensors(obj, depth: int = 0):

@@ -132,7 +132,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                           aio_cfg=self.cfg.aio, alias=alias,
                           max_unit=max((u.shard_numel for u in self.engine.units), default=0),
                           buffer_size=z.offload_param.buffer_size,
-                          buffer_count=z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2))
+                          buffer_count=z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2),
+                          ranges=self.unit_ranges)
 
     @property
     def aliased(self) -> bool:
@@ -283,38 +284,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise self._bg_error
 
     def _update_chunk(self, chunk: Chunk, hyper: dict, out_flat: Optional[torch.Tensor], publish: bool = False) -> None:
-        """Adam on one chunk, with the fused low-precision copy going where it belongs."""
+        """Adam on one chunk; its fresh compute-dtype values go where they belong (fused
+        into Adam's pass where the native Adam can write them)."""
         n = chunk.master.numel()
         ps = self.param_store
-        params_out = None
-        if out_flat is not None and out_flat.dtype != torch.float32:
-            params_out = out_flat[chunk.offset : chunk.offset + n]
-        elif ps is not None and not self.aliased and self.engine.dtype != torch.float32:
-            params_out = ps.view(chunk.offset, n) if ps.resident else torch.empty(n, dtype=self.engine.dtype)
+        targets = self._step_targets(chunk.offset, n, out_flat)  # (start, view) for the fresh values
+        fused = self._adam is not None and self.engine.dtype != torch.float32
         for lo, hi in _runs(chunk.offset, n, self.frozen):  # trainable stretches of this chunk
             sl = slice(lo - chunk.offset, hi - chunk.offset)
-            out = params_out[sl] if params_out is not None else None
-            if self._adam is not None:
-                self._adam(chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl], params_out=out,
-                           **hyper)
-            else:
-                torch_adam_step(chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl], **hyper)
-                if out is not None:
-                    out.copy_(chunk.master[sl])
-        if params_out is not None and self.frozen:
-            for lo, hi in self.frozen:  # frozen values still go to the parameter tier unchanged
-                a, b = max(lo, chunk.offset), min(hi, chunk.offset + n)
-                if a < b:
-                    params_out[a - chunk.offset : b - chunk.offset].copy_(chunk.master[a - chunk.offset : b - chunk.offset])
-        if out_flat is not None and out_flat.dtype == torch.float32 and out_flat is not getattr(self.store, "master", None):
-            out_flat[chunk.offset : chunk.offset + n].copy_(chunk.master)  # fp32 stages 1-2 from NVMe
-        if not (ps is None or self.aliased or (ps.resident and params_out is not None)):
-            if params_out is not None:  # NVMe: async, the handle keeps the fresh tensor alive
-                ps.write(chunk.offset, params_out, keep=True)
-            else:  # fp32 parameters with separate storage: the master chunk buffer gets reused
-                ps.write(chunk.offset, chunk.master.clone() if not ps.resident else chunk.master, keep=True)
+            args = (chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl])
+            if self._adam is None:
+                torch_adam_step(*args, **hyper)
+            elif not fused or not targets:
+                self._adam(*args, **hyper)
+            else:  # one native call per target piece, each writing its own output
+                for a, b, out in _pieces(lo, hi, targets):
+                    s = slice(a - chunk.offset, b - chunk.offset)
+                    self._adam(chunk.master[s], chunk.grad[s], chunk.exp_avg[s], chunk.exp_avg_sq[s], params_out=out,
+                               **hyper)
+        copy = self.frozen if fused else [(chunk.offset, chunk.offset + n)]  # what Adam did not write
+        for lo, hi in copy:
+            for a, b, out in _pieces(max(lo, chunk.offset), min(hi, chunk.offset + n), targets):
+                out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])
+        upto = chunk.offset + n
+        if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
+            upto = ps.step_outputs_done(chunk.offset, n)
         if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
-            self._publish(chunk.offset + n)
+            self._publish(upto)
+
+    def _step_targets(self, offset: int, n: int, out_flat: Optional[torch.Tensor]) -> list:
+        """(start, view) pieces of [offset, offset + n) that receive the updated compute-dtype
+        values: the gathered flat of stages 1-2, the resident parameter shards, the NVMe
+        parameter tier's output tensors; none where the master weights are the parameters."""
+        if out_flat is not None:
+            same = out_flat.dtype == torch.float32 and out_flat is getattr(self.store, "master", None)
+            return [] if same else [(offset, out_flat[offset : offset + n])]
+        ps = self.param_store
+        if ps is None or self.aliased:
+            return []
+        return [(offset, ps.view(offset, n))] if ps.resident else ps.step_outputs(offset, n)
 
     def _finish_step(self) -> None:
         self.store.zero_grads()
@@ -367,6 +375,14 @@ def _runs(offset: int, n: int, frozen: list):
         pos = max(pos, hi)
     if pos < end:
         yield pos, end
+
+
+def _pieces(lo: int, hi: int, targets: list):
+    """(start, end, view) of the parts of [lo, hi) that the ``(start, view)`` targets cover."""
+    for start, view in targets:
+        a, b = max(lo, start), min(hi, start + view.numel())
+        if a < b:
+            yield a, b, view[a - start : b - start]
 
 
 def gather_into_whole_params(engine: "Engine", flat: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ of the flat space lands in the parameter store at the same offsets without anoth
 """
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Callable, List, Optional
 import torch
 
 from . import _accelerator as acc
+from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
@@ -71,17 +73,21 @@ class ParamStore:
     """Compute-dtype parameter shards of stage 3 on their tier.
 
     Note [hand-off]: on the NVMe tier, the shards the optimizer step has just written
-    (``write(..., keep=True)``) also stay in host memory, up to HANDOFF_BUFFERS staging buffers' worth,
-    oldest dropped first. The next forward fetches units in the order the step produces
-    them, so most fetches take their shard from there (``take_kept``: a view, or one copy
-    when it spans several writes) instead of an NVMe read that would compete with the step's
-    own I/O, and without a staging buffer. A fetch drops what it used up (it is not needed
-    again before the next step); any other write over a range drops what was kept.
+    also stay in host memory, up to HANDOFF_BUFFERS staging buffers' worth, oldest dropped
+    first. The next forward fetches units in the order the step produces them, so most
+    fetches take their shard from there (``take_kept``: a view) instead of an NVMe read that
+    would compete with the step's own I/O, and without a staging buffer. The step puts its
+    fresh values straight into one tensor per unit (``step_outputs``), whatever its
+    chunking, and each is written and kept once complete (``step_outputs_done``): so a
+    fetch never assembles a unit from two pieces, and the step publishes a unit as soon as
+    it is complete (merging small units would delay the first fetches). A fetch drops what it used up (it is not needed again
+    before the next step); any other write over a range drops what was kept. The unit
+    tensors come back through a Recycler (Note [recycled host memory] in _recycle.py).
     """
 
     def __init__(self, tier: str, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
-                 buffer_count: Optional[int] = None):
+                 buffer_count: Optional[int] = None, ranges: Optional[List[tuple]] = None):
         self.tier, self.dtype, self.total = tier, dtype, total
         self.flat: Optional[torch.Tensor] = None
         self.pool: Optional[HostPool] = None
@@ -106,6 +112,10 @@ class ParamStore:
             self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
             self._kept_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
             self._lock = threading.Lock()  # the step's thread writes while the forward reads
+            self._spans = _unit_pieces(ranges or [], total, 1)  # [start, end) of each unit (and its padding)
+            self._span_starts = [a for a, _ in self._spans]
+            self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
+            self._outputs = Recycler(self._kept_cap, acc.host_empty)
         elif alias is not None:
             self.flat = alias
         elif tier == "cpu":
@@ -146,6 +156,41 @@ class ParamStore:
                 while sum(t.numel() for _, t in self._kept) * values.element_size() > self._kept_cap:
                     self._kept.pop(0)
 
+    def _spans_in(self, offset: int, end: int):
+        """The unit spans [a, b) overlapping [offset, end)."""
+        i = bisect.bisect_right(self._span_starts, offset) - 1
+        while i < len(self._spans) and self._spans[i][0] < end:
+            yield self._spans[i]
+            i += 1
+
+    def step_outputs(self, offset: int, numel: int) -> List[tuple]:
+        """(start, view) pieces covering [offset, offset + numel): where the optimizer step
+        puts its fresh values of that range, slices of one output tensor per unit (Note
+        [hand-off]). Report them with ``step_outputs_done`` once written."""
+        out, end = [], offset + numel
+        for a, b in self._spans_in(offset, end):
+            if a not in self._filling:
+                self._filling[a] = [self._outputs.take(b - a, self.dtype), 0]
+            lo, hi = max(a, offset), min(b, end)
+            out.append((lo, self._filling[a][0][lo - a : hi - a]))
+        return out
+
+    def step_outputs_done(self, offset: int, numel: int) -> int:
+        """The values of [offset, offset + numel) are in their ``step_outputs`` views: write
+        and keep every unit now complete. Returns the offset below which every range the
+        step has produced is written (a unit still filling is not, nor anything after it)."""
+        end = upto = offset + numel
+        for a, b in self._spans_in(offset, end):
+            fill = self._filling[a]
+            fill[1] += min(b, end) - max(a, offset)
+            if fill[1] == b - a:
+                del self._filling[a]
+                self.write(a, fill[0][:], keep=True)  # a view: the write and the kept entry count as users
+                self._outputs.give(fill[0])  # reused once they and every fetch's view let go
+            else:
+                upto = min(upto, a)
+        return upto
+
     def take_kept(self, offset: int, numel: int) -> Optional[torch.Tensor]:
         """[offset, offset + numel) from the step's kept output, if it covers it all: a view
         when one kept tensor holds it (no copy), else a new tensor assembled from the pieces.
@@ -169,7 +214,9 @@ class ParamStore:
                 for o, t in pieces:
                     lo, hi = max(o, offset), min(o + t.numel(), end)
                     out[lo - offset : hi - offset].copy_(t[lo - o : hi - o])
-            used = {id(t) for o, t in pieces if o >= offset and o + t.numel() <= end}
+            # Used up: kept tensors inside the range with the padding after its last unit.
+            padded_end = max([b for a, b in self._spans_in(end - 1, end)] + [end])
+            used = {id(t) for o, t in pieces if o >= offset and o + t.numel() <= padded_end}
             self._kept = [(o, t) for o, t in self._kept if id(t) not in used]
         return out
 

@@ -67,6 +67,7 @@ class FetchUnit:
         self._state = ParamState.AVAILABLE
         self._refs = 0
         self._gather_out: Optional[torch.Tensor] = None
+        self._full: Optional[torch.Tensor] = None  # the gathered buffer, when it came from the engine's recycler
         self._gather_handle: Optional[comm.CommHandle] = None
         self._charged = 0
         self.grads_pending = 0  # params whose gradient has not arrived in this backward
@@ -196,6 +197,9 @@ class FetchUnit:
 
     def _free_full(self) -> None:
         self._drop_full()
+        if self._full is not None:  # reused once nothing else (say, autograd) still holds a view of it
+            self.engine.gathered.give(self._full)
+            self._full = None
         acc.budget.release(self._charged)
         self.engine.live_elems -= self.full_numel
         self._charged = 0
@@ -290,7 +294,12 @@ class FetchUnit:
         self.engine.live_elems += self.full_numel
         self.engine.peak_live_elems = max(self.engine.peak_live_elems, self.engine.live_elems)
         self.engine.counters.bytes["all_gather"] += nbytes
-        self._gather_out = shard if in_place else torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
+        if in_place:
+            self._gather_out = shard
+        else:
+            recycler = self.engine.gathered
+            self._gather_out = self._full = recycler.take(self.full_numel, self.dtype) if recycler else \
+                torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
         self._gather_handle = comm.all_gather_into_tensor(
             self._gather_out, shard, async_op=True,
             what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
