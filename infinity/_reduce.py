@@ -57,6 +57,12 @@ class GradReducer:
     def add(self, unit: FetchUnit) -> None:
         while self._inflight and self._inflight[0].handle.done():
             self._complete(self._inflight.pop(0))  # reduced already: offload it now
+        own = unit.own_shard_grad() if self.world_size == 1 else None
+        if own is not None:  # one rank, one parameter: its gradient is the shard gradient, no bucket copy
+            self.accumulate(unit, own)
+            if self.drop_full_grads:
+                unit.drop_grads()
+            return
         if self._open.units and (self._open.cols + unit.shard_numel) * self.world_size > self.bucket_elems:
             self.flush()  # keep every bucket within bucket_elems, so it fits a ring buffer
         self._open.units.append((unit, self._open.cols))

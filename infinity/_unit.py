@@ -336,6 +336,16 @@ class FetchUnit:
                 else:
                     block.copy_(self.chunks_of(p.grad, info))
 
+    def own_shard_grad(self) -> Optional[torch.Tensor]:
+        """On one rank, a unit of one unpadded fp32 parameter: its gradient, flat, is already
+        its shard gradient (a view, no copy); None otherwise."""
+        if self.world_size != 1 or len(self.params) != 1:
+            return None
+        g = self.params[0].grad
+        if g is None or g.dtype != torch.float32 or not g.is_contiguous() or g.numel() != self.shard_numel:
+            return None
+        return g.view(-1)
+
     def drop_grads(self) -> None:
         for p in self.params:
             p.grad = None
