@@ -110,7 +110,8 @@ class Engine:
         self.live_elems = 0  # elements of gathered (full) parameters alive now
         self.peak_live_elems = 0
         self.persistence_threshold = cfg.zero.prefetch.persistence_threshold if self.policy.partition_params else 0
-        self.gathered = gathered_recycler(self.units, self.dtype)  # Note [recycled host memory] in _recycle.py
+        # Note [recycled host memory] in _recycle.py: stage 3 gathers parameters again and again
+        self.gathered = gathered_recycler(self.units, self.dtype) if self.policy.partition_params else None
         self.prefetcher = Prefetcher(self, cfg.zero.prefetch)
         _engines[model] = self
 
@@ -372,6 +373,8 @@ class Engine:
                 continue
             for tier, n in store.nbytes().items():
                 out[tier] += n
+        if self.gathered is not None:
+            out["device"] += self.gathered.capacity  # returned gathered buffers, kept for reuse
         return out
 
     def close(self) -> None:

@@ -50,11 +50,13 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
             path = z.offload_param.nvme_path
             need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
             biggest = max((u.shard_numel for u in engine.units), default=0)
-            # the staging pool, plus two buffers' worth of the step's fresh output (Note [hand-off])
-            buffers = (z.offload_param.buffer_count or z.prefetch.depth + 2) + HANDOFF_BUFFERS
+            # the staging pool, plus the step's fresh output kept (Note [hand-off]) and its recycled tensors
+            buffers = (z.offload_param.buffer_count or z.prefetch.depth + 2) + 2 * HANDOFF_BUFFERS
             need["host"] += buffers * max(z.offload_param.buffer_size or 0, biggest) * esize
         else:
             need["host" if opt.param_tier == "cpu" else "device"] += param_bytes
+        if engine.gathered is not None:  # gathered buffers kept for reuse (Note [recycled host memory])
+            need["device"] += engine.gathered.capacity
     return need
 
 

@@ -69,9 +69,9 @@ class Recycler:
             return
         n = _nbytes(t)
         with self._lock:
-            while self._free and self._held + n > self.capacity:
-                self._held -= _nbytes(self._free.pop(0))  # the oldest goes
-            if n <= self.capacity:
+            # Full: the newcomer goes, not the oldest. Uses come in the same order every step,
+            # so what stays is what the next step asks for first (a unique size included).
+            if self._held + n <= self.capacity and not any(x is t for x in self._free):
                 self._free.append(t)
                 self._held += n
 

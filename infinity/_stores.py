@@ -277,7 +277,7 @@ class ParamStore:
     def nbytes(self) -> dict:
         own = nbytes_of(self.total, self.dtype)
         if self.tier == "nvme":
-            return {"nvme": own, "host": self.pool.nbytes + self._kept_cap}
+            return {"nvme": own, "host": self.pool.nbytes + self._kept_cap + self._outputs.capacity}
         return {"host" if self.tier == "cpu" else "device": own}
 
 

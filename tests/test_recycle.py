@@ -49,7 +49,7 @@ def test_parameter_data_and_saved_views_hold_it():
 def test_size_dtype_and_capacity():
     r = _recycler(capacity=3 * 4000)
     bufs = [r.take(1000, torch.float32) for _ in range(4)]
-    kept = bufs[1:]  # the three the recycler can hold; the oldest is let go
+    kept = bufs[:3]  # the three the recycler can hold; the newest is let go
     for t in bufs:
         r.give(t)
     del bufs, t
