@@ -57,7 +57,7 @@ class GradReducer:
     def add(self, unit: FetchUnit) -> None:
         while self._inflight and self._inflight[0].handle.done():
             self._complete(self._inflight.pop(0))  # reduced already: offload it now
-        own = unit.own_shard_grad() if self.world_size == 1 else None
+        own = unit.own_shard_grad()
         if own is not None:  # one rank, one parameter: its gradient is the shard gradient, no bucket copy
             self.accumulate(unit, own)
             if self.drop_full_grads:

@@ -78,11 +78,12 @@ class ParamStore:
     fetches take their shard from there (``take_kept``: a view) instead of an NVMe read that
     would compete with the step's own I/O, and without a staging buffer. The step puts its
     fresh values straight into one tensor per unit (``step_outputs``), whatever its
-    chunking, and each is written and kept once complete (``step_outputs_done``): so a
-    fetch never assembles a unit from two pieces, and the step publishes a unit as soon as
-    it is complete (merging small units would delay the first fetches). A fetch drops what it used up (it is not needed again
-    before the next step); any other write over a range drops what was kept. The unit
-    tensors come back through a Recycler (Note [recycled host memory] in _recycle.py).
+    chunking, and writes and keeps each once complete (``step_outputs_done``): so no fetch
+    assembles a unit from two pieces, and a unit is published as soon as it is complete
+    (merging small units would delay the first fetches). A fetch drops the unit it used up
+    (not needed again before the next step); any other write over a range drops what was
+    kept. The unit tensors come back through a Recycler (Note [recycled host memory] in
+    _recycle.py).
     """
 
     def __init__(self, tier: str, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
@@ -192,33 +193,17 @@ class ParamStore:
         return upto
 
     def take_kept(self, offset: int, numel: int) -> Optional[torch.Tensor]:
-        """[offset, offset + numel) from the step's kept output, if it covers it all: a view
-        when one kept tensor holds it (no copy), else a new tensor assembled from the pieces.
-        Kept tensors wholly inside the range are dropped (Note [hand-off])."""
+        """[offset, offset + numel) as a view of the step's kept output, if a kept unit
+        tensor holds it all. A fetch of that unit (the range starts where the tensor does)
+        uses it up, so it is dropped (Note [hand-off])."""
         end = offset + numel
         with self._lock:
-            pieces = sorted(((o, t) for o, t in self._kept if o < end and o + t.numel() > offset),
-                            key=lambda ot: ot[0])
-            pos = offset
-            for o, t in pieces:
-                if o > pos:
-                    return None
-                pos = max(pos, o + t.numel())
-            if pos < end or not pieces:
-                return None
-            if len(pieces) == 1:
-                o, t = pieces[0]
-                out = t[offset - o : end - o]
-            else:
-                out = torch.empty(numel, dtype=self.dtype)
-                for o, t in pieces:
-                    lo, hi = max(o, offset), min(o + t.numel(), end)
-                    out[lo - offset : hi - offset].copy_(t[lo - o : hi - o])
-            # Used up: kept tensors inside the range with the padding after its last unit.
-            padded_end = max([b for a, b in self._spans_in(end - 1, end)] + [end])
-            used = {id(t) for o, t in pieces if o >= offset and o + t.numel() <= padded_end}
-            self._kept = [(o, t) for o, t in self._kept if id(t) not in used]
-        return out
+            for i, (o, t) in enumerate(self._kept):
+                if o <= offset and end <= o + t.numel():
+                    if o == offset:
+                        del self._kept[i]
+                    return t[offset - o : end - o]
+        return None
 
     def flush(self) -> None:
         """Wait for every write so far."""
@@ -302,11 +287,9 @@ class MemoryOptimizerStore:
     step] in _optimizer.py, here with the parameters on NVMe). ``seal_grads`` then hands the
     accumulated gradients to the update and accumulation starts in a second buffer; the
     update walks the flat space in pieces of whole units, about ``chunk`` elements each
-    (``update_head`` the first piece, ``update_tail`` the rest), and zeroes each sealed piece
-    once used, so the sealed buffer comes back as the next step's accumulation buffer instead
-    of a fresh allocation. Whole units, because each piece's parameter write is also handed
-    to the next forward (Note [hand-off]), which can then take a unit's shard as a view
-    instead of assembling it from two pieces."""
+    (``update_head`` the first piece, e.g. a large embedding whole, on the caller's thread;
+    ``update_tail`` the rest), and zeroes each sealed piece once used, so the sealed buffer
+    comes back as the next step's accumulation buffer instead of a fresh allocation."""
 
     def __init__(self, tier: str, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
