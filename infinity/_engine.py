@@ -406,7 +406,7 @@ def gathered_recycler(units: List[FetchUnit], dtype: torch.dtype) -> Optional[Re
         return None
     biggest = max((u.full_numel for u in units), default=0)
     return Recycler(GATHERED_REUSE * biggest * torch.empty((), dtype=dtype).element_size(),
-                    lambda n, d: torch.empty(n, dtype=d, device=acc.device()))
+                    acc.host_empty)  # aligned: one rank reads shards from NVMe straight into them
 
 
 def _tensors(obj, depth: int = 0):

@@ -42,7 +42,8 @@ class HostPool:
 
     def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str):
         self.numel, self.count, self.dtype, self.what = numel, count, dtype, what
-        self._free = [acc.host_empty(numel, dtype) for _ in range(count)]
+        self._free: List[torch.Tensor] = []
+        self._made = 0  # buffers are allocated on first need (a one-rank CPU run reads elsewhere)
         self._cond = threading.Condition()
 
     @property
@@ -54,6 +55,9 @@ class HostPool:
             raise PoolExhausted(f"{self.what}: a request of {numel} elements exceeds the buffer size {self.numel}; "
                                 f"set the buffer size to at least {numel} (or leave it unset to size it automatically)")
         with self._cond:
+            if not self._free and self._made < self.count:
+                self._made += 1
+                return acc.host_empty(self.numel, self.dtype)
             if not block and not self._free:
                 return None
             if not self._cond.wait_for(lambda: self._free, timeout):
@@ -229,19 +233,20 @@ class ParamStore:
             self._writes = [w for w in self._writes if id(w) not in done]
         return True
 
-    def start_read(self, offset: int, numel: int, *, block: bool = True):
-        """Submit NVMe -> a pool buffer; None when ``block`` is off and the range's writes are
-        still landing or no buffer is free. ``finish_read`` returns the buffer, which the caller
-        gives back with ``pool.put``."""
+    def start_read(self, offset: int, numel: int, *, block: bool = True, into: Optional[torch.Tensor] = None):
+        """Submit NVMe -> a pool buffer (or ``into``, aligned host memory of the caller's);
+        None when ``block`` is off and the range's writes are still landing or no buffer is
+        free. ``finish_read`` returns the buffer; the caller gives a pool buffer back with
+        ``pool.put``."""
         if not self._writes_landed(offset, numel, block=block):
             return None
-        buf = self.pool.get(numel, block=block)
+        buf = self.pool.get(numel, block=block) if into is None else into
         if buf is None:
             return None
         reader = self._readers.pop()
         reader.pread(buf[:numel], self.path, offset * self.itemsize)
         self.bytes_read += numel * self.itemsize
-        return buf, reader
+        return buf, reader, into is None
 
     @staticmethod
     def read_done(pending) -> bool:
@@ -249,11 +254,12 @@ class ParamStore:
         return pending[1].in_flight() == 0
 
     def finish_read(self, pending, what: str = "") -> torch.Tensor:
-        buf, reader = pending
+        buf, reader, pooled = pending
         try:
             wait_io(reader, what or "a parameter shard read")
         except Exception:
-            self.pool.put(buf)
+            if pooled:
+                self.pool.put(buf)
             raise
         finally:
             self._readers.append(reader)

@@ -217,6 +217,9 @@ class FetchUnit:
             self.stage_to_device()  # completes an in-flight read before its buffer is reused
         if self._state is ParamState.DEVICE:
             self._drop_device_shard()
+            if self._full is not None:  # read straight into a gathered buffer
+                self.engine.gathered.give(self._full)
+                self._full = None
             self._state = ParamState.RELEASED
 
     def stage_to_host(self, *, block: bool = True) -> bool:
@@ -232,13 +235,24 @@ class FetchUnit:
             if self._kept is not None:
                 self.engine.counters.bytes["param_handoff"] += nbytes
             else:
+                into = self._direct_read_buffer()
                 with self.engine.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
-                    self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block)
+                    self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block, into=into)
                 if self._read is None:
+                    if into is not None:
+                        self.engine.gathered.give(into)
                     return False
                 self.engine.counters.bytes["nvme_read"] += nbytes
         self._state = ParamState.HOST
         return True
+
+    def _direct_read_buffer(self) -> Optional[torch.Tensor]:
+        """One rank without an accelerator: the gathered parameters would be a copy of the
+        shard as read, so the read goes straight into a recycled gathered buffer (the
+        parameters become views of it) instead of a staging buffer; None elsewhere."""
+        if self.world_size != 1 or self.engine.gathered is None:
+            return None
+        return self.engine.gathered.take(self.full_numel, self.dtype)
 
     def stage_to_device(self, *, block: bool = True) -> bool:
         """HOST -> DEVICE: once the shard's read has landed (waiting for it when ``block``),
@@ -249,11 +263,16 @@ class FetchUnit:
         if self._read is not None:
             if not block and not self.store.read_done(self._read):
                 return False
+            pooled = self._read[2]
             with self.engine.counters.blocked("nvme_read"):
-                self._staged = self.store.finish_read(self._read, what=self._what())
+                buf = self.store.finish_read(self._read, what=self._what())
             self._read = None
-        if self._staged is not None:
-            src = self._staged[: self.shard_numel]
+            if pooled:
+                self._staged = buf
+            else:
+                self._full = buf
+        if self._staged is not None or self._full is not None:
+            src = (self._staged if self._staged is not None else self._full)[: self.shard_numel]
         else:
             src = self._kept if self._kept is not None else self.shard()
         self._dev_shard, self._h2d = acc.start_copy_to_device(src)
@@ -286,9 +305,10 @@ class FetchUnit:
         shard = acc.finish_copy_to_device(self._dev_shard, self._h2d)
         nbytes = self.full_numel * torch.empty((), dtype=self.dtype).element_size()
         # One rank: the parameters are views of the device shard unless it is a staging buffer
-        # (no accelerator, NVMe tier); it is new memory when it is a copy or was handed off.
+        # (no accelerator, NVMe tier); it is new memory when it is a copy, was handed off or
+        # read straight into a gathered buffer.
         in_place = self.world_size == 1 and (self._staged is None or self._h2d_copied)
-        if not in_place or self._h2d_copied or self._kept is not None:
+        if not in_place or self._h2d_copied or self._kept is not None or self._full is not None:
             acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             self._charged = nbytes
         self.engine.live_elems += self.full_numel
