@@ -19,7 +19,7 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
 from ._loss_scale import LossScaler
-from ._preflight import preflight
+from ._preflight import gradients_in_host, preflight
 from ._reduce import GradReducer
 from ._stores import ALIGN_ELEMS, Chunk, MemoryOptimizerStore, NvmeOptimizerStore, ParamStore
 from ._swap import SwapDir
@@ -79,6 +79,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         states_in_host = self.opt_tier == "cpu" or (self.opt_tier == "none" and acc.device().type == "cpu")
         self.overlap = engine.policy.partition_params and (
             self.opt_tier == "nvme" or (self.param_tier == "nvme" and states_in_host))
+        self.grads_in_memory = self.opt_tier == "nvme" and gradients_in_host(
+            engine.cfg.zero.offload_optimizer.gradients, total)  # Note [gradients in host memory] in _stores.py
         preflight(engine, self)
         engine.swap_dirs = {}
         self.store = self._make_store(total)
@@ -118,7 +120,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.opt_tier == "nvme":
             return NvmeOptimizerStore(total, self.unit_ranges, self._swap_dir(z.offload_optimizer.nvme_path), self.cfg.aio,
                                       z.offload_optimizer.chunk_size, self.cfg.gradient_accumulation_steps,
-                                      z.offload_optimizer.host_cache)
+                                      z.offload_optimizer.host_cache, self.grads_in_memory)
         return MemoryOptimizerStore(self.opt_tier, total, lazy_grad=not self.engine.policy.reduce_in_backward,
                                     overlapped=self.overlap, ranges=self.unit_ranges, chunk=z.offload_optimizer.chunk_size)
 

@@ -38,10 +38,11 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     z = engine.cfg.zero
     if opt.opt_tier == "nvme":
         path = z.offload_optimizer.nvme_path
-        need["nvme"][path] = need["nvme"].get(path, 0) + opt_bytes
+        grads = 4 * n if opt.grads_in_memory else 0  # Note [gradients in host memory]
+        need["nvme"][path] = need["nvme"].get(path, 0) + opt_bytes - grads
         chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
         head = head_elems(z.offload_optimizer.host_cache, opt.unit_ranges, chunk, n)  # Note [host cache]
-        need["host"] += NvmeOptimizerStore.SETS * 16 * chunk + 16 * head
+        need["host"] += NvmeOptimizerStore.SETS * 16 * chunk + 16 * head + grads
     else:  # an overlapped step's sealed and spare gradients (MemoryOptimizerStore.nbytes)
         need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes + (8 * n if opt.overlap else 0)
     if engine.policy.partition_params:
@@ -60,9 +61,22 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     return need
 
 
+def _ranks_here() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
+
+
+def gradients_in_host(choice: str, total: int) -> bool:
+    """``zero.offload_optimizer.gradients`` for an NVMe optimizer tier (Note [gradients in host
+    memory] in _stores.py): ``auto`` keeps the gradient shards in host memory when those of
+    every rank on this node take at most a quarter of the available host memory."""
+    if choice != "auto":
+        return choice == "cpu"
+    return 4 * total * _ranks_here() <= psutil.virtual_memory().available // 4
+
+
 def preflight(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     need = plan(engine, opt)
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
+    ranks_here = _ranks_here()
     problems = []
     host_total = need["host"] + (need["device"] if engine_device_is_host() else 0)
     avail = psutil.virtual_memory().available
@@ -70,8 +84,8 @@ def preflight(engine: "Engine", opt: "ZeroOptimizer") -> dict:
         problems.append(
             f"host memory: {ranks_here} rank(s) x {host_total / GiB:.2f} GiB needed, {avail / GiB:.2f} GiB available; "
             f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
-            f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, or run fewer ranks "
-            f"per node")
+            f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, keep gradients on "
+            f"NVMe (zero.offload_optimizer.gradients: nvme), or run fewer ranks per node")
     for path, nbytes in need["nvme"].items():
         probe = path
         while probe and not os.path.exists(probe):

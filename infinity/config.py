@@ -158,6 +158,10 @@ class OptimizerOffloadConfig:
     host_cache: Optional[int] = _opt(None, "nvme: elements at the start of the optimizer states (the first the "
                                      "next forward needs) also cached in host memory; null = the first fetch "
                                      "unit's (at most 64M), 0 = none", ge=0)
+    gradients: Literal["auto", "cpu", "nvme"] = _opt(
+        "auto", "nvme: where the fp32 gradient shards accumulate: cpu = host memory (4 bytes per parameter, no "
+        "gradient I/O), nvme = a swap file (when they do not fit host memory), auto = cpu when they take at "
+        "most a quarter of the available host memory")
 
     _cross_check = OffloadConfig._cross_check
 

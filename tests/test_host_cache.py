@@ -5,6 +5,8 @@ fetch unit's range) keep their master weights and moments in host memory as a wr
 cache, and their gradient shards in memory only. Training must not notice: every cache size,
 with gradient accumulation, clipping, an edit through GatheredParameters and two ranks, gives
 the no-offload result; the swap files stay complete; the cached gradients never reach the disk.
+The same holds with every gradient shard in host memory (Note [gradients in host memory]):
+then no gradient touches the disk at all.
 """
 import pytest
 import torch
@@ -19,10 +21,10 @@ STEPS = 3
 CACHES = {"off": 0, "auto": None, "all": 10**9}
 
 
-def _config(nvme, stage=3, host_cache=None, accumulation=1):
+def _config(nvme, stage=3, host_cache=None, accumulation=1, gradients="nvme"):
     zero = {"stage": stage, "reduce_bucket_size": 3000,
             "offload_optimizer": {"device": "nvme" if nvme else "none", "nvme_path": nvme, "chunk_size": 2048,
-                                  "host_cache": host_cache}}
+                                  "host_cache": host_cache, "gradients": gradients}}
     if stage == 3 and nvme:
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
     return {"zero": zero, "precision": {"dtype": "fp32"}, "optimizer": {"lr": 2e-3}, "gradient_clipping": 0.5,
@@ -51,6 +53,8 @@ def _all_caches(nvme):
         for name, cache in CACHES.items():
             out[(kind, name)] = _edit_and_train(kind, _config(nvme, host_cache=cache))
         out[(kind, "stage2")] = _edit_and_train(kind, _config(nvme, stage=2))
+        out[(kind, "grads_in_memory")] = _edit_and_train(kind, _config(nvme, gradients="cpu"))
+        out[(kind, "grads_in_memory_stage2")] = _edit_and_train(kind, _config(nvme, stage=2, gradients="cpu"))
     return out
 
 
@@ -61,7 +65,7 @@ def trained(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "custom"])
-@pytest.mark.parametrize("cache", list(CACHES) + ["stage2"])
+@pytest.mark.parametrize("cache", list(CACHES) + ["stage2", "grads_in_memory", "grads_in_memory_stage2"])
 def test_every_cache_size_matches_no_offload(trained, kind, cache):
     """Losses match training without offload; the weights match the uncached store's.
 
@@ -82,14 +86,18 @@ def test_every_cache_size_matches_no_offload(trained, kind, cache):
 
 
 def test_accumulation_with_the_cache_matches_the_uncached_store(tmp_path):
-    """Later micro-batches add to the cached gradients in memory and to the rest on disk."""
+    """Later micro-batches add to the cached gradients in memory and to the rest on disk (or,
+    with the gradients in host memory, to the rest in memory)."""
     results = []
-    for cache in (0, None):
-        model, opt = infinity.initialize(build("gpt2"), _config(str(tmp_path), host_cache=cache, accumulation=2))
+    for cache, gradients in ((0, "nvme"), (None, "nvme"), (None, "cpu"), (0, "cpu")):
+        model, opt = infinity.initialize(build("gpt2"), _config(str(tmp_path), host_cache=cache, accumulation=2,
+                                                                gradients=gradients))
         assert (opt.store.head == 0) if cache == 0 else (0 < opt.store.head < opt.store.total)
+        assert (opt.store.grad_mem is not None) == (gradients == "cpu")
         results.append(train_accumulated(model, opt, "gpt2"))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_files_stay_complete_and_cached_grads_stay_off_disk(tmp_path):
@@ -109,6 +117,25 @@ def test_files_stay_complete_and_cached_grads_stay_off_disk(tmp_path):
     on_disk = store.read_master(0, store.head)  # from the file, after the write-through landed
     cached = torch.cat([s["master"] for s in store.head_sets])[: store.head]
     assert torch.equal(on_disk, cached)
+    opt.engine.close()
+
+
+def test_gradients_in_host_memory_never_touch_the_disk(tmp_path):
+    """gradients: cpu: no gradient swap file, no gradient byte read or written; the preflight
+    and the store count the host tensor instead of the file; auto picks it for a small model."""
+    model, opt = infinity.initialize(build("gpt2"), _config(str(tmp_path), gradients="cpu"))
+    store = opt.store
+    assert store.grad_mem is not None and store.grad_mem.numel() == store.total - store.head
+    assert "grad" not in store.paths and not list(tmp_path.rglob("grad.swp"))
+    train_losses(model, opt, "gpt2", 2)
+    opt.wait_step()
+    assert store._io["grad"] == [0, 0]
+    need = plan(opt.engine, opt)
+    assert store.nbytes()["nvme"] == 12 * store.total == sum(need["nvme"].values()) - opt.param_store.total * 4
+    assert store.nbytes()["host"] == (store.SETS * store.chunk + store.head) * 16 + 4 * (store.total - store.head)
+    opt.engine.close()
+    model, opt = infinity.initialize(build("gpt2"), _config(str(tmp_path), gradients="auto"))
+    assert opt.store.grad_mem is not None  # a few MB: far below a quarter of host memory
     opt.engine.close()
 
 
