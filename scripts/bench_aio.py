@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+
 import torch
 
 from infinity.aio import AsyncIO, aligned_empty

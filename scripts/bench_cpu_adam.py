@@ -17,8 +17,12 @@ Each figure is the median of --reps rounds ([min-max] beside it shows the noise)
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
 
 import torch
 

@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+
 GiB = 2**30
 VOCAB = 50257
 CONTENDERS = ["plain", "none", "cpu", "nvme"]

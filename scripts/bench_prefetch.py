@@ -46,6 +46,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+
 MiB = 2**20
 VOCAB = 50257
 STAGES = ("nvme_read", "host_to_device", "all_gather", "reduce_scatter", "grad_offload", "optimizer_io")
@@ -59,9 +61,10 @@ def build_gpt(layers: int, hidden: int):
     return GPT2LMHeadModel(cfg)
 
 
-def infinity_config(param: str, optim: str, prefetch: bool, nvme_path: str, dtype: str) -> dict:
+def infinity_config(param: str, optim: str, prefetch: bool, nvme_path: str, dtype: str,
+                    gradients: str = "auto") -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": param, "nvme_path": nvme_path},
-                     "offload_optimizer": {"device": optim, "nvme_path": nvme_path},
+                     "offload_optimizer": {"device": optim, "nvme_path": nvme_path, "gradients": gradients},
                      "prefetch": {"enabled": prefetch}},
             "precision": {"dtype": dtype}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
 
@@ -203,7 +206,7 @@ def serve(spec: dict, conn) -> None:
         trainer = PlainTrainer(model, spec["dtype"])
     else:
         trainer = InfinityTrainer(model, infinity_config(spec["param"], spec["optim"], spec["prefetch"],
-                                                         spec["nvme_path"], spec["dtype"]))
+                                                         spec["nvme_path"], spec["dtype"], spec["gradients"]))
     gen = torch.Generator().manual_seed(0)  # every contender sees the same batches in the same order
     conn.send({"params": sum(p.numel() for p in model.parameters())})
     try:
@@ -344,14 +347,14 @@ def study(args, nvme_root: str, bw: tuple[float, float]) -> None:
     layers, hidden = (2, 256) if args.quick else (args.layers, args.hidden)
     mb, seq = (1, 16) if args.quick else (args.study_batch, args.study_seq)
     base = {"layers": layers, "hidden": hidden, "micro_batch": mb, "seq_len": seq, "threads": args.threads,
-            "nvme_path": nvme_root, "kind": "infinity", "dtype": args.dtype}
+            "nvme_path": nvme_root, "kind": "infinity", "dtype": args.dtype, "gradients": args.gradients}
     specs = [dict(base, name="compute only (no offload)", param="none", optim="none", prefetch=True)]
     for param, optim, label in (("nvme", "cpu", "params on NVMe"), ("nvme", "nvme", "params+optim on NVMe")):
         for prefetch in (False, True):
             specs.append(dict(base, name=f"{label}, prefetch {'on' if prefetch else 'off'}", param=param,
                               optim=optim, prefetch=prefetch))
     print(f"\n(a) prefetch study: GPT-2 {layers} x {hidden}, vocab {VOCAB}, {args.dtype}, stage 3, one rank, micro-batch "
-          f"{mb} x {seq} tokens; {rounds_note(args)}")
+          f"{mb} x {seq} tokens; gradient shards of the NVMe optimizer tier: {args.gradients}; {rounds_note(args)}")
     res = interleaved(specs, args)
     first = res[specs[0]["name"]]
     compute = first.step_time()
@@ -388,12 +391,12 @@ def headline(args, nvme_root: str) -> None:
     layers, hidden = (2, 256) if args.quick else (12, 768)
     mb, seq = (2, 64) if args.quick else (4, 256)
     base = {"layers": layers, "hidden": hidden, "micro_batch": mb, "seq_len": seq, "threads": args.threads,
-            "nvme_path": nvme_root, "dtype": args.dtype}
+            "nvme_path": nvme_root, "dtype": args.dtype, "gradients": args.gradients}
     specs = [dict(base, name=f"plain PyTorch {args.dtype}", kind="plain"),
              dict(base, name="infinity NVMe, prefetch on", kind="infinity", param="nvme", optim="nvme",
                   prefetch=True)]
     print(f"\n(b) headline: GPT-2 {layers} x {hidden} (GPT2Config defaults), {args.dtype}, micro-batch {mb} x {seq} tokens, "
-          f"one rank; {rounds_note(args)}")
+          f"one rank; gradient shards: zero.offload_optimizer.gradients={args.gradients}; {rounds_note(args)}")
     res = interleaved(specs, args)
     plain, nv = res[specs[0]["name"]], res[specs[1]["name"]]
     print(f"params: {plain.params / 1e6:.1f} M")
@@ -425,6 +428,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                     help="compute dtype of both contenders; auto = bf16 unless this CPU lacks native bf16 matmul")
+    ap.add_argument("--gradients", choices=("auto", "cpu", "nvme"), default="auto",
+                    help="zero.offload_optimizer.gradients of the NVMe optimizer tier (auto: host memory when they fit)")
     ap.add_argument("--skip-study", action="store_true", help="only (b)")
     ap.add_argument("--skip-headline", action="store_true", help="only (a)")
     ap.add_argument("--nvme-path", default=tempfile.gettempdir(), help="directory for the swap files")
