@@ -407,8 +407,9 @@ class NvmeOptimizerStore:
     and an overlapped step (its own thread) use separate I/O handles and byte counters.
 
     Note [gradients in host memory]: with ``grads_in_memory``
-    (``zero.offload_optimizer.gradients``) the gradient shards past the head accumulate in
-    one flat host tensor instead of the swap file, and each chunk's update uses its slice:
+    (``zero.offload_optimizer.gradients``) every gradient shard accumulates in one flat host
+    tensor instead of the swap file (and the host cache holds no gradients of its own), and
+    each chunk's update uses its slice:
     4 bytes per parameter of host memory save writing every gradient during backward and
     reading it back in the step (a third of the step's disk traffic, and the time the
     backward waited for those writes). The overlapped step's ordering argument is the same
@@ -435,14 +436,15 @@ class NvmeOptimizerStore:
         self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
         self.chunk = chunk_elems(chunk, total)
         self.head = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]
-        # Note [gradients in host memory]: the tail's gradient shards, [head, total); None = the swap file
-        self.grad_mem = _zeros_host(total - self.head) if grads_in_memory else None
-        self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file
+        # Note [gradients in host memory]: every gradient shard; None = the swap file (and the head sets)
+        self.grad_mem = _zeros_host(total) if grads_in_memory else None
+        self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
         self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in self._swapped}
-        self.head_sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in _NAMES}
+        self.head_sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
-            hs["grad"].zero_()  # the gaps between aligned unit ranges must read as zero gradients
+            if "grad" in hs:
+                hs["grad"].zero_()  # the gaps between aligned unit ranges must read as zero gradients
         self.head_io = new_aio(aio_cfg)
         self._head_loaded = False  # the head sets hold the current master weights and moments
         self._tail_primed = False  # the first tail chunks' reads are in flight
@@ -541,6 +543,13 @@ class NvmeOptimizerStore:
             s, f = _sq_and_finite(g)
             self._sq += s
             self._finite = self._finite and f
+        if self.grad_mem is not None:  # Note [gradients in host memory]
+            dst = self.grad_mem[offset : offset + g.numel()]
+            if again:
+                dst.add_(g)
+            else:
+                dst.copy_(g)
+            return
         for hs, lo, n, at in self._head_pieces(offset, g.numel()):  # Note [host cache]: in memory only
             dst, src = hs["grad"][lo : lo + n], g[at : at + n]
             if again:
@@ -551,13 +560,6 @@ class NvmeOptimizerStore:
         if h == g.numel():
             return
         g = g[h:]
-        if self.grad_mem is not None:  # Note [gradients in host memory]
-            dst = self._tail_grad(offset + h, g.numel())
-            if again:
-                dst.add_(g)
-            else:
-                dst.copy_(g)
-            return
         if again:
             self._wait(self.grad_writer, "gradient shard writes")  # the earlier write of this range must land
             old = torch.empty_like(g)
@@ -575,14 +577,15 @@ class NvmeOptimizerStore:
         if missing:
             zeros = torch.zeros(max(n for _, n in missing), dtype=torch.float32)
             for o, n in missing:
+                self._written.add(o)
+                if self.grad_mem is not None:
+                    self.grad_mem[o : o + n].zero_()
+                    continue
                 for hs, lo, k, _ in self._head_pieces(o, n):
                     hs["grad"][lo : lo + k].zero_()
                 h = self._in_head(o, n)
-                if h < n and self.grad_mem is not None:
-                    self._tail_grad(o + h, n - h).zero_()
-                elif h < n:
+                if h < n:
                     self._grad_write(o + h, zeros[: n - h])
-                self._written.add(o)
         self._wait(self.grad_writer, "gradient shard writes")
 
     def grad_stats(self) -> tuple:
@@ -592,10 +595,10 @@ class NvmeOptimizerStore:
         sq, finite = 0.0, True
         for off in range(0, self.total, self.chunk):
             n = min(self.chunk, self.total - off)
-            if off < self.head:
+            if self.grad_mem is not None:
+                buf = self.grad_mem[off : off + n]
+            elif off < self.head:
                 buf = self.head_sets[off // self.chunk]["grad"][:n]
-            elif self.grad_mem is not None:
-                buf = self._tail_grad(off, n)
             else:
                 buf = self.sets[0]["grad"][:n]
                 self._grad_read(off, buf)
@@ -647,7 +650,7 @@ class NvmeOptimizerStore:
         for i, hs in enumerate(self.head_sets):
             off = i * self.chunk
             n = min(self.chunk, self.total - off)
-            yield off, {name: t[:n] for name, t in hs.items()}
+            yield off, self._with_grad({name: t[:n] for name, t in hs.items()}, off, n)
 
     def update_tail(self, fn: Callable[[Chunk], None]) -> None:
         """The chunks past the head, streamed through the buffer sets (Note [optimizer swapper])."""
@@ -661,9 +664,7 @@ class NvmeOptimizerStore:
                 self._wait(self.writers[j % self.SETS], "writing back an optimizer chunk")  # set held chunk j - SETS
                 self._read_chunk(j % self.SETS, starts[j])
             n = min(self.chunk, self.total - off)
-            bufs = {name: t[:n] for name, t in self.sets[k % self.SETS].items()}
-            if self.grad_mem is not None:
-                bufs["grad"] = self._tail_grad(off, n)
+            bufs = self._with_grad({name: t[:n] for name, t in self.sets[k % self.SETS].items()}, off, n)
             self._update_one(fn, off, bufs, self.writers[k % self.SETS])
         for w in self.writers:
             self._wait(w, "writing back optimizer chunks")
@@ -689,9 +690,11 @@ class NvmeOptimizerStore:
             self._read_chunk(j, starts[j])
         self._tail_primed = True
 
-    def _tail_grad(self, offset: int, numel: int) -> torch.Tensor:
-        """The in-memory gradient shards of [offset, offset + numel), past the head."""
-        return self.grad_mem[offset - self.head : offset - self.head + numel]
+    def _with_grad(self, bufs: dict, offset: int, numel: int) -> dict:
+        """A chunk's arrays, its gradients from host memory where they live there."""
+        if self.grad_mem is not None:
+            bufs["grad"] = self.grad_mem[offset : offset + numel]
+        return bufs
 
     def _read_chunk(self, s: int, off: int) -> None:
         n = min(self.chunk, self.total - off)
@@ -701,7 +704,7 @@ class NvmeOptimizerStore:
     def nbytes(self) -> dict:
         grads = 0 if self.grad_mem is None else self.grad_mem.numel() * 4
         return {"nvme": 4 * len(self._swapped) * self.total,
-                "host": (self.SETS + len(self.head_sets)) * 4 * 4 * self.chunk + grads}
+                "host": self.SETS * 4 * 4 * self.chunk + len(self.head_sets) * 4 * len(self._swapped) * self.chunk + grads}
 
 
 def _unit_pieces(ranges: List[tuple], total: int, target: int) -> List[tuple]:

@@ -242,6 +242,7 @@ class FetchUnit:
                     if into is not None:
                         self.engine.gathered.give(into)
                     return False
+                self._full = into  # the gathered buffer from the start (None: a pool buffer)
                 self.engine.counters.bytes["nvme_read"] += nbytes
         self._state = ParamState.HOST
         return True
@@ -263,16 +264,15 @@ class FetchUnit:
         if self._read is not None:
             if not block and not self.store.read_done(self._read):
                 return False
-            pooled = self._read[2]
             with self.engine.counters.blocked("nvme_read"):
                 buf = self.store.finish_read(self._read, what=self._what())
             self._read = None
-            if pooled:
+            if self._full is None:
                 self._staged = buf
-            else:
-                self._full = buf
-        if self._staged is not None or self._full is not None:
-            src = (self._staged if self._staged is not None else self._full)[: self.shard_numel]
+        if self._staged is not None:
+            src = self._staged[: self.shard_numel]
+        elif self._full is not None:  # read straight into the gathered buffer
+            src = self._full[: self.shard_numel]
         else:
             src = self._kept if self._kept is not None else self.shard()
         self._dev_shard, self._h2d = acc.start_copy_to_device(src)
