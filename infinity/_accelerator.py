@@ -197,6 +197,11 @@ class DeviceBudget:
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more can be charged now."""
+        with self._lock:
+            return self._limit is None or self._allocated + nbytes <= self._limit
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self._allocated -= nbytes

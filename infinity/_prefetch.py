@@ -12,6 +12,13 @@ gather_depth 1: paper 002 §6.2's NVMe->host for i+3, host->device for i+2, all-
 Depths count modules that have something to fetch: modules whose units all stay gathered
 (below ``persistence_threshold``, e.g. layer norms) do not use up the look-ahead.
 
+A unit used by more than one module of a pass (a tied embedding: the input embedding at
+the start of forward, the output layer at its end) is released only when its last use in
+the trace has passed: after each use it stays gathered (``_kept``) until the trace's next
+module that uses it runs, instead of being freed and fetched again. Kept units give way to
+``max_live_parameters`` and ``device_memory_limit``: a gather that would not fit releases
+them first (``make_room``, the one needed last first).
+
 At the end of a forward that autograd will come back through, the units the backward trace
 starts with (typically the output layer's, used last in forward and first in backward) are
 held instead of released, so backward does not fetch them again; the hold ends when backward
@@ -25,10 +32,11 @@ computation: modules still acquire their units, which waits for what is in fligh
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
+from . import _accelerator as acc
 from ._param import ParamState
 
 if TYPE_CHECKING:
@@ -43,6 +51,18 @@ class _Pass:
         self.trace = trace  # what to expect; None while recording the first iteration
         self.seen: List["ModuleState"] = []
         self.diverged = False
+        # per trace position: {unit of that module: the position of its next use, or None}
+        self.next_use: List[Dict["FetchUnit", Optional[int]]] = _next_uses(trace) if trace else []
+
+
+def _next_uses(trace: list) -> list:
+    out: list = [None] * len(trace)
+    later: Dict["FetchUnit", int] = {}
+    for pos in range(len(trace) - 1, -1, -1):
+        out[pos] = {unit: later.get(unit) for unit in trace[pos].units}
+        for unit in trace[pos].units:
+            later[unit] = pos
+    return out
 
 
 class Prefetcher:
@@ -59,6 +79,7 @@ class Prefetcher:
         self._direction = None
         self._prefetched: List["FetchUnit"] = []
         self._held: List["FetchUnit"] = []  # kept gathered from the end of forward into backward
+        self._kept: Dict["FetchUnit", int] = {}  # kept gathered until the pass reaches this position
 
     # ------------------------------------------------------------ iteration boundaries
 
@@ -78,9 +99,37 @@ class Prefetcher:
         self._pass = None
 
     def release_held(self) -> None:
+        self._release_kept()
         held, self._held = self._held, []
         for unit in held:
             unit.release()
+
+    def _release_kept(self) -> None:
+        kept, self._kept = self._kept, {}
+        for unit in kept:
+            unit.release()
+
+    def make_room(self, numel: int, nbytes: int) -> None:
+        """A gather of ``numel`` elements (``nbytes``) is about to start: release kept units,
+        the one needed last first, until it fits within ``max_live_parameters`` and the
+        device budget."""
+        for unit in sorted(self._kept, key=self._kept.get, reverse=True):
+            if self.engine.live_elems + numel <= self.max_live and acc.budget.fits(nbytes):
+                return
+            del self._kept[unit]
+            unit.release()
+
+    def _keep_until_next_use(self, pos: int) -> None:
+        """Module ``pos`` of the trace holds its units: release those kept for it, and keep
+        those used again later in this pass (Note [trace and prefetch])."""
+        for unit in [u for u, at in self._kept.items() if at == pos]:
+            del self._kept[unit]
+            unit.release()
+        for unit, at in self._pass.next_use[pos].items():
+            if at is not None and unit not in self._kept and unit.partitioned and not unit.persistent \
+                    and unit.state is ParamState.AVAILABLE:
+                unit.hold()
+                self._kept[unit] = at
 
     def _hold_for_backward(self) -> None:
         """The last forward module runs: keep what backward starts with gathered."""
@@ -103,6 +152,7 @@ class Prefetcher:
                 self.engine.counters.divergences += 1  # a shorter pass (early exit)
         if p.seen and (p.trace is None or p.seen != p.trace):
             self.traces[self._direction] = list(p.seen)
+        self._release_kept()
         self._abandon_unused()
 
     # ------------------------------------------------------------ per module
@@ -123,11 +173,13 @@ class Prefetcher:
         if pos >= len(p.trace) or p.trace[pos] is not state:
             p.diverged = True
             self.engine.counters.divergences += 1
+            self._release_kept()
             self._abandon_unused()
             if self._direction == "backward":
                 self.release_held()  # backward went another way: do not keep them through it
             return
         if self.enabled:
+            self._keep_until_next_use(pos)
             self._ahead(pos + 1)
             if self._direction == "forward" and pos == len(p.trace) - 1:
                 self._hold_for_backward()

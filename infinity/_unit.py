@@ -179,6 +179,7 @@ class FetchUnit:
         else:
             counters.hits += 1
         if self._state is not ParamState.GATHERING:
+            self.engine.prefetcher.make_room(self.full_numel, self.full_numel * self.store.itemsize)
             self.start_gather()
         self.wait_gather()
 

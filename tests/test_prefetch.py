@@ -269,6 +269,71 @@ def test_backward_keeps_what_forward_ended_with(tmp_path):
     assert reads[True][1:] == [(2 * 8 - 1) * shard_bytes] * 2  # the last layer is fetched once
 
 
+def _tied_fetches(tmp_path, prefetch, max_live=None):
+    """Per step after the first: the fetches of each unit (a read or the step's hand-off)
+    in a training iteration and in a forward under no_grad; the losses."""
+    from infinity import _unit
+    from _models import gpt2
+
+    extra = {} if max_live is None else {"max_live_parameters": max_live}
+    model, opt = infinity.initialize(gpt2(), _config(3, "nvme", "none", str(tmp_path), prefetch=prefetch,
+                                                     persist=0, **extra))
+    fetched, real = [], _unit.FetchUnit.stage_to_host
+
+    def counting(unit, **kw):
+        ok = real(unit, **kw)
+        if ok and not unit.store.resident:
+            fetched.append(unit.module_name)
+        return ok
+
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    train, evals, losses = [], [], []
+    _unit.FetchUnit.stage_to_host = counting
+    try:
+        for _ in range(3):
+            fetched.clear()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            train.append(sorted(fetched))
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            fetched.clear()
+            with torch.no_grad():
+                model(input_ids=ids)
+            evals.append(sorted(fetched))
+        units = sorted(u.module_name for u in opt.engine.units if u.partitioned)
+    finally:
+        _unit.FetchUnit.stage_to_host = real
+        opt.engine.close()
+    return train[1:], evals[1:], losses, units
+
+
+def test_tied_embedding_kept_until_its_last_use(tmp_path):
+    """GPT-2's tied embedding is used by the first module of forward and by the last: with
+    the prefetcher on it stays gathered in between instead of being fetched twice per
+    forward; under a max_live_parameters too small to keep it, it is fetched again, and
+    every loss is the same."""
+    off_train, off_eval, ref, units = _tied_fetches(tmp_path, False)
+    assert "transformer.wte" in units
+    twice = sorted(units + ["transformer.wte"])
+    # forward fetches it for the embedding and again for the output layer; backward keeps it
+    # from the output layer on, waiting for its gradient
+    assert off_train == [sorted(units + twice)] * 2
+    assert off_eval == [twice] * 2
+
+    on_train, on_eval, losses, _ = _tied_fetches(tmp_path, True)
+    # forward fetches every unit once; backward every unit but the tied one (kept across the turn)
+    assert on_train == [sorted(units + [u for u in units if u != "transformer.wte"])] * 2
+    assert on_eval == [units] * 2
+    assert losses == ref
+
+    wte = 96 * 32
+    tight_train, tight_eval, tight, _ = _tied_fetches(tmp_path, True, max_live=wte + 3 * 32 * 32)
+    assert tight_eval == [twice] * 2  # no room to keep it through the forward
+    assert tight == ref
+
+
 # ------------------------------------------------------------------ slowed I/O
 
 
