@@ -13,6 +13,10 @@ there) ``--dtype auto`` measures both contenders in fp32 and says so.
     The default shape (GPT-2 124M, 1 x 16 tokens) makes the parameter I/O of a step about as
     long as its computation; both are printed side by side.
 
+Before both, the script measures the disk (O_DIRECT bandwidth) and how far this machine runs
+disk I/O beside computation (``machine_overlap``); (a) and (b) print, beside the issue's bound,
+an estimate of the step the machine allows at that overlap.
+
 (b) headline: Hugging Face GPT-2 124M (GPT2Config defaults), micro-batch 4 x 256 tokens, one
     rank, parameters and optimizer states on NVMe (prefetch on), against plain PyTorch training
     of the same model (bf16: bf16 model, fp32 master weights, fused AdamW, clipping; fp32:
