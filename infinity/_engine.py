@@ -93,6 +93,7 @@ class Engine:
         self.world_size = comm.world_size()
         self.rank = comm.rank()
         self.dtype = DTYPES[cfg.precision.dtype]
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         acc.budget.set_limit(cfg.device_memory_limit)
         self._check_same_model_on_all_ranks()
         self.units: List[FetchUnit] = []
@@ -111,7 +112,7 @@ class Engine:
         self.peak_live_elems = 0
         self.persistence_threshold = cfg.zero.prefetch.persistence_threshold if self.policy.partition_params else 0
         # Note [recycled host memory] in _recycle.py: stage 3 gathers parameters again and again
-        self.gathered = gathered_recycler(self.units, self.dtype) if self.policy.partition_params else None
+        self.gathered = gathered_recycler(self.units) if self.policy.partition_params else None
         self.prefetcher = Prefetcher(self, cfg.zero.prefetch)
         _engines[model] = self
 
@@ -391,7 +392,7 @@ class Engine:
         grads = 0
         for unit in self.units:
             if self.policy.partition_params:
-                params += unit.shard_numel * torch.empty((), dtype=self.dtype).element_size()
+                params += unit.shard_numel * self.itemsize
             else:
                 params += sum(raw_data(p).numel() * raw_data(p).element_size() for p in unit.params)
             grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)
@@ -399,14 +400,13 @@ class Engine:
         return {"params": params, "grads": grads + opt.get("grads", 0), "optimizer": opt.get("optimizer", 0)}
 
 
-def gathered_recycler(units: List[FetchUnit], dtype: torch.dtype) -> Optional[Recycler]:
+def gathered_recycler(units: List[FetchUnit]) -> Optional[Recycler]:
     """Where gathered parameters come from on a CPU-only run: two of the largest units' worth
     of returned buffers (a CUDA caching allocator already reuses device memory)."""
     if acc.has_cuda():
         return None
-    biggest = max((u.full_numel for u in units), default=0)
-    return Recycler(GATHERED_REUSE * biggest * torch.empty((), dtype=dtype).element_size(),
-                    acc.host_empty)  # aligned: one rank reads shards from NVMe straight into them
+    biggest = max((u.full_nbytes for u in units), default=0)
+    return Recycler(GATHERED_REUSE * biggest, acc.host_empty)  # aligned: one rank reads shards from NVMe into them
 
 
 def _tensors(obj, depth: int = 0):

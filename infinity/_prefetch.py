@@ -109,12 +109,11 @@ class Prefetcher:
         for unit in kept:
             unit.release()
 
-    def make_room(self, numel: int, nbytes: int) -> None:
-        """A gather of ``numel`` elements (``nbytes``) is about to start: release kept units,
-        the one needed last first, until it fits within ``max_live_parameters`` and the
-        device budget."""
+    def make_room(self, incoming: "FetchUnit") -> None:
+        """``incoming`` is about to be gathered: release kept units, the one needed last
+        first, until it fits within ``max_live_parameters`` and the device budget."""
         for unit in sorted(self._kept, key=self._kept.get, reverse=True):
-            if self.engine.live_elems + numel <= self.max_live and acc.budget.fits(nbytes):
+            if self.engine.live_elems + incoming.full_numel <= self.max_live and acc.budget.fits(incoming.full_nbytes):
                 return
             del self._kept[unit]
             unit.release()

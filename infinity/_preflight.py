@@ -31,7 +31,7 @@ GiB = float(1 << 30)
 
 def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     """Bytes per tier this rank will hold, and per nvme_path on disk."""
-    esize = torch.empty((), dtype=engine.dtype).element_size()
+    esize = engine.itemsize
     n = opt.total
     need = {"device": 0, "host": 0, "nvme": {}}
     opt_bytes = 16 * n  # master, grad, exp_avg, exp_avg_sq in fp32

@@ -83,6 +83,11 @@ class FetchUnit:
         return self.world_size * self.shard_numel
 
     @property
+    def full_nbytes(self) -> int:
+        """Bytes of the gathered parameters."""
+        return self.full_numel * self.engine.itemsize
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.engine.dtype
 
@@ -179,7 +184,7 @@ class FetchUnit:
         else:
             counters.hits += 1
         if self._state is not ParamState.GATHERING:
-            self.engine.prefetcher.make_room(self.full_numel, self.full_numel * self.store.itemsize)
+            self.engine.prefetcher.make_room(self)
             self.start_gather()
         self.wait_gather()
 
@@ -304,7 +309,7 @@ class FetchUnit:
             self.stage_to_device()
         assert self._state is ParamState.DEVICE, self._state
         shard = acc.finish_copy_to_device(self._dev_shard, self._h2d)
-        nbytes = self.full_numel * torch.empty((), dtype=self.dtype).element_size()
+        nbytes = self.full_nbytes
         # One rank: the parameters are views of the device shard unless it is a staging buffer
         # (no accelerator, NVMe tier); it is new memory when it is a copy, was handed off or
         # read straight into a gathered buffer.
