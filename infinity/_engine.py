@@ -18,9 +18,19 @@ Note [hook protocol] (stage 3):
   backward was waiting for that unit drops its hold.
 - end of backward (autograd callback): reduce what is left (unused parameters), wait for
   every reduce-scatter, release every remaining hold. After backward no unit is gathered.
+
+Note [aborted forward]: a module's forward can end by an exception, and not only on error:
+non-reentrant activation checkpointing stops its recomputation inside backward by raising
+(``_StopRecomputationError``) as soon as the tensors it needs are recomputed, i.e. in the
+middle of the block's last submodule. The post-forward hook is therefore registered with
+``always_call=True``: every frame pushed by a pre-forward hook is popped and its units
+released, whatever way the forward ended. Before this, the aborted frames kept their units
+gathered with a reference nobody dropped, so the optimizer step could not refresh them and
+later forwards and reads saw the values from before the step.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -188,7 +198,8 @@ class Engine:
         if self.policy.partition_params:
             for module in self.states:
                 self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-                self._handles.append(module.register_forward_hook(self._post_forward))
+                # always_call: Note [aborted forward]
+                self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         elif self.dtype == torch.float16:
             self._handles.append(self.model.register_forward_pre_hook(self._pre_forward_root))
             self._handles.append(self.model.register_forward_hook(self._post_forward_root))
@@ -215,18 +226,25 @@ class Engine:
             self._reset_stack()
             self.prefetcher.begin("forward")
         state = self.states[module]
+        frame = _Frame(state, [])
+        self._stack.append(frame)  # first: an acquire that raises still has its frame popped
         for unit in state.units:
             unit.acquire()
-        self._stack.append(_Frame(state, list(state.units)))
+            frame.held.append(unit)
         if state.units:
             self.prefetcher.on_module(state)
 
     def _post_forward(self, module, args, output):
-        frame = self._stack.pop() if self._stack else None
-        if frame is None or frame.state.module is not module:
+        aborted = sys.exc_info()[1] is not None  # torch calls this hook inside its `except` when forward raised
+        if not self._stack or self._stack[-1].state.module is not module:
+            if aborted:
+                return  # the forward raised before this module's pre-forward hook pushed a frame
             raise EngineError(f"forward hooks out of order at {type(module).__name__}; was a forward interrupted?")
+        frame = self._stack.pop()
         for unit in frame.held:
             unit.release()
+        if aborted:
+            return
         if torch.is_grad_enabled() and frame.state.units:
             outs = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
             if outs:
