@@ -16,8 +16,9 @@ Note [hook protocol] (stage 3):
 - post-accumulate-grad hook of each parameter: when all parameters of a unit have their
   gradient, the unit's gradients go to the reducer (stages 2 and 3) and every module whose
   backward was waiting for that unit drops its hold.
-- end of backward (autograd callback): reduce what is left (unused parameters), wait for
-  every reduce-scatter, release every remaining hold. After backward no unit is gathered.
+- end of backward (autograd callback): reduce what is left (parameters without a gradient
+  on this rank, as zeros: Note [bucket plan] in _reduce.py), wait for every reduce-scatter,
+  release every remaining hold. After backward no unit is gathered.
 
 Note [aborted forward]: a module's forward can end by an exception, and not only on error:
 non-reentrant activation checkpointing stops its recomputation inside backward by raising
@@ -330,13 +331,8 @@ class Engine:
 
     def _end_backward(self) -> None:
         if self.policy.reduce_in_backward:
-            for unit in self.units:
-                total = sum(1 for p in unit.params if p.requires_grad)
-                if 0 < unit.grads_pending < total:  # some parameters got no gradient
-                    unit.grads_pending = 0
-                    self.reducer.add(unit)
             with self.counters.blocked("reduce_scatter"):
-                self.reducer.finish()
+                self.reducer.finish()  # units without gradients join as zeros: Note [bucket plan] in _reduce.py
         for state, waiting in list(self._bwd_holds.items()):
             if waiting is not None:
                 self._drop_hold(state)
@@ -353,6 +349,32 @@ class Engine:
         if self.policy.partition_params and not opt.aliased:
             opt.param_store.write(unit.opt_offset, unit.shard_of(full, self.dtype))
             opt.param_store.flush()
+
+    def restore(self, unit: FetchUnit, saved: Optional[List[torch.Tensor]] = None) -> None:
+        """Undo edits of ``unit``'s gathered values: rebuild them, and stage 3's shard, from
+        ``saved`` copies or else from the master weights (collective)."""
+        opt = self.optimizer
+        if saved is not None:
+            with torch.no_grad():
+                for p, t in zip(unit.params, saved):
+                    raw_data(p).copy_(t)
+            return
+        shard = opt.master_slice(unit).to(device=acc.device(), dtype=self.dtype)
+        full = torch.empty(self.world_size * unit.shard_numel, dtype=self.dtype, device=acc.device())
+        comm.all_gather_into_tensor(full, shard, async_op=False, what=f"restoring {unit.module_name or '<root>'}")
+        unit.load_full_into_params(full.view(self.world_size, unit.shard_numel))
+        if self.policy.partition_params and not opt.aliased:
+            opt.param_store.write(unit.opt_offset, shard)
+            opt.param_store.flush()
+
+    def shares_master(self, unit: FetchUnit) -> bool:
+        """``unit``'s parameters are views of the fp32 master weights (one rank, fp32, both on
+        one resident tier): an edit of them is an edit of the master."""
+        master = getattr(self.optimizer.store, "master", None)
+        if master is None or master.numel() == 0:
+            return False
+        base = master.untyped_storage().data_ptr()
+        return any(raw_data(p).untyped_storage().data_ptr() == base for p in unit.params)
 
     # ------------------------------------------------------------ accounting
 
@@ -446,3 +468,11 @@ _engines: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictio
 
 def engine_of(model: nn.Module) -> Optional[Engine]:
     return _engines.get(model)
+
+
+def forget_engine(model: nn.Module) -> None:
+    """``initialize`` failed after the engine was built: the model is not managed."""
+    engine = _engines.pop(model, None)
+    if engine is not None:
+        for d in engine.swap_dirs.values():
+            d.remove()

@@ -8,6 +8,7 @@ from torch import nn
 
 from . import _comm as comm
 from ._engine import EngineError, _engines, _pending_external
+from ._log import logger
 from ._param import info_of, raw_data
 
 
@@ -22,7 +23,17 @@ def _as_list(params) -> list:
 class GatheredParameters:
     """Gather partitioned parameters for reading; with ``modifier_rank``, keep that rank's
     edits: on exit they are broadcast and re-partitioned into every rank's shard and fp32
-    master weights. Collective: every rank must enter with the same parameters."""
+    master weights. Collective: every rank must enter with the same parameters.
+
+    Note [edits without modifier_rank]: without ``modifier_rank`` the parameters are for
+    reading, as in DeepSpeed: edits made inside are discarded at exit, on every stage and
+    tier, and a warning names the edited parameters. Whether an edit would otherwise survive
+    depends on where the gathered tensor lives (a private buffer freed at exit, a view of a
+    resident shard, whole stage 1-2 parameters), so it is detected (a fingerprint of each
+    gathered parameter taken at entry and exit, any rank) and undone: the values are rebuilt
+    from the fp32 master weights, or, where the parameters are views of those (one rank,
+    fp32, parameters and optimizer states on one resident tier), from a copy taken at entry.
+    """
 
     def __init__(self, params: Union[nn.Parameter, Iterable[nn.Parameter]], modifier_rank: Optional[int] = None,
                  enabled: bool = True):
@@ -43,6 +54,11 @@ class GatheredParameters:
     def __enter__(self):
         for unit in self.units:
             unit.acquire()
+        self._prints = self._saved = None
+        if self.modifier_rank is None and self._managed():
+            self._prints = [_fingerprint(raw_data(p)) for unit in self.units for p in unit.params]
+            self._saved = {unit: [raw_data(p).clone() for p in unit.params]
+                           for unit in self.units if unit.engine.shares_master(unit)}
         return self.params
 
     def __exit__(self, exc_type, exc, tb):
@@ -53,10 +69,40 @@ class GatheredParameters:
                         for p in unit.params:
                             comm.broadcast(raw_data(p), self.modifier_rank)
                         unit.engine.repartition(unit)
+            elif exc_type is None and self._prints is not None:
+                self._discard_edits()
         finally:
             for unit in self.units:
                 unit.release()
         return False
+
+    def _managed(self) -> bool:
+        """The units belong to an initialized engine (not only to infinity.Init)."""
+        return bool(self.units) and all(getattr(u.engine, "optimizer", None) is not None for u in self.units)
+
+    def _discard_edits(self) -> None:
+        """Note [edits without modifier_rank]."""
+        now = [_fingerprint(raw_data(p)) for unit in self.units for p in unit.params]
+        edited = torch.tensor([float(a != b) for a, b in zip(self._prints, now)], dtype=torch.float64)
+        comm.all_reduce(edited, "sum")
+        names, k = [], 0
+        for unit in self.units:
+            flags = edited[k : k + len(unit.params)]
+            k += len(unit.params)
+            if bool((flags > 0).any()):
+                unit.engine.restore(unit, self._saved.get(unit))
+                names += [info.name for info, f in zip(unit.infos, flags) if f > 0]
+        if names:
+            logger.warning("GatheredParameters: %s modified without modifier_rank; the edits were discarded (pass "
+                           "modifier_rank=0 to keep the values of rank 0)", ", ".join(names[:5]) +
+                           (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    """Bits that change when any value of ``t`` changes or values move: the XOR of all its
+    elements' bits, and of those at odd positions."""
+    flat = t.reshape(-1)
+    return tuple(torch.hash_tensor(x).view(torch.int64).item() if x.numel() else 0 for x in (flat, flat[1::2]))
 
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:

@@ -6,15 +6,20 @@ from typing import Tuple
 from torch import nn
 
 from . import _comm as comm
-from ._engine import Engine, engine_of
+from ._engine import Engine, engine_of, forget_engine
 from ._log import logger
 from ._optimizer import ZeroOptimizer
+from ._param_groups import resolve_groups
 
 
-def initialize(model: nn.Module, config=None) -> Tuple[nn.Module, ZeroOptimizer]:
+def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Module, ZeroOptimizer]:
     """Return ``(model, optimizer)``: the same module with hooks installed and a partitioned
     optimizer, so ``loss.backward()``, ``optimizer.step()`` and ``optimizer.zero_grad()``
-    work unchanged. ``config`` is a Config, a dict, a path (YAML/JSON/DeepSpeed JSON) or None."""
+    work unchanged. ``config`` is a Config, a dict, a path (YAML/JSON/DeepSpeed JSON) or None.
+    ``param_groups``: torch-style groups (``[{"params": [...], "weight_decay": 0.0}, ...]``)
+    over the model's parameters, every trainable parameter in exactly one; keys a group
+    leaves out (lr, betas, eps, weight_decay) come from the config's ``optimizer``. None:
+    one group of every trainable parameter."""
     from .config import Config
 
     if not isinstance(model, nn.Module):
@@ -23,8 +28,13 @@ def initialize(model: nn.Module, config=None) -> Tuple[nn.Module, ZeroOptimizer]
         raise RuntimeError("this model was already passed to infinity.initialize; call it once per model")
     cfg = Config.coerce(config)
     comm.ensure_initialized()
+    groups = resolve_groups(list(model.named_parameters()), param_groups)  # refused before anything is built
     engine = Engine(model, cfg)
-    optimizer = ZeroOptimizer(engine, cfg)  # takes fp32 master weights before the cast
+    try:
+        optimizer = ZeroOptimizer(engine, cfg, groups)  # takes fp32 master weights before the cast
+    except BaseException:
+        forget_engine(model)  # refused (bad groups, does not fit): the model may be passed again
+        raise
     engine.optimizer = optimizer
     engine.cast_and_partition()
     engine.install_hooks()

@@ -4,21 +4,23 @@ Each rank owns a flat fp32 space laid out unit after unit in the shard layout (N
 layout] in _unit.py): master weights, gradient shards and Adam moments for its chunks only.
 ``step()`` unscales (fp16), skips on overflow, clips by the global norm across ranks, runs
 Adam on the flat shards (the native CPU Adam when the shards are CPU-resident, else the same
-math in torch) and writes the updated low-precision values back to the parameters.
+math in torch) over the parameters that got a gradient, each with its group's
+hyperparameters and its own step count (Note [update plan] in _param_groups.py), and writes
+the updated low-precision values back to the parameters.
 """
 from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
-from torch import nn
 
 from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
 from ._loss_scale import LossScaler
+from ._param_groups import Run, StepCounts, check_group_hyper, gaps, named_parameters, resolve_groups, runs_in, slots_of
 from ._preflight import gradients_in_host, preflight
 from ._reduce import GradReducer
 from ._stores import ALIGN_ELEMS, Chunk, MemoryOptimizerStore, NvmeOptimizerStore, ParamStore
@@ -60,7 +62,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``zero.offload_param.device``. Both are laid out unit after unit (``unit.opt_offset``).
     """
 
-    def __init__(self, engine: "Engine", cfg):
+    def __init__(self, engine: "Engine", cfg, param_groups=None):
         self.engine = engine
         self.cfg = cfg
         oc = cfg.optimizer
@@ -86,24 +88,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.store = self._make_store(total)
         for unit in engine.units:
             self.store.load_master(unit.opt_offset, unit.local_shard(torch.float32))
-        master = self.store.master if isinstance(self.store, MemoryOptimizerStore) else torch.empty(0)
-        self.master = nn.Parameter(master, requires_grad=False)
-        defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay,
-                        adamw=oc.type == "adamw")
-        super().__init__([self.master], defaults)
+        named = named_parameters(engine.units)
+        groups = resolve_groups(named, param_groups)  # torch-style groups (initialize resolved them already)
+        defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
+        self._building = True  # torch's __init__ adds the groups; add_param_group refuses afterwards
+        super().__init__(groups, defaults)
+        self._building = False
+        check_group_hyper(self.param_groups)
+        self.adamw = oc.type == "adamw"
+        self.steps = StepCounts(slots_of(engine.units, self.param_groups), len(named))
+        self._got_grad = torch.zeros(len(named), dtype=torch.float64)  # Note [update plan]
+        self._unit_first = _first_param_index(engine.units)
         self.param_store = self._make_param_store(total) if engine.policy.partition_params else None
         self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier != "none" else None
         self.scaler = LossScaler(static_scale=cfg.precision.loss_scale, initial_scale_power=cfg.precision.initial_scale_power,
                                  window=cfg.precision.loss_scale_window, hysteresis=cfg.precision.hysteresis,
                                  min_scale=cfg.precision.min_loss_scale) if engine.dtype == torch.float16 else None
         self.grad_scale = 1.0 / (engine.world_size * cfg.gradient_accumulation_steps)
-        engine.reducer = GradReducer(engine.world_size, z.reduce_bucket_size, self._accumulate,
+        engine.reducer = GradReducer(engine.units, engine.world_size, z.reduce_bucket_size, self._accumulate,
                                      drop_full_grads=engine.policy.reduce_in_backward,
-                                     consumers_done=self.store.wait_grad_writes)
+                                     consumers_done=self.store.wait_grad_writes, on_add=self._note_grads)
         self.last_grad_norm: Optional[float] = None
         self.skipped = False
         self._step = 0
-        self.frozen = _frozen_ranges(engine.units)  # flat ranges Adam must leave alone
         self._bg: Optional[threading.Thread] = None
         self._bg_error: Optional[BaseException] = None
         self._updated_upto = math.inf
@@ -137,12 +144,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
                           buffer_count=z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2),
                           ranges=self.unit_ranges)
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_building", False):
+            return super().add_param_group(param_group)
+        raise RuntimeError("infinity's optimizer lays out its states for the parameter groups it was built with; "
+                           "pass every group to infinity.initialize(model, config=cfg, param_groups=[...]) instead "
+                           "of calling add_param_group afterwards")
+
     @property
     def aliased(self) -> bool:
         return self.param_store is not None and self.param_store.flat is not None and \
             self.param_store.flat is getattr(self.store, "master", None)
 
     # ------------------------------------------------------------ gradients
+
+    def _note_grads(self, unit: "FetchUnit") -> None:
+        """The reducer takes ``unit``'s gradients: flag the parameters that have one."""
+        first = self._unit_first[unit.index]
+        for j, p in enumerate(unit.params):
+            if p.grad is not None:
+                self._got_grad[first + j] = 1.0
 
     def _accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
         with self.engine.counters.blocked("grad_offload"):
@@ -165,15 +186,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         engine = self.engine
         self.wait_step()
-        if not engine.policy.reduce_in_backward:
+        if not engine.policy.reduce_in_backward:  # stages 2-3 reduced at the end of each backward
             for unit in engine.units:
                 engine.reducer.add(unit)
-        engine.reducer.finish()
+            engine.reducer.finish()
         with engine.counters.blocked("grad_offload"):
             self.store.finalize_grads()
         sq, finite = self.store.grad_stats()
-        stats = torch.tensor([sq, 0.0 if finite else 1.0], dtype=torch.float64)
-        comm.all_reduce(stats, "sum")
+        stats = torch.cat([torch.tensor([sq, 0.0 if finite else 1.0], dtype=torch.float64), self._got_grad])
+        comm.all_reduce(stats, "sum")  # the norm, overflow and which parameters got a gradient, in one collective
+        self._got_grad.zero_()  # the step consumes this backward's gradients (the store's are sealed below)
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is not None:
             overflow = bool(stats[1].item() > 0)
@@ -193,20 +215,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if coef != 1.0:
             self.store.scale_grads(coef)
         self._step += 1
-        group = self.param_groups[0]
-        hyper = dict(step=self._step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                     weight_decay=group["weight_decay"], adamw=group["adamw"])
+        plan = self.steps.advance(stats[2:], self.param_groups, self.adamw)  # Note [update plan]
         out_flat = None  # stages 1-2: the updated compute-dtype shards, gathered after the update
         if not engine.policy.partition_params:
             in_memory_fp32 = engine.dtype == torch.float32 and isinstance(self.store, MemoryOptimizerStore)
             out_flat = self.store.master if in_memory_fp32 else torch.empty(self.total, dtype=engine.dtype,
                                                                            device=acc.device())
-        self.state[self.master]["step"] = torch.tensor(float(self._step))
         self.store.seal_grads()
         if self.overlap:
-            self._launch_step(hyper)
+            self._launch_step(plan)
             return loss
-        self.store.update(lambda chunk: self._update_chunk(chunk, hyper, out_flat))
+        self.store.update(lambda chunk: self._update_chunk(chunk, plan, out_flat))
         if self.param_store is not None:
             self.param_store.flush()
             engine.after_step()
@@ -217,7 +236,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ overlapped step
 
-    def _launch_step(self, hyper: dict) -> None:
+    def _launch_step(self, plan: List[Run]) -> None:
         """Note [overlapped step]: with the optimizer states on NVMe, or the parameters on NVMe
         and the optimizer states in host memory, the step is bound by its reads and writes
         rather than by its arithmetic, so it runs on a background thread, chunk by chunk in
@@ -235,16 +254,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._updated_upto = 0
         # The cached head (Note [host cache] in _stores.py) is what the next forward needs first:
         # update it here, on every core, from memory; the background thread streams the rest.
-        self.store.update_head(lambda chunk: self._update_chunk(chunk, hyper, None, publish=True))
+        self.store.update_head(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
         # Not a daemon: an interpreter that exits right after step() first lets the update land.
-        self._bg = threading.Thread(target=self._run_step, args=(hyper,), name="infinity-optimizer-step", daemon=False)
+        self._bg = threading.Thread(target=self._run_step, args=(plan,), name="infinity-optimizer-step", daemon=False)
         self._bg.start()
 
-    def _run_step(self, hyper: dict) -> None:
+    def _run_step(self, plan: List[Run]) -> None:
         try:
             # One thread for the math: the next forward computes on the other cores meanwhile.
-            hyper = dict(hyper, num_threads=1) if self._adam is not None else hyper
-            self.store.update_tail(lambda chunk: self._update_chunk(chunk, hyper, None, publish=True))
+            if self._adam is not None:
+                plan = [Run(r.lo, r.hi, dict(r.hyper, num_threads=1)) for r in plan]
+            self.store.update_tail(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
             self.param_store.flush()
             with self._cond:
                 self._updated_upto = math.inf
@@ -285,28 +305,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._bg_error is not None:
             raise self._bg_error
 
-    def _update_chunk(self, chunk: Chunk, hyper: dict, out_flat: Optional[torch.Tensor], publish: bool = False) -> None:
-        """Adam on one chunk; its fresh compute-dtype values go where they belong (fused
-        into Adam's pass where the native Adam can write them)."""
+    def _update_chunk(self, chunk: Chunk, plan: List[Run], out_flat: Optional[torch.Tensor],
+                      publish: bool = False) -> None:
+        """Adam on the parts of one chunk the plan covers (Note [update plan]); the chunk's
+        fresh compute-dtype values go where they belong (fused into Adam's pass where the
+        native Adam can write them)."""
         n = chunk.master.numel()
+        end = chunk.offset + n
         ps = self.param_store
         targets = self._step_targets(chunk.offset, n, out_flat)  # (start, view) for the fresh values
-        fused = self._adam is not None and self.engine.dtype != torch.float32
-        for lo, hi in _runs(chunk.offset, n, self.frozen):  # trainable stretches of this chunk
+        fused = self._adam is not None and self.engine.dtype != torch.float32 and bool(targets)
+        done = []  # ranges whose fresh values a fused Adam wrote
+        for lo, hi, hyper in runs_in(plan, [r.lo for r in plan], chunk.offset, end):
             sl = slice(lo - chunk.offset, hi - chunk.offset)
             args = (chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl])
             if self._adam is None:
                 torch_adam_step(*args, **hyper)
-            elif not fused or not targets:
+            elif not fused:
                 self._adam(*args, **hyper)
             else:  # one native call per target piece, each writing its own output
                 for a, b, out in _pieces(lo, hi, targets):
                     s = slice(a - chunk.offset, b - chunk.offset)
                     self._adam(chunk.master[s], chunk.grad[s], chunk.exp_avg[s], chunk.exp_avg_sq[s], params_out=out,
                                **hyper)
-        copy = self.frozen if fused else [(chunk.offset, chunk.offset + n)]  # what Adam did not write
-        for lo, hi in copy:
-            for a, b, out in _pieces(max(lo, chunk.offset), min(hi, chunk.offset + n), targets):
+                done.append((lo, hi))
+        for lo, hi in gaps(chunk.offset, end, done):  # what Adam did not write
+            for a, b, out in _pieces(lo, hi, targets):
                 out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])
         upto = chunk.offset + n
         if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
@@ -341,6 +365,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.wait_step()
         return self.store.read_master(unit.opt_offset, unit.shard_numel)
 
+    def state_dict(self):
+        raise NotImplementedError(_NO_STATE_DICT)
+
+    def load_state_dict(self, state_dict) -> None:
+        raise NotImplementedError(_NO_STATE_DICT)
+
+    def step_count(self, param) -> int:
+        """Optimizer steps ``param`` has taken (0 if it never had a gradient): torch's
+        ``state[param]["step"]`` (Note [update plan] in _param_groups.py)."""
+        index = next((i for i, (_, p) in enumerate(named_parameters(self.engine.units)) if p is param), None)
+        if index is None:
+            raise ValueError("step_count: not a parameter of this optimizer's model")
+        return self.steps.step_of(index)
+
     # ------------------------------------------------------------ accounting
 
     def state_bytes(self) -> dict:
@@ -352,31 +390,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {"optimizer": 2 * n + (0 if self.aliased else n), "grads": self.store.grad_bytes()}
 
 
-def _frozen_ranges(units) -> list:
-    """Flat [start, end) ranges of parameters that do not require grad, merged."""
-    out = []
+_NO_STATE_DICT = (
+    "infinity's optimizer keeps its states (fp32 master weights, Adam moments, step counts) sharded across ranks and "
+    "tiers, which a torch state_dict cannot hold; saving and resuming them is not supported yet. To keep the "
+    "trained weights, gather them: `with infinity.GatheredParameters(list(model.parameters())): "
+    "model.save_pretrained(dir)` (or torch.save(model.state_dict(), path) inside the same block).")
+
+
+def _first_param_index(units) -> List[int]:
+    """Per unit: the index (unit order) of its first parameter, where its gradient flags start."""
+    out, n = [], 0
     for unit in units:
-        for p, info in zip(unit.params, unit.infos):
-            if not p.requires_grad:
-                lo = unit.opt_offset + info.shard_offset
-                if out and out[-1][1] == lo:
-                    out[-1] = (out[-1][0], lo + info.chunk)
-                else:
-                    out.append((lo, lo + info.chunk))
+        out.append(n)
+        n += len(unit.params)
     return out
-
-
-def _runs(offset: int, n: int, frozen: list):
-    """The stretches of [offset, offset + n) outside the frozen ranges."""
-    pos, end = offset, offset + n
-    for lo, hi in frozen:
-        if hi <= pos or lo >= end:
-            continue
-        if lo > pos:
-            yield pos, lo
-        pos = max(pos, hi)
-    if pos < end:
-        yield pos, end
 
 
 def _pieces(lo: int, hi: int, targets: list):

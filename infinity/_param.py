@@ -200,7 +200,8 @@ def not_available_message(info: ParamInfo, op: str) -> str:
         f"parameter {info.name!r} (shape {tuple(info.shape)}) is partitioned across ranks and is "
         f"{info.state.name} here; '{op}' needs the full tensor. Outside the model's forward/backward, "
         f"wrap the access in `with infinity.GatheredParameters([param]):` (add modifier_rank=0 to "
-        f"keep edits), or use infinity.save_checkpoint / load_checkpoint for state dicts."
+        f"keep edits); to save the weights, gather them first (e.g. `with infinity.GatheredParameters("
+        f"list(model.parameters())): model.save_pretrained(dir)`)."
     )
 
 

@@ -1,18 +1,29 @@
-"""Gradient reduce-scatter in constant-size buckets, overlapped with backward.
+"""Gradient reduce-scatter in fixed buckets, overlapped with backward, in the same order on every rank.
 
-Units whose gradients are complete are appended to the open bucket; once the bucket holds
-``bucket_elems`` elements (of the full gradients) its reduce-scatter is launched
-asynchronously and the full gradients are freed. Whenever a unit arrives, buckets whose
-reduce-scatter has finished are folded into the fp32 gradient shards (``accumulate``: the
-offload to host or NVMe, itself asynchronous on NVMe), so the offload of older gradients
-runs while backward computes newer ones. At most ``max_inflight`` buckets are in flight;
-beyond that the oldest is waited on, so memory stays bounded by the bucket size whatever the
-model size.
+Note [bucket plan]: a reduce-scatter is a collective, so every rank must launch the same
+buckets, with the same units, in the same order, even when ranks run different code (an
+expert no token of this rank was routed to, a branch taken on one rank only). Which units
+get gradients, and in what order, is a local fact; so the buckets are planned once, from
+the units alone: consecutive units in reverse unit order (the order backward usually
+produces them), each bucket at most ``bucket_elems`` elements of full gradients (a unit
+bigger than that is a bucket of its own). A unit whose gradients are complete is copied into
+its bucket's buffer and its full gradients are freed; bucket i is launched once all its
+units are in and buckets 0..i-1 are launched. At the end of backward (``finish``) the
+units that got no gradient on this rank join their buckets as zeros, so every rank launches
+every bucket (DDP's ``find_unused_parameters`` does the same). Units without a trainable
+parameter are in no bucket.
+
+Whenever a unit arrives, buckets whose reduce-scatter has finished are folded into the fp32
+gradient shards (``accumulate``: the offload to host or NVMe, itself asynchronous on NVMe),
+so the offload of older gradients runs while backward computes newer ones. At most
+``max_inflight`` buckets are in flight; beyond that the oldest is waited on. Bucket buffers
+come from a ring of ``bucket_elems``-sized buffers reused across buckets; a backward that
+produces gradients far from the planned order holds more buckets open, each with a buffer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -21,32 +32,56 @@ from . import _comm as comm
 from ._unit import FetchUnit
 
 
-@dataclass
+@dataclass(eq=False)
 class _Bucket:
-    units: List[Tuple[FetchUnit, int]] = field(default_factory=list)  # (unit, column offset)
+    units: List[Tuple[FetchUnit, int]] = field(default_factory=list)  # (unit, column offset), planned
     cols: int = 0
+    arrived: int = 0  # units of this backward in the buffer (or handed over directly)
+    direct: set = field(default_factory=set)  # units accumulated without the bucket (one rank)
+    full: Optional[torch.Tensor] = None  # (world_size, cols) buffer, from the first arrival
 
 
 @dataclass
 class _InFlight:
     handle: comm.CommHandle
     out: torch.Tensor
-    units: List[Tuple[FetchUnit, int]]
+    bucket: _Bucket
     full: torch.Tensor  # kept alive until the collective is done
+
+
+def plan_buckets(units: List[FetchUnit], world_size: int, bucket_elems: int) -> List[_Bucket]:
+    """Note [bucket plan]: consecutive units with a trainable parameter, in reverse order."""
+    buckets, cur = [], _Bucket()
+    for unit in reversed(units):
+        if not any(p.requires_grad for p in unit.params) or unit.shard_numel == 0:
+            continue
+        if cur.units and (cur.cols + unit.shard_numel) * world_size > bucket_elems:
+            buckets.append(cur)
+            cur = _Bucket()
+        cur.units.append((unit, cur.cols))
+        cur.cols += unit.shard_numel
+    if cur.units:
+        buckets.append(cur)
+    return buckets
 
 
 class GradReducer:
     """Reduce-scatters unit gradients into ``accumulate(unit, shard_grad)``."""
 
-    def __init__(self, world_size: int, bucket_elems: int, accumulate: Callable[[FetchUnit, torch.Tensor], None],
-                 *, drop_full_grads: bool, max_inflight: int = 2, consumers_done: Callable[[], None] = lambda: None):
+    def __init__(self, units: List[FetchUnit], world_size: int, bucket_elems: int,
+                 accumulate: Callable[[FetchUnit, torch.Tensor], None], *, drop_full_grads: bool, max_inflight: int = 2,
+                 consumers_done: Callable[[], None] = lambda: None, on_add: Callable[[FetchUnit], None] = lambda u: None):
         self.world_size = world_size
         self.bucket_elems = max(1, bucket_elems)
         self.accumulate = accumulate
         self.drop_full_grads = drop_full_grads
         self.max_inflight = max_inflight
         self.consumers_done = consumers_done  # waits until nothing reads a completed bucket any more
-        self._open = _Bucket()
+        self.on_add = on_add  # sees each unit's gradients before they are taken (which parameters have one)
+        self.buckets = plan_buckets(units, world_size, self.bucket_elems)
+        self._where: Dict[FetchUnit, Tuple[_Bucket, int]] = {u: (b, col) for b in self.buckets for u, col in b.units}
+        self._added: set = set()  # units in this backward's buckets
+        self._next = 0  # the first bucket not launched yet
         self._inflight: List[_InFlight] = []
         # Note: bucket buffers are allocated once and reused: fresh 100s-of-MB buffers every
         # flush cost more in page faults than the copies into them.
@@ -55,51 +90,67 @@ class GradReducer:
         self._ring_dirty = False  # a reused buffer may still be read by an async consumer
 
     def add(self, unit: FetchUnit) -> None:
+        """``unit``'s gradients are complete on this rank (a second call in one backward is a no-op)."""
+        if unit not in self._where or unit in self._added:
+            return
+        self._added.add(unit)
+        self.on_add(unit)
         while self._inflight and self._inflight[0].handle.done():
             self._complete(self._inflight.pop(0))  # reduced already: offload it now
+        bucket, col = self._where[unit]
         own = unit.own_shard_grad()
         if own is not None:  # one rank, one parameter: its gradient is the shard gradient, no bucket copy
             self.accumulate(unit, own)
-            if self.drop_full_grads:
-                unit.drop_grads()
-            return
-        if self._open.units and (self._open.cols + unit.shard_numel) * self.world_size > self.bucket_elems:
-            self.flush()  # keep every bucket within bucket_elems, so it fits a ring buffer
-        self._open.units.append((unit, self._open.cols))
-        self._open.cols += unit.shard_numel
-        if self._open.cols * self.world_size >= self.bucket_elems:
-            self.flush()
+            bucket.direct.add(unit)
+        else:
+            if bucket.full is None:
+                bucket.full = self._buffer(self.world_size, bucket.cols)
+            unit.grads_into(bucket.full[:, col : col + unit.shard_numel])
+        if self.drop_full_grads:
+            unit.drop_grads()
+        bucket.arrived += 1
+        self._launch_ready()
 
-    def flush(self) -> None:
-        """Launch the reduce-scatter of the open bucket."""
-        bucket, self._open = self._open, _Bucket()
-        if not bucket.units:
+    def _launch_ready(self) -> None:
+        """Launch, in plan order, every bucket whose units are all in (Note [bucket plan])."""
+        while self._next < len(self.buckets) and self.buckets[self._next].arrived == len(self.buckets[self._next].units):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if len(bucket.direct) == len(bucket.units):
+            self._reset(bucket)
             return
-        full = self._buffer(self.world_size, bucket.cols)
-        for unit, col in bucket.units:
-            unit.grads_into(full[:, col : col + unit.shard_numel])
-            if self.drop_full_grads:
-                unit.drop_grads()
+        full = bucket.full
         # One rank: the bucket is its own shard; no second buffer, no copy.
         out = full.view(-1) if self.world_size == 1 else torch.empty(bucket.cols, dtype=torch.float32,
                                                                        device=acc.device())
         names = ", ".join(u.module_name or "<root>" for u, _ in bucket.units[:3])
         handle = comm.reduce_scatter_tensor(out, full.view(-1), async_op=True,
                                             what=f"reduce-scatter of gradients of [{names}...]")
-        self._inflight.append(_InFlight(handle, out, bucket.units, full))
+        self._inflight.append(_InFlight(handle, out, bucket, full))
         while len(self._inflight) > self.max_inflight or (self._inflight and self._inflight[0].handle.done()):
             self._complete(self._inflight.pop(0))
 
     def finish(self) -> None:
-        """Flush and wait for everything; every gradient shard is then up to date."""
-        self.flush()
+        """End of backward: units without gradients on this rank join as zeros, every bucket
+        is launched and waited for; every gradient shard is then up to date."""
+        for bucket in self.buckets[self._next :]:
+            for unit, _ in bucket.units:
+                self.add(unit)
+        self._launch_ready()
         while self._inflight:
             self._complete(self._inflight.pop(0))
+        self._added.clear()
+        self._next = 0
 
     def _complete(self, item: _InFlight) -> None:
         item.handle.wait()
-        for unit, col in item.units:
-            self.accumulate(unit, item.out[col : col + unit.shard_numel])
+        bucket = item.bucket
+        for unit, col in bucket.units:
+            if unit not in bucket.direct:
+                self.accumulate(unit, item.out[col : col + unit.shard_numel])
+        self._reset(bucket)
         base = item.full._base if item.full._base is not None else item.full
         if base.numel() == self.bucket_elems:
             self._ring.append(base)
@@ -107,16 +158,22 @@ class GradReducer:
         else:  # a one-off buffer for a unit bigger than a bucket: free it as soon as it is read
             self.consumers_done()
 
+    @staticmethod
+    def _reset(bucket: _Bucket) -> None:
+        bucket.full = None
+        bucket.arrived = 0
+        bucket.direct = set()
+
     def _buffer(self, rows: int, cols: int) -> torch.Tensor:
         """An (rows, cols) fp32 bucket from the ring (a one-off buffer if it does not fit)."""
         n = rows * cols
         if n > self.bucket_elems:
             return torch.empty(rows, cols, dtype=torch.float32, device=acc.device())
-        if not self._ring and self._ring_allocated <= self.max_inflight:
+        if not self._ring and self._inflight and self._ring_allocated > self.max_inflight:
+            self._complete(self._inflight.pop(0))  # every buffer is in flight: complete the oldest
+        if not self._ring:
             self._ring_allocated += 1
             return torch.empty(self.bucket_elems, dtype=torch.float32, device=acc.device())[:n].view(rows, cols)
-        if not self._ring:  # every buffer is in flight: complete the oldest
-            self._complete(self._inflight.pop(0))
         if self._ring_dirty:
             self.consumers_done()
             self._ring_dirty = False

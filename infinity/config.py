@@ -763,8 +763,8 @@ _DS_REASONS = {
     "(zero.offload_param.buffer_count x buffer_size)",
     "zero_optimization.offload_optimizer.buffer_count": "the optimizer swapper streams fixed "
     "chunks; size them with zero.offload_optimizer.chunk_size",
-    **{f"zero_optimization.stage3_gather_{b}_weights_on_model_save": "checkpoints are saved "
-       "sharded by infinity.save_checkpoint" for b in ("16bit", "fp16")},
+    **{f"zero_optimization.stage3_gather_{b}_weights_on_model_save": "gather the weights with "
+       "infinity.GatheredParameters to save them whole" for b in ("16bit", "fp16")},
     "scheduler": "use train.lr_warmup_steps, or step a torch.optim.lr_scheduler yourself",
     "activation_checkpointing": "use torch.utils.checkpoint in the model",
 }
