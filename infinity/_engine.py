@@ -20,6 +20,15 @@ Note [hook protocol] (stage 3):
   on this rank, as zeros: Note [bucket plan] in _reduce.py), wait for every reduce-scatter,
   release every remaining hold. After backward no unit is gathered.
 
+Note [used again in one backward]: within one run of the autograd graph, a parameter's
+gradient is accumulated once, after every use of it has been differentiated, so a module's
+hold ends with its units' gradients. Reentrant activation checkpointing runs one inner
+backward per checkpoint: a module shared by two checkpointed blocks (or a parameter used in
+both) is differentiated, and its gradient accumulated, once per inner backward. So a module
+whose hold already ended is acquired again when backward reaches it again, its units wait for
+another accumulation, and the reducer reduces the gradients that arrive late on their own
+(``GradReducer.add`` a second time), adding them to the shard.
+
 Note [aborted forward]: a module's forward can end by an exception, and not only on error:
 non-reentrant activation checkpointing stops its recomputation inside backward by raising
 (``_StopRecomputationError``) as soon as the tensors it needs are recomputed, i.e. in the
@@ -296,11 +305,14 @@ class Engine:
 
     def _pre_backward(self, state: ModuleState) -> None:
         self._begin_backward()
-        if state in self._bwd_holds:
-            return
+        again = state in self._bwd_holds
+        if again and self._bwd_holds[state] is not None:
+            return  # already held: a module called twice in forward
         waiting = set()
         for unit in state.units:
             unit.acquire()
+            if again and unit.grads_pending <= 0:  # Note [used again in one backward]
+                unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
             if unit.grads_pending > 0:
                 waiting.add(unit)
         self._bwd_holds[state] = waiting
@@ -312,6 +324,8 @@ class Engine:
         self._begin_backward()
         unit = info_of(param).unit
         unit.grads_pending -= 1
+        if unit.grads_pending < 0:  # a late accumulation nothing announced: Note [used again in one backward]
+            unit.grads_pending = 0
         if unit.grads_pending == 0:
             self._unit_grads_done(unit)
 

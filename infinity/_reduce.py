@@ -90,13 +90,35 @@ class GradReducer:
         self._ring_dirty = False  # a reused buffer may still be read by an async consumer
 
     def add(self, unit: FetchUnit) -> None:
-        """``unit``'s gradients are complete on this rank (a second call in one backward is a no-op)."""
-        if unit not in self._where or unit in self._added:
+        """``unit``'s gradients are complete on this rank. A second call in one backward
+        brings gradients accumulated since the first (a parameter used in two reentrant
+        checkpoints gets one accumulation per inner backward): they are reduced on their own
+        and added to the shard."""
+        if unit not in self._where:
             return
-        self._added.add(unit)
         self.on_add(unit)
         while self._inflight and self._inflight[0].handle.done():
             self._complete(self._inflight.pop(0))  # reduced already: offload it now
+        if unit in self._added:
+            self._late(unit)
+            return
+        self._added.add(unit)
+        self._join(unit)
+
+    def _late(self, unit: FetchUnit) -> None:
+        bucket = _Bucket(units=[(unit, 0)], cols=unit.shard_numel)
+        own = unit.own_shard_grad()
+        if own is not None:
+            self.accumulate(unit, own)
+        else:
+            bucket.full = torch.empty(self.world_size, unit.shard_numel, dtype=torch.float32, device=acc.device())
+            unit.grads_into(bucket.full)
+            self._launch(bucket)
+        if self.drop_full_grads:
+            unit.drop_grads()
+
+    def _join(self, unit: FetchUnit) -> None:
+        """Put ``unit``'s gradients (zeros where it has none) into its planned bucket."""
         bucket, col = self._where[unit]
         own = unit.own_shard_grad()
         if own is not None:  # one rank, one parameter: its gradient is the shard gradient, no bucket copy
@@ -137,7 +159,9 @@ class GradReducer:
         is launched and waited for; every gradient shard is then up to date."""
         for bucket in self.buckets[self._next :]:
             for unit, _ in bucket.units:
-                self.add(unit)
+                if unit not in self._added:
+                    self._added.add(unit)
+                    self._join(unit)
         self._launch_ready()
         while self._inflight:
             self._complete(self._inflight.pop(0))
@@ -152,7 +176,7 @@ class GradReducer:
                 self.accumulate(unit, item.out[col : col + unit.shard_numel])
         self._reset(bucket)
         base = item.full._base if item.full._base is not None else item.full
-        if base.numel() == self.bucket_elems:
+        if base.numel() == self.bucket_elems and base is not item.full:
             self._ring.append(base)
             self._ring_dirty = True
         else:  # a one-off buffer for a unit bigger than a bucket: free it as soon as it is read
