@@ -20,6 +20,15 @@ Note [hook protocol] (stage 3):
   on this rank, as zeros: Note [bucket plan] in _reduce.py), wait for every reduce-scatter,
   release every remaining hold. After backward no unit is gathered.
 
+Note [hold until the input gradients]: a module's units stay gathered through its backward,
+until the gradients of its trainable parameters have arrived *and* those of its inputs have
+been computed: a frozen unit (LoRA's base layers) has no gradient to wait for, yet its
+weights are needed to compute the input gradients. The input gradients are awaited with a
+hook on the inputs that needed one, registered by the forward calls that build the graph
+backward runs: the ordinary forward, or, for reentrant checkpointing (whose forward runs
+without grad), the recomputation inside backward. A non-reentrant recomputation, whose
+tensors backward never reaches, registers nothing once the original forward did.
+
 Note [used again in one backward]: within one run of the autograd graph, a parameter's
 gradient is accumulated once, after every use of it has been differentiated, so a module's
 hold ends with its units' gradients. Reentrant activation checkpointing runs one inner
@@ -61,6 +70,8 @@ from ._unit import FetchUnit
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+_INPUTS = "the module's input gradients"  # Note [hold until the input gradients]
 
 # external parameters registered before initialize (e.g. inside a model's __init__)
 _pending_external: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
@@ -120,7 +131,8 @@ class Engine:
         self.states: Dict[nn.Module, ModuleState] = {}
         self._build_units()
         self._stack: List[_Frame] = []
-        self._bwd_holds: Dict[ModuleState, set] = {}
+        self._bwd_holds: Dict[ModuleState, set] = {}  # units (and _INPUTS) a module's backward waits for
+        self._input_waits: Dict[ModuleState, int] = {}  # forward calls whose input gradients are still to come
         self._bwd_active = False
         self._handles: list = []
         self.reducer: Optional[GradReducer] = None  # set by the optimizer, which owns the shards
@@ -139,7 +151,8 @@ class Engine:
     # ------------------------------------------------------------ construction
 
     def _check_same_model_on_all_ranks(self) -> None:
-        sig = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]
+        sig = [(n, tuple(p.shape), str(p.dtype), "trainable" if p.requires_grad else "frozen")
+               for n, p in self.model.named_parameters()]
         sigs = comm.all_gather_object(sig)
         for r, other in enumerate(sigs):
             if other != sig:
@@ -156,10 +169,10 @@ class Engine:
             self.states[module] = state
             own = [(f"{name}.{pn}" if name else pn, p) for pn, p in module._parameters.items()
                    if p is not None and p not in owner]
-            if own:
-                unit = FetchUnit(self, len(self.units), name, own, partitioned=self.policy.partition_params)
+            for group in _by_requires_grad(own):  # Note [frozen parameters] in _optimizer.py
+                unit = FetchUnit(self, len(self.units), name, group, partitioned=self.policy.partition_params)
                 self.units.append(unit)
-                for _, p in own:
+                for _, p in group:
                     owner[p] = unit
             for p in module._parameters.values():
                 if p is not None:
@@ -209,7 +222,8 @@ class Engine:
             for module in self.states:
                 self._handles.append(module.register_forward_pre_hook(self._pre_forward))
                 # always_call: Note [aborted forward]
-                self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
+                self._handles.append(module.register_forward_hook(self._post_forward, with_kwargs=True,
+                                                                  always_call=True))
         elif self.dtype == torch.float16:
             self._handles.append(self.model.register_forward_pre_hook(self._pre_forward_root))
             self._handles.append(self.model.register_forward_hook(self._post_forward_root))
@@ -244,7 +258,7 @@ class Engine:
         if state.units:
             self.prefetcher.on_module(state)
 
-    def _post_forward(self, module, args, output):
+    def _post_forward(self, module, args, kwargs, output):
         aborted = sys.exc_info()[1] is not None  # torch calls this hook inside its `except` when forward raised
         if not self._stack or self._stack[-1].state.module is not module:
             if aborted:
@@ -260,9 +274,30 @@ class Engine:
             if outs:
                 state = frame.state
                 register_multi_grad_hook(outs, lambda _grad: self._pre_backward(state), mode="any")
+                self._expect_input_grads(state, args, kwargs)
         if module is self.model:
             self.prefetcher.end()
             self._post_forward_root(module, args, output)
+
+    def _expect_input_grads(self, state: ModuleState, args, kwargs) -> None:
+        """Note [hold until the input gradients]: count this call's inputs that need a
+        gradient; backward releases the module's units once they all have one."""
+        ins = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if not ins:
+            return
+        if torch._C._current_graph_task_id() != -1 and self._input_waits.get(state, 0) > 0:
+            return  # a non-reentrant recomputation: the original forward's inputs are the ones backward reaches
+        self._input_waits[state] = self._input_waits.get(state, 0) + 1
+        register_multi_grad_hook(ins, lambda _grads: self._inputs_done(state), mode="all")
+
+    def _inputs_done(self, state: ModuleState) -> None:
+        left = self._input_waits.get(state, 0) - 1
+        self._input_waits[state] = max(left, 0)
+        waiting = self._bwd_holds.get(state)
+        if left <= 0 and waiting and _INPUTS in waiting:
+            waiting.discard(_INPUTS)
+            if not waiting:
+                self._drop_hold(state)
 
     def _reset_stack(self) -> None:
         """A forward that raised leaves frames behind: release what they held."""
@@ -315,6 +350,8 @@ class Engine:
                 unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
             if unit.grads_pending > 0:
                 waiting.add(unit)
+        if self._input_waits.get(state, 0) > 0:
+            waiting.add(_INPUTS)
         self._bwd_holds[state] = waiting
         self.prefetcher.on_module(state)
         if not waiting:
@@ -351,6 +388,7 @@ class Engine:
             if waiting is not None:
                 self._drop_hold(state)
         self._bwd_holds.clear()
+        self._input_waits.clear()
         self._bwd_active = False
         self.prefetcher.end()
 
@@ -359,36 +397,41 @@ class Engine:
         full = [raw_data(p) for p in unit.params]
         opt = self.optimizer
         opt.wait_step()
-        opt.store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
+        if unit.trainable:
+            opt.store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
         if self.policy.partition_params and not opt.aliased:
-            opt.param_store.write(unit.opt_offset, unit.shard_of(full, self.dtype))
+            opt.param_store.write(unit.param_offset, unit.shard_of(full, self.dtype))
             opt.param_store.flush()
 
     def restore(self, unit: FetchUnit, saved: Optional[List[torch.Tensor]] = None) -> None:
-        """Undo edits of ``unit``'s gathered values: rebuild them, and stage 3's shard, from
-        ``saved`` copies or else from the master weights (collective)."""
+        """Undo edits of ``unit``'s gathered values: copy back ``saved``, or else rebuild them
+        from the stored shards (collective): stage 3's parameter store, stages 1-2's master
+        weights. Note [edits without modifier_rank] in _gathered.py."""
         opt = self.optimizer
         if saved is not None:
             with torch.no_grad():
                 for p, t in zip(unit.params, saved):
                     raw_data(p).copy_(t)
             return
-        shard = opt.master_slice(unit).to(device=acc.device(), dtype=self.dtype)
+        opt.wait_step()
+        if self.policy.partition_params:
+            shard = opt.param_store.read(unit.param_offset, unit.shard_numel)
+        else:
+            shard = opt.master_slice(unit)
+        shard = shard.to(device=acc.device(), dtype=self.dtype)
         full = torch.empty(self.world_size * unit.shard_numel, dtype=self.dtype, device=acc.device())
         comm.all_gather_into_tensor(full, shard, async_op=False, what=f"restoring {unit.module_name or '<root>'}")
         unit.load_full_into_params(full.view(self.world_size, unit.shard_numel))
-        if self.policy.partition_params and not opt.aliased:
-            opt.param_store.write(unit.opt_offset, shard)
-            opt.param_store.flush()
 
-    def shares_master(self, unit: FetchUnit) -> bool:
-        """``unit``'s parameters are views of the fp32 master weights (one rank, fp32, both on
-        one resident tier): an edit of them is an edit of the master."""
-        master = getattr(self.optimizer.store, "master", None)
-        if master is None or master.numel() == 0:
-            return False
-        base = master.untyped_storage().data_ptr()
-        return any(raw_data(p).untyped_storage().data_ptr() == base for p in unit.params)
+    def needs_copy_to_restore(self, unit: FetchUnit) -> bool:
+        """An edit of ``unit``'s gathered values would also edit the only stored copy: stage
+        3 parameters that are views of a resident store (one rank), stage 1-2 frozen
+        parameters (whole, and without master weights)."""
+        if not self.policy.partition_params:
+            return not unit.trainable
+        stores = [getattr(self.optimizer.store, "master", None), self.optimizer.param_store.flat]
+        bases = {t.untyped_storage().data_ptr() for t in stores if t is not None and t.numel()}
+        return any(raw_data(p).untyped_storage().data_ptr() in bases for p in unit.params)
 
     # ------------------------------------------------------------ accounting
 
@@ -452,6 +495,12 @@ class Engine:
             grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)
         opt = self.optimizer.state_bytes() if self.optimizer is not None else {}
         return {"params": params, "grads": grads + opt.get("grads", 0), "optimizer": opt.get("optimizer", 0)}
+
+
+def _by_requires_grad(params: list) -> list:
+    """A module's own parameters as up to two groups, trainable first: a unit is either
+    trainable or frozen."""
+    return [g for g in ([x for x in params if x[1].requires_grad], [x for x in params if not x[1].requires_grad]) if g]
 
 
 def gathered_recycler(units: List[FetchUnit]) -> Optional[Recycler]:

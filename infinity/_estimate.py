@@ -528,25 +528,27 @@ class Estimate:
         return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _terms(params: int, shape: Shape, seq: int, bsz: int, ci: int, prec: Precision) -> Terms:
+def _terms(params: int, trainable: int, shape: Shape, seq: int, bsz: int, ci: int, prec: Precision) -> Terms:
     ckpt = 2 * bsz * seq * shape.hidden * math.ceil(shape.layers / ci)          # 002 eq. 3
     awm = bsz * seq * ci * (16 * shape.hidden + 2 * shape.heads * seq)          # 002 eq. 5
     scale = prec.activation / 2          # both equations count 2-byte activations
     mswm = (prec.param + prec.grad) * shape.largest_operator_numel              # 002 eq. 4
-    return Terms(model_states=prec.total * params, activation_checkpoints=int(ckpt * scale),
+    states = prec.param * params + (prec.total - prec.param) * trainable  # frozen: the parameter only
+    return Terms(model_states=states, activation_checkpoints=int(ckpt * scale),
                  activation_working=int(awm * scale), model_state_working=mswm)
 
 
-def _placement(stage, ptier, otier, params, shape, terms, prec, hw) -> Placement:
+def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw) -> Placement:
     ranks, per_node = hw.ranks, hw.gpus_per_node
     shard = math.ceil(params / ranks)
+    tshard = math.ceil(trainable / ranks)  # gradients and optimizer states exist for trainable parameters only
     tiers = {Tier.DEVICE: 0, Tier.CPU: 0, Tier.NVME: 0}                    # bytes per GPU
     tiers[ptier] += prec.param * (shard if stage == 3 else params)
     if stage == 1:
-        tiers[Tier.DEVICE] += prec.grad * params
-        tiers[otier] += prec.optimizer * shard
+        tiers[Tier.DEVICE] += prec.grad * trainable
+        tiers[otier] += prec.optimizer * tshard
     else:
-        tiers[otier] += (prec.grad + prec.optimizer) * shard
+        tiers[otier] += (prec.grad + prec.optimizer) * tshard
     working = {1: 0, 2: prec.grad * shape.largest_operator_numel, 3: terms.model_state_working}
     device = (tiers[Tier.DEVICE] + working[stage] + terms.activation_checkpoints
               + terms.activation_working)
@@ -555,7 +557,7 @@ def _placement(stage, ptier, otier, params, shape, terms, prec, hw) -> Placement
         staging += _PREFETCH_DEPTH * prec.param * math.ceil(shape.largest_operator_numel / ranks)
     if otier is Tier.NVME:
         per_element = prec.optimizer + (prec.grad if stage > 1 else 0)
-        staging += _SWAP_BUFFERS * per_element * min(shard, _SWAP_CHUNK_NUMEL)
+        staging += _SWAP_BUFFERS * per_element * min(tshard, _SWAP_CHUNK_NUMEL)
     host = per_node * (tiers[Tier.CPU] + staging)
     nvme = per_node * tiers[Tier.NVME]
     if hw.device_is_host:     # one memory holds both tiers
@@ -582,14 +584,16 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
              hidden: Optional[int] = None, heads: Optional[int] = None, seq_len: int = 1024,
              micro_batch: int = 1, ckpt_interval: int = 1, gpus: Optional[int] = None,
              nodes: int = 1, gpu_mem: Any = None, cpu_mem: Any = None, nvme: Any = None,
-             dtype: str = "bf16", nvme_path: Optional[str] = None) -> Estimate:
+             dtype: str = "bf16", nvme_path: Optional[str] = None, trainable: Any = None) -> Estimate:
     """Memory per tier for each ZeRO stage and offload choice, and which of them fit.
 
     ``params`` is a count (``1e12``, ``"70B"``); ``model`` a transformers config, a dict of
     config fields, or a path to a config.json (or its directory). ``gpus`` is per node;
     ``gpu_mem`` / ``cpu_mem`` / ``nvme`` are per GPU / per node / per node (``"32GB"``,
     ``"1.5TB"``, bytes). Sizes left out are read from this machine; the NVMe size is the free
-    space under ``nvme_path`` (default: the temp directory).
+    space under ``nvme_path`` (default: the temp directory). ``trainable``: how many of the
+    parameters are trained (LoRA, frozen layers; default all): frozen parameters cost their
+    low-precision copy only, no gradient and no optimizer state.
     """
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
         _positive_int(value, name)
@@ -604,10 +608,13 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
     hw = _detect_hardware(gpus, nodes, _optional_size(gpu_mem, "gpu_mem"),
                           _optional_size(cpu_mem, "cpu_mem"), _optional_size(nvme, "nvme"),
                           nvme_path or tempfile.gettempdir())
-    terms = _terms(params, shape, seq_len, micro_batch, ckpt_interval, prec)
+    trained = params if trainable is None else parse_count(trainable, "trainable")
+    if trained > params:
+        raise EstimateError(f"trainable: {trained} is more than the model's {params} parameters")
+    terms = _terms(params, trained, shape, seq_len, micro_batch, ckpt_interval, prec)
     grid = [(s, pt, ot) for s in (1, 2, 3) for pt in Tier for ot in Tier
             if s == 3 or pt is Tier.DEVICE]
-    placements = [_placement(s, pt, ot, params, shape, terms, prec, hw) for s, pt, ot in grid]
+    placements = [_placement(s, pt, ot, params, trained, shape, terms, prec, hw) for s, pt, ot in grid]
     return Estimate(params=params, shape=shape, seq_len=seq_len, micro_batch=micro_batch,
                     ckpt_interval=ckpt_interval, precision=prec, hardware=hw, terms=terms,
                     placements=placements, nvme_path=nvme_path)
@@ -676,6 +683,7 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--layers", type=int)
     what.add_argument("--hidden", type=int)
     what.add_argument("--heads", type=int)
+    what.add_argument("--trainable", help="trained parameter count (LoRA, frozen layers); default: all")
     run = p.add_argument_group("training")
     run.add_argument("--seq-len", type=int, default=1024)
     run.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU")
@@ -701,7 +709,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        heads=args.heads, seq_len=args.seq_len, micro_batch=args.micro_batch,
                        ckpt_interval=args.ckpt_interval, gpus=args.gpus, nodes=args.nodes,
                        gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme=args.nvme,
-                       dtype=args.dtype, nvme_path=args.nvme_path)
+                       dtype=args.dtype, nvme_path=args.nvme_path, trainable=args.trainable)
     except EstimateError as exc:
         parser.error(str(exc))     # exits 2 with the usage and the message
     text = json.dumps(est.to_dict(), indent=2) if args.json else _report(est)

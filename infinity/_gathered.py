@@ -31,8 +31,9 @@ class GatheredParameters:
     depends on where the gathered tensor lives (a private buffer freed at exit, a view of a
     resident shard, whole stage 1-2 parameters), so it is detected (a fingerprint of each
     gathered parameter taken at entry and exit, any rank) and undone: the values are rebuilt
-    from the fp32 master weights, or, where the parameters are views of those (one rank,
-    fp32, parameters and optimizer states on one resident tier), from a copy taken at entry.
+    from the stored shards (stage 3's parameter store, stages 1-2's master weights), or, where
+    an edit would reach the only stored copy (one rank with the parameters resident: they are
+    views of their store; stage 1-2 frozen parameters), from a copy taken at entry.
     """
 
     def __init__(self, params: Union[nn.Parameter, Iterable[nn.Parameter]], modifier_rank: Optional[int] = None,
@@ -58,7 +59,7 @@ class GatheredParameters:
         if self.modifier_rank is None and self._managed():
             self._prints = [_fingerprint(raw_data(p)) for unit in self.units for p in unit.params]
             self._saved = {unit: [raw_data(p).clone() for p in unit.params]
-                           for unit in self.units if unit.engine.shares_master(unit)}
+                           for unit in self.units if unit.engine.needs_copy_to_restore(unit)}
         return self.params
 
     def __exit__(self, exc_type, exc, tb):

@@ -19,6 +19,7 @@ import torch
 from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
+from ._layout import Layout
 from ._loss_scale import LossScaler
 from ._param_groups import Run, StepCounts, check_group_hyper, gaps, named_parameters, resolve_groups, runs_in, slots_of
 from ._preflight import gradients_in_host, preflight
@@ -59,7 +60,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     The shards live in an optimizer store on the tier ``zero.offload_optimizer.device``
     chooses; stage 3's compute-dtype parameter shards live in a ParamStore on the tier of
-    ``zero.offload_param.device``. Both are laid out unit after unit (``unit.opt_offset``).
+    ``zero.offload_param.device``. Both are laid out unit after unit (``unit.opt_offset``,
+    ``unit.param_offset``); frozen units have no optimizer state (Note [frozen parameters]
+    in _layout.py).
     """
 
     def __init__(self, engine: "Engine", cfg, param_groups=None):
@@ -70,12 +73,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.opt_tier = z.offload_optimizer.device
         self.param_tier = z.offload_param.device if engine.policy.partition_params else "none"
         align = ALIGN_ELEMS if "nvme" in (self.opt_tier, self.param_tier) else 1
-        total = 0
-        for unit in engine.units:
-            unit.opt_offset = total
-            total += -(-unit.shard_numel // align) * align
-        self.total = total
-        self.unit_ranges = [(u.opt_offset, u.shard_numel) for u in engine.units]  # each unit's flat shard range
+        self.layout = Layout.assign(engine.units, align)
+        self.total = total = self.layout.opt_total
+        self.unit_ranges = list(self.layout.opt_ranges)  # each trainable unit's flat shard range
         # Note [overlapped step]: stage 3 with the optimizer states, or the parameters with the
         # optimizer states in host memory, on NVMe steps in the background.
         states_in_host = self.opt_tier == "cpu" or (self.opt_tier == "none" and acc.device().type == "cpu")
@@ -87,7 +87,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine.swap_dirs = {}
         self.store = self._make_store(total)
         for unit in engine.units:
-            self.store.load_master(unit.opt_offset, unit.local_shard(torch.float32))
+            if unit.trainable:
+                self.store.load_master(unit.opt_offset, unit.local_shard(torch.float32))
         named = named_parameters(engine.units)
         groups = resolve_groups(named, param_groups)  # torch-style groups (initialize resolved them already)
         defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
@@ -99,7 +100,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.steps = StepCounts(slots_of(engine.units, self.param_groups), len(named))
         self._got_grad = torch.zeros(len(named), dtype=torch.float64)  # Note [update plan]
         self._unit_first = _first_param_index(engine.units)
-        self.param_store = self._make_param_store(total) if engine.policy.partition_params else None
+        self.param_store = self._make_param_store() if engine.policy.partition_params else None
         self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier != "none" else None
         self.scaler = LossScaler(static_scale=cfg.precision.loss_scale, initial_scale_power=cfg.precision.initial_scale_power,
                                  window=cfg.precision.loss_scale_window, hysteresis=cfg.precision.hysteresis,
@@ -131,18 +132,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return MemoryOptimizerStore(self.opt_tier, total, lazy_grad=not self.engine.policy.reduce_in_backward,
                                     overlapped=self.overlap, ranges=self.unit_ranges, chunk=z.offload_optimizer.chunk_size)
 
-    def _make_param_store(self, total: int) -> ParamStore:
+    def _make_param_store(self) -> ParamStore:
         z = self.cfg.zero
         alias = None
-        if self.engine.dtype == torch.float32 and self.param_tier == self.opt_tier != "nvme":
+        if self.engine.dtype == torch.float32 and self.param_tier == self.opt_tier != "nvme" and self.layout.same_spaces:
             alias = self.store.master  # Note: in fp32 the master weights are the parameter shards
-        return ParamStore(self.param_tier, self.engine.dtype, total,
+        return ParamStore(self.param_tier, self.engine.dtype, self.layout.param_total,
                           swap=self._swap_dir(z.offload_param.nvme_path) if self.param_tier == "nvme" else None,
                           aio_cfg=self.cfg.aio, alias=alias,
                           max_unit=max((u.shard_numel for u in self.engine.units), default=0),
                           buffer_size=z.offload_param.buffer_size,
                           buffer_count=z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2),
-                          ranges=self.unit_ranges)
+                          slots=self.layout.param_slots())
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_building", False):
@@ -334,7 +335,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])
         upto = chunk.offset + n
         if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
-            upto = ps.step_outputs_done(chunk.offset, n)
+            upto = min([upto] + [self.layout.to_opt(ps.step_outputs_done(p, b - a))
+                                 for a, b, p in self.layout.param_pieces(chunk.offset, end)])
         if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
             self._publish(upto)
 
@@ -348,7 +350,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ps = self.param_store
         if ps is None or self.aliased:
             return []
-        return [(offset, ps.view(offset, n))] if ps.resident else ps.step_outputs(offset, n)
+        out = []
+        for a, b, p in self.layout.param_pieces(offset, offset + n):  # Note [frozen parameters] in _layout.py
+            if ps.resident:
+                out.append((a, ps.view(p, b - a)))
+            else:
+                out += [(a + (start - p), view) for start, view in ps.step_outputs(p, b - a)]
+        return out
 
     def _finish_step(self) -> None:
         self.store.zero_grads()
@@ -418,7 +426,7 @@ def gather_into_whole_params(engine: "Engine", flat: torch.Tensor) -> None:
     """Stages 1-2: all-gather the updated shards in buckets and copy into the whole params."""
     budget = engine.cfg.zero.reduce_bucket_size
     group, cols = [], 0
-    for unit in engine.units + [None]:
+    for unit in [u for u in engine.units if u.trainable] + [None]:  # frozen units keep their values
         if unit is not None:
             group.append(unit)
             cols += unit.shard_numel

@@ -46,7 +46,7 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     else:  # an overlapped step's sealed and spare gradients (MemoryOptimizerStore.nbytes)
         need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes + (8 * n if opt.overlap else 0)
     if engine.policy.partition_params:
-        param_bytes = n * esize
+        param_bytes = opt.layout.param_total * esize  # every unit; the optimizer space holds trainable ones
         if opt.param_tier == "nvme":
             path = z.offload_param.nvme_path
             need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes

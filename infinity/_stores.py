@@ -1,8 +1,9 @@
 """The homes of this rank's shards on each tier, and the pool that stages NVMe transfers.
 
-Both stores are flat, in the optimizer's layout (unit after unit at ``unit.opt_offset``,
-Note [shard layout] in _unit.py), so the optimizer's fused low-precision output for a chunk
-of the flat space lands in the parameter store at the same offsets without another pass.
+Both stores are flat, unit after unit (the parameter store at ``unit.param_offset``, the
+optimizer's at ``unit.opt_offset``: Note [shard layout] in _unit.py and Note [frozen
+parameters] in _layout.py), so the optimizer's fused low-precision output for a chunk of its
+flat space lands in the parameter store piece by piece, one shift per unit, without another pass.
 
 - ``ParamStore``: the compute-dtype parameter shards of stage 3: device memory (``none``),
   host memory (``cpu``) or a swap file (``nvme``), read into pool buffers when fetched.
@@ -92,7 +93,7 @@ class ParamStore:
 
     def __init__(self, tier: str, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
-                 buffer_count: Optional[int] = None, ranges: Optional[List[tuple]] = None):
+                 buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None):
         self.tier, self.dtype, self.total = tier, dtype, total
         self.flat: Optional[torch.Tensor] = None
         self.pool: Optional[HostPool] = None
@@ -117,7 +118,7 @@ class ParamStore:
             self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
             self._kept_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
             self._lock = threading.Lock()  # the step's thread writes while the forward reads
-            self._spans = _unit_pieces(ranges or [], total, 1)  # [start, end) of each unit (and its padding)
+            self._spans = [(a, a + n) for a, n in slots or []]  # each trainable unit's slot (Note [frozen parameters])
             self._span_starts = [a for a, _ in self._spans]
             self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
             self._outputs = Recycler(self._kept_cap, acc.host_empty)
@@ -247,6 +248,17 @@ class ParamStore:
         reader.pread(buf[:numel], self.path, offset * self.itemsize)
         self.bytes_read += numel * self.itemsize
         return buf, reader, into is None
+
+    def read(self, offset: int, numel: int) -> torch.Tensor:
+        """A copy of [offset, offset + numel), once every write to it has landed."""
+        if self.flat is not None:
+            return self.flat[offset : offset + numel].clone()
+        pending = self.start_read(offset, numel)
+        buf = self.finish_read(pending, f"reading back parameter shards at element {offset}")
+        out = buf[:numel].clone()
+        if pending[2]:
+            self.pool.put(buf)
+        return out
 
     @staticmethod
     def read_done(pending) -> bool:

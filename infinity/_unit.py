@@ -7,8 +7,10 @@ holds chunk r of every parameter of the unit, concatenated in parameter order, a
 buffer whose column block [offset, offset + chunk) holds one parameter, rank-major; copying
 that block out (a view when N == 1) rebuilds the full parameter. The reduce-scatter of
 gradients uses the same layout in reverse, so rank r receives exactly the gradient of its
-chunks. The optimizer's fp32 master weights, moments and gradient shards of a unit use the
-same shard layout (see ``FetchUnit.opt_offset``).
+chunks. The parameter store holds every unit's shard at ``FetchUnit.param_offset``; the
+optimizer's fp32 master weights, moments and gradient shards of a trainable unit use the
+same shard layout at ``FetchUnit.opt_offset`` (a frozen unit has none: Note [frozen
+parameters] in _optimizer.py).
 """
 from __future__ import annotations
 
@@ -57,7 +59,9 @@ class FetchUnit:
             self.infos.append(info)
             offset += info.chunk
         self.shard_numel = offset
-        self.opt_offset = 0  # start of this unit's range in the optimizer's flat fp32 space
+        self.trainable = any(p.requires_grad for p in self.params)  # the engine never mixes the two in a unit
+        self.param_offset = 0  # start of this unit's shard in the parameter store's flat space
+        self.opt_offset = 0  # start of its range in the optimizer's flat fp32 space (trainable units)
         self._staged: Optional[torch.Tensor] = None  # pool buffer holding the shard read from NVMe
         self._read = None  # the read of the shard in flight (HOST state on the NVMe tier)
         self._kept: Optional[torch.Tensor] = None  # the shard handed off by the optimizer step (HOST state)
@@ -144,12 +148,12 @@ class FetchUnit:
         written to the parameter store (unless that store is the fp32 master itself)."""
         assert self.partitioned and self._state is ParamState.AVAILABLE
         if not self.engine.optimizer.aliased:
-            self.store.write(self.opt_offset, self.local_shard(self.dtype))
+            self.store.write(self.param_offset, self.local_shard(self.dtype))
         self._drop_full()
 
     def shard(self) -> torch.Tensor:
         """This rank's compute-dtype shard where it is resident (device or cpu tier)."""
-        return self.store.view(self.opt_offset, self.shard_numel)
+        return self.store.view(self.param_offset, self.shard_numel)
 
     def _placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=acc.device())
@@ -232,18 +236,18 @@ class FetchUnit:
         """RELEASED -> HOST: submit the read of the shard from NVMe into a pool buffer
         (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
         assert self._state is ParamState.RELEASED, self._state
-        if not self.engine.optimizer.wait_updated(self.opt_offset + self.shard_numel, block=block,
-                                                  what=self._what()):
-            return False
+        if self.trainable and not self.engine.optimizer.wait_updated(self.opt_offset + self.shard_numel, block=block,
+                                                                     what=self._what()):
+            return False  # a frozen unit's shard is never rewritten
         if not self.store.resident:
             nbytes = self.shard_numel * self.store.itemsize
-            self._kept = self.store.take_kept(self.opt_offset, self.shard_numel)  # Note [hand-off] in _stores.py
+            self._kept = self.store.take_kept(self.param_offset, self.shard_numel)  # Note [hand-off] in _stores.py
             if self._kept is not None:
                 self.engine.counters.bytes["param_handoff"] += nbytes
             else:
                 into = self._direct_read_buffer()
                 with self.engine.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
-                    self._read = self.store.start_read(self.opt_offset, self.shard_numel, block=block, into=into)
+                    self._read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
                 if self._read is None:
                     if into is not None:
                         self.engine.gathered.give(into)
