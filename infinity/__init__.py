@@ -10,9 +10,10 @@ from ._initialize import initialize
 from ._log import logger
 from ._param import ParameterNotAvailableError
 from .config import Config, ConfigError
+from .errors import InfinityError
 
 __all__ = [
-    "Config", "ConfigError", "aio", "optim", "GatheredParameters", "Init", "ParameterNotAvailableError", "estimate", "initialize",
+    "Config", "ConfigError", "InfinityError", "aio", "optim", "GatheredParameters", "Init", "ParameterNotAvailableError", "estimate", "initialize",
     "logger", "register_external_parameter",
 ]
 __version__ = "0.1.0"

@@ -14,7 +14,10 @@ from typing import Optional
 
 import torch
 
-class DeviceOutOfMemory(MemoryError):
+from .errors import InvariantError, OutOfMemory, UsageError
+
+
+class DeviceOutOfMemory(OutOfMemory):
     """The engine's own device allocations would exceed the configured budget."""
 
 
@@ -52,7 +55,7 @@ def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     aligned and advised for transparent huge pages (physically contiguous buffers let the
     disk merge O_DIRECT requests: DESIGN.md §7), from native/aio's allocator."""
     if numel < 0:
-        raise ValueError(f"host_empty: numel must be >= 0, got {numel}")
+        raise UsageError(f"host_empty: numel must be >= 0, got {numel}")
     if has_cuda():
         return pinned_empty(numel, dtype)
     from .aio import aligned_empty  # lazy: aio imports this module
@@ -206,7 +209,7 @@ class DeviceBudget:
         with self._lock:
             self._allocated -= nbytes
             if self._allocated < 0:
-                raise AssertionError("device budget released more bytes than it charged")
+                raise InvariantError("device budget released more bytes than it charged")
 
     def reset_peak(self) -> None:
         with self._lock:

@@ -24,11 +24,12 @@ import torch.distributed as dist
 
 from . import _accelerator as acc
 from ._log import logger
+from .errors import InfinityError, UsageError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("INFINITY_COMM_TIMEOUT", "600"))
 
 
-class CommTimeout(RuntimeError):
+class CommTimeout(InfinityError, RuntimeError):
     """A collective did not finish in time; the message names what it was moving."""
 
 
@@ -121,7 +122,7 @@ def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *
                            what: str = "all-gather") -> CommHandle:
     """Gather equal shards from every rank into ``out`` (rank order)."""
     if out.numel() != shard.numel() * world_size(group):
-        raise ValueError(f"{what}: output has {out.numel()} elements, expected {shard.numel()} x {world_size(group)}")
+        raise UsageError(f"{what}: output has {out.numel()} elements, expected {shard.numel()} x {world_size(group)}")
     counters.add("all_gather", out)
     if not is_distributed():
         if out.data_ptr() != shard.data_ptr():  # one rank may gather in place
@@ -135,7 +136,7 @@ def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, 
                           what: str = "reduce-scatter") -> CommHandle:
     """Sum ``full`` across ranks and leave this rank's shard in ``out``."""
     if full.numel() != out.numel() * world_size(group):
-        raise ValueError(f"{what}: input has {full.numel()} elements, expected {out.numel()} x {world_size(group)}")
+        raise UsageError(f"{what}: input has {full.numel()} elements, expected {out.numel()} x {world_size(group)}")
     counters.add("reduce_scatter", full)
     if not is_distributed():
         if out.data_ptr() != full.data_ptr():  # one rank may reduce in place

@@ -61,12 +61,20 @@ from torch.autograd.graph import register_multi_grad_hook
 from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
-from ._param import ParameterNotAvailableError, info_of, make_partitioned, not_available_message, raw_data, set_data
+from ._param import (
+    ParameterNotAvailableError,
+    info_of,
+    make_partitioned,
+    not_available_message,
+    raw_data,
+    set_data,
+)
 from ._prefetch import Prefetcher
 from ._recycle import Recycler
 from ._reduce import GradReducer
 from ._telemetry_counters import Counters
 from ._unit import FetchUnit
+from .errors import EngineError
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -110,10 +118,6 @@ class ModuleState:
 class _Frame:
     state: ModuleState
     held: List[FetchUnit]
-
-
-class EngineError(RuntimeError):
-    pass
 
 
 class Engine:

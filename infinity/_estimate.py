@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 from ._log import logger
+from .errors import UsageError
 
 __all__ = ["estimate", "Estimate", "Placement", "Recommendation", "EstimateError",
            "parse_size", "parse_count", "main"]
@@ -61,7 +62,7 @@ _SWAP_CHUNK_NUMEL = 1 << 25  # elements per optimizer swap chunk
 _NVME_PATH_PLACEHOLDER = "/local_nvme"
 
 
-class EstimateError(ValueError):
+class EstimateError(UsageError):
     """Bad input to the estimator; the message says what to change."""
 
 

@@ -10,13 +10,14 @@ from . import _comm as comm
 from ._engine import EngineError, _engines, _pending_external
 from ._log import logger
 from ._param import info_of, raw_data
+from .errors import UsageError, UsageTypeError
 
 
 def _as_list(params) -> list:
     if isinstance(params, torch.Tensor):
         return [params]
     if isinstance(params, nn.Module):
-        raise TypeError("GatheredParameters takes parameters, not a module: pass module.parameters()")
+        raise UsageTypeError("GatheredParameters takes parameters, not a module: pass module.parameters()")
     return list(params)
 
 
@@ -42,13 +43,13 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         for i, p in enumerate(self.params):
             if not isinstance(p, nn.Parameter):
-                raise TypeError(f"GatheredParameters: item {i} is a {type(p).__name__}, not an nn.Parameter")
+                raise UsageTypeError(f"GatheredParameters: item {i} is a {type(p).__name__}, not an nn.Parameter")
             if info_of(p) is None:
-                raise ValueError(
+                raise UsageError(
                     f"GatheredParameters: item {i} (shape {tuple(p.shape)}) is not managed by infinity; only "
                     f"parameters of a model passed to infinity.initialize (or built under infinity.Init) can be gathered")
         if modifier_rank is not None and not 0 <= modifier_rank < comm.world_size():
-            raise ValueError(f"GatheredParameters: modifier_rank={modifier_rank} is not a rank of this job "
+            raise UsageError(f"GatheredParameters: modifier_rank={modifier_rank} is not a rank of this job "
                              f"(world size {comm.world_size()})")
         self.units = sorted({info_of(p).unit for p in self.params}, key=lambda u: u.index)
 
@@ -111,7 +112,7 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     is gathered with ``module``. Usually detected automatically; this covers what isn't
     (e.g. use inside a custom autograd Function). Callable before or after initialize."""
     if not isinstance(module, nn.Module) or not isinstance(param, nn.Parameter):
-        raise TypeError("register_external_parameter(module, param) takes an nn.Module and an nn.Parameter")
+        raise UsageTypeError("register_external_parameter(module, param) takes an nn.Module and an nn.Parameter")
     info = info_of(param)
     if info is not None:
         info.unit.engine.register_external(module, param)

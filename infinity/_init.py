@@ -24,7 +24,16 @@ from torch import nn
 from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
-from ._param import ParamInfo, ParamState, first_arg, info_of, make_partitioned, raw_data, register, set_data
+from ._param import (
+    ParamInfo,
+    ParamState,
+    first_arg,
+    info_of,
+    make_partitioned,
+    raw_data,
+    register,
+    set_data,
+)
 from ._swap import SwapDir, new_aio
 from ._unit import padded
 

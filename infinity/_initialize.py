@@ -10,6 +10,7 @@ from ._engine import Engine, engine_of, forget_engine
 from ._log import logger
 from ._optimizer import ZeroOptimizer
 from ._param_groups import resolve_groups
+from .errors import EngineError, UsageTypeError
 
 
 def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Module, ZeroOptimizer]:
@@ -23,9 +24,9 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     from .config import Config
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"infinity.initialize expects an nn.Module, got {type(model).__name__}")
+        raise UsageTypeError(f"infinity.initialize expects an nn.Module, got {type(model).__name__}")
     if engine_of(model) is not None:
-        raise RuntimeError("this model was already passed to infinity.initialize; call it once per model")
+        raise EngineError("this model was already passed to infinity.initialize; call it once per model")
     cfg = Config.coerce(config)
     comm.ensure_initialized()
     groups = resolve_groups(list(model.named_parameters()), param_groups)  # refused before anything is built

@@ -16,6 +16,8 @@ import bisect
 from dataclasses import dataclass
 from typing import List, Tuple
 
+from .errors import UsageError
+
 
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
@@ -76,5 +78,5 @@ class Layout:
         unit's slot, or at its end)."""
         i = max(0, bisect.bisect_right(self.param_starts, p) - 1)
         if i < len(self.param_starts) and p > self.param_starts[i] + self.slots[i]:
-            raise ValueError(f"offset {p} of the parameter store is not in a trainable unit's slot")
+            raise UsageError(f"offset {p} of the parameter store is not in a trainable unit's slot")
         return self.opt_starts[i] + (p - self.param_starts[i]) if self.param_starts else 0

@@ -18,14 +18,30 @@ import torch
 
 from . import _accelerator as acc
 from . import _comm as comm
-from ._log import logger
 from ._layout import Layout
+from ._log import logger
 from ._loss_scale import LossScaler
-from ._param_groups import Run, StepCounts, check_group_hyper, gaps, named_parameters, resolve_groups, runs_in, slots_of
+from ._param_groups import (
+    Run,
+    StepCounts,
+    check_group_hyper,
+    gaps,
+    named_parameters,
+    resolve_groups,
+    runs_in,
+    slots_of,
+)
 from ._preflight import gradients_in_host, preflight
 from ._reduce import GradReducer
-from ._stores import ALIGN_ELEMS, Chunk, MemoryOptimizerStore, NvmeOptimizerStore, ParamStore
+from ._stores import (
+    ALIGN_ELEMS,
+    Chunk,
+    MemoryOptimizerStore,
+    NvmeOptimizerStore,
+    ParamStore,
+)
 from ._swap import SwapDir
+from .errors import EngineError, NotSupportedError, UsageError, WaitTimeout
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -148,7 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_building", False):
             return super().add_param_group(param_group)
-        raise RuntimeError("infinity's optimizer lays out its states for the parameter groups it was built with; "
+        raise EngineError("infinity's optimizer lays out its states for the parameter groups it was built with; "
                            "pass every group to infinity.initialize(model, config=cfg, param_groups=[...]) instead "
                            "of calling add_param_group afterwards")
 
@@ -293,7 +309,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self._bg_error is not None:
                 raise self._bg_error
             if not ok:
-                raise TimeoutError(f"rank {self.engine.rank}: waited {comm.DEFAULT_TIMEOUT_S:.0f}s for the optimizer "
+                raise WaitTimeout(f"rank {self.engine.rank}: waited {comm.DEFAULT_TIMEOUT_S:.0f}s for the optimizer "
                                    f"step to update {what or 'a parameter shard'}")
         return True
 
@@ -374,17 +390,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.store.read_master(unit.opt_offset, unit.shard_numel)
 
     def state_dict(self):
-        raise NotImplementedError(_NO_STATE_DICT)
+        raise NotSupportedError(_NO_STATE_DICT)
 
     def load_state_dict(self, state_dict) -> None:
-        raise NotImplementedError(_NO_STATE_DICT)
+        raise NotSupportedError(_NO_STATE_DICT)
 
     def step_count(self, param) -> int:
         """Optimizer steps ``param`` has taken (0 if it never had a gradient): torch's
         ``state[param]["step"]`` (Note [update plan] in _param_groups.py)."""
         index = next((i for i, (_, p) in enumerate(named_parameters(self.engine.units)) if p is param), None)
         if index is None:
-            raise ValueError("step_count: not a parameter of this optimizer's model")
+            raise UsageError("step_count: not a parameter of this optimizer's model")
         return self.steps.step_of(index)
 
     # ------------------------------------------------------------ accounting

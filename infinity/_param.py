@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
+from .errors import ParameterNotAvailableError
+
 if TYPE_CHECKING:
     from ._unit import FetchUnit
 
@@ -36,10 +38,6 @@ class ParamState(enum.Enum):
     DEVICE = "device"  # the shard is on the device, ready to all-gather
     GATHERING = "gathering"  # the all-gather is in flight
     AVAILABLE = "available"  # param.data is the full tensor
-
-
-class ParameterNotAvailableError(RuntimeError):
-    """A partitioned parameter was used while only its shard exists."""
 
 
 @dataclass

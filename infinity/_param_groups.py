@@ -20,11 +20,13 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from .errors import UsageError
+
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 
 
-class ParamGroupError(ValueError):
+class ParamGroupError(UsageError):
     """The parameter groups given to ``infinity.initialize`` do not describe the model."""
 
 

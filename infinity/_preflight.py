@@ -16,14 +16,11 @@ import torch
 
 from . import _comm as comm
 from ._stores import HANDOFF_BUFFERS, NvmeOptimizerStore, chunk_elems, head_elems
+from .errors import InsufficientResourcesError
 
 if TYPE_CHECKING:
     from ._engine import Engine
     from ._optimizer import ZeroOptimizer
-
-
-class InsufficientResourcesError(RuntimeError):
-    pass
 
 
 GiB = float(1 << 30)

@@ -23,6 +23,7 @@ from torch import nn
 from . import _comm as comm
 from ._engine import engine_of
 from ._gathered import GatheredParameters
+from .errors import UsageError
 
 DEFAULT_MAX_SHARD_BYTES = 200 * 1000 * 1000
 SINGLE_FILE = "model.safetensors"
@@ -91,7 +92,7 @@ def export_safetensors(model: nn.Module, directory: str, *, max_shard_bytes: int
     from safetensors.torch import save_file
 
     if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+        raise UsageError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     writer = comm.rank() == writer_rank
     names = {}
     for name, p in model.named_parameters():  # deduplicated: a tied weight keeps its first name

@@ -24,6 +24,7 @@ import torch
 from . import _accelerator as acc
 from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
+from .errors import InfinityError, UsageError
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
 # Elements per optimizer swap chunk by default: 3 buffer sets x 4 fp32 arrays x 16 MiB =
@@ -34,7 +35,7 @@ WRITE_HANDLES = 4  # the parameter tier's writes rotate over these (Note [write 
 HANDOFF_BUFFERS = 2  # staging buffers' worth of the step's fresh parameter output kept in memory (Note [hand-off])
 
 
-class PoolExhausted(RuntimeError):
+class PoolExhausted(InfinityError, RuntimeError):
     pass
 
 
@@ -107,11 +108,11 @@ class ParamStore:
             self._rank = swap.rank
             size = buffer_size or max_unit
             if size < max_unit:
-                raise ValueError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
+                raise UsageError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
                                  f"unit's shard ({max_unit} elements); set it to at least {max_unit} or leave it unset")
             count = buffer_count or 2
             if count < 2:
-                raise ValueError(f"zero.offload_param.buffer_count={buffer_count}: at least 2 staging buffers are "
+                raise UsageError(f"zero.offload_param.buffer_count={buffer_count}: at least 2 staging buffers are "
                                  f"needed (one being gathered, one being read); leave it unset to size it automatically")
             self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool")
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently

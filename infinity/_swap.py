@@ -16,12 +16,13 @@ from typing import Optional
 
 import torch
 
+from .errors import StorageError, UsageError
 
 
 class SwapDir:
     def __init__(self, nvme_path: str, rank: int, run_id: Optional[str] = None):
         if not nvme_path:
-            raise ValueError("NVMe offload needs nvme_path: set zero.offload_param.nvme_path / "
+            raise UsageError("NVMe offload needs nvme_path: set zero.offload_param.nvme_path / "
                              "zero.offload_optimizer.nvme_path to a directory on a fast local disk")
         os.makedirs(nvme_path, exist_ok=True)
         self.rank = rank
@@ -39,7 +40,7 @@ class SwapDir:
                 try:
                     os.posix_fallocate(fd, 0, nbytes)
                 except OSError as e:
-                    raise OSError(e.errno, f"cannot reserve {nbytes} bytes for swap file {path}: {e.strerror}; "
+                    raise StorageError(e.errno, f"cannot reserve {nbytes} bytes for swap file {path}: {e.strerror}; "
                                            f"free space under the nvme_path or point it at a larger disk") from e
         finally:
             os.close(fd)

@@ -18,8 +18,10 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
+from .errors import UsageError
 
-class DataError(ValueError):
+
+class DataError(UsageError):
     """A data file or tokenizer problem; the message says what to change."""
 
 

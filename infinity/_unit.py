@@ -22,6 +22,7 @@ from torch import nn
 from . import _accelerator as acc
 from . import _comm as comm
 from ._param import ParamInfo, ParamState, raw_data, register, set_data
+from .errors import EngineError, InvariantError
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -48,7 +49,7 @@ class FetchUnit:
         self._init_units = [_init_unit_of(p) for _, p in params]  # built under infinity.Init
         for init_unit, (name, _) in zip(self._init_units, params):
             if init_unit is not None and init_unit.world_size != self.world_size:
-                raise RuntimeError(
+                raise EngineError(
                     f"{name} was partitioned by infinity.Init over {init_unit.world_size} rank(s) but this job "
                     f"has {self.world_size}: build the model under Init in the same job (same world size) that "
                     f"calls infinity.initialize")
@@ -81,6 +82,12 @@ class FetchUnit:
     @property
     def state(self) -> ParamState:
         return self._state
+
+    def _expect(self, state: ParamState, transition: str) -> None:
+        """The precondition of a transition, checked always (not an ``assert``: ``python -O``
+        would drop it and a wrong state would corrupt a gather silently)."""
+        if self._state is not state:
+            raise InvariantError(f"{transition}: {self!r} is {self._state.name}, expected {state.name}")
 
     @property
     def full_numel(self) -> int:
@@ -146,7 +153,9 @@ class FetchUnit:
     def partition(self) -> None:
         """AVAILABLE -> RELEASED for the first time: keep only this rank's shard (stage 3),
         written to the parameter store (unless that store is the fp32 master itself)."""
-        assert self.partitioned and self._state is ParamState.AVAILABLE
+        self._expect(ParamState.AVAILABLE, "partition")
+        if not self.partitioned:
+            raise InvariantError(f"partition: {self!r} is not partitioned (stages 1-2 keep parameters whole)")
         if not self.engine.optimizer.aliased:
             self.store.write(self.param_offset, self.local_shard(self.dtype))
         self._drop_full()
@@ -194,13 +203,13 @@ class FetchUnit:
 
     def hold(self) -> None:
         """Take a reference on a gathered unit (no fetch); pairs with ``release``."""
-        assert self._state is ParamState.AVAILABLE, self._state
+        self._expect(ParamState.AVAILABLE, "hold")
         self._refs += 1
 
     def release(self) -> None:
         """Drop a reference; free the full tensors when it was the last (unless persistent)."""
         if self._refs <= 0:
-            raise AssertionError(f"{self!r} released more often than acquired")
+            raise InvariantError(f"{self!r} released more often than acquired")
         self._refs -= 1
         if self._refs == 0 and self.partitioned and self._state is ParamState.AVAILABLE and not self.persistent:
             self._free_full()
@@ -216,7 +225,8 @@ class FetchUnit:
 
     def abandon(self) -> None:
         """Undo a prefetch nobody used: back to RELEASED, buffers returned (refs must be 0)."""
-        assert self._refs == 0, self
+        if self._refs:
+            raise InvariantError(f"abandon: {self!r} still has {self._refs} reference(s)")
         if self._state is ParamState.GATHERING:
             self.wait_gather()
         if self._state is ParamState.AVAILABLE:
@@ -235,7 +245,7 @@ class FetchUnit:
     def stage_to_host(self, *, block: bool = True) -> bool:
         """RELEASED -> HOST: submit the read of the shard from NVMe into a pool buffer
         (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
-        assert self._state is ParamState.RELEASED, self._state
+        self._expect(ParamState.RELEASED, "stage_to_host")
         if self.trainable and not self.engine.optimizer.wait_updated(self.opt_offset + self.shard_numel, block=block,
                                                                      what=self._what()):
             return False  # a frozen unit's shard is never rewritten
@@ -270,7 +280,7 @@ class FetchUnit:
         start its copy to the device on the host->device stream (without an accelerator the
         host buffer is the device shard). False when ``block`` is off and the read is still
         in flight."""
-        assert self._state is ParamState.HOST, self._state
+        self._expect(ParamState.HOST, "stage_to_device")
         if self._read is not None:
             if not block and not self.store.read_done(self._read):
                 return False
@@ -311,7 +321,7 @@ class FetchUnit:
             self.stage_to_host()
         if self._state is ParamState.HOST:
             self.stage_to_device()
-        assert self._state is ParamState.DEVICE, self._state
+        self._expect(ParamState.DEVICE, "start_gather")
         shard = acc.finish_copy_to_device(self._dev_shard, self._h2d)
         nbytes = self.full_nbytes
         # One rank: the parameters are views of the device shard unless it is a staging buffer
@@ -337,7 +347,7 @@ class FetchUnit:
 
     def wait_gather(self) -> None:
         """GATHERING -> AVAILABLE: wait, then point every parameter at its full tensor."""
-        assert self._state is ParamState.GATHERING, self._state
+        self._expect(ParamState.GATHERING, "wait_gather")
         with self.engine.counters.blocked("all_gather"):
             self._gather_handle.wait()
         rows = self._gather_out.view(self.world_size, self.shard_numel)

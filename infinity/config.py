@@ -24,9 +24,19 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Tuple, Union, get_args, get_origin, get_type_hints
+from typing import (
+    Any,
+    Literal,
+    Optional,
+    Tuple,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 from ._log import logger
+from .errors import UsageError
 
 __all__ = [
     "ConfigError", "Config", "ZeroConfig", "OffloadConfig", "OptimizerOffloadConfig",
@@ -35,7 +45,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """Every problem found in a config, each as ``(key path, message)``."""
 
     def __init__(self, problems: Union[str, list]):

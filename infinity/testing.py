@@ -16,6 +16,8 @@ import time
 import traceback
 from typing import Any, Callable, List
 
+from .errors import UsageError
+
 
 class RankFailure(AssertionError):
     """A rank raised, died or exited without finishing; the message holds its traceback."""
@@ -75,7 +77,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0, thre
     machine's cores divided among the ranks, at least one, so ranks don't fight for cores.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise UsageError(f"world_size must be >= 1, got {world_size}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")

@@ -30,11 +30,30 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
 from ._preflight import InsufficientResourcesError
-from ._telemetry import (StepStats, Telemetry, flatten, fmt_bytes, fmt_count, fmt_rate, mean,
-                         render_table, stall_seconds, tier_traffic)
-from ._train_data import (Batches, ByteTokenizer, DataError, builtin_corpus, has_tokenizer_files,
-                          load_hf_tokenizer, read_texts, token_windows)
+from ._telemetry import (
+    StepStats,
+    Telemetry,
+    flatten,
+    fmt_bytes,
+    fmt_count,
+    fmt_rate,
+    mean,
+    render_table,
+    stall_seconds,
+    tier_traffic,
+)
+from ._train_data import (
+    Batches,
+    ByteTokenizer,
+    DataError,
+    builtin_corpus,
+    has_tokenizer_files,
+    load_hf_tokenizer,
+    read_texts,
+    token_windows,
+)
 from .config import Config, ConfigError
+from .errors import UsageError
 
 EXIT_BAD_INPUT = 2
 PROBE_BYTES = 64 * 1024 * 1024
@@ -50,7 +69,7 @@ PRESETS: Dict[str, dict] = {
 }
 
 
-class TrainError(ValueError):
+class TrainError(UsageError):
     """Bad input to the train job; the message says what to change."""
 
 

@@ -179,6 +179,7 @@ def test_o_direct_refused_falls_back(backend, tmp_path, warnings_seen):
         assert any("refuses O_DIRECT" in m for m in _WARNED)
 
 
+@pytest.mark.machine  # writes a machine-wide sysctl: opt in with -m machine
 def test_io_uring_disabled_falls_back(tmp_path, warnings_seen):
     knob = "/proc/sys/kernel/io_uring_disabled"
     try:

@@ -20,6 +20,7 @@ from torch import nn
 
 import infinity
 from infinity._engine import EngineError
+from infinity.errors import UsageError, UsageTypeError
 from infinity._param import info_of
 from infinity.testing import run_ranks
 
@@ -37,9 +38,13 @@ def _config(stage):
 
 
 def _outcome(fn):
-    """('ok', value) or (exception class name, message)."""
+    """('ok', value) or (exception class name, message); infinity's generic UsageError and
+    UsageTypeError are recorded as the builtin they stand for (ValueError, TypeError)."""
     try:
         return ("ok", fn())
+    except (UsageError, UsageTypeError) as e:
+        builtin = ValueError if isinstance(e, UsageError) else TypeError
+        return (builtin.__name__ if type(e) in (UsageError, UsageTypeError) else type(e).__name__, str(e))
     except Exception as e:  # noqa: BLE001 - the record is the point
         return (type(e).__name__, str(e))
 

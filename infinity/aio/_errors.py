@@ -2,8 +2,10 @@
 import errno as _errno
 import os
 
+from ..errors import InfinityError
 
-class AioError(OSError):
+
+class AioError(InfinityError, OSError):
     """A read or write that failed or came back short.
 
     Carries ``errno``, ``filename`` (the path), ``op`` ("read" / "write"), ``offset`` and

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .._log import logger
+from ..errors import EngineError, UsageError, UsageTypeError, WaitTimeout
 from ._errors import AioError
 from ._native import READ, THREADS, URING, WRITE, ffi, lib
 
@@ -50,16 +51,16 @@ def _resolve_backend(backend: Optional[str]) -> str:
     name = backend if backend is not None else os.environ.get(_ENV_BACKEND, "auto") or "auto"
     if name not in _BACKENDS:
         src = "backend" if backend is not None else _ENV_BACKEND
-        raise ValueError(f"AsyncIO: {src}={name!r} is not one of {sorted(_BACKENDS)}")
+        raise UsageError(f"AsyncIO: {src}={name!r} is not one of {sorted(_BACKENDS)}")
     return name
 
 
 def _check_int(name: str, value, low: int, high: int, multiple: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"AsyncIO: {name} must be an int, got {type(value).__name__}")
+        raise UsageTypeError(f"AsyncIO: {name} must be an int, got {type(value).__name__}")
     if not low <= value <= high or value % multiple:
         extra = f" and a multiple of {multiple}" if multiple > 1 else ""
-        raise ValueError(f"AsyncIO: {name} must be in [{low}, {high}]{extra}, got {value}")
+        raise UsageError(f"AsyncIO: {name} must be in [{low}, {high}]{extra}, got {value}")
     return value
 
 
@@ -97,7 +98,7 @@ class AsyncIO:
         rc = lib.infinity_aio_create(_BACKENDS[requested], block_size, queue_depth, threads, out, why, 512)
         reason = ffi.string(why).decode(errors="replace")
         if rc < 0:
-            raise RuntimeError(f"AsyncIO: backend {requested!r} is unavailable: "
+            raise EngineError(f"AsyncIO: backend {requested!r} is unavailable: "
                                f"{reason or os.strerror(-rc)}; use backend='threads' or 'auto'")
         self._h = out[0]
         self.backend = "io_uring" if lib.infinity_aio_backend(self._h) == URING else "threads"
@@ -149,15 +150,15 @@ class AsyncIO:
     @staticmethod
     def _view(tensor, offset, name: str) -> Tuple[int, int]:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"AsyncIO.{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+            raise UsageTypeError(f"AsyncIO.{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
-            raise ValueError(f"AsyncIO.{name}: the tensor is on {tensor.device}; pass a CPU tensor "
+            raise UsageError(f"AsyncIO.{name}: the tensor is on {tensor.device}; pass a CPU tensor "
                              "(e.g. from infinity.aio.aligned_empty)")
         if not tensor.is_contiguous():
-            raise ValueError(f"AsyncIO.{name}: the tensor is not contiguous; pass tensor.contiguous() "
+            raise UsageError(f"AsyncIO.{name}: the tensor is not contiguous; pass tensor.contiguous() "
                              "(for reads, read into a contiguous buffer and copy)")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"AsyncIO.{name}: offset must be an int >= 0, got {offset!r}")
+            raise UsageError(f"AsyncIO.{name}: offset must be an int >= 0, got {offset!r}")
         return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
     def _submit(self, op: int, tensor, path, offset: int, name: str) -> None:
@@ -247,12 +248,12 @@ class AsyncIO:
     def _wait_for(self, timeout, what: str) -> None:
         """Waits up to ``timeout`` seconds without collecting anything; raises TimeoutError."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"AsyncIO.wait: timeout must be a number of seconds or None, "
+            raise UsageTypeError(f"AsyncIO.wait: timeout must be a number of seconds or None, "
                             f"got {type(timeout).__name__}")
         if math.isnan(timeout) or timeout < 0:
-            raise ValueError(f"AsyncIO.wait: timeout must be >= 0 seconds (or None for no limit), got {timeout}")
+            raise UsageError(f"AsyncIO.wait: timeout must be >= 0 seconds (or None for no limit), got {timeout}")
         if not isinstance(what, str):
-            raise TypeError(f"AsyncIO.wait: what must be a str describing what is waited for, "
+            raise UsageTypeError(f"AsyncIO.wait: what must be a str describing what is waited for, "
                             f"got {type(what).__name__}")
         # Rounded up: a positive timeout never degenerates into a mere look.
         ms = -1 if math.isinf(timeout) else min(math.ceil(timeout * 1000), 1 << 62)
@@ -264,7 +265,7 @@ class AsyncIO:
         waited = time.monotonic() - start
         stuck = self._stuck(covered)
         if stuck:  # none left means they finished just after the deadline: not a timeout
-            raise TimeoutError(self._timeout_message(stuck, timeout, waited, what))
+            raise WaitTimeout(self._timeout_message(stuck, timeout, waited, what))
 
     def _stuck(self, covered) -> List[_Pending]:
         """The requests among ``covered`` (ids) that are still in flight, oldest first."""
@@ -322,7 +323,7 @@ class AsyncIO:
                 key = os.path.abspath(os.fspath(path))
                 f = self._files.get((key, True)) or self._files.get((key, False))
                 if f is None:
-                    raise ValueError(f"AsyncIO.fsync: {key!r} was never opened by this handle")
+                    raise UsageError(f"AsyncIO.fsync: {key!r} was never opened by this handle")
                 files = [f]
                 self._dirty.pop(key, None)
         for f in files:
@@ -336,7 +337,7 @@ class AsyncIO:
     # ---- lifetime ----------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("AsyncIO: the handle is closed; create a new one")
+            raise UsageError("AsyncIO: the handle is closed; create a new one")
 
     def close(self) -> None:
         """Finishes everything in flight, closes the files and frees the native handle.

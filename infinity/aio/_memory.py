@@ -11,6 +11,7 @@ import torch
 
 from .. import _accelerator as acc
 from .._log import logger
+from ..errors import OutOfMemory, UsageError, UsageTypeError
 from ._native import ffi, lib
 
 _HUGE_WARNED = []
@@ -34,7 +35,7 @@ class _Mapping:
         huge = ffi.new("int32_t *")
         ptr = lib.infinity_aio_alloc(nbytes, 1 if hugepage else 0, huge)
         if ptr == ffi.NULL:
-            raise MemoryError(f"aligned_empty: could not map {nbytes} bytes of host memory")
+            raise OutOfMemory(f"aligned_empty: could not map {nbytes} bytes of host memory")
         self.nbytes, self.hugepage, self.huge = nbytes, hugepage, bool(huge[0])
         self._ptr = ffi.gc(ptr, lambda p: lib.infinity_aio_free(p, nbytes, 1 if hugepage else 0))
         self.buffer = ffi.buffer(self._ptr, nbytes)
@@ -47,10 +48,10 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
     aligned. On CUDA machines the memory is pinned (page-locked) by torch's host allocator.
     """
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"aligned_empty: dtype must be a torch.dtype, got {dtype!r}")
+        raise UsageTypeError(f"aligned_empty: dtype must be a torch.dtype, got {dtype!r}")
     numel = int(numel)
     if numel < 0:
-        raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
+        raise UsageError(f"aligned_empty: numel must be >= 0, got {numel}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     if acc.has_cuda():
         return acc.pinned_empty(numel, dtype)  # page-aligned and page-locked

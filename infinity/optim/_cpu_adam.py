@@ -11,6 +11,7 @@ from collections import defaultdict
 
 import torch
 
+from ..errors import UsageError
 from . import _functional as F
 from . import _native
 
@@ -26,7 +27,7 @@ _REFUSED = {
 def _refuse_unsupported(options: dict) -> None:
     for key, why in _REFUSED.items():
         if options.get(key):
-            raise ValueError(f"CPUAdam: {key}={options[key]!r}: {why}")
+            raise UsageError(f"CPUAdam: {key}={options[key]!r}: {why}")
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -58,10 +59,10 @@ class CPUAdam(torch.optim.Optimizer):
     ) -> None:
         _refuse_unsupported(dict(amsgrad=amsgrad, maximize=maximize, capturable=capturable, differentiable=differentiable))
         if foreach is not None or fused is not None:
-            raise ValueError("CPUAdam: foreach/fused select torch kernels; CPUAdam always runs its own fused kernel")
+            raise UsageError("CPUAdam: foreach/fused select torch kernels; CPUAdam always runs its own fused kernel")
         F.Hyper.checked(lr, betas, eps, weight_decay, adamw)
         if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
-            raise ValueError(f"num_threads must be a positive integer or None, got {num_threads!r}")
+            raise UsageError(f"num_threads must be a positive integer or None, got {num_threads!r}")
         _native.resolve(simd)  # an unknown or unsupported path fails here, not at the first step
         self._num_threads = num_threads
         self._simd = simd
@@ -82,7 +83,7 @@ class CPUAdam(torch.optim.Optimizer):
         F.Hyper.checked(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["adamw"])
         for i, p in enumerate(group["params"]):
             if p.device.type != "cpu" or p.dtype != torch.float32 or p.is_complex() or p.layout != torch.strided:
-                raise ValueError(
+                raise UsageError(
                     f"CPUAdam: parameter {i} of group {index} is a {p.dtype} {p.layout} tensor on {p.device}; "
                     "CPUAdam updates dense fp32 CPU tensors (keep fp32 master weights on the CPU)"
                 )
@@ -140,9 +141,9 @@ class CPUAdam(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise ValueError(f"CPUAdam: group {index} has a sparse gradient; use torch.optim.SparseAdam")
+                raise UsageError(f"CPUAdam: group {index} has a sparse gradient; use torch.optim.SparseAdam")
             if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise ValueError(f"CPUAdam: group {index} holds a {p.dtype} tensor on {p.device}; it needs fp32 CPU")
+                raise UsageError(f"CPUAdam: group {index} holds a {p.dtype} tensor on {p.device}; it needs fp32 CPU")
             grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
             F.check_tensor(f"the gradient of a parameter in group {index}", grad, F.GRAD_DTYPES, p.numel())
             data = p if p.is_contiguous() else p.contiguous()

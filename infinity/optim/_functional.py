@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UsageError, UsageTypeError
 from . import _native
 
 _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -44,15 +45,15 @@ class Hyper:
         try:
             beta1, beta2 = (_scalar("betas", b) for b in betas)
         except (TypeError, ValueError):
-            raise ValueError(f"betas must be a pair of floats in [0, 1), got {betas!r}") from None
+            raise UsageError(f"betas must be a pair of floats in [0, 1), got {betas!r}") from None
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not (math.isfinite(value) and value >= 0.0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+                raise UsageError(f"{name} must be a finite number >= 0, got {value}")
         for name, value in (("betas[0]", beta1), ("betas[1]", beta2)):
             if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {value}")
+                raise UsageError(f"{name} must be in [0, 1), got {value}")
         if not isinstance(adamw, bool):
-            raise TypeError(f"adamw must be True (AdamW) or False (Adam with L2 decay), got {adamw!r}")
+            raise UsageTypeError(f"adamw must be True (AdamW) or False (Adam with L2 decay), got {adamw!r}")
         return cls(lr, beta1, beta2, eps, weight_decay, adamw)
 
     def native_args(self) -> dict:
@@ -74,10 +75,10 @@ class Hyper:
 def _scalar(name, value) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
+            raise UsageError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        raise UsageTypeError(f"{name} must be a number, got {type(value).__name__}")
     return float(value)
 
 
@@ -91,25 +92,25 @@ def check_step(step) -> int:
     except TypeError:
         value = None
     if value is None or value < 1:
-        raise ValueError(f"step must be an integer >= 1 (the count including this step), got {step!r}")
+        raise UsageError(f"step must be an integer >= 1 (the count including this step), got {step!r}")
     return value
 
 
 def check_tensor(name: str, t, dtypes, numel: int | None = None) -> None:
     """A clear exception unless ``t`` is a contiguous CPU tensor of one of ``dtypes``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise UsageTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}; CPU Adam needs CPU tensors (move it with .cpu())")
+        raise UsageError(f"{name} is on {t.device}; CPU Adam needs CPU tensors (move it with .cpu())")
     if t.layout != torch.strided:
-        raise ValueError(f"{name} has layout {t.layout}; CPU Adam needs dense (strided) tensors")
+        raise UsageError(f"{name} has layout {t.layout}; CPU Adam needs dense (strided) tensors")
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {t.dtype}; expected {names}")
+        raise UsageTypeError(f"{name} has dtype {t.dtype}; expected {names}")
     if not t.is_contiguous():
-        raise ValueError(f"{name} is not contiguous (strides {t.stride()}); pass {name}.contiguous()")
+        raise UsageError(f"{name} is not contiguous (strides {t.stride()}); pass {name}.contiguous()")
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements but params has {numel}; sizes must match")
+        raise UsageError(f"{name} has {t.numel()} elements but params has {numel}; sizes must match")
 
 
 def check_no_overlap(named: dict) -> None:
@@ -118,7 +119,7 @@ def check_no_overlap(named: dict) -> None:
     spans.sort()
     for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
         if start_b < end_a:
-            raise ValueError(f"{name_a} and {name_b} share memory; each needs its own buffer")
+            raise UsageError(f"{name_a} and {name_b} share memory; each needs its own buffer")
 
 
 def segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper: Hyper, step: int) -> tuple:
@@ -142,7 +143,7 @@ def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd,
     isa, hw_bf16, _ = _native.resolve(simd)
     threads = torch.get_num_threads() if num_threads is None else num_threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"num_threads must be a positive integer or None, got {num_threads!r}")
+        raise UsageError(f"num_threads must be a positive integer or None, got {num_threads!r}")
     _native.lib().step(
         segments,
         grad_dtype=_GRAD_CODES[grad_dtype],

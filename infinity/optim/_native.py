@@ -10,6 +10,7 @@ import functools
 import os
 
 from .._log import logger
+from ..errors import NativeLibraryMissing, UsageError, UsageTypeError
 
 ENV_SIMD = "INFINITY_CPU_ADAM_SIMD"
 
@@ -26,7 +27,7 @@ def lib():
     try:
         from .. import _cpu_adam
     except ImportError as err:
-        raise ImportError(
+        raise NativeLibraryMissing(
             "infinity._cpu_adam (the native CPU Adam) is not built; run "
             "`bash scripts/setup_env.sh` or `pip install --no-build-isolation -e .` "
             f"from the repository root ({err})"
@@ -61,17 +62,17 @@ def resolve(simd: str | None) -> tuple[int, bool, str]:
 @functools.lru_cache(maxsize=64)
 def _resolve(simd: str | None, env: str | None) -> tuple[int, bool, str]:
     if simd is not None and not isinstance(simd, str):
-        raise TypeError(f"simd must be a string ({', '.join(SIMD_CHOICES)}) or None, got {simd!r}")
+        raise UsageTypeError(f"simd must be a string ({', '.join(SIMD_CHOICES)}) or None, got {simd!r}")
     name = (simd if simd is not None else env or "auto").strip().lower()
     if name not in SIMD_CHOICES:
         source = "simd=" if simd is not None else f"{ENV_SIMD}="
-        raise ValueError(f"{source}{name!r} is not a CPU Adam path; use one of {', '.join(SIMD_CHOICES)}")
+        raise UsageError(f"{source}{name!r} is not a CPU Adam path; use one of {', '.join(SIMD_CHOICES)}")
     if name == "auto":
         name = _best()
     base = "avx512" if name == "avx512_nobf16" else name
     f = cpu_features()
     if base != "scalar" and not f[base]:
-        raise ValueError(
+        raise UsageError(
             f"CPU Adam path {name!r} needs {base.upper()} but this CPU lacks it "
             f"(supported here: {', '.join(p for p in ('avx2', 'avx512') if f[p]) or 'scalar only'}); "
             f"pick another with simd= or {ENV_SIMD}"

@@ -1,0 +1,66 @@
+"""Every error infinity raises on purpose is an ``infinity.InfinityError`` (and still the
+builtin exception a caller would catch), checked over the source: no ``raise`` of a bare
+builtin exception class remains in the package."""
+import ast
+import builtins
+import inspect
+import pathlib
+
+import pytest
+
+import infinity
+import infinity.errors
+
+PACKAGE = pathlib.Path(infinity.__file__).parent
+BUILTIN_ERRORS = {name for name, obj in vars(builtins).items() if inspect.isclass(obj) and issubclass(obj, BaseException)
+                  } - {"SystemExit", "KeyboardInterrupt", "StopIteration", "GeneratorExit"}
+
+
+def _raises(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+            yield node.exc.func.id, node.lineno
+
+
+def test_no_bare_builtin_exception_is_raised():
+    bare = [f"{path.relative_to(PACKAGE)}:{line} raises {name}" for path in PACKAGE.rglob("*.py")
+            for name, line in _raises(path) if name in BUILTIN_ERRORS]
+    assert bare == []
+
+
+def test_no_assert_statements_guard_state():
+    """``python -O`` drops asserts: preconditions are checks that always run."""
+    found = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in PACKAGE.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assert)]
+    assert found == []
+
+
+def _exception_classes():
+    import importlib
+    import pkgutil
+
+    for mod in pkgutil.walk_packages([str(PACKAGE)], "infinity."):
+        if mod.name.endswith(("__main__", "_aio_cffi", "_cpu_adam")):
+            continue
+        module = importlib.import_module(mod.name)
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == module.__name__:
+                yield f"{module.__name__}.{name}", obj
+
+
+@pytest.mark.parametrize("name,cls", list(_exception_classes()), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_exception_class_is_an_infinity_error(name, cls):
+    if name.startswith("infinity.testing."):
+        assert issubclass(cls, AssertionError)  # test failures, raised by the test harness
+    elif name == "infinity.config._LeafError":
+        assert not issubclass(cls, infinity.InfinityError)  # internal to validation, never escapes it
+    else:
+        assert issubclass(cls, infinity.InfinityError)
+
+
+def test_public_errors_keep_their_builtin_base():
+    assert issubclass(infinity.ConfigError, ValueError)
+    assert issubclass(infinity.ParameterNotAvailableError, RuntimeError)
+    assert issubclass(infinity.aio.AioError, OSError) if hasattr(infinity.aio, "AioError") else True
+    assert issubclass(infinity.errors.UsageError, ValueError)
