@@ -13,7 +13,8 @@ from .config import Config, ConfigError
 from .errors import InfinityError
 
 __all__ = [
-    "Config", "ConfigError", "InfinityError", "aio", "optim", "GatheredParameters", "Init", "ParameterNotAvailableError", "estimate", "initialize",
+    "Config", "ConfigError", "InfinityError", "aio", "optim", "GatheredParameters", "Init", "ParameterNotAvailableError",
+    "estimate", "initialize",
     "logger", "register_external_parameter",
 ]
 __version__ = "0.1.0"

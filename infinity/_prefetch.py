@@ -27,7 +27,8 @@ reaches them, when backward ends, at the next forward or at the optimizer step.
 Each iteration is checked against the trace: on the first mismatch (a block skipped,
 another branch, a different depth) every prefetch not yet used is abandoned (waited for and
 returned: collectives stay matched across ranks), the rest of the iteration fetches on
-demand, the divergence is counted, and the order this iteration took becomes the trace. Prefetching never makes a parameter AVAILABLE early to a
+demand, the divergence is counted, and the order this iteration took becomes the trace.
+Prefetching never makes a parameter AVAILABLE early to a
 computation: modules still acquire their units, which waits for what is in flight.
 """
 from __future__ import annotations

@@ -12,7 +12,6 @@ import shutil
 from typing import TYPE_CHECKING
 
 import psutil
-import torch
 
 from . import _comm as comm
 from ._stores import HANDOFF_BUFFERS, NvmeOptimizerStore, chunk_elems, head_elems

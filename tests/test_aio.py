@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from infinity.aio import AsyncIO, AioError, aligned_empty
+from infinity.aio import AioError, AsyncIO, aligned_empty
 
 BACKENDS = ["io_uring", "threads"]
 KiB, MiB = 1 << 10, 1 << 20

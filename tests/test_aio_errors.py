@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from infinity._log import logger
-from infinity.aio import AsyncIO, AioError
+from infinity.aio import AioError, AsyncIO
 
 BACKENDS = ["io_uring", "threads"]
 MiB = 1 << 20

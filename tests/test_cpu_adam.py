@@ -8,8 +8,7 @@ import threading
 import pytest
 import torch
 
-from infinity.optim import CPUAdam, adam_step, simd_path
-from infinity.optim import _native
+from infinity.optim import CPUAdam, _native, adam_step, simd_path
 
 FEATURES = _native.cpu_features()
 PATHS = ["scalar"] + [p for p in ("avx2", "avx512") if FEATURES[p]]

@@ -10,12 +10,11 @@ then no gradient touches the disk at all.
 """
 import pytest
 import torch
+from _models import batches, build, loss_of, train_accumulated, train_losses
 
 import infinity
 from infinity._preflight import plan
 from infinity.testing import run_ranks
-
-from _models import batches, build, loss_of, train_accumulated, train_losses
 
 STEPS = 3
 CACHES = {"off": 0, "auto": None, "all": 10**9}

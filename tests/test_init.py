@@ -6,11 +6,10 @@ import textwrap
 
 import pytest
 import torch
+from _models import batches, build, loss_of, train_losses
 
 import infinity
 from infinity.testing import run_ranks
-
-from _models import batches, build, loss_of, train_losses
 
 
 def _gpt2_config(**kw):

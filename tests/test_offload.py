@@ -12,11 +12,10 @@ import time
 import psutil
 import pytest
 import torch
+from _models import batches, build, loss_of, train_accumulated, train_losses
 
 import infinity
 from infinity.testing import run_ranks
-
-from _models import batches, build, loss_of, train_accumulated, train_losses
 
 STEPS = 4
 PLACEMENTS = [(3, p, o) for p, o in itertools.product(["none", "cpu", "nvme"], repeat=2)] + \

@@ -14,13 +14,12 @@ import time
 
 import pytest
 import torch
+from _models import Stack, build, train_losses
 from torch import nn
 
 import infinity
 import infinity._stores as stores
 from infinity.testing import run_ranks
-
-from _models import Stack, build, train_losses
 
 STEPS = 4
 LR = 2e-3
@@ -273,8 +272,9 @@ def test_backward_keeps_what_forward_ended_with(tmp_path):
 def _tied_fetches(tmp_path, prefetch, max_live=None):
     """Per step after the first: the fetches of each unit (a read or the step's hand-off)
     in a training iteration and in a forward under no_grad; the losses."""
-    from infinity import _unit
     from _models import gpt2
+
+    from infinity import _unit
 
     extra = {} if max_live is None else {"max_live_parameters": max_live}
     model, opt = infinity.initialize(gpt2(), _config(3, "nvme", "none", str(tmp_path), prefetch=prefetch,

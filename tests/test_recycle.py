@@ -3,12 +3,11 @@ handed out again only when nothing else uses its storage, and the engine's hand-
 gathered buffers really are reused while training stays exact."""
 import pytest
 import torch
+from _models import build, train_losses
 
 import infinity
 from infinity._accelerator import host_empty
 from infinity._recycle import Recycler
-
-from _models import build, train_losses
 
 
 def _recycler(capacity=1 << 20):

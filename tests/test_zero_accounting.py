@@ -21,12 +21,11 @@ parameter once. World sizes 2 and 3 (3 divides none of the bias sizes: padding i
 import pytest
 import torch
 import torch.distributed as dist
+from _models import batches, build, loss_of
 
 import infinity
 from infinity import _comm
 from infinity.testing import run_ranks
-
-from _models import batches, build, loss_of
 
 STAGES = [1, 2, 3]
 DTYPES = ["fp32", "bf16", "fp16"]

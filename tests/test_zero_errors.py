@@ -16,15 +16,13 @@ assert on those records.
 import pytest
 import torch
 import torch.distributed as dist
+from _models import batches, build, loss_of
 from torch import nn
 
 import infinity
-from infinity._engine import EngineError
-from infinity.errors import UsageError, UsageTypeError
 from infinity._param import info_of
+from infinity.errors import UsageError, UsageTypeError
 from infinity.testing import run_ranks
-
-from _models import batches, build, loss_of
 
 WORLD = 2
 LR = 2e-3

@@ -10,11 +10,10 @@ import itertools
 
 import pytest
 import torch
+from _models import batches, build, loss_of, train_losses
 
 import infinity
 from infinity.testing import run_ranks
-
-from _models import batches, build, loss_of, train_losses
 
 STEPS = 6
 LR = 2e-3

@@ -24,14 +24,13 @@ import random
 
 import pytest
 import torch
-from torch import nn
 import torch.distributed as dist
+from _models import batches, build, loss_of
+from torch import nn
 
 import infinity
 from infinity._loss_scale import LossScaler
 from infinity.testing import run_ranks
-
-from _models import batches, build, loss_of
 
 LR = 2e-3
 STAGES = [1, 2, 3]

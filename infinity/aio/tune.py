@@ -92,7 +92,6 @@ def best_of(prober: Prober, settings: Sequence[Setting], margin: float) -> Setti
 
 
 def search(prober: Prober, block_sizes, depths, threads, margin: float) -> Setting:
-    bs0 = 1 << 20 if (1 << 20) in block_sizes else block_sizes[0]
     qd0 = 32 if 32 in depths else depths[len(depths) // 2]
     print("block size:")
     # Block sizes are not ordered by cost, so the plain best wins here.
