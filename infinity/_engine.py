@@ -20,14 +20,18 @@ Note [hook protocol] (stage 3):
   on this rank, as zeros: Note [bucket plan] in _reduce.py), wait for every reduce-scatter,
   release every remaining hold. After backward no unit is gathered.
 
-Note [hold until the input gradients]: a module's units stay gathered through its backward,
-until the gradients of its trainable parameters have arrived *and* those of its inputs have
-been computed: a frozen unit (LoRA's base layers) has no gradient to wait for, yet its
-weights are needed to compute the input gradients. The input gradients are awaited with a
-hook on the inputs that needed one, registered by the forward calls that build the graph
-backward runs: the ordinary forward, or, for reentrant checkpointing (whose forward runs
-without grad), the recomputation inside backward. A non-reentrant recomputation, whose
-tensors backward never reaches, registers nothing once the original forward did.
+Note [hold until the input gradients]: a module's units stay gathered through its backward
+until the gradients of its trainable parameters have arrived; a module with a frozen unit
+(LoRA's base layers, BitFit's weights) has nothing to wait for there, yet its weights are
+needed to compute the gradients of its inputs. So each call of such a module routes the
+inputs that need a gradient through an identity autograd function (``_InputGrads``, as
+FSDP2 does for its post-backward) tagged with a token of that call; the output hook of the
+same call passes the token to the pre-backward, and the hold also waits until the
+identity's backward has run, i.e. until backward has computed this call's input gradients.
+Tokens are per call, so a module called twice waits for both calls, a forward without a
+backward leaves nothing behind, and a non-reentrant recomputation (whose outputs backward
+never reaches) waits for nothing; with reentrant checkpointing the recomputation inside
+backward is the call whose graph backward runs.
 
 Note [used again in one backward]: within one run of the autograd graph, a parameter's
 gradient is accumulated once, after every use of it has been differentiated, so a module's
@@ -49,6 +53,7 @@ later forwards and reads saw the values from before the step.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -78,8 +83,6 @@ from .errors import EngineError
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-_INPUTS = "the module's input gradients"  # Note [hold until the input gradients]
 
 # external parameters registered before initialize (e.g. inside a model's __init__)
 _pending_external: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
@@ -118,6 +121,23 @@ class ModuleState:
 class _Frame:
     state: ModuleState
     held: List[FetchUnit]
+    handling: Optional[BaseException] = None  # the exception being handled where the forward was called
+    token: Optional[int] = None  # this call's input gradients: Note [hold until the input gradients]
+
+
+class _InputGrads(torch.autograd.Function):
+    """Identity on a module call's inputs; its backward runs once backward has computed the
+    gradients of those inputs, i.e. once the call's own backward is done."""
+
+    @staticmethod
+    def forward(ctx, engine, token, *tensors):
+        ctx.engine, ctx.token = engine, token
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._inputs_done(ctx.token)
+        return (None, None) + grads
 
 
 class Engine:
@@ -135,8 +155,9 @@ class Engine:
         self.states: Dict[nn.Module, ModuleState] = {}
         self._build_units()
         self._stack: List[_Frame] = []
-        self._bwd_holds: Dict[ModuleState, set] = {}  # units (and _INPUTS) a module's backward waits for
-        self._input_waits: Dict[ModuleState, int] = {}  # forward calls whose input gradients are still to come
+        self._bwd_holds: Dict[ModuleState, set] = {}  # units and input tokens a module's backward waits for
+        self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
+        self._inputs_seen: set = set()  # tokens whose input gradients backward has computed
         self._bwd_active = False
         self._handles: list = []
         self.reducer: Optional[GradReducer] = None  # set by the optimizer, which owns the shards
@@ -224,7 +245,7 @@ class Engine:
     def install_hooks(self) -> None:
         if self.policy.partition_params:
             for module in self.states:
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 # always_call: Note [aborted forward]
                 self._handles.append(module.register_forward_hook(self._post_forward, with_kwargs=True,
                                                                   always_call=True))
@@ -249,59 +270,67 @@ class Engine:
         if self.dtype == torch.float16 and torch.is_grad_enabled():
             self.optimizer.scale_outputs(output)
 
-    def _pre_forward(self, module, args):
+    def _pre_forward(self, module, args, kwargs):
         if module is self.model:
             self._reset_stack()
             self.prefetcher.begin("forward")
         state = self.states[module]
-        frame = _Frame(state, [])
+        frame = _Frame(state, [], handling=sys.exc_info()[1])
         self._stack.append(frame)  # first: an acquire that raises still has its frame popped
         for unit in state.units:
             unit.acquire()
             frame.held.append(unit)
         if state.units:
             self.prefetcher.on_module(state)
+        if torch.is_grad_enabled() and any(not u.trainable for u in state.units):
+            return self._watch_inputs(frame, args, kwargs)
+        return None
+
+    def _watch_inputs(self, frame: _Frame, args, kwargs):
+        """Note [hold until the input gradients]: route this call's inputs that need a
+        gradient through ``_InputGrads``; None when there are none."""
+        slots = [(i, None) for i, a in enumerate(args) if _needs_grad(a)]
+        slots += [(None, k) for k, v in kwargs.items() if _needs_grad(v)]
+        if not slots:
+            return None
+        frame.token = next(self._tokens)
+        tensors = [args[i] if k is None else kwargs[k] for i, k in slots]
+        outs = _InputGrads.apply(self, frame.token, *tensors)
+        args, kwargs = list(args), dict(kwargs)
+        for (i, k), t in zip(slots, outs):
+            if k is None:
+                args[i] = t
+            else:
+                kwargs[k] = t
+        return tuple(args), kwargs
+
+    def _inputs_done(self, token: int) -> None:
+        self._inputs_seen.add(token)
+        for state in [s for s, waiting in self._bwd_holds.items() if waiting and token in waiting]:
+            waiting = self._bwd_holds[state]
+            waiting.discard(token)
+            if not waiting:
+                self._drop_hold(state)
 
     def _post_forward(self, module, args, kwargs, output):
-        aborted = sys.exc_info()[1] is not None  # torch calls this hook inside its `except` when forward raised
+        raised = sys.exc_info()[1]  # torch calls this hook inside its `except` when forward raised
         if not self._stack or self._stack[-1].state.module is not module:
-            if aborted:
+            if raised is not None:
                 return  # the forward raised before this module's pre-forward hook pushed a frame
             raise EngineError(f"forward hooks out of order at {type(module).__name__}; was a forward interrupted?")
         frame = self._stack.pop()
         for unit in frame.held:
             unit.release()
-        if aborted:
-            return
+        if raised is not None and raised is not frame.handling:
+            return  # aborted (a forward called inside an `except` block sees that block's exception)
         if torch.is_grad_enabled() and frame.state.units:
             outs = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
             if outs:
-                state = frame.state
-                register_multi_grad_hook(outs, lambda _grad: self._pre_backward(state), mode="any")
-                self._expect_input_grads(state, args, kwargs)
+                state, token = frame.state, frame.token
+                register_multi_grad_hook(outs, lambda _grad: self._pre_backward(state, token), mode="any")
         if module is self.model:
             self.prefetcher.end()
             self._post_forward_root(module, args, output)
-
-    def _expect_input_grads(self, state: ModuleState, args, kwargs) -> None:
-        """Note [hold until the input gradients]: count this call's inputs that need a
-        gradient; backward releases the module's units once they all have one."""
-        ins = [t for t in _tensors((args, kwargs)) if t.requires_grad]
-        if not ins:
-            return
-        if torch._C._current_graph_task_id() != -1 and self._input_waits.get(state, 0) > 0:
-            return  # a non-reentrant recomputation: the original forward's inputs are the ones backward reaches
-        self._input_waits[state] = self._input_waits.get(state, 0) + 1
-        register_multi_grad_hook(ins, lambda _grads: self._inputs_done(state), mode="all")
-
-    def _inputs_done(self, state: ModuleState) -> None:
-        left = self._input_waits.get(state, 0) - 1
-        self._input_waits[state] = max(left, 0)
-        waiting = self._bwd_holds.get(state)
-        if left <= 0 and waiting and _INPUTS in waiting:
-            waiting.discard(_INPUTS)
-            if not waiting:
-                self._drop_hold(state)
 
     def _reset_stack(self) -> None:
         """A forward that raised leaves frames behind: release what they held."""
@@ -342,20 +371,20 @@ class Engine:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.prefetcher.begin("backward")
 
-    def _pre_backward(self, state: ModuleState) -> None:
+    def _pre_backward(self, state: ModuleState, token: Optional[int] = None) -> None:
         self._begin_backward()
+        inputs = {token} if token is not None and token not in self._inputs_seen else set()
         again = state in self._bwd_holds
         if again and self._bwd_holds[state] is not None:
-            return  # already held: a module called twice in forward
-        waiting = set()
+            self._bwd_holds[state] |= inputs  # already held: a module called twice in forward
+            return
+        waiting = set(inputs)
         for unit in state.units:
             unit.acquire()
             if again and unit.grads_pending <= 0:  # Note [used again in one backward]
                 unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
             if unit.grads_pending > 0:
                 waiting.add(unit)
-        if self._input_waits.get(state, 0) > 0:
-            waiting.add(_INPUTS)
         self._bwd_holds[state] = waiting
         self.prefetcher.on_module(state)
         if not waiting:
@@ -386,13 +415,17 @@ class Engine:
 
     def _end_backward(self) -> None:
         if self.policy.reduce_in_backward:
+            for unit in self.units:  # gradients no hook handed over: a unit used in part, late accumulations
+                if any(p.grad is not None for p in unit.params):
+                    unit.grads_pending = 0
+                    self.reducer.add(unit)
             with self.counters.blocked("reduce_scatter"):
                 self.reducer.finish()  # units without gradients join as zeros: Note [bucket plan] in _reduce.py
         for state, waiting in list(self._bwd_holds.items()):
             if waiting is not None:
                 self._drop_hold(state)
         self._bwd_holds.clear()
-        self._input_waits.clear()
+        self._inputs_seen.clear()
         self._bwd_active = False
         self.prefetcher.end()
 
@@ -426,6 +459,12 @@ class Engine:
         full = torch.empty(self.world_size * unit.shard_numel, dtype=self.dtype, device=acc.device())
         comm.all_gather_into_tensor(full, shard, async_op=False, what=f"restoring {unit.module_name or '<root>'}")
         unit.load_full_into_params(full.view(self.world_size, unit.shard_numel))
+
+    def settle_writes(self) -> None:
+        """Wait for the overlapped step and every parameter-shard write in flight."""
+        self.optimizer.wait_step()
+        if self.optimizer.param_store is not None:
+            self.optimizer.param_store.flush()
 
     def needs_copy_to_restore(self, unit: FetchUnit) -> bool:
         """An edit of ``unit``'s gathered values would also edit the only stored copy: stage
@@ -514,6 +553,10 @@ def gathered_recycler(units: List[FetchUnit]) -> Optional[Recycler]:
         return None
     biggest = max((u.full_nbytes for u in units), default=0)
     return Recycler(GATHERED_REUSE * biggest, acc.host_empty)  # aligned: one rank reads shards from NVMe into them
+
+
+def _needs_grad(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
 
 
 def _tensors(obj, depth: int = 0):

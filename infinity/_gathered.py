@@ -58,6 +58,8 @@ class GatheredParameters:
             unit.acquire()
         self._prints = self._saved = None
         if self.modifier_rank is None and self._managed():
+            for engine in {id(u.engine): u.engine for u in self.units}.values():
+                engine.settle_writes()  # a handed-off shard may still be being written: edits must not reach the file
             self._prints = [_fingerprint(raw_data(p)) for unit in self.units for p in unit.params]
             self._saved = {unit: [raw_data(p).clone() for p in unit.params]
                            for unit in self.units if unit.engine.needs_copy_to_restore(unit)}
@@ -100,11 +102,24 @@ class GatheredParameters:
                            (f" and {len(names) - 5} more" if len(names) > 5 else ""))
 
 
-def _fingerprint(t: torch.Tensor) -> tuple:
-    """Bits that change when any value of ``t`` changes or values move: the XOR of all its
-    elements' bits, and of those at odd positions."""
-    flat = t.reshape(-1)
-    return tuple(torch.hash_tensor(x).view(torch.int64).item() if x.numel() else 0 for x in (flat, flat[1::2]))
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PIECE = 1 << 22  # elements hashed at a time: bounded temporary memory
+
+
+def _fingerprint(t: torch.Tensor) -> int:
+    """A number that changes when any value of ``t`` changes or values move: the sum, with
+    wrap-around, of each element's bit pattern times an odd number that depends on its
+    position (two different tensors collide with probability about 2**-64)."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    bits = flat.view(_INT_OF[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64)
+    for lo in range(0, bits.numel(), _PIECE):
+        piece = bits[lo : lo + _PIECE].to(torch.int64)
+        weights = torch.arange(lo, lo + piece.numel(), dtype=torch.int64).mul_(0x9E3779B97F4A7C15 - (1 << 64)).bitwise_or_(1)
+        total += piece.mul_(weights).sum()
+    return int(total)
 
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:

@@ -11,7 +11,10 @@ its bucket's buffer and its full gradients are freed; bucket i is launched once 
 units are in and buckets 0..i-1 are launched. At the end of backward (``finish``) the
 units that got no gradient on this rank join their buckets as zeros, so every rank launches
 every bucket (DDP's ``find_unused_parameters`` does the same). Units without a trainable
-parameter are in no bucket.
+parameter are in no bucket. Gradients that arrive after their unit joined its bucket (Note
+[used again in one backward] in _engine.py) stay in ``.grad`` until ``finish``, which agrees
+across ranks on the units that have any (one small all-reduce) and reduces those in plan
+order.
 
 Whenever a unit arrives, buckets whose reduce-scatter has finished are folded into the fp32
 gradient shards (``accumulate``: the offload to host or NVMe, itself asynchronous on NVMe),
@@ -81,6 +84,7 @@ class GradReducer:
         self.buckets = plan_buckets(units, world_size, self.bucket_elems)
         self._where: Dict[FetchUnit, Tuple[_Bucket, int]] = {u: (b, col) for b in self.buckets for u, col in b.units}
         self._added: set = set()  # units in this backward's buckets
+        self._late: set = set()  # units with gradients accumulated after they joined their bucket
         self._next = 0  # the first bucket not launched yet
         self._inflight: List[_InFlight] = []
         # Note: bucket buffers are allocated once and reused: fresh 100s-of-MB buffers every
@@ -92,30 +96,45 @@ class GradReducer:
     def add(self, unit: FetchUnit) -> None:
         """``unit``'s gradients are complete on this rank. A second call in one backward
         brings gradients accumulated since the first (a parameter used in two reentrant
-        checkpoints gets one accumulation per inner backward): they are reduced on their own
-        and added to the shard."""
+        checkpoints gets one accumulation per inner backward): they stay in ``.grad`` until
+        ``finish`` reduces them (Note [bucket plan])."""
         if unit not in self._where:
+            return
+        if unit in self._added:
+            self._late.add(unit)
             return
         self.on_add(unit)
         while self._inflight and self._inflight[0].handle.done():
             self._complete(self._inflight.pop(0))  # reduced already: offload it now
-        if unit in self._added:
-            self._late(unit)
-            return
         self._added.add(unit)
         self._join(unit)
 
-    def _late(self, unit: FetchUnit) -> None:
-        bucket = _Bucket(units=[(unit, 0)], cols=unit.shard_numel)
-        own = unit.own_shard_grad()
-        if own is not None:
-            self.accumulate(unit, own)
-        else:
-            bucket.full = torch.empty(self.world_size, unit.shard_numel, dtype=torch.float32, device=acc.device())
-            unit.grads_into(bucket.full)
-            self._launch(bucket)
-        if self.drop_full_grads:
-            unit.drop_grads()
+    def _reduce_late(self) -> None:
+        """The late gradients of every rank, unit by unit in plan order: which units have
+        some is agreed first (one small all-reduce), so every rank launches the same
+        reduce-scatters, zeros where it has none."""
+        units = [u for b in self.buckets for u, _ in b.units]
+        late = [u in self._late for u in units]
+        if self.world_size > 1:
+            flags = torch.tensor(late, dtype=torch.float32)
+            comm.all_reduce(flags, "sum")
+            late = (flags > 0).tolist()
+        for unit, is_late in zip(units, late):
+            if not is_late:
+                continue
+            self.on_add(unit)
+            own = unit.own_shard_grad()
+            if own is not None:
+                self.accumulate(unit, own)
+            else:
+                bucket = _Bucket(units=[(unit, 0)], cols=unit.shard_numel)
+                bucket.full = torch.empty(self.world_size, unit.shard_numel, dtype=torch.float32, device=acc.device())
+                unit.grads_into(bucket.full)
+                self._launch(bucket)
+            if self.drop_full_grads:
+                unit.drop_grads()
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
 
     def _join(self, unit: FetchUnit) -> None:
         """Put ``unit``'s gradients (zeros where it has none) into its planned bucket."""
@@ -165,7 +184,9 @@ class GradReducer:
         self._launch_ready()
         while self._inflight:
             self._complete(self._inflight.pop(0))
+        self._reduce_late()
         self._added.clear()
+        self._late.clear()
         self._next = 0
 
     def _complete(self, item: _InFlight) -> None:

@@ -323,3 +323,17 @@ def test_reading_without_modifier_rank_warns_nothing():
         logging.getLogger("infinity").removeHandler(handler)
     assert handler.messages == []
     opt.engine.close()
+
+
+@pytest.mark.parametrize("stage,param", [(3, "none"), (3, "cpu"), (1, "none")])
+def test_values_moved_without_modifier_rank_are_detected_and_discarded(tmp_path, stage, param):
+    """Swapping two rows changes no value's bits, only their positions: still an edit."""
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(Net(), config=_config(stage, param, "none", str(tmp_path)))
+    with infinity.GatheredParameters([model.a.weight]):
+        before = model.a.weight.detach().clone()
+        with torch.no_grad():
+            model.a.weight.data[[0, 1]] = model.a.weight.data[[1, 0]]
+    with infinity.GatheredParameters([model.a.weight]):
+        assert torch.equal(model.a.weight, before)
+    opt.engine.close()
