@@ -39,8 +39,9 @@ hold ends with its units' gradients. Reentrant activation checkpointing runs one
 backward per checkpoint: a module shared by two checkpointed blocks (or a parameter used in
 both) is differentiated, and its gradient accumulated, once per inner backward. So a module
 whose hold already ended is acquired again when backward reaches it again, its units wait for
-another accumulation, and the reducer reduces the gradients that arrive late on their own
-(``GradReducer.add`` a second time), adding them to the shard.
+another accumulation; gradients that arrive after the unit's were handed to the reducer
+stay in ``.grad`` and are reduced at the end of backward (Note [bucket plan] in _reduce.py),
+as are those of a unit only some of whose parameters got one.
 
 Note [aborted forward]: a module's forward can end by an exception, and not only on error:
 non-reentrant activation checkpointing stops its recomputation inside backward by raising

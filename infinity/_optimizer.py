@@ -351,10 +351,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])
         upto = chunk.offset + n
         if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
-            upto = min([upto] + [self.layout.to_opt(ps.step_outputs_done(p, b - a))
-                                 for a, b, p in self.layout.param_pieces(chunk.offset, end)])
+            upto = self._outputs_done(chunk.offset, end)
         if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
             self._publish(upto)
+
+    def _outputs_done(self, lo: int, hi: int) -> int:
+        """Report [lo, hi) of the optimizer's space written to the NVMe parameter tier's step
+        outputs; the optimizer-space offset below which everything the step produced is
+        written (the start of the first unit still filling, else ``hi``)."""
+        upto = hi
+        for a, b, p in self.layout.param_pieces(lo, hi):
+            done = self.param_store.step_outputs_done(p, b - a)
+            if done < p + (b - a) and upto == hi:
+                upto = self.layout.to_opt(done)
+        return upto
 
     def _step_targets(self, offset: int, n: int, out_flat: Optional[torch.Tensor]) -> list:
         """(start, view) pieces of [offset, offset + n) that receive the updated compute-dtype

@@ -2,13 +2,14 @@
 configs (nothing downloads), each with a switch for activation checkpointing.
 
 - ``gpt2``: Hugging Face GPT-2 with tied embeddings (tests/_models.py).
-- ``llama``: Hugging Face Llama (rotary embeddings, RMSNorm, gated MLP; untied head).
+- ``llama``: Hugging Face Llama (rotary embeddings, RMSNorm, gated MLP; untied head), and
+  ``llama_frozen``, the same with its embedding and first layer frozen.
 - ``t5``: Hugging Face T5 encoder-decoder (relative attention bias owned by the first block
   and read by every later one, cross-attention, tied encoder/decoder embedding).
 - ``moe``: a top-1 mixture of experts whose experts are separate modules run only on the
   tokens routed to them; one expert is never routed to, one only on some steps.
 - ``frozen``: a stack whose lower half does not require grad (gradients still flow through
-  it to the trainable embedding below), with one module frozen only in part.
+  it to the trainable embedding below), with two modules frozen only in part.
 
 Checkpoint modes: ``none``, ``reentrant`` and ``nonreentrant`` for every model; the custom
 models also have ``nested`` and ``nested_reentrant`` (a checkpointed block whose forward
@@ -19,11 +20,10 @@ again by the recomputation), the way hand-written training code does.
 """
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from _models import VOCAB
 from _models import gpt2 as _gpt2
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 HF_MODES = ("none", "reentrant", "nonreentrant")
 CUSTOM_MODES = HF_MODES + ("nested", "nested_reentrant")
@@ -56,6 +56,16 @@ def llama(mode="none", seed=0):
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False, attention_dropout=0.0, use_cache=False)
     return _hf_checkpointing(LlamaForCausalLM(cfg), mode)
+
+
+def llama_frozen(mode="none", seed=0):
+    """Llama with its lower half frozen (embedding and first layer), as when fine-tuning the top
+    layers. With checkpointing on, Hugging Face makes the embedding's output require grad, so
+    backward runs through the frozen layer (its RMSNorm reads its weight there)."""
+    model = llama(mode, seed)
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)
+    return model
 
 
 def t5(mode="none", seed=0):
@@ -161,17 +171,31 @@ class Block(nn.Module):
         return x + self._owner[0].run(self.mlp, self.norm(x), inner=True)
 
 
+class ScaleShift(nn.Module):
+    """``x * gain + shift``: two autograd nodes; frozen gain, trainable shift."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.gain = nn.Parameter(1.0 + 0.1 * torch.randn(dim), requires_grad=False)
+        self.shift = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return x * self.gain + self.shift
+
+
 class FrozenHalf(_Checkpointed):
     """Embedding, four blocks and a head. Blocks 0 and 1 are frozen (``requires_grad=False``),
     but the embedding below them trains, so backward runs through the frozen blocks without
-    producing their gradients. Block 2's norm is frozen in part (weight frozen, bias trains):
-    a module whose parameters are half trainable."""
+    producing their gradients. Two modules are frozen only in part: block 2's norm (weight
+    frozen, bias trains; one autograd node) and ``out`` (a frozen gain, then a trainable shift:
+    the shift's gradient is complete before backward has read the gain)."""
 
     def __init__(self, dim=16, hidden=32, depth=4):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList([Block(dim, hidden, self) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
+        self.out = ScaleShift(dim)
         self.head = nn.Linear(dim, VOCAB)
         for block in self.blocks[: depth // 2]:
             block.requires_grad_(False)
@@ -181,7 +205,7 @@ class FrozenHalf(_Checkpointed):
         x = self.emb(input_ids)
         for block in self.blocks:
             x = self.run(block, x)
-        logits = self.head(self.norm(x))
+        logits = self.head(self.out(self.norm(x)))
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
 
 
@@ -201,7 +225,7 @@ def frozen(mode="none", seed=0):
     return _custom(FrozenHalf, mode, seed)
 
 
-BUILDERS = {"gpt2": gpt2, "llama": llama, "t5": t5, "moe": moe, "frozen": frozen}
+BUILDERS = {"gpt2": gpt2, "llama": llama, "llama_frozen": llama_frozen, "t5": t5, "moe": moe, "frozen": frozen}
 
 
 def build(kind, mode="none", seed=0):
@@ -243,7 +267,7 @@ def _tokens_not_routed_to(model, expert, margin=1.0):
 
 
 def loss_of(model, kind, ids, targets):
-    if kind in ("gpt2", "llama"):
+    if kind in ("gpt2", "llama", "llama_frozen"):
         return model(input_ids=ids, labels=ids).loss
     if kind == "t5":
         return model(input_ids=ids, labels=targets).loss

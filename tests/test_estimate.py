@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+import infinity
 from infinity._estimate import EstimateError, estimate, parse_count, parse_size
 
 TiB, GiB = 2**40, 2**30
@@ -258,3 +259,10 @@ def test_recommended_config_loads_as_an_infinity_config(params, tmp_path):
     assert zero.stage == rec.placement.stage
     assert zero.offload_param.device == as_config[rec.placement.param_tier.value]
     assert zero.offload_optimizer.device == as_config[rec.placement.optimizer_tier.value]
+
+
+def test_importing_the_command_module_keeps_infinity_estimate_callable():
+    import importlib
+
+    importlib.import_module("infinity.estimate")  # binds the module as infinity.estimate
+    assert infinity.estimate("1B", gpus=1, gpu_mem="16GB", cpu_mem="64GB", nvme="1TB").params == 10**9

@@ -259,3 +259,28 @@ def test_param_reads_wait_for_their_own_writes(tmp_path):
             store.pool.put(buf)
     store.flush()
     assert store._writes == []
+
+
+def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, monkeypatch):
+    """Note [overlapped step]: once the first chunk is updated, a fetch of any unit inside it
+    proceeds; the units that chunk completes are published together, not only the first."""
+    import threading
+
+    from infinity._stores import MemoryOptimizerStore
+
+    release = threading.Event()
+    real_tail = MemoryOptimizerStore.update_tail
+
+    def held_tail(self, fn):
+        release.wait(30)
+        return real_tail(self, fn)
+
+    monkeypatch.setattr(MemoryOptimizerStore, "update_tail", held_tail)
+    model, opt = infinity.initialize(_TailHeavy(), _config(3, "nvme", "cpu", str(tmp_path)))
+    model(torch.randn(6, 32)).backward()
+    opt.step()  # the head (units a and b) is updated here; the tail waits for `release`
+    head_end = opt.store.head
+    units = [u for u in opt.engine.units if u.opt_offset + u.shard_numel <= head_end]
+    assert len(units) >= 2 and opt._updated_upto >= max(u.opt_offset + u.shard_numel for u in units)
+    release.set()
+    opt.engine.close()
