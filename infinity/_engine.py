@@ -43,6 +43,15 @@ another accumulation; gradients that arrive after the unit's were handed to the 
 stay in ``.grad`` and are reduced at the end of backward (Note [bucket plan] in _reduce.py),
 as are those of a unit only some of whose parameters got one.
 
+Note [same gathers on every rank]: an all-gather is a collective, so in stage 3 every rank
+must gather the same units in the same order. When ranks run different modules (an expert
+routed on one rank only) the gathers pair up wrongly: with units of different sizes the
+collective fails, but with units of the same size (identical experts) it succeeds and mixes
+shards of different modules, silently. So the engine keeps the sequence of units it
+gathers and, at the end of each forward and of each backward, compares a hash of it across
+ranks (one small all-reduce); on a mismatch it raises, naming the first unit that differs,
+before anything computed from the mixed values reaches the optimizer.
+
 Note [aborted forward]: a module's forward can end by an exception, and not only on error:
 non-reentrant activation checkpointing stops its recomputation inside backward by raising
 (``_StopRecomputationError``) as soon as the tensors it needs are recomputed, i.e. in the
@@ -157,6 +166,7 @@ class Engine:
         self._build_units()
         self._stack: List[_Frame] = []
         self._bwd_holds: Dict[ModuleState, set] = {}  # units and input tokens a module's backward waits for
+        self._gathers: List[int] = []  # units all-gathered since the last check: Note [same gathers on every rank]
         self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
         self._inputs_seen: set = set()  # tokens whose input gradients backward has computed
         self._bwd_active = False
@@ -331,6 +341,7 @@ class Engine:
                 register_multi_grad_hook(outs, lambda _grad: self._pre_backward(state, token), mode="any")
         if module is self.model:
             self.prefetcher.end()
+            self.check_same_gathers("forward")
             self._post_forward_root(module, args, output)
 
     def _reset_stack(self) -> None:
@@ -429,6 +440,38 @@ class Engine:
         self._inputs_seen.clear()
         self._bwd_active = False
         self.prefetcher.end()
+        self.check_same_gathers("backward")
+
+    def note_gather(self, unit: FetchUnit) -> None:
+        """Note [same gathers on every rank]: one more all-gather, of ``unit``."""
+        self._gathers.append(unit.index)
+
+    def check_same_gathers(self, where: str) -> None:
+        """Note [same gathers on every rank]: raise if the ranks gathered different units
+        since the last check."""
+        seq, self._gathers = self._gathers, []
+        if self.world_size == 1 or not self.policy.partition_params:
+            return
+        h = 0
+        for index in seq:
+            h = (h * 1_000_003 + index + 1) % (1 << 61)
+        mine = torch.tensor([h, -h, len(seq), -len(seq)], dtype=torch.int64)
+        both = comm.all_reduce(mine.clone(), "max")
+        if torch.equal(both, mine):
+            return
+        seqs = comm.all_gather_object(seq)
+        r = next(r for r, other in enumerate(seqs) if other != seq)
+        k = next((i for i, (a, b) in enumerate(zip(seq, seqs[r])) if a != b), min(len(seq), len(seqs[r])))
+        name = {u.index: u.module_name or "<root>" for u in self.units}
+        mine_at = name.get(seq[k], "nothing") if k < len(seq) else "nothing"
+        theirs_at = name.get(seqs[r][k], "nothing") if k < len(seqs[r]) else "nothing"
+        raise EngineError(
+            f"ranks gathered different parameters in this {where}: all-gather {k + 1} was of {mine_at!r} on rank "
+            f"{self.rank} and of {theirs_at!r} on rank {r}, so the gathered values mix shards of different modules "
+            f"and cannot be trained on. In ZeRO stage 3 every rank must run the same modules in the same order; a "
+            f"module that runs on some ranks only (e.g. an expert chosen by routing) must have its parameters "
+            f"fetched by a parent that runs on all: infinity.register_external_parameter(parent, p) for each of "
+            f"its parameters p")
 
     def repartition(self, unit: FetchUnit) -> None:
         """The gathered values of ``unit`` were edited: refresh its shard and master weights."""

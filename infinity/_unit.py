@@ -334,6 +334,7 @@ class FetchUnit:
         self.engine.live_elems += self.full_numel
         self.engine.peak_live_elems = max(self.engine.peak_live_elems, self.engine.live_elems)
         self.engine.counters.bytes["all_gather"] += nbytes
+        self.engine.note_gather(self)
         if in_place:
             self._gather_out = shard
         else:

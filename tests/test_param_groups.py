@@ -337,3 +337,36 @@ def test_values_moved_without_modifier_rank_are_detected_and_discarded(tmp_path,
     with infinity.GatheredParameters([model.a.weight]):
         assert torch.equal(model.a.weight, before)
     opt.engine.close()
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, expert):
+        return self.head(self.experts[expert](torch.tanh(self.inp(x)))).pow(2).mean()
+
+
+def _route_by_rank():
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(_Experts(), config=_config(3))
+    try:
+        model(torch.randn(4, 16), expert=dist.get_rank())  # same-size units: the gathers pair up wrongly
+    except infinity.InfinityError as e:
+        return type(e).__name__, str(e)
+    finally:
+        opt.engine.close()
+    return "ok", ""
+
+
+def test_stage3_ranks_that_gather_different_units_are_stopped():
+    """Note [same gathers on every rank]: identical experts routed differently per rank would
+    mix shards silently; the forward raises instead, naming both modules and the remedy."""
+    for kind, message in run_ranks(_route_by_rank, 2, timeout=120):
+        assert kind == "EngineError"
+        assert "experts.0" in message and "experts.1" in message and "register_external_parameter" in message
