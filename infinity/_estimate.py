@@ -32,10 +32,11 @@ Note: the formulas, and where they come from
     Activation working memory, AWM (002 eq. 5): bsz·seq·ci·(16·hd + 2·heads·seq) bytes: the
     activations recomputed between two checkpoints during backward.
 
-    NVMe tiers need host staging buffers: the prefetcher keeps ``_PREFETCH_DEPTH`` shards of the
-    largest operator in flight, and the optimizer swapper streams read / update / write chunks
-    of at most ``_SWAP_CHUNK_NUMEL`` elements. Both are per GPU, bounded, and small next to
-    the model states of any model that needs NVMe.
+    NVMe tiers need host memory of their own, computed by the stores' own formulas with the
+    config's defaults (``_staging_bytes``; the preflight of a real run checks the same bytes):
+    the parameter tier's staging pool and hand-off buffers (shards of the largest operator),
+    the optimizer swapper's buffer sets, its host cache of the first unit (the embedding) and,
+    in stages 2-3 when they take at most a quarter of host memory, the fp32 gradient shards.
 """
 from __future__ import annotations
 
@@ -56,9 +57,6 @@ from .errors import UsageError
 __all__ = ["estimate", "Estimate", "Placement", "Recommendation", "EstimateError",
            "parse_size", "parse_count", "main"]
 
-_PREFETCH_DEPTH = 3          # operators in flight NVMe→host (DESIGN §3, prefetcher)
-_SWAP_BUFFERS = 3            # read chunk k+1, update k, write k-1 (DESIGN §3, swapper)
-_SWAP_CHUNK_NUMEL = 1 << 25  # elements per optimizer swap chunk
 _NVME_PATH_PLACEHOLDER = "/local_nvme"
 
 
@@ -553,12 +551,7 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw) -
     working = {1: 0, 2: prec.grad * shape.largest_operator_numel, 3: terms.model_state_working}
     device = (tiers[Tier.DEVICE] + working[stage] + terms.activation_checkpoints
               + terms.activation_working)
-    staging = 0
-    if ptier is Tier.NVME:
-        staging += _PREFETCH_DEPTH * prec.param * math.ceil(shape.largest_operator_numel / ranks)
-    if otier is Tier.NVME:
-        per_element = prec.optimizer + (prec.grad if stage > 1 else 0)
-        staging += _SWAP_BUFFERS * per_element * min(tshard, _SWAP_CHUNK_NUMEL)
+    staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw)
     host = per_node * (tiers[Tier.CPU] + staging)
     nvme = per_node * tiers[Tier.NVME]
     if hw.device_is_host:     # one memory holds both tiers
@@ -567,6 +560,27 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw) -
         fits_device, fits_host = device <= hw.gpu_mem, host <= hw.cpu_mem
     return Placement(stage, ptier, otier, device_bytes=device, host_bytes=host, nvme_bytes=nvme,
                      fits_device=fits_device, fits_host=fits_host, fits_nvme=nvme <= hw.nvme)
+
+
+def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw) -> int:
+    """Host buffers of the NVMe tiers per GPU, from the stores' own formulas with the
+    config's defaults (one memory model: the preflight checks the same bytes)."""
+    from ._preflight import staging_buffers
+    from ._stores import NvmeOptimizerStore, ParamStore, chunk_elems, head_elems
+    from .config import Config
+
+    z = Config().zero
+    out = 0
+    if ptier is Tier.NVME:
+        largest = math.ceil(shape.largest_operator_numel / hw.ranks)
+        out += ParamStore.staging_bytes(largest, staging_buffers(z), prec.param)
+    if otier is Tier.NVME:
+        chunk = chunk_elems(z.offload_optimizer.chunk_size, tshard)
+        first = math.ceil((shape.vocab * shape.hidden if shape.vocab else shape.largest_operator_numel) / hw.ranks)
+        head = head_elems(z.offload_optimizer.host_cache, [(0, first)], chunk, tshard)  # the first unit, cached
+        grads_in_host = stage > 1 and 4 * tshard * hw.gpus_per_node <= hw.cpu_mem // 4  # the "auto" rule
+        out += NvmeOptimizerStore.bytes_for(tshard, chunk, head, grads_in_host)["host"]
+    return out
 
 
 def _positive_int(value: Any, what: str, allow_none: bool = True) -> Optional[int]:

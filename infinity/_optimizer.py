@@ -31,7 +31,7 @@ from ._param_groups import (
     runs_in,
     slots_of,
 )
-from ._preflight import gradients_in_host, preflight
+from ._preflight import gradients_in_host, preflight, staging_buffers
 from ._reduce import GradReducer
 from ._stores import (
     ALIGN_ELEMS,
@@ -150,16 +150,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _make_param_store(self) -> ParamStore:
         z = self.cfg.zero
-        alias = None
-        if self.engine.dtype == torch.float32 and self.param_tier == self.opt_tier != "nvme" and self.layout.same_spaces:
-            alias = self.store.master  # Note: in fp32 the master weights are the parameter shards
+        alias = self.store.master if self.params_are_master else None
         return ParamStore(self.param_tier, self.engine.dtype, self.layout.param_total,
                           swap=self._swap_dir(z.offload_param.nvme_path) if self.param_tier == "nvme" else None,
                           aio_cfg=self.cfg.aio, alias=alias,
                           max_unit=max((u.shard_numel for u in self.engine.units), default=0),
                           buffer_size=z.offload_param.buffer_size,
-                          buffer_count=z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2),
+                          buffer_count=staging_buffers(z),
                           slots=self.layout.param_slots())
+
+    @property
+    def params_are_master(self) -> bool:
+        """fp32 with parameters and optimizer states on one resident tier: the master
+        weights are the parameter shards (no second copy)."""
+        return (self.engine.dtype == torch.float32 and self.param_tier == self.opt_tier != "nvme"
+                and self.layout.same_spaces)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_building", False):

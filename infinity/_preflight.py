@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from . import _comm as comm
-from ._stores import HANDOFF_BUFFERS, NvmeOptimizerStore, chunk_elems, head_elems
+from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore, chunk_elems, head_elems
 from .errors import InsufficientResourcesError
 
 if TYPE_CHECKING:
@@ -30,31 +30,34 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     esize = engine.itemsize
     n = opt.total
     need = {"device": 0, "host": 0, "nvme": {}}
-    opt_bytes = 16 * n  # master, grad, exp_avg, exp_avg_sq in fp32
     z = engine.cfg.zero
     if opt.opt_tier == "nvme":
         path = z.offload_optimizer.nvme_path
-        grads = 4 * n if opt.grads_in_memory else 0  # Note [gradients in host memory]
-        need["nvme"][path] = need["nvme"].get(path, 0) + opt_bytes - grads
         chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
         head = head_elems(z.offload_optimizer.host_cache, opt.unit_ranges, chunk, n)  # Note [host cache]
-        need["host"] += NvmeOptimizerStore.SETS * 16 * chunk + 16 * head + grads
-    else:  # an overlapped step's sealed and spare gradients (MemoryOptimizerStore.nbytes)
-        need["host" if opt.opt_tier == "cpu" else "device"] += opt_bytes + (8 * n if opt.overlap else 0)
+        store = NvmeOptimizerStore.bytes_for(n, chunk, head, opt.grads_in_memory)
+        need["nvme"][path] = need["nvme"].get(path, 0) + store["nvme"]
+        need["host"] += store["host"]
+    else:
+        need["host" if opt.opt_tier == "cpu" else "device"] += MemoryOptimizerStore.bytes_for(n, opt.overlap)
     if engine.policy.partition_params:
         param_bytes = opt.layout.param_total * esize  # every unit; the optimizer space holds trainable ones
         if opt.param_tier == "nvme":
             path = z.offload_param.nvme_path
             need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
             biggest = max((u.shard_numel for u in engine.units), default=0)
-            # the staging pool, plus the step's fresh output kept (Note [hand-off]) and its recycled tensors
-            buffers = (z.offload_param.buffer_count or z.prefetch.depth + 2) + 2 * HANDOFF_BUFFERS
-            need["host"] += buffers * max(z.offload_param.buffer_size or 0, biggest) * esize
-        else:
+            need["host"] += ParamStore.staging_bytes(max(z.offload_param.buffer_size or 0, biggest),
+                                                     staging_buffers(z), esize)
+        elif not opt.params_are_master:
             need["host" if opt.param_tier == "cpu" else "device"] += param_bytes
         if engine.gathered is not None:  # gathered buffers kept for reuse (Note [recycled host memory])
             need["device"] += engine.gathered.capacity
     return need
+
+
+def staging_buffers(z) -> int:
+    """Staging buffers of the NVMe parameter tier (``zero.offload_param.buffer_count``)."""
+    return z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2)
 
 
 def _ranks_here() -> int:

@@ -281,8 +281,14 @@ class ParamStore:
     def nbytes(self) -> dict:
         own = nbytes_of(self.total, self.dtype)
         if self.tier == "nvme":
-            return {"nvme": own, "host": self.pool.nbytes + self._kept_cap + self._outputs.capacity}
+            return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize)}
         return {"host" if self.tier == "cpu" else "device": own}
+
+    @staticmethod
+    def staging_bytes(buffer_numel: int, buffer_count: int, itemsize: int) -> int:
+        """Host memory of the NVMe tier for a plan: the staging pool, the step's kept output
+        and the recycled output tensors (Note [hand-off]), each HANDOFF_BUFFERS buffers' worth."""
+        return (buffer_count + 2 * HANDOFF_BUFFERS) * buffer_numel * itemsize
 
 
 # ------------------------------------------------------------------------ optimizer
@@ -392,10 +398,14 @@ class MemoryOptimizerStore:
         return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
 
     def nbytes(self) -> dict:
-        # an overlapped step's sealed gradients beside the accumulating ones, and for a moment
-        # the spare it gives back when the next backward has already started a new buffer
-        buffers = 6 if self.overlapped else 4
-        return {"host" if self.tier == "cpu" else "device": buffers * 4 * self.total}
+        return {"host" if self.tier == "cpu" else "device": self.bytes_for(self.total, self.overlapped)}
+
+    @staticmethod
+    def bytes_for(total: int, overlapped: bool) -> int:
+        """Master weights, moments and gradients; an overlapped step's sealed gradients beside
+        the accumulating ones, and for a moment the spare it gives back when the next
+        backward has already started a new buffer."""
+        return (6 if overlapped else 4) * 4 * total
 
 
 def _zeros_host(n: int) -> torch.Tensor:
@@ -715,9 +725,16 @@ class NvmeOptimizerStore:
             self._read(self.readers[s], name, off, self.sets[s][name][:n])
 
     def nbytes(self) -> dict:
-        grads = 0 if self.grad_mem is None else self.grad_mem.numel() * 4
-        return {"nvme": 4 * len(self._swapped) * self.total,
-                "host": self.SETS * 4 * 4 * self.chunk + len(self.head_sets) * 4 * len(self._swapped) * self.chunk + grads}
+        return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None)
+
+    @classmethod
+    def bytes_for(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
+        """Files and host memory for a plan: the swap files (gradients too unless they stay
+        in host memory), the buffer sets, the host cache of the first ``head`` elements (Note
+        [host cache]) and the gradients in host memory (Note [gradients in host memory])."""
+        swapped = len(_NAMES) - (1 if grads_in_memory else 0)
+        return {"nvme": 4 * swapped * total,
+                "host": cls.SETS * 4 * len(_NAMES) * chunk + 4 * swapped * head + (4 * total if grads_in_memory else 0)}
 
 
 def _unit_pieces(ranges: List[tuple], total: int, target: int) -> List[tuple]:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from _configs import zero_config
 from torch import nn
 
 import infinity
@@ -34,10 +35,8 @@ def _lora(model):
 
 
 def _config(stage, param, optim, path):
-    return {"zero": {"stage": stage, "offload_param": {"device": param, "nvme_path": path},
-                     "offload_optimizer": {"device": optim, "nvme_path": path},
-                     "prefetch": {"persistence_threshold": 0}},
-            "optimizer": {"lr": LR, "weight_decay": 0.01}, "gradient_clipping": 0.0}
+    return zero_config(stage, param=param, optim=optim, nvme=path, prefetch={"persistence_threshold": 0}, lr=LR,
+                       weight_decay=0.01)
 
 
 def _ids(steps=3, seed=1):

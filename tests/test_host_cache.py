@@ -10,6 +10,7 @@ then no gradient touches the disk at all.
 """
 import pytest
 import torch
+from _configs import zero_config
 from _models import batches, build, loss_of, train_accumulated, train_losses
 
 import infinity
@@ -21,13 +22,9 @@ CACHES = {"off": 0, "auto": None, "all": 10**9}
 
 
 def _config(nvme, stage=3, host_cache=None, accumulation=1, gradients="nvme"):
-    zero = {"stage": stage, "reduce_bucket_size": 3000,
-            "offload_optimizer": {"device": "nvme" if nvme else "none", "nvme_path": nvme, "chunk_size": 2048,
-                                  "host_cache": host_cache, "gradients": gradients}}
-    if stage == 3 and nvme:
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme}
-    return {"zero": zero, "precision": {"dtype": "fp32"}, "optimizer": {"lr": 2e-3}, "gradient_clipping": 0.5,
-            "gradient_accumulation_steps": accumulation}
+    return zero_config(stage, param="nvme" if stage == 3 and nvme else None, optim="nvme" if nvme else "none",
+                       nvme=nvme, chunk=2048, bucket=3000, clip=0.5, accumulation=accumulation,
+                       optim_extra={"host_cache": host_cache, "gradients": gradients})
 
 
 def _edit_and_train(kind, cfg):

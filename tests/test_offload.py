@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 import torch
+from _configs import zero_config
 from _models import batches, build, loss_of, train_accumulated, train_losses
 
 import infinity
@@ -23,11 +24,8 @@ PLACEMENTS = [(3, p, o) for p, o in itertools.product(["none", "cpu", "nvme"], r
 
 
 def _config(stage, param, optim, nvme, dtype="fp32", **extra):
-    zero = {"stage": stage, "reduce_bucket_size": 3000,
-            "offload_optimizer": {"device": optim, "nvme_path": nvme, "chunk_size": 4096}}
-    if stage == 3:
-        zero["offload_param"] = {"device": param, "nvme_path": nvme}
-    return {"zero": zero, "precision": {"dtype": dtype}, "optimizer": {"lr": 2e-3}, "gradient_clipping": 0.5, **extra}
+    return {**zero_config(stage, param=param if stage == 3 else None, optim=optim, nvme=nvme, chunk=4096, bucket=3000,
+                          dtype=dtype, clip=0.5), **extra}
 
 
 def _train(kind, cfg, steps=STEPS):
@@ -283,4 +281,20 @@ def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, mon
     units = [u for u in opt.engine.units if u.opt_offset + u.shard_numel <= head_end]
     assert len(units) >= 2 and opt._updated_upto >= max(u.opt_offset + u.shard_numel for u in units)
     release.set()
+    opt.engine.close()
+
+
+@pytest.mark.parametrize("stage,param,optim,dtype", [
+    (3, "nvme", "nvme", "fp32"), (3, "nvme", "cpu", "bf16"), (3, "cpu", "cpu", "fp32"), (3, "cpu", "cpu", "bf16"),
+    (3, "none", "nvme", "fp32"), (2, "none", "nvme", "fp32"), (1, "none", "cpu", "bf16"),
+])
+def test_preflight_plan_equals_what_the_stores_hold(tmp_path, stage, param, optim, dtype):
+    """One memory model: the bytes the preflight checks before allocating are the bytes the
+    stores and buffers then hold (Engine.tier_bytes), tier by tier."""
+    from infinity._preflight import plan
+
+    model, opt = infinity.initialize(build("gpt2"), _config(stage, param, optim, str(tmp_path), dtype=dtype))
+    need = plan(opt.engine, opt)
+    held = opt.engine.tier_bytes()
+    assert {"device": need["device"], "host": need["host"], "nvme": sum(need["nvme"].values())} == held
     opt.engine.close()

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from _configs import zero_config
 from torch import nn
 
 import infinity
@@ -40,13 +41,8 @@ def _groups(model):
 
 
 def _config(stage, param="none", optim="none", path=None, dtype="fp32", clip=0.0):
-    return {"zero": {"stage": stage,
-                     "offload_param": {"device": param, "nvme_path": path},
-                     "offload_optimizer": {"device": optim, "nvme_path": path},
-                     "prefetch": {"persistence_threshold": 0}},
-            "precision": {"dtype": dtype},
-            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.1},
-            "gradient_clipping": clip}
+    return zero_config(stage, param=param, optim=optim, nvme=path, prefetch={"persistence_threshold": 0}, dtype=dtype,
+                       adam="adamw", lr=LR, weight_decay=0.1, clip=clip)
 
 
 def _schedule(step):

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from _configs import zero_config
 from _models import Stack, build, train_losses
 from torch import nn
 
@@ -36,12 +37,8 @@ def _config(stage, param, optim, nvme, *, prefetch=True, persist=DEFAULT_PERSIST
     pf = {"enabled": prefetch, **prefetch_extra}
     if persist is not None:
         pf["persistence_threshold"] = persist
-    zero = {"stage": stage, "reduce_bucket_size": 3000, "prefetch": pf,
-            "offload_optimizer": {"device": optim, "nvme_path": nvme, "chunk_size": 4096}}
-    if stage == 3:
-        zero["offload_param"] = {"device": param, "nvme_path": nvme}
-    return {"zero": zero, "precision": {"dtype": "fp32"},
-            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.01}, "gradient_clipping": CLIP}
+    return zero_config(stage, param=param if stage == 3 else None, optim=optim, nvme=nvme, chunk=4096, bucket=3000,
+                       prefetch=pf, adam="adamw", lr=LR, weight_decay=0.01, clip=CLIP)
 
 
 def _train(kind, cfg, steps=STEPS):

@@ -21,6 +21,7 @@ parameter once. World sizes 2 and 3 (3 divides none of the bias sizes: padding i
 import pytest
 import torch
 import torch.distributed as dist
+from _configs import zero_config
 from _models import batches, build, loss_of
 
 import infinity
@@ -38,10 +39,8 @@ def _config(stage, dtype, prefetch=True):
     if dtype == "fp16":
         precision["loss_scale"] = 1024.0  # static: the first step is not skipped, Adam states exist
     # persistence_threshold 0: every stage-3 parameter is partitioned between uses, as in the paper
-    zero = {"stage": stage, "reduce_bucket_size": 2000,
-            "prefetch": {"persistence_threshold": 0, "enabled": prefetch}}
-    return {"zero": zero, "precision": precision,
-            "optimizer": {"type": "adamw", "lr": 2e-3}, "gradient_clipping": 1.0}
+    return zero_config(stage, bucket=2000, prefetch={"persistence_threshold": 0, "enabled": prefetch},
+                       precision=precision, adam="adamw", lr=2e-3, clip=1.0)
 
 
 def _counts(model, world):

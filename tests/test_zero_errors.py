@@ -16,6 +16,7 @@ assert on those records.
 import pytest
 import torch
 import torch.distributed as dist
+from _configs import zero_config
 from _models import batches, build, loss_of
 from torch import nn
 
@@ -30,9 +31,8 @@ LR = 2e-3
 
 def _config(stage):
     # persistence_threshold 0: small stage-3 parameters are released too, so these checks see them
-    zero = {"stage": stage, "reduce_bucket_size": 2000, "prefetch": {"persistence_threshold": 0}}
-    return {"zero": zero, "precision": {"dtype": "fp32"},
-            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.01}, "gradient_clipping": 0}
+    return zero_config(stage, bucket=2000, prefetch={"persistence_threshold": 0}, adam="adamw", lr=LR,
+                       weight_decay=0.01, clip=0)
 
 
 def _outcome(fn):

@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from _configs import zero_config
 from _models import batches, build, loss_of, train_losses
 
 import infinity
@@ -27,8 +28,7 @@ BF16_LOSS_RTOL, BF16_PARAM_ATOL = 2e-2, 3e-2
 
 
 def _config(stage, dtype):
-    return {"zero": {"stage": stage, "reduce_bucket_size": 2000}, "precision": {"dtype": dtype},
-            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.01}, "gradient_clipping": CLIP}
+    return zero_config(stage, bucket=2000, dtype=dtype, adam="adamw", lr=LR, weight_decay=0.01, clip=CLIP)
 
 
 def _train_on_ranks(combos):

@@ -25,6 +25,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from _configs import zero_config
 from _models import batches, build, loss_of
 from torch import nn
 
@@ -46,9 +47,8 @@ CLIP = 9.9  # between this model's gradient norms: some steps are clipped, some 
 
 
 def _config(stage, precision, clip=0.0, accumulation=1):
-    return {"zero": {"stage": stage, "reduce_bucket_size": 2000}, "precision": precision,
-            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": 0.01}, "gradient_clipping": clip,
-            "gradient_accumulation_steps": accumulation}
+    return zero_config(stage, bucket=2000, precision=precision, adam="adamw", lr=LR, weight_decay=0.01, clip=clip,
+                       accumulation=accumulation)
 
 
 # ---------------------------------------------------------------- the loss scaler alone
