@@ -7,7 +7,6 @@ optional ``device_memory_limit`` budget makes "larger than device memory" testab
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -36,10 +35,6 @@ def device() -> torch.device:
 
 def comm_backend() -> str:
     return "nccl" if has_cuda() else "gloo"
-
-
-def is_device_tensor(t: torch.Tensor) -> bool:
-    return t.device.type == device().type
 
 
 # ---------------------------------------------------------------- host buffers
@@ -74,20 +69,9 @@ def to_device(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- streams and events
 
 
-class _SyncStream:
-    """The CPU stand-in for a stream: work issued under it has already happened."""
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
 class _SyncEvent:
+    """The CPU stand-in for an event: the copy it marks has already happened."""
+
     def record(self, stream=None) -> None:
         pass
 
@@ -99,28 +83,6 @@ class _SyncEvent:
 
     def synchronize(self) -> None:
         pass
-
-
-def new_stream():
-    return torch.cuda.Stream() if has_cuda() else _SyncStream()
-
-
-def current_stream():
-    return torch.cuda.current_stream() if has_cuda() else _SyncStream()
-
-
-def new_event():
-    return torch.cuda.Event() if has_cuda() else _SyncEvent()
-
-
-def use_stream(stream):
-    """Context manager that makes ``stream`` current (a no-op on CPU)."""
-    return torch.cuda.stream(stream) if has_cuda() else contextlib.nullcontext()
-
-
-def synchronize() -> None:
-    if has_cuda():
-        torch.cuda.synchronize()
 
 
 _copy_stream = None
@@ -221,21 +183,6 @@ class DeviceBudget:
 
 
 budget = DeviceBudget()
-
-
-def device_empty(numel: int, dtype: torch.dtype, what: str = "buffer") -> torch.Tensor:
-    """Allocate on the device tier, charged against the budget. Pair with ``device_free``."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    budget.charge(nbytes, what)
-    try:
-        return torch.empty(numel, dtype=dtype, device=device())
-    except Exception:
-        budget.release(nbytes)
-        raise
-
-
-def device_free(t: torch.Tensor) -> None:
-    budget.release(t.numel() * t.element_size())
 
 
 def device_memory_total() -> Optional[int]:

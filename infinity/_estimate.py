@@ -41,7 +41,6 @@ Note: the formulas, and where they come from
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import math
 import os
@@ -52,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 from ._log import logger
+from ._tiers import Tier
 from .errors import UsageError
 
 __all__ = ["estimate", "Estimate", "Placement", "Recommendation", "EstimateError",
@@ -62,17 +62,6 @@ _NVME_PATH_PLACEHOLDER = "/local_nvme"
 
 class EstimateError(UsageError):
     """Bad input to the estimator; the message says what to change."""
-
-
-class Tier(str, enum.Enum):
-    """Where a partition lives, fastest first (DESIGN §3)."""
-
-    DEVICE = "device"
-    CPU = "cpu"
-    NVME = "nvme"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # --------------------------------------------------------------------------- parsing sizes

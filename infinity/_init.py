@@ -15,7 +15,6 @@ shards, one unit at a time, and the Init store is released.
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import Dict, List, Optional
 
 import torch
@@ -35,6 +34,7 @@ from ._param import (
     set_data,
 )
 from ._swap import SwapDir, new_aio
+from ._tiers import Tier
 from ._unit import padded
 
 _INPLACE_SUFFIX = "_"
@@ -43,18 +43,18 @@ _INPLACE_SUFFIX = "_"
 class InitStore:
     """This rank's fp32 chunks of Init-partitioned parameters: in memory or in one swap file."""
 
-    def __init__(self, tier: str, nvme_path: Optional[str], aio_cfg, rank: int):
+    def __init__(self, tier: Tier, nvme_path: Optional[str], aio_cfg, rank: int):
         self.tier = tier
         self._mem: Dict[int, torch.Tensor] = {}
         self._offsets: Dict[int, int] = {}
         self._end = 0
-        if tier == "nvme":
+        if tier is Tier.NVME:
             self.swap = SwapDir(nvme_path, rank)
             self.path = self.swap.file("init.swp", 0)
             self.io = new_aio(aio_cfg)
 
     def put(self, key: int, chunk: torch.Tensor) -> None:
-        if self.tier != "nvme":
+        if self.tier is not Tier.NVME:
             self._mem[key] = chunk.clone() if chunk.data_ptr() else chunk
             return
         if key not in self._offsets:
@@ -63,7 +63,7 @@ class InitStore:
         self.io.sync_pwrite(chunk.contiguous(), self.path, self._offsets[key])
 
     def get(self, key: int, numel: int) -> torch.Tensor:
-        if self.tier != "nvme":
+        if self.tier is not Tier.NVME:
             return self._mem[key]
         out = torch.empty(numel, dtype=torch.float32)
         self.io.sync_pread(out, self.path, self._offsets[key])
@@ -71,7 +71,7 @@ class InitStore:
 
     def close(self) -> None:
         self._mem.clear()
-        if self.tier == "nvme":
+        if self.tier is Tier.NVME:
             self.io.close()
             self.swap.remove()
 
@@ -148,7 +148,6 @@ class Init:
     ``offload`` ("none" | "cpu" | "nvme") and ``nvme_path`` override the config's
     ``zero.offload_param``. Collective: every rank must build the same model inside it."""
 
-    _active = threading.local()
 
     def __init__(self, config=None, *, offload: Optional[str] = None, nvme_path: Optional[str] = None,
                  enabled: bool = True):
@@ -178,7 +177,7 @@ class Init:
         comm.ensure_initialized()
         self.rank, self.world_size = comm.rank(), comm.world_size()
         off = self.cfg.zero.offload_param
-        self.store = InitStore(off.device, off.nvme_path, self.cfg.aio, self.rank)
+        self.store = InitStore(Tier.of(off.device), off.nvme_path, self.cfg.aio, self.rank)
         for cls in [nn.Module] + _all_subclasses(nn.Module):
             if "__init__" in cls.__dict__:
                 self._wrap(cls)
@@ -303,11 +302,3 @@ def _substitute(obj, fulls):
     if isinstance(obj, dict):
         return {k: _substitute(v, fulls) for k, v in obj.items()}
     return obj
-
-
-def init_chunk_of(param) -> Optional[torch.Tensor]:
-    """This rank's fp32 chunk of an Init-partitioned parameter, or None."""
-    info = info_of(param)
-    if info is None or not isinstance(info.unit, InitUnit):
-        return None
-    return info.unit.chunk()

@@ -41,6 +41,7 @@ from ._stores import (
     ParamStore,
 )
 from ._swap import SwapDir
+from ._tiers import Tier
 from .errors import EngineError, NotSupportedError, UsageError, WaitTimeout
 
 if TYPE_CHECKING:
@@ -86,18 +87,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.cfg = cfg
         oc = cfg.optimizer
         z = cfg.zero
-        self.opt_tier = z.offload_optimizer.device
-        self.param_tier = z.offload_param.device if engine.policy.partition_params else "none"
-        align = ALIGN_ELEMS if "nvme" in (self.opt_tier, self.param_tier) else 1
+        self.opt_tier = Tier.of(z.offload_optimizer.device)
+        self.param_tier = Tier.of(z.offload_param.device) if engine.policy.partition_params else Tier.DEVICE
+        align = ALIGN_ELEMS if Tier.NVME in (self.opt_tier, self.param_tier) else 1
         self.layout = Layout.assign(engine.units, align)
         self.total = total = self.layout.opt_total
         self.unit_ranges = list(self.layout.opt_ranges)  # each trainable unit's flat shard range
         # Note [overlapped step]: stage 3 with the optimizer states, or the parameters with the
         # optimizer states in host memory, on NVMe steps in the background.
-        states_in_host = self.opt_tier == "cpu" or (self.opt_tier == "none" and acc.device().type == "cpu")
+        states_in_host = self.opt_tier is Tier.CPU or (self.opt_tier is Tier.DEVICE and acc.device().type == "cpu")
         self.overlap = engine.policy.partition_params and (
-            self.opt_tier == "nvme" or (self.param_tier == "nvme" and states_in_host))
-        self.grads_in_memory = self.opt_tier == "nvme" and gradients_in_host(
+            self.opt_tier is Tier.NVME or (self.param_tier is Tier.NVME and states_in_host))
+        self.grads_in_memory = self.opt_tier is Tier.NVME and gradients_in_host(
             engine.cfg.zero.offload_optimizer.gradients, total)  # Note [gradients in host memory] in _stores.py
         preflight(engine, self)
         engine.swap_dirs = {}
@@ -117,7 +118,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._got_grad = torch.zeros(len(named), dtype=torch.float64)  # Note [update plan]
         self._unit_first = _first_param_index(engine.units)
         self.param_store = self._make_param_store() if engine.policy.partition_params else None
-        self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier != "none" else None
+        self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier is not Tier.DEVICE else None
         self.scaler = LossScaler(static_scale=cfg.precision.loss_scale, initial_scale_power=cfg.precision.initial_scale_power,
                                  window=cfg.precision.loss_scale_window, hysteresis=cfg.precision.hysteresis,
                                  min_scale=cfg.precision.min_loss_scale) if engine.dtype == torch.float16 else None
@@ -141,7 +142,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _make_store(self, total: int):
         z = self.cfg.zero
-        if self.opt_tier == "nvme":
+        if self.opt_tier is Tier.NVME:
             return NvmeOptimizerStore(total, self.unit_ranges, self._swap_dir(z.offload_optimizer.nvme_path), self.cfg.aio,
                                       z.offload_optimizer.chunk_size, self.cfg.gradient_accumulation_steps,
                                       z.offload_optimizer.host_cache, self.grads_in_memory)
@@ -152,7 +153,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         z = self.cfg.zero
         alias = self.store.master if self.params_are_master else None
         return ParamStore(self.param_tier, self.engine.dtype, self.layout.param_total,
-                          swap=self._swap_dir(z.offload_param.nvme_path) if self.param_tier == "nvme" else None,
+                          swap=self._swap_dir(z.offload_param.nvme_path) if self.param_tier is Tier.NVME else None,
                           aio_cfg=self.cfg.aio, alias=alias,
                           max_unit=max((u.shard_numel for u in self.engine.units), default=0),
                           buffer_size=z.offload_param.buffer_size,
@@ -163,7 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def params_are_master(self) -> bool:
         """fp32 with parameters and optimizer states on one resident tier: the master
         weights are the parameter shards (no second copy)."""
-        return (self.engine.dtype == torch.float32 and self.param_tier == self.opt_tier != "nvme"
+        return (self.engine.dtype == torch.float32 and self.param_tier is self.opt_tier and self.opt_tier.resident
                 and self.layout.same_spaces)
 
     def add_param_group(self, param_group: dict) -> None:

@@ -15,6 +15,7 @@ import psutil
 
 from . import _comm as comm
 from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore, chunk_elems, head_elems
+from ._tiers import Tier
 from .errors import InsufficientResourcesError
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     n = opt.total
     need = {"device": 0, "host": 0, "nvme": {}}
     z = engine.cfg.zero
-    if opt.opt_tier == "nvme":
+    if opt.opt_tier is Tier.NVME:
         path = z.offload_optimizer.nvme_path
         chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
         head = head_elems(z.offload_optimizer.host_cache, opt.unit_ranges, chunk, n)  # Note [host cache]
@@ -39,17 +40,17 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
         need["nvme"][path] = need["nvme"].get(path, 0) + store["nvme"]
         need["host"] += store["host"]
     else:
-        need["host" if opt.opt_tier == "cpu" else "device"] += MemoryOptimizerStore.bytes_for(n, opt.overlap)
+        need[opt.opt_tier.memory] += MemoryOptimizerStore.bytes_for(n, opt.overlap)
     if engine.policy.partition_params:
         param_bytes = opt.layout.param_total * esize  # every unit; the optimizer space holds trainable ones
-        if opt.param_tier == "nvme":
+        if opt.param_tier is Tier.NVME:
             path = z.offload_param.nvme_path
             need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
             biggest = max((u.shard_numel for u in engine.units), default=0)
             need["host"] += ParamStore.staging_bytes(max(z.offload_param.buffer_size or 0, biggest),
                                                      staging_buffers(z), esize)
         elif not opt.params_are_master:
-            need["host" if opt.param_tier == "cpu" else "device"] += param_bytes
+            need[opt.param_tier.memory] += param_bytes
         if engine.gathered is not None:  # gathered buffers kept for reuse (Note [recycled host memory])
             need["device"] += engine.gathered.capacity
     return need

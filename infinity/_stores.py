@@ -24,6 +24,7 @@ import torch
 from . import _accelerator as acc
 from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
+from ._tiers import Tier
 from .errors import InfinityError, UsageError
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
@@ -92,7 +93,7 @@ class ParamStore:
     _recycle.py).
     """
 
-    def __init__(self, tier: str, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
+    def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None):
         self.tier, self.dtype, self.total = tier, dtype, total
@@ -100,7 +101,7 @@ class ParamStore:
         self.pool: Optional[HostPool] = None
         self.bytes_read = 0
         self.bytes_written = 0
-        if tier == "nvme":
+        if tier is Tier.NVME:
             self.path = swap.file("params.swp", nbytes_of(total, dtype))
             self._writers = [new_aio(aio_cfg) for _ in range(WRITE_HANDLES)]  # Note [write ordering]
             self._next_writer = 0
@@ -125,7 +126,7 @@ class ParamStore:
             self._outputs = Recycler(self._kept_cap, acc.host_empty)
         elif alias is not None:
             self.flat = alias
-        elif tier == "cpu":
+        elif tier is Tier.CPU:
             self.flat = acc.host_empty(total, dtype)
         else:
             self.flat = torch.empty(total, dtype=dtype, device=acc.device())
@@ -280,9 +281,9 @@ class ParamStore:
 
     def nbytes(self) -> dict:
         own = nbytes_of(self.total, self.dtype)
-        if self.tier == "nvme":
+        if self.tier is Tier.NVME:
             return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize)}
-        return {"host" if self.tier == "cpu" else "device": own}
+        return {self.tier.memory: own}
 
     @staticmethod
     def staging_bytes(buffer_numel: int, buffer_count: int, itemsize: int) -> int:
@@ -316,9 +317,9 @@ class MemoryOptimizerStore:
     ``update_tail`` the rest), and zeroes each sealed piece once used, so the sealed buffer
     comes back as the next step's accumulation buffer instead of a fresh allocation."""
 
-    def __init__(self, tier: str, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
+    def __init__(self, tier: Tier, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
-        self._alloc = (lambda: _zeros_host(total)) if tier == "cpu" else (
+        self._alloc = (lambda: _zeros_host(total)) if tier is Tier.CPU else (
             lambda: torch.zeros(total, dtype=torch.float32, device=acc.device()))
         self.tier = tier
         self.total = total
@@ -398,7 +399,7 @@ class MemoryOptimizerStore:
         return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
 
     def nbytes(self) -> dict:
-        return {"host" if self.tier == "cpu" else "device": self.bytes_for(self.total, self.overlapped)}
+        return {self.tier.memory: self.bytes_for(self.total, self.overlapped)}
 
     @staticmethod
     def bytes_for(total: int, overlapped: bool) -> int:
@@ -454,7 +455,7 @@ class NvmeOptimizerStore:
 
     def __init__(self, total: int, ranges: List[tuple], swap: SwapDir, aio_cfg, chunk: Optional[int],
                  accumulation_steps: int, host_cache: Optional[int] = None, grads_in_memory: bool = False):
-        self.tier = "nvme"
+        self.tier = Tier.NVME
         self.total = total
         self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
         self.chunk = chunk_elems(chunk, total)
