@@ -44,7 +44,7 @@ class InitStore:
     """This rank's fp32 chunks of Init-partitioned parameters: in memory or in one swap file."""
 
     def __init__(self, tier: Tier, nvme_path: Optional[str], aio_cfg, rank: int):
-        self.tier = tier
+        tier = self.tier = Tier.of(tier)
         self._mem: Dict[int, torch.Tensor] = {}
         self._offsets: Dict[int, int] = {}
         self._end = 0

@@ -96,6 +96,7 @@ class ParamStore:
     def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None):
+        tier = Tier.of(tier)
         self.tier, self.dtype, self.total = tier, dtype, total
         self.flat: Optional[torch.Tensor] = None
         self.pool: Optional[HostPool] = None
@@ -319,6 +320,7 @@ class MemoryOptimizerStore:
 
     def __init__(self, tier: Tier, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
+        tier = Tier.of(tier)
         self._alloc = (lambda: _zeros_host(total)) if tier is Tier.CPU else (
             lambda: torch.zeros(total, dtype=torch.float32, device=acc.device()))
         self.tier = tier
