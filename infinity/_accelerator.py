@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -31,6 +31,31 @@ def device() -> torch.device:
 
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def native_bf16() -> Tuple[bool, str]:
+    """Whether this machine multiplies bf16 matrices natively (decided by its features at
+    run time, never by the build machine's), and why, for the log."""
+    if has_cuda():
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"the CUDA device {'supports' if ok else 'does not support'} bf16"
+    native = sorted({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+    if native:
+        return True, f"this CPU multiplies bf16 natively ({', '.join(native)})"
+    return False, ("this CPU has no native bf16 matmul (no avx512_bf16 or amx_bf16; torch's bf16 matmul runs "
+                   "tens of times slower than fp32 on it)")
+
+
+def _cpu_flags() -> set:
+    """The CPU's feature flags (Linux); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def comm_backend() -> str:

@@ -227,12 +227,22 @@ _FP16_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hyster
 class PrecisionConfig:
     """Training precision; fp16 adds dynamic loss scaling."""
 
-    dtype: Literal["fp32", "bf16", "fp16"] = _opt("fp32", "dtype of parameters and activations")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = _opt(
+        "fp32", "dtype of parameters and activations; auto = bf16 where this machine multiplies bf16 natively "
+        "(avx512_bf16 / AMX, or a CUDA device with bf16), else fp32")
     loss_scale: float = _opt(0.0, "fp16: static loss scale; 0 = dynamic", ge=0)
     initial_scale_power: int = _opt(16, "fp16: dynamic scaling starts at 2**this", ge=0, le=64)
     loss_scale_window: int = _opt(1000, "fp16: overflow-free steps before the scale doubles", ge=1)
     hysteresis: int = _opt(2, "fp16: overflows tolerated before the scale halves", ge=1)
     min_loss_scale: float = _opt(1.0, "fp16: the dynamic scale never goes below this", gt=0)
+
+    def __post_init__(self):
+        if self.dtype == "auto":  # resolved once, here: everything downstream sees a concrete dtype
+            from ._accelerator import native_bf16
+
+            fast, why = native_bf16()
+            object.__setattr__(self, "dtype", "bf16" if fast else "fp32")
+            logger.info("precision.dtype auto: %s, because %s", self.dtype, why)
 
     def _cross_check(self, prefix: str) -> list:
         if self.dtype != "fp16":

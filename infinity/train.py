@@ -83,7 +83,7 @@ def default_config() -> dict:
     return {
         "zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
-        "precision": {"dtype": "bf16"},
+        "precision": {"dtype": "auto"},  # bf16 where the machine runs it natively, else fp32
         "optimizer": {"type": "adamw", "lr": 1.0e-3, "weight_decay": 0.01},
         "gradient_clipping": 1.0,
         "seed": 1234,
@@ -113,7 +113,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--offload", choices=("none", "cpu", "nvme"),
                    help="tier of parameters (stage 3) and optimizer states")
     p.add_argument("--nvme-path", help="directory for NVMe swap files (zero.offload_*.nvme_path)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="training precision (precision.dtype)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="training precision (precision.dtype); auto = bf16 where the machine runs it natively")
     return p.parse_args(argv)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import infinity
 import infinity.config as config_mod
 from infinity.config import Config, ConfigError
 
@@ -515,3 +516,23 @@ def test_examples_load(path, monkeypatch):
     cfg = Config.from_file(path)
     assert cfg.unsupported == []
     assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("flags,expected", [({"avx2", "avx512_bf16"}, "bf16"), ({"avx2", "amx_bf16"}, "bf16"),
+                                            ({"avx2", "avx512f"}, "fp32")])
+def test_dtype_auto_follows_the_cpu_features_of_this_machine(monkeypatch, flags, expected):
+    """precision.dtype auto: bf16 only where the CPU multiplies bf16 natively (read at run
+    time from its flags), else fp32; resolved once, so the engine sees a concrete dtype."""
+    import infinity._accelerator as acc
+
+    monkeypatch.setattr(acc, "has_cuda", lambda: False)
+    monkeypatch.setattr(acc, "_cpu_flags", lambda: flags)
+    assert infinity.Config.from_dict({"precision": {"dtype": "auto"}}).precision.dtype == expected
+
+
+def test_dtype_auto_on_this_machine_matches_its_flags():
+    import infinity._accelerator as acc
+
+    fast, why = acc.native_bf16()
+    assert infinity.Config.from_dict({"precision": {"dtype": "auto"}}).precision.dtype == ("bf16" if fast else "fp32")
+    assert "bf16" in why
