@@ -16,6 +16,7 @@ import collections
 import datetime
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -103,16 +104,33 @@ class CommHandle:
     def wait(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if self.work is None:
             return
+        start = time.monotonic()
         try:
             ok = self.work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            raise CommTimeout(f"rank {rank()}: {self.what} failed or timed out after {timeout_s:.0f}s: {e}") from e
+            raise CommTimeout(failure_message(self.what, e, time.monotonic() - start, timeout_s)) from e
         if ok is False:
-            raise CommTimeout(f"rank {rank()}: {self.what} did not finish within {timeout_s:.0f}s")
+            raise CommTimeout(f"rank {rank()}: {self.what} did not finish within {timeout_s:.0f}s "
+                              f"(INFINITY_COMM_TIMEOUT); a peer is hung or far behind: check the other ranks' logs")
         self.work = None
 
     def done(self) -> bool:
         return self.work is None or self.work.is_completed()
+
+
+_PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe", "connection closed by peer", "EOF")
+
+
+def failure_message(what: str, error: BaseException, waited_s: float, timeout_s: float) -> str:
+    """What a failed collective tells the user: a peer that died is not a timeout."""
+    text = str(error)
+    if any(marker.lower() in text.lower() for marker in _PEER_GONE):
+        return (f"rank {rank()}: {what} failed after {waited_s:.1f}s: a peer closed its connection (its process "
+                f"exited or was killed); the error that stopped it is in that rank's log. ({text.strip()})")
+    if waited_s < timeout_s * 0.9:
+        return f"rank {rank()}: {what} failed after {waited_s:.1f}s: {text.strip()}"
+    return (f"rank {rank()}: {what} timed out after {timeout_s:.0f}s (INFINITY_COMM_TIMEOUT); a peer is hung or far "
+            f"behind: {text.strip()}")
 
 
 # ---------------------------------------------------------------- collectives

@@ -66,3 +66,19 @@ def test_hanging_rank_times_out():
 def test_exiting_rank_fails():
     with pytest.raises(RankFailure, match="rank 1 .*exited with code 3"):
         run_ranks(_rank1_exits, 2, timeout=60)
+
+
+
+GLOO_RESET = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6582: Connection reset "
+              "by peer. This is typically caused by a remote worker hanging or bugs in the application.")
+
+
+def test_a_dead_peer_is_reported_as_such_not_as_a_timeout():
+    """What gloo raises 0.3 s after a peer is killed names a dead peer, not a 600 s timeout."""
+    from infinity._comm import failure_message
+
+    message = failure_message("all-gather of head", RuntimeError(GLOO_RESET), 0.3, 600)
+    assert "failed after 0.3s" in message and "peer closed its connection" in message
+    assert "timed out" not in message
+    late = failure_message("all-gather of head", RuntimeError("Timed out waiting 600000ms"), 600.0, 600)
+    assert "timed out after 600s" in late and "INFINITY_COMM_TIMEOUT" in late
