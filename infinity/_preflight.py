@@ -15,6 +15,7 @@ import psutil
 
 from . import _comm as comm
 from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore, chunk_elems, head_elems
+from ._swap import reclaim_stale, stale_elsewhere
 from ._tiers import Tier
 from .errors import InsufficientResourcesError
 
@@ -87,14 +88,18 @@ def preflight(engine: "Engine", opt: "ZeroOptimizer") -> dict:
             f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, keep gradients on "
             f"NVMe (zero.offload_optimizer.gradients: nvme), or run fewer ranks per node")
     for path, nbytes in need["nvme"].items():
+        reclaim_stale(path)  # what crashed runs left is free space again (Note [swap directories])
         probe = path
         while probe and not os.path.exists(probe):
             probe = os.path.dirname(probe)
         free = shutil.disk_usage(probe or ".").free
         if nbytes * ranks_here > free:
+            others = stale_elsewhere(path)
+            note = (f"; {len(others)} other run director{'y' if len(others) == 1 else 'ies'} there "
+                    f"({', '.join(others[:3])}) belong to live runs or other hosts") if others else ""
             problems.append(
                 f"disk under {path}: {ranks_here} rank(s) x {nbytes / GiB:.2f} GiB of swap files needed, "
-                f"{free / GiB:.2f} GiB free; point nvme_path at a larger disk or free space")
+                f"{free / GiB:.2f} GiB free{note}; point nvme_path at a larger disk or free space")
     if problems:
         raise InsufficientResourcesError("this placement does not fit on this machine:\n  - " + "\n  - ".join(problems))
     return need

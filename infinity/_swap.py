@@ -3,13 +3,18 @@
 Note [swap directories]: every engine writes under ``<nvme_path>/infinity-<run id>/rank<r>``
 with a fresh random run id, so a second run on the same ``nvme_path`` never reads the files
 of a first (crashed or concurrent) one. The directory is removed when the engine is garbage
-collected or the interpreter exits normally; a crashed run leaves it behind, and the name
-says which run it belonged to.
+collected or the interpreter exits normally. A crashed run (``kill -9``, a power loss) leaves
+it behind: each rank directory therefore holds an ``owner`` file (host, pid, process start
+time), and the next run that uses the ``nvme_path`` removes the run directories whose every
+owner on this host is gone (``reclaim_stale``), before its preflight counts the free space,
+and says what it removed. Directories of live processes, or of other hosts sharing the disk,
+are left alone.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import uuid
 import weakref
 from typing import Optional
@@ -28,7 +33,10 @@ class SwapDir:
         self.rank = rank
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.path = os.path.join(os.path.abspath(nvme_path), f"infinity-{self.run_id}", f"rank{rank}")
+        reclaim_stale(nvme_path)
         os.makedirs(self.path, exist_ok=False)
+        with open(os.path.join(self.path, OWNER), "w") as f:
+            f.write(_owner_line(os.getpid()))
         self._finalizer = weakref.finalize(self, _remove, os.path.dirname(self.path), self.path)
 
     def file(self, name: str, nbytes: int) -> str:
@@ -56,6 +64,89 @@ def _remove(run_dir: str, rank_dir: str) -> None:
         os.rmdir(run_dir)  # the last rank out removes the run directory
     except OSError:
         pass
+
+
+OWNER = "owner"  # in each rank directory: "<host> <pid> <process start time>"
+PROBE_PREFIX = "infinity-probe-"  # the train job's disk probe file: infinity-probe-<pid>.bin
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time (clock ticks since boot), or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_line(pid: int) -> str:
+    return f"{socket.gethostname()} {pid} {_start_time(pid)}\n"
+
+
+def _owner_gone(rank_dir: str) -> bool:
+    """The process that owned ``rank_dir`` ran on this host and is gone (a recycled pid does
+    not count as alive: its start time differs)."""
+    try:
+        with open(os.path.join(rank_dir, OWNER)) as f:
+            host, pid, started = f.read().split()
+    except (OSError, ValueError):
+        return False  # not ours to judge (older layout, or being created right now)
+    if host != socket.gethostname() or not os.path.exists("/proc/self/stat"):
+        return False  # another host's, or no way to tell here
+    now = _start_time(int(pid))
+    return now is None or (started != "None" and now != started)
+
+
+def _size(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def reclaim_stale(nvme_path: str) -> list:
+    """Note [swap directories]: remove what crashed runs on this host left under
+    ``nvme_path``; return (path, bytes) of what was removed."""
+    from ._log import logger
+
+    removed = []
+    try:
+        entries = os.listdir(nvme_path)
+    except OSError:
+        return removed
+    for name in entries:
+        path = os.path.join(nvme_path, name)
+        if name.startswith("infinity-") and os.path.isdir(path):
+            ranks = [os.path.join(path, r) for r in os.listdir(path) if r.startswith("rank")]
+            if ranks and all(_owner_gone(r) for r in ranks):
+                removed.append((path, _size(path)))
+                shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(PROBE_PREFIX) and name.endswith(".bin"):
+            pid = name[len(PROBE_PREFIX):-len(".bin")]
+            if pid.isdigit() and _start_time(int(pid)) is None:
+                removed.append((path, _size(path)))
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+    if removed:
+        logger.warning("removed %d swap director%s and probe files left under %s by crashed runs (%.2f GiB): %s",
+                       len(removed), "y" if len(removed) == 1 else "ies", nvme_path,
+                       sum(n for _, n in removed) / (1 << 30), ", ".join(os.path.basename(p) for p, _ in removed))
+    return removed
+
+
+def stale_elsewhere(nvme_path: str) -> list:
+    """Run directories under ``nvme_path`` that are not this process's and were not
+    reclaimed (live runs, other hosts): named by a refusal for lack of disk space."""
+    try:
+        return [n for n in os.listdir(nvme_path) if n.startswith("infinity-")]
+    except OSError:
+        return []
 
 
 def new_aio(cfg, *, backend: Optional[str] = None):

@@ -30,6 +30,7 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
 from ._preflight import InsufficientResourcesError
+from ._swap import PROBE_PREFIX
 from ._telemetry import (
     StepStats,
     Telemetry,
@@ -261,7 +262,7 @@ def probe_disk(path: str, aio_cfg, nbytes: int = PROBE_BYTES) -> Optional[Dict[s
     from .aio import AsyncIO, aligned_empty
 
     os.makedirs(path, exist_ok=True)
-    target = os.path.join(path, f"bandwidth-probe-{os.getpid()}.bin")
+    target = os.path.join(path, f"{PROBE_PREFIX}{os.getpid()}.bin")  # reclaimed if this run crashes
     buf = aligned_empty(nbytes, torch.uint8)
     buf.copy_(torch.arange(nbytes, dtype=torch.int64).to(torch.uint8))  # not all zeros
     writes, reads = [], []

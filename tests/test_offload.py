@@ -298,3 +298,52 @@ def test_preflight_plan_equals_what_the_stores_hold(tmp_path, stage, param, opti
     held = opt.engine.tier_bytes()
     assert {"device": need["device"], "host": need["host"], "nvme": sum(need["nvme"].values())} == held
     opt.engine.close()
+
+
+_HOLD = """
+import sys, time, torch, infinity
+from torch import nn
+model, opt = infinity.initialize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1)), config={"zero": {"stage": 3,
+    "offload_param": {"device": "nvme", "nvme_path": sys.argv[1]},
+    "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]}}})
+print("READY", flush=True)
+time.sleep(120)
+"""
+
+
+def test_swap_directories_of_killed_runs_are_reclaimed(tmp_path):
+    """Note [swap directories]: a run killed with SIGKILL leaves its directory; the next run
+    on the same nvme_path removes it (and says so), and leaves a live run's alone."""
+    import signal
+    import subprocess
+    import sys
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "READY"
+        return proc
+
+    killed, alive = start(), start()
+    try:
+        before = set(os.listdir(tmp_path))
+        assert len(before) == 2
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        import logging
+
+        records = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append
+        logging.getLogger("infinity").addHandler(handler)
+        try:
+            model, opt = infinity.initialize(build("stack"), _config(3, "nvme", "nvme", str(tmp_path)))
+        finally:
+            logging.getLogger("infinity").removeHandler(handler)
+        mine = {os.path.basename(os.path.dirname(d.path)) for d in opt.engine.swap_dirs.values()}
+        left = set(os.listdir(tmp_path)) - mine
+        assert len(left) == 1 and left < before  # the live run's directory stays, the killed run's is gone
+        assert any("crashed runs" in r.getMessage() for r in records)
+        opt.engine.close()
+    finally:
+        alive.kill()
+        alive.wait(30)
