@@ -60,10 +60,11 @@ def _train(model, opt, gather=None):
 
 
 def _opt_files(path):
-    """Bytes of the optimizer's swap files under ``path``."""
+    """Bytes of the optimizer's swap files under ``path`` (not the parameter file, nor the
+    owner note of each rank directory)."""
     total = 0
     for root, _, files in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files if f != "params.swp")
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files if f.endswith(".swp") and f != "params.swp")
     return total
 
 
