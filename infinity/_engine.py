@@ -317,9 +317,14 @@ class Engine:
 
     def _inputs_done(self, token: int) -> None:
         self._inputs_seen.add(token)
-        for state in [s for s, waiting in self._bwd_holds.items() if waiting and token in waiting]:
+        self._arrived(token)
+
+    def _arrived(self, awaited) -> None:
+        """A unit's gradients or a call's input gradients are in: end the holds that waited
+        only for them."""
+        for state in [s for s, waiting in self._bwd_holds.items() if waiting and awaited in waiting]:
             waiting = self._bwd_holds[state]
-            waiting.discard(token)
+            waiting.discard(awaited)
             if not waiting:
                 self._drop_hold(state)
 
@@ -414,11 +419,7 @@ class Engine:
     def _unit_grads_done(self, unit: FetchUnit) -> None:
         if self.policy.reduce_in_backward:
             self.reducer.add(unit)
-        for state in [s for s, waiting in self._bwd_holds.items() if waiting and unit in waiting]:
-            waiting = self._bwd_holds[state]
-            waiting.discard(unit)
-            if not waiting:
-                self._drop_hold(state)
+        self._arrived(unit)
 
     def _drop_hold(self, state: ModuleState) -> None:
         for unit in state.units:
@@ -444,7 +445,8 @@ class Engine:
 
     def note_gather(self, unit: FetchUnit) -> None:
         """Note [same gathers on every rank]: one more all-gather, of ``unit``."""
-        self._gathers.append(unit.index)
+        if self.world_size > 1:  # one rank has nothing to compare
+            self._gathers.append(unit.index)
 
     def check_same_gathers(self, where: str) -> None:
         """Note [same gathers on every rank]: raise if the ranks gathered different units

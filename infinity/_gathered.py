@@ -10,6 +10,7 @@ from . import _comm as comm
 from ._engine import EngineError, _engines, _pending_external
 from ._log import logger
 from ._param import info_of, raw_data
+from ._unit import FetchUnit
 from .errors import UsageError, UsageTypeError
 
 
@@ -82,7 +83,7 @@ class GatheredParameters:
 
     def _managed(self) -> bool:
         """The units belong to an initialized engine (not only to infinity.Init)."""
-        return bool(self.units) and all(getattr(u.engine, "optimizer", None) is not None for u in self.units)
+        return bool(self.units) and all(isinstance(u, FetchUnit) for u in self.units)
 
     def _discard_edits(self) -> None:
         """Note [edits without modifier_rank]."""

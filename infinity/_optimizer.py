@@ -21,16 +21,7 @@ from . import _comm as comm
 from ._layout import Layout
 from ._log import logger
 from ._loss_scale import LossScaler
-from ._param_groups import (
-    Run,
-    StepCounts,
-    check_group_hyper,
-    gaps,
-    named_parameters,
-    resolve_groups,
-    runs_in,
-    slots_of,
-)
+from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._preflight import gradients_in_host, preflight, staging_buffers
 from ._reduce import GradReducer
 from ._stores import (
@@ -82,7 +73,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     in _layout.py).
     """
 
-    def __init__(self, engine: "Engine", cfg, param_groups=None):
+    def __init__(self, engine: "Engine", cfg, groups: List[dict]):
         self.engine = engine
         self.cfg = cfg
         oc = cfg.optimizer
@@ -106,17 +97,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for unit in engine.units:
             if unit.trainable:
                 self.store.load_master(unit.opt_offset, unit.local_shard(torch.float32))
-        named = named_parameters(engine.units)
-        groups = resolve_groups(named, param_groups)  # torch-style groups (initialize resolved them already)
+        named = named_parameters(engine.units)  # groups: torch-style, resolved against the model by initialize
         defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
         self._building = True  # torch's __init__ adds the groups; add_param_group refuses afterwards
         super().__init__(groups, defaults)
         self._building = False
-        check_group_hyper(self.param_groups)
         self.adamw = oc.type == "adamw"
+        check_group_hyper(self.param_groups, self.adamw)
         self.steps = StepCounts(slots_of(engine.units, self.param_groups), len(named))
         self._got_grad = torch.zeros(len(named), dtype=torch.float64)  # Note [update plan]
         self._unit_first = _first_param_index(engine.units)
+        self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
         self.param_store = self._make_param_store() if engine.policy.partition_params else None
         self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier is not Tier.DEVICE else None
         self.scaler = LossScaler(static_scale=cfg.precision.loss_scale, initial_scale_power=cfg.precision.initial_scale_power,
@@ -259,7 +250,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ overlapped step
 
-    def _launch_step(self, plan: List[Run]) -> None:
+    def _launch_step(self, plan: Plan) -> None:
         """Note [overlapped step]: with the optimizer states on NVMe, or the parameters on NVMe
         and the optimizer states in host memory, the step is bound by its reads and writes
         rather than by its arithmetic, so it runs on a background thread, chunk by chunk in
@@ -282,11 +273,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._bg = threading.Thread(target=self._run_step, args=(plan,), name="infinity-optimizer-step", daemon=False)
         self._bg.start()
 
-    def _run_step(self, plan: List[Run]) -> None:
+    def _run_step(self, plan: Plan) -> None:
         try:
             # One thread for the math: the next forward computes on the other cores meanwhile.
             if self._adam is not None:
-                plan = [Run(r.lo, r.hi, dict(r.hyper, num_threads=1)) for r in plan]
+                plan = plan.with_hyper(num_threads=1)
             self.store.update_tail(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
             self.param_store.flush()
             with self._cond:
@@ -328,7 +319,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._bg_error is not None:
             raise self._bg_error
 
-    def _update_chunk(self, chunk: Chunk, plan: List[Run], out_flat: Optional[torch.Tensor],
+    def _update_chunk(self, chunk: Chunk, plan: Plan, out_flat: Optional[torch.Tensor],
                       publish: bool = False) -> None:
         """Adam on the parts of one chunk the plan covers (Note [update plan]); the chunk's
         fresh compute-dtype values go where they belong (fused into Adam's pass where the
@@ -339,7 +330,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         targets = self._step_targets(chunk.offset, n, out_flat)  # (start, view) for the fresh values
         fused = self._adam is not None and self.engine.dtype != torch.float32 and bool(targets)
         done = []  # ranges whose fresh values a fused Adam wrote
-        for lo, hi, hyper in runs_in(plan, [r.lo for r in plan], chunk.offset, end):
+        for lo, hi, hyper in runs_in(plan, chunk.offset, end):
             sl = slice(lo - chunk.offset, hi - chunk.offset)
             args = (chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl])
             if self._adam is None:
@@ -414,7 +405,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step_count(self, param) -> int:
         """Optimizer steps ``param`` has taken (0 if it never had a gradient): torch's
         ``state[param]["step"]`` (Note [update plan] in _param_groups.py)."""
-        index = next((i for i, (_, p) in enumerate(named_parameters(self.engine.units)) if p is param), None)
+        index = self._index_of.get(id(param))
         if index is None:
             raise UsageError("step_count: not a parameter of this optimizer's model")
         return self.steps.step_of(index)

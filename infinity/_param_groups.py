@@ -15,7 +15,7 @@ left as it is: master weights, moments and step count.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -47,6 +47,20 @@ class Run:
     lo: int
     hi: int
     hyper: dict
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The runs of one step, in flat order, and where each starts (for ``runs_in``)."""
+
+    runs: List[Run]
+    starts: List[int] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "starts", [r.lo for r in self.runs])
+
+    def with_hyper(self, **extra) -> "Plan":
+        return Plan([Run(r.lo, r.hi, dict(r.hyper, **extra)) for r in self.runs])
 
 
 def resolve_groups(named: Sequence[tuple], param_groups: Optional[Iterable[dict]]) -> List[dict]:
@@ -106,8 +120,9 @@ class StepCounts:
         self.slots = slots
         self.num_params = num_params
         self.counts = torch.zeros(len(slots), dtype=torch.int64)  # steps taken, per slot
+        self._slot_of = {slot.index: k for k, slot in enumerate(slots)}
 
-    def advance(self, got_grad: torch.Tensor, groups: List[dict], adamw: bool) -> List[Run]:
+    def advance(self, got_grad: torch.Tensor, groups: List[dict], adamw: bool) -> Plan:
         """Count a step for the slots whose parameter got a gradient (``got_grad``: a flag
         per parameter, > 0 where any rank had one) and return the update plan."""
         runs: List[Run] = []
@@ -120,14 +135,12 @@ class StepCounts:
                 runs[-1] = Run(runs[-1].lo, slot.hi, hyper)
             else:
                 runs.append(Run(slot.lo, slot.hi, hyper))
-        return runs
+        return Plan(runs)
 
     def step_of(self, index: int) -> int:
         """Steps taken by the parameter at ``index`` (0 if it never had a gradient)."""
-        for k, slot in enumerate(self.slots):
-            if slot.index == index:
-                return int(self.counts[k])
-        return 0
+        k = self._slot_of.get(index)
+        return 0 if k is None else int(self.counts[k])
 
 
 def hyper_of(group: dict, step: int, adamw: bool) -> dict:
@@ -135,9 +148,10 @@ def hyper_of(group: dict, step: int, adamw: bool) -> dict:
                 eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), adamw=adamw)
 
 
-def runs_in(runs: List[Run], starts: List[int], lo: int, hi: int):
-    """(start, end, hyper) of the parts of the plan inside [lo, hi); ``starts`` = [r.lo for r in runs]."""
-    i = max(0, bisect.bisect_right(starts, lo) - 1)
+def runs_in(plan: Plan, lo: int, hi: int):
+    """(start, end, hyper) of the parts of the plan inside [lo, hi)."""
+    runs = plan.runs
+    i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
     while i < len(runs) and runs[i].lo < hi:
         a, b = max(lo, runs[i].lo), min(hi, runs[i].hi)
         if a < b:
@@ -162,16 +176,14 @@ def named_parameters(units) -> List[tuple]:
     return [(info.name, p) for unit in units for p, info in zip(unit.params, unit.infos)]
 
 
-def check_group_hyper(groups: List[dict]) -> None:
-    """Values a group sets must be valid for Adam: say which group and what to change."""
-    for i, g in enumerate(groups):
-        lr, betas, eps, wd = (g[k] for k in HYPER_KEYS)
-        if not (isinstance(lr, (int, float)) and lr >= 0):
-            raise ParamGroupError(f"param_groups[{i}]['lr'] = {lr!r}: use a number >= 0")
-        if not (len(tuple(betas)) == 2 and all(0.0 <= float(b) < 1.0 for b in betas)):
-            raise ParamGroupError(f"param_groups[{i}]['betas'] = {betas!r}: use two numbers in [0, 1)")
-        if not float(eps) > 0:
-            raise ParamGroupError(f"param_groups[{i}]['eps'] = {eps!r}: use a number > 0")
-        if not float(wd) >= 0:
-            raise ParamGroupError(f"param_groups[{i}]['weight_decay'] = {wd!r}: use a number >= 0")
+def check_group_hyper(groups: List[dict], adamw: bool) -> None:
+    """Values a group sets must be valid for Adam (``Hyper.checked``, the native Adam's own
+    check): say which group and what to change."""
+    from .errors import UsageTypeError
+    from .optim._functional import Hyper
 
+    for i, g in enumerate(groups):
+        try:
+            Hyper.checked(*(g[k] for k in HYPER_KEYS), adamw)
+        except (UsageError, UsageTypeError) as e:
+            raise ParamGroupError(f"param_groups[{i}]: {e}") from None

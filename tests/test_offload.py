@@ -301,13 +301,13 @@ def test_preflight_plan_equals_what_the_stores_hold(tmp_path, stage, param, opti
 
 
 _HOLD = """
-import sys, time, torch, infinity
+import sys, torch, infinity
 from torch import nn
 model, opt = infinity.initialize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1)), config={"zero": {"stage": 3,
     "offload_param": {"device": "nvme", "nvme_path": sys.argv[1]},
     "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]}}})
 print("READY", flush=True)
-time.sleep(120)
+sys.stdin.read()  # held until the test closes this pipe (or kills the process)
 """
 
 
@@ -319,7 +319,8 @@ def test_swap_directories_of_killed_runs_are_reclaimed(tmp_path):
     import sys
 
     def start():
-        proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "READY"
         return proc
 
@@ -345,5 +346,5 @@ def test_swap_directories_of_killed_runs_are_reclaimed(tmp_path):
         assert any("crashed runs" in r.getMessage() for r in records)
         opt.engine.close()
     finally:
-        alive.kill()
+        alive.stdin.close()  # ends the live run normally: its own directory goes with it
         alive.wait(30)

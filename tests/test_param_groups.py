@@ -52,20 +52,28 @@ def _schedule(step):
 USE = [True, False, False, True, True]  # `skip` gets no gradient in steps 1 and 2
 
 
-def _train(cfg, steps=5):
-    torch.manual_seed(0)
-    net = Net()
-    model, opt = infinity.initialize(net, config=cfg, param_groups=_groups(net))
+def _steps(model, opt, steps, clip=0.0):
+    """The same schedule, data and skipped steps for ours and the reference; the losses."""
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     losses = []
     for step in range(steps):
         loss = model(x, USE[step])
         loss.backward()
+        if clip:  # the reference clips by hand; infinity clips inside step() (gradient_clipping)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         sched.step()
         losses.append(loss.item())
+    return losses
+
+
+def _train(cfg, steps=5):
+    torch.manual_seed(0)
+    net = Net()
+    model, opt = infinity.initialize(net, config=cfg, param_groups=_groups(net))
+    losses = _steps(model, opt, steps)
     with infinity.GatheredParameters(list(model.parameters())):
         final = [p.detach().clone().float() for p in model.parameters()]
     counts = [opt.step_count(p) for p in model.parameters()]
@@ -78,18 +86,7 @@ def _reference(steps=5, clip=0.0):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(_groups(model), lr=LR, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    losses = []
-    for step in range(steps):
-        loss = model(x, USE[step])
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        losses.append(loss.item())
+    losses = _steps(model, opt, steps, clip)
     counts = [int(opt.state[p]["step"]) if p in opt.state else 0 for p in model.parameters()]
     return losses, [p.detach().clone() for p in model.parameters()], counts, [g["lr"] for g in opt.param_groups]
 
