@@ -3,6 +3,7 @@
 The package exports the public API of DESIGN.md and nothing else.
 """
 from . import aio, optim
+from ._checkpoint import load_checkpoint, save_checkpoint
 from ._estimate import estimate
 from ._gathered import GatheredParameters, register_external_parameter
 from ._init import Init
@@ -14,7 +15,7 @@ from .errors import InfinityError
 
 __all__ = [
     "Config", "ConfigError", "InfinityError", "aio", "optim", "GatheredParameters", "Init", "ParameterNotAvailableError",
-    "estimate", "initialize",
-    "logger", "register_external_parameter",
+    "estimate", "initialize", "load_checkpoint",
+    "logger", "register_external_parameter", "save_checkpoint",
 ]
 __version__ = "0.1.0"

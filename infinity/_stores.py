@@ -218,6 +218,20 @@ class ParamStore:
         if self.flat is None:
             self._writes_landed(0, self.total, block=True)
 
+    def checkpoint_source(self):
+        """The shards for a checkpoint (Note [checkpoint layout] in _checkpoint/_format.py):
+        the flat tensor, or the swap file once every write to it has landed."""
+        if self.flat is not None:
+            return self.flat
+        self.flush()
+        return self.path
+
+    def checkpoint_loaded(self) -> None:
+        """A checkpoint rewrote the shards: what the step handed off is stale (Note [hand-off])."""
+        if self.flat is None:
+            with self._lock:
+                self._kept = []
+
     def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:
         """Note [write ordering]: the overlapped step publishes a range before its write has
         landed, so a read waits for the writes that overlap its range, and only for those:
@@ -396,6 +410,14 @@ class MemoryOptimizerStore:
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         return self.master[offset : offset + numel]
 
+    def checkpoint_sources(self) -> dict:
+        """Master weights and moments by name, for a checkpoint (Note [checkpoint layout] in
+        _checkpoint/_format.py)."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def checkpoint_loaded(self) -> None:
+        pass
+
     def grad_bytes(self) -> int:
         """Bytes of gradient buffers held now: accumulating, sealed for an update, spare."""
         return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
@@ -540,6 +562,16 @@ class NvmeOptimizerStore:
         self._read(self.reader, "master", offset, out)
         self._wait(self.reader, f"reading master weights at element {offset}")
         return out
+
+    def checkpoint_sources(self) -> dict:
+        """The swap files of the master weights and moments, complete once the host cache's
+        write-through has landed (Note [host cache]), for a checkpoint."""
+        self._wait(self.head_io, "writing back the cached optimizer chunks")
+        return {name: self.paths[name] for name in _NAMES[:3]}
+
+    def checkpoint_loaded(self) -> None:
+        """A checkpoint rewrote the files: the host cache reads them afresh."""
+        self._head_loaded = False
 
     def _head_pieces(self, offset: int, numel: int):
         """(head set, start in its chunk, length, start in the range) of the part of

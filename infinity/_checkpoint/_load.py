@@ -1,0 +1,139 @@
+"""``infinity.load_checkpoint``: verify, then re-cut the saved shards into this run's stores.
+
+Every file a rank will read is verified (size and CRC-32 against the manifest) before any
+state changes, so a corrupt or incomplete checkpoint is refused, naming the file, and leaves
+the model and optimizer as they were. Then each rank computes, per parameter, which saved
+ranks hold the elements of its own chunk (Note [checkpoint layout] in _format.py) and copies
+them straight into its stores: into memory in place, into swap files through the bounded
+buffers of ``_io.Mover``.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Dict, List
+
+import torch
+
+from .. import _accelerator as acc
+from .. import _comm as comm
+from .._param import raw_data
+from ..errors import StorageError, UsageError
+from ._format import STATE_ARRAYS, CheckpointReader, itemsize, merged, pieces, rank_file, resolve
+from ._io import Mover, copy_into
+from ._model import agree, check_compatible, engine_and_optimizer, failure
+from ._save import EXTRA, RNG
+
+
+def load_checkpoint(directory, model, optimizer, tag=None) -> dict:
+    """Load the checkpoint ``<directory>/<tag>`` (tag None: the latest complete one) into
+    ``model`` and ``optimizer`` from ``infinity.initialize``, whatever the world size and the
+    placement it was saved with; return the ``extra`` it was saved with. Collective. The
+    checkpoint's ``extra.pt`` is a pickle: load checkpoints you trust."""
+    engine, opt = engine_and_optimizer(model, optimizer, "load_checkpoint")
+    engine.settle_writes()
+    path = agree(_resolve(directory, tag) if comm.rank() == 0 else None, "load_checkpoint")[0]
+    reader = CheckpointReader(path, Mover(engine.cfg.aio))
+    try:
+        manifest = reader.manifest
+        check_compatible(engine, opt, manifest, path)
+        plan = _plan(engine, opt, reader)
+        agree(_verify(reader, plan, engine.rank), "load_checkpoint")
+        for dest, items in plan:
+            copy_into(reader.mover, [(reader.file(rel), off, n) for rel, off, _, n in items], dest,
+                      [at for _, _, at, _ in items])
+    finally:
+        reader.close()
+    saved = torch.load(os.path.join(path, EXTRA), weights_only=False)
+    _restore_optimizer(engine, opt, manifest)
+    _restore_buffers(engine.model, saved["buffers"])
+    if manifest["world_size"] == engine.world_size:  # at another world size the ranks' streams differ anyway
+        _set_rng(torch.load(os.path.join(path, f"rank{engine.rank}", RNG), weights_only=False))
+    comm.barrier()
+    return saved["extra"]
+
+
+def _resolve(directory, tag):
+    try:
+        return resolve(directory, tag)
+    except (UsageError, StorageError, OSError) as e:
+        return failure(e)
+
+
+def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
+    """(destination, [(file, source byte offset, destination byte offset, bytes)]) of every
+    copy this rank makes."""
+    saved, world = reader.params, reader.world
+    fp32: List[tuple] = []  # the optimizer's arrays share their offsets
+    params: List[tuple] = []
+    whole: List[tuple] = []  # stages 1-2: (parameter, its pieces)
+    size = itemsize(engine.dtype)
+    for unit in engine.units:
+        for p, info in zip(unit.params, unit.infos):
+            s = saved[info.name]
+            if unit.trainable:
+                fp32 += pieces(s, world, s["opt_offset"], info.chunk, engine.rank, unit.opt_offset + info.shard_offset, 4)
+            if opt.param_store is not None:
+                params += pieces(s, world, s["param_offset"], info.chunk, engine.rank,
+                                 unit.param_offset + info.shard_offset, size)
+            else:
+                whole.append((raw_data(p), pieces(s, world, s["param_offset"], 0, None, 0, size)))
+    plan = []
+    sources = opt.store.checkpoint_sources()
+    for name in STATE_ARRAYS:
+        plan.append((sources[name], _named(merged(fp32), name)))
+    if opt.param_store is not None and not opt.aliased:
+        plan.append((opt.param_store.checkpoint_source(), _named(merged(params), "params")))
+    plan += [(t, _named(items, "params")) for t, items in whole]
+    return plan
+
+
+def _named(items, array: str) -> List[tuple]:
+    return [(rank_file(k, array), src, dst, n) for k, src, dst, n in items]
+
+
+def _verify(reader: CheckpointReader, plan, rank: int):
+    try:
+        reader.verify({rel for _, items in plan for rel, *_ in items} | {EXTRA} |
+                      ({f"rank{rank}/{RNG}"} if reader.world == comm.world_size() else set()))
+    except (StorageError, OSError) as e:
+        return failure(e)
+    return None
+
+
+def _restore_optimizer(engine, opt, manifest: dict) -> None:
+    """Step counts, the step number, the loss scaler and the groups' hyperparameters; the
+    stores are told their contents changed."""
+    saved = {p["name"]: p for p in manifest["params"]}
+    names = [info.name for unit in engine.units for info in unit.infos]
+    for k, slot in enumerate(opt.steps.slots):
+        opt.steps.counts[k] = saved[names[slot.index]]["step"]
+    opt._step = manifest["step"]
+    if opt.scaler is not None and manifest["scaler"] is not None:
+        opt.scaler.load_state_dict(manifest["scaler"])
+    for group, values in zip(opt.param_groups, manifest["groups"]):
+        group.update({k: tuple(v) if k == "betas" else v for k, v in values.items()})
+    opt.store.checkpoint_loaded()
+    if opt.param_store is not None:
+        opt.param_store.checkpoint_loaded()
+    engine.after_step()  # persistent units' gathered copies are stale
+    opt.zero_grad()
+
+
+def _restore_buffers(model, buffers: Dict[str, torch.Tensor]) -> None:
+    own = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in buffers.items():
+            if name in own:
+                own[name].copy_(value)
+
+
+def _set_rng(states: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    if states.get("cuda") is not None and acc.has_cuda():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    random.setstate(states["python"])
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
