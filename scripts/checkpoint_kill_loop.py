@@ -1,0 +1,129 @@
+"""kill -9 at random moments of a loop of checkpoint saves; check what is left every time.
+
+    python scripts/checkpoint_kill_loop.py --trials 20 [--dir DIR] [--seed S]
+
+Each trial starts a child that trains a model with every state on NVMe and saves a
+checkpoint after every step (keep_last=2); once it has saved at least once, the child gets
+SIGKILL at a random moment (most land inside a save: a save takes most of a step's time).
+Then, in this process: ``latest`` must name a checkpoint whose every file matches the
+manifest, and that checkpoint must load into a fresh model. Prints ``K/K trials`` and exits
+0 when every trial passed (Note [crash-safe commit] in infinity/_checkpoint/_save.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+
+DIM, DEPTH = 512, 8  # 2.1M parameters: ~34 MB per checkpoint, a save takes a good part of a step
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(DEPTH)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def config(nvme: str) -> dict:
+    return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                     "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
+            "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-3}}
+
+
+def child(directory: str) -> None:
+    import infinity
+
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(Stack(), config(os.path.join(directory, "nvme")))
+    x = torch.randn(4, DIM)
+    while True:
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        infinity.save_checkpoint(os.path.join(directory, "ck"), model, opt, keep_last=2)
+        print("saved", flush=True)
+
+
+def check(directory: str) -> str:
+    """'' when ``latest`` names a complete checkpoint that loads, else what is wrong."""
+    import infinity
+    from infinity._checkpoint import CheckpointReader
+
+    ck = os.path.join(directory, "ck")
+    with open(os.path.join(ck, "latest")) as f:
+        tag = f.read().strip()
+    reader = CheckpointReader(os.path.join(ck, tag))
+    try:
+        reader.verify(reader.manifest["files"])
+    finally:
+        reader.close()
+    model, opt = infinity.initialize(Stack(), config(os.path.join(directory, "nvme")))
+    try:
+        infinity.load_checkpoint(ck, model, opt)
+        if opt._step != reader.manifest["step"]:
+            return f"loaded step {opt._step}, the manifest of {tag} says {reader.manifest['step']}"
+    finally:
+        opt.engine.close()
+    return ""
+
+
+def trial(directory: str, rng: random.Random) -> str:
+    proc = subprocess.Popen([sys.executable, __file__, "--child", directory], stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "saved":
+            return f"the child exited with {proc.wait()} before its first save"
+        time.sleep(rng.uniform(0.0, 1.0))
+    finally:
+        proc.kill()
+        proc.wait()
+    leftovers = [n for n in os.listdir(os.path.join(directory, "ck")) if n.startswith(".tmp-")]
+    try:
+        problem = check(directory)
+    except Exception as e:  # noqa: BLE001 - reported as the trial's failure
+        problem = f"{type(e).__name__}: {e}"
+    return problem and f"{problem} (partial saves left: {leftovers})"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--dir", help="scratch directory (default: a temporary one)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args.child)
+        return 0
+    torch.set_num_threads(1)
+    base = args.dir or tempfile.mkdtemp(prefix="infinity-kill-")
+    rng = random.Random(args.seed)
+    passed = 0
+    for t in range(args.trials):
+        directory = os.path.join(base, f"trial{t}")
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+        problem = trial(directory, rng)
+        print(f"trial {t + 1}: {'ok' if not problem else 'FAILED: ' + problem}", flush=True)
+        passed += not problem
+        shutil.rmtree(directory, ignore_errors=True)
+    print(f"{passed}/{args.trials} trials left latest at a complete checkpoint that loads")
+    return 0 if passed == args.trials else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
