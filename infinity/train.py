@@ -116,6 +116,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--nvme-path", help="directory for NVMe swap files (zero.offload_*.nvme_path)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"),
                    help="training precision (precision.dtype); auto = bf16 where the machine runs it natively")
+    p.add_argument("--save-every", type=int, metavar="N",
+                   help="save a checkpoint every N steps (and after the last) under --output-dir/checkpoints")
+    p.add_argument("--resume", metavar="auto|DIR",
+                   help="resume from a checkpoint: auto = the latest complete one under --output-dir/checkpoints")
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep only the newest N checkpoints")
     return p.parse_args(argv)
 
 
@@ -301,6 +306,8 @@ class Run:
     telemetry: Optional[Telemetry] = None
     export: Any = None
     export_s: float = 0.0
+    first_step: int = 1  # after a resume: the step after the checkpoint's
+    checkpoints: Any = None  # _checkpoint._train.TrainCheckpoints
 
     @property
     def rank0(self) -> bool:
@@ -405,10 +412,10 @@ def train_loop(run: Run) -> None:
     from tqdm import tqdm
 
     cfg = run.cfg.train
-    bar = tqdm(total=cfg.steps, disable=not run.rank0, desc="train", unit="step", dynamic_ncols=True,
-               file=sys.stderr, mininterval=0.5)
+    bar = tqdm(total=cfg.steps, initial=run.first_step - 1, disable=not run.rank0, desc="train", unit="step",
+               dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(run.first_step, cfg.steps + 1):
             record = train_step(run, step)
             run.stats.add(record)
             if run.rank0:
@@ -418,6 +425,8 @@ def train_loop(run: Run) -> None:
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     bar.write(f"step {step:>5}/{cfg.steps}  loss {record['loss']:.4f}  "
                               f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tokens/s")
+            if run.checkpoints is not None and run.checkpoints.after_step(run, step, cfg.steps):
+                break  # a signal asked to stop: saved (Note [preemption] in _checkpoint/_train.py)
     finally:
         bar.close()
 
@@ -572,13 +581,21 @@ def finish(run: Run) -> Optional[str]:
 # Entry point
 
 
-def run_job(cfg: Config) -> Optional[str]:
-    """Train as ``cfg`` says; return the summary text on rank 0 (None elsewhere)."""
+def run_job(cfg: Config, checkpoints=None) -> Optional[str]:
+    """Train as ``cfg`` says, resuming and saving checkpoints as ``checkpoints`` says; return
+    the summary text on rank 0 (None elsewhere)."""
     run = setup(cfg)
+    run.checkpoints = checkpoints
     try:
         start(run)
-        train_loop(run)
-        save(run)
+        if checkpoints is not None:
+            run.first_step = checkpoints.resume_into(run)
+            with checkpoints.on_signals():
+                train_loop(run)
+        else:
+            train_loop(run)
+        if checkpoints is None or checkpoints.stopped_by is None:
+            save(run)
         return finish(run)
     finally:
         if run.telemetry is not None:
@@ -600,7 +617,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = parse_args(argv)
         cfg = resolve_config(args)
-        text = run_job(cfg)
+        from ._checkpoint._train import TrainCheckpoints
+
+        checkpoints = TrainCheckpoints.from_args(args.save_every, args.resume, args.keep_last, cfg.train.output_dir)
+        text = run_job(cfg, checkpoints)
         finished = True
     except (TrainError, DataError, ConfigError, InsufficientResourcesError) as err:
         print(f"infinity.train: error: {err}", file=sys.stderr)

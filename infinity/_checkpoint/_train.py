@@ -1,0 +1,130 @@
+"""Checkpoints in the main job: ``--save-every N``, ``--resume auto|DIR``, stop on SIGTERM/SIGINT.
+
+Note [preemption]: a signal only raises a flag; the step in flight finishes, then the ranks
+agree (one all-reduce of the flags per step: a signal may reach some ranks only) to save a
+checkpoint and stop, and the job exits 0 saying how to resume. The data position is the
+step number (``Batches.step`` is a function of it), saved with the LR scheduler's state.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import _comm as comm
+from ..errors import UsageError
+from ._format import LATEST, MANIFEST, complete_checkpoints
+from ._load import load_checkpoint
+from ._save import save_checkpoint
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class TrainCheckpoints:
+    directory: Optional[str]  # where the job's checkpoints go: <output_dir>/checkpoints
+    save_every: int = 0
+    resume: Optional[str] = None  # "auto", a run's checkpoint directory, or one checkpoint
+    keep_last: Optional[int] = None
+    stopped_by: Optional[str] = None  # the signal that stopped the job
+    _flag: bool = False
+    _last_saved: int = -1
+
+    @classmethod
+    def from_args(cls, save_every: Optional[int], resume: Optional[str], keep_last: Optional[int],
+                  output_dir: Optional[str]) -> "TrainCheckpoints":
+        if save_every is not None and save_every < 1:
+            raise UsageError(f"--save-every must be >= 1 (steps between checkpoints), got {save_every}")
+        directory = os.path.join(output_dir, "checkpoints") if output_dir else None
+        if directory is None and (save_every or resume == "auto"):
+            raise UsageError("--save-every and --resume auto keep checkpoints under --output-dir/checkpoints: "
+                             "pass --output-dir")
+        return cls(directory, save_every or 0, resume, keep_last)
+
+    # ------------------------------------------------------------ resume
+
+    def _source(self):
+        """(run directory, tag) to resume from, or None for a fresh start."""
+        if self.resume is None:
+            return None
+        if self.resume == "auto":
+            if not complete_checkpoints(self.directory):
+                print(f"infinity.train: no checkpoint in {self.directory} yet; starting from step 1", file=sys.stderr)
+                return None
+            return self.directory, None
+        path = os.path.abspath(self.resume)
+        if os.path.exists(os.path.join(path, MANIFEST)):  # one checkpoint
+            return os.path.dirname(path), os.path.basename(path)
+        if os.path.exists(os.path.join(path, LATEST)) or complete_checkpoints(path):
+            return path, None
+        raise UsageError(f"--resume {self.resume}: neither a checkpoint (no {MANIFEST}) nor a directory of "
+                         f"checkpoints (no {LATEST}); pass --resume auto or the directory save_checkpoint wrote")
+
+    def resume_into(self, run) -> int:
+        """Load the checkpoint to resume from, if any; the first step to run."""
+        source = self._source()
+        if source is None:
+            return 1
+        extra = load_checkpoint(source[0], run.model, run.optimizer, tag=source[1])
+        run.scheduler.load_state_dict(extra["scheduler"])
+        if comm.rank() == 0:
+            print(f"infinity.train: resumed from {source[0]} ({source[1] or 'latest'}) after step {extra['step']}",
+                  file=sys.stderr)
+        return extra["step"] + 1
+
+    # ------------------------------------------------------------ saving
+
+    def save(self, run, step: int) -> Optional[str]:
+        if self.directory is None or step == self._last_saved:
+            return None
+        self._last_saved = step
+        return save_checkpoint(self.directory, run.model, run.optimizer, tag=f"step{step}",
+                               keep_last=self.keep_last, step=step, scheduler=run.scheduler.state_dict())
+
+    def after_step(self, run, step: int, last: int) -> bool:
+        """Save when due; True when a signal asked to stop (then saved: Note [preemption])."""
+        flag = torch.tensor([1.0 if self._flag else 0.0])
+        comm.all_reduce(flag, "max", what="stop request")
+        stop = bool(flag.item() > 0) and step < last
+        if stop or (self.save_every and (step % self.save_every == 0 or step == last)):
+            path = self.save(run, step)
+            if stop and comm.rank() == 0:
+                print(_stopped_text(self.stopped_by, step, path), flush=True)
+        return stop
+
+    @contextlib.contextmanager
+    def on_signals(self):
+        """SIGTERM and SIGINT raise the stop flag while the loop runs (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            self._flag = True
+            self.stopped_by = signal.Signals(signum).name
+
+        old = {s: signal.signal(s, handler) for s in SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def _stopped_text(signal_name: Optional[str], step: int, path: Optional[str]) -> str:
+    if path is None:
+        return f"infinity.train: stopped by {signal_name or 'a signal'} after step {step}; no --output-dir, nothing saved"
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the same command, its --resume replaced
+        if skip or a == "--resume" or a.startswith("--resume="):
+            skip = a == "--resume"
+            continue
+        argv.append(a)
+    return (f"infinity.train: stopped by {signal_name or 'a signal'} after step {step}; saved {path}. Resume with: "
+            f"python -m infinity.train {' '.join(argv + ['--resume', 'auto'])}")
