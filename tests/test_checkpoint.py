@@ -248,3 +248,40 @@ def test_kill_during_save_leaves_latest_complete(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "3/3 trials" in out.stdout
 
+
+
+# ---------------------------------------------------------------------------------------- export
+
+
+def _train_hf_and_save(tmp, kind, dtype, out):
+    import _hf_models
+
+    model = _hf_models.build(kind)
+    cfg = zero_config(3, param="nvme", optim="cpu", nvme=f"{tmp}/nvme", dtype=dtype, lr=1e-2)
+    model, opt = infinity.initialize(model, cfg)
+    for ids, targets in _hf_models.batches(kind, 2):
+        _hf_models.loss_of(model, kind, ids, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    infinity.save_checkpoint(out, model, opt)
+    weights = _params(model)
+    opt.engine.close()
+    return weights
+
+
+@pytest.mark.parametrize("kind,dtype,shard_bytes", [("gpt2", "fp32", 20_000), ("llama_frozen", "bf16", 10 ** 9)])
+def test_export_round_trips_into_transformers(tmp_path, kind, dtype, shard_bytes):
+    from transformers import AutoModelForCausalLM
+
+    from infinity.export import main as export_main
+
+    trained = run_ranks(_train_hf_and_save, 2, str(tmp_path), kind, dtype, str(tmp_path / "ck"), timeout=180)[0]
+    out = tmp_path / "hf"
+    assert export_main([str(tmp_path / "ck"), str(out), "--max-shard-bytes", str(shard_bytes)]) == 0
+    assert (out / "config.json").exists()
+    assert (out / "model.safetensors.index.json").exists() == (shard_bytes < 10 ** 9)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype="auto")
+    params = dict(loaded.named_parameters())
+    assert trained.keys() == params.keys()
+    for name, p in trained.items():
+        assert params[name].dtype == p.dtype and torch.equal(params[name].detach(), p), name
