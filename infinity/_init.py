@@ -11,14 +11,31 @@ tensor: it is materialized (all-gathered), the operation runs, and in-place resu
 re-partitioned. So initialization takes effect exactly as without Init, and at most one
 parameter is materialized at a time. ``infinity.initialize`` then adopts the chunks as its
 shards, one unit at a time, and the Init store is released.
+
+Parameters assigned to a module after its ``__init__`` (a loader's ``setattr``) are
+partitioned at once, through torch's global parameter-registration hook; with Hugging Face's
+``from_pretrained`` that is how each rank's chunks are streamed from the checkpoint files
+(Note [streamed load] in _pretrained.py). The Init store keeps each chunk in its parameter's
+dtype.
+
+Note [Init preflight]: the store is given its room when Init starts: free disk under
+``nvme_path`` (after reclaiming what crashed runs left) or 80% of the available host memory,
+divided among the ranks on this node. Every new chunk is checked against it before it is
+stored, and refused with the numbers and the knob to change, naming the parameter. A model
+built on the meta device (``from_pretrained``) is checked whole, before the first byte of the
+checkpoint is read: the sum of its unloaded parameters' chunks.
 """
 from __future__ import annotations
 
 import itertools
+import shutil
+import weakref
 from typing import Dict, List, Optional
 
+import psutil
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from . import _accelerator as acc
 from . import _comm as comm
@@ -33,39 +50,63 @@ from ._param import (
     register,
     set_data,
 )
-from ._swap import SwapDir, new_aio
+from ._preflight import _ranks_here
+from ._pretrained import PendingTensor, SourceReader, open_lazily
+from ._swap import SwapDir, new_aio, reclaim_stale
 from ._tiers import Tier
 from ._unit import padded
+from .aio import aligned_empty
+from .errors import InsufficientResourcesError, UsageError
 
 _INPLACE_SUFFIX = "_"
 
 
 class InitStore:
-    """This rank's fp32 chunks of Init-partitioned parameters: in memory or in one swap file."""
+    """This rank's chunks of Init-partitioned parameters, in each parameter's dtype: in memory or
+    in one swap file. Each chunk is checked against the room this rank has on its tier before
+    it is stored (Note [Init preflight])."""
 
     def __init__(self, tier: Tier, nvme_path: Optional[str], aio_cfg, rank: int):
         tier = self.tier = Tier.of(tier)
         self._mem: Dict[int, torch.Tensor] = {}
         self._offsets: Dict[int, int] = {}
         self._end = 0
+        self.used = 0
         if tier is Tier.NVME:
             self.swap = SwapDir(nvme_path, rank)
             self.path = self.swap.file("init.swp", 0)
             self.io = new_aio(aio_cfg)
+        self.room, self.where = room_for(tier, nvme_path)
 
-    def put(self, key: int, chunk: torch.Tensor) -> None:
+    def slot_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        nbytes = numel * dtype.itemsize
+        return -(-nbytes // 4096) * 4096 if self.tier is Tier.NVME else nbytes
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """Refuse, before storing anything more, if ``nbytes`` more do not fit (Note [Init preflight])."""
+        if self.used + nbytes > self.room:
+            raise InsufficientResourcesError(
+                f"infinity.Init: {what} needs {(self.used + nbytes) / GiB:.2f} GiB of {self.where} on this rank, "
+                f"{self.room / GiB:.2f} GiB available ({_ranks_here()} rank(s) on this node share it); "
+                f"{_ADVICE[self.tier]}")
+
+    def put(self, key: int, chunk: torch.Tensor, name: str, copy: bool = True) -> None:
+        if key not in self._offsets and key not in self._mem:
+            nbytes = self.slot_bytes(chunk.numel(), chunk.dtype)
+            self.check_room(nbytes, f"parameter {name}")
+            self.used += nbytes
+            if self.tier is Tier.NVME:
+                self._offsets[key] = self._end
+                self._end += nbytes
         if self.tier is not Tier.NVME:
-            self._mem[key] = chunk.clone() if chunk.data_ptr() else chunk
+            self._mem[key] = chunk.clone() if copy and chunk.data_ptr() else chunk
             return
-        if key not in self._offsets:
-            self._offsets[key] = self._end
-            self._end += -(-chunk.numel() * 4 // 4096) * 4096
         self.io.sync_pwrite(chunk.contiguous(), self.path, self._offsets[key])
 
-    def get(self, key: int, numel: int) -> torch.Tensor:
+    def get(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.tier is not Tier.NVME:
             return self._mem[key]
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=dtype)
         self.io.sync_pread(out, self.path, self._offsets[key])
         return out
 
@@ -76,10 +117,35 @@ class InitStore:
             self.swap.remove()
 
 
-class InitUnit:
-    """The fetch unit of one Init-partitioned parameter until ``initialize`` adopts it."""
+GiB = float(1 << 30)
+_ADVICE = {
+    Tier.DEVICE: "partition to host memory or NVMe instead (Init(offload='cpu' or 'nvme')), or run more ranks",
+    Tier.CPU: "partition to NVMe instead (Init(offload='nvme', nvme_path=...)), or run more ranks",
+    Tier.NVME: "point nvme_path at a larger disk or free space there",
+}
 
-    def __init__(self, init: "Init", param: nn.Parameter, name: str, dtype: torch.dtype):
+
+def room_for(tier: Tier, nvme_path: Optional[str]):
+    """Bytes this rank may store on ``tier`` and a name for where (Note [Init preflight])."""
+    if tier is Tier.NVME:
+        reclaim_stale(nvme_path)  # what crashed runs left is free space again
+        return shutil.disk_usage(nvme_path).free // _ranks_here(), f"disk under {nvme_path}"
+    return int(psutil.virtual_memory().available * _HOST_SHARE) // _ranks_here(), "host memory"
+
+
+# The share of the available host memory the Init store may take: the rest is for the model's
+# construction itself, the loader, and what initialize() allocates next to it.
+_HOST_SHARE = 0.8
+
+
+class InitUnit:
+    """The fetch unit of one Init-partitioned parameter until ``initialize`` adopts it.
+
+    A parameter built on the meta device (``from_pretrained`` builds that way) has no values
+    until the loader assigns them; its unit is *unloaded*: it materializes as a meta tensor,
+    and ``chunk`` refuses."""
+
+    def __init__(self, init: "Init", param: nn.Parameter, name: str, dtype: torch.dtype, shape: torch.Size):
         self.engine = init
         self.index = init.counter
         init.counter += 1
@@ -87,8 +153,9 @@ class InitUnit:
         self.module_name = name
         self.params = [param]
         self.dtype = dtype
-        self.key = id(param)
-        self.info = ParamInfo(name, param.shape, param.numel(), padded(param.numel(), self.world_size), 0, self)
+        numel = shape.numel()
+        self.info = ParamInfo(name, shape, numel, padded(numel, self.world_size), 0, self)
+        self.loaded = False
         self._state = ParamState.RELEASED
         self._refs = 0
 
@@ -96,30 +163,67 @@ class InitUnit:
     def state(self) -> ParamState:
         return self._state
 
+    @property
+    def chunk_bytes(self) -> int:
+        return self.engine.store.slot_bytes(self.info.chunk, self.dtype)
+
     def chunk(self) -> torch.Tensor:
-        return self.engine.store.get(self.key, self.info.chunk)
+        if not self.loaded:
+            raise UsageError(
+                f"parameter {self.info.name!r} {tuple(self.info.shape)} was built on the meta device under "
+                f"infinity.Init and never given values (it is not in the checkpoint and nothing initialized it); "
+                f"load or initialize it before infinity.initialize")
+        return self.engine.store.get(self.index, self.info.chunk, self.dtype)
 
     def materialize(self) -> torch.Tensor:
         """All-gather the chunks into the full tensor (in the parameter's dtype)."""
-        mine = self.chunk()
+        if not self.loaded:
+            return torch.empty(self.info.shape, dtype=self.dtype, device="meta")
+        mine = self.chunk().to(torch.float32)
         full = torch.empty(self.info.padded_numel, dtype=torch.float32, device=acc.device())
         comm.all_gather_into_tensor(full, acc.to_device(mine), async_op=False, what=f"Init gather of {self.info.name}")
         return full[: self.info.numel].view(self.info.shape).to(self.dtype)
 
     def store_full(self, full: torch.Tensor) -> None:
-        rows = _chunks(full.detach().to(torch.float32), self.info, self.world_size)
-        self.engine.store.put(self.key, rows[self.engine.rank].contiguous())
+        if full.is_meta:
+            return  # still without values (Note [streamed load])
+        rows = _chunks(full.detach().to(self.dtype), self.info, self.world_size)
+        self.engine.store.put(self.index, rows[self.engine.rank].contiguous(), self.info.name)
+        self.loaded = True
+
+    def load(self, pending) -> None:
+        """This rank's chunk, read from the checkpoint file (Note [streamed load])."""
+        chunk, rank = self.info.chunk, self.engine.rank
+        lo, hi = min(rank * chunk, self.info.numel), min((rank + 1) * chunk, self.info.numel)
+        mine = aligned_empty(chunk, self.dtype)  # mapped memory, returned when dropped (no heap growth)
+        pending.values(lo, hi, out=mine)
+        mine[hi - lo:].zero_()
+        self.engine.store.put(self.index, mine, self.info.name, copy=False)
+        self.loaded = True
+
+    def placeholder(self) -> torch.Tensor:
+        """The empty data of the parameter while partitioned; a parameter built on the meta device
+        keeps meta data (torch cannot switch a tensor's data between meta and a real device)."""
+        return torch.empty(0, dtype=self.dtype, device="meta" if self._on_meta() else acc.device())
+
+    def _on_meta(self) -> bool:
+        return raw_data(self.params[0]).is_meta
 
     def acquire(self) -> None:
         self._refs += 1
         if self._state is not ParamState.AVAILABLE:
-            set_data(self.params[0], self.materialize())
+            full = self.materialize()
+            if self._on_meta() and not full.is_meta:
+                raise UsageError(
+                    f"parameter {self.info.name!r} was built on the meta device; it can be replaced (a loader's "
+                    f"setattr, module.weight = nn.Parameter(...)) but not used in place once it has values")
+            set_data(self.params[0], full)
             self._state = ParamState.AVAILABLE
 
     def release(self) -> None:
         self._refs -= 1
         if self._refs == 0:
-            set_data(self.params[0], torch.empty(0, dtype=self.dtype, device=acc.device()))
+            set_data(self.params[0], self.placeholder())
             self._state = ParamState.RELEASED
 
 
@@ -168,6 +272,8 @@ class Init:
         self._saved: Dict[type, object] = {}
         self._depth: Dict[int, int] = {}
         self._shadows: Dict[int, torch.Tensor] = {}
+        self._built: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._checked_load = False
 
     # ------------------------------------------------------------ context
 
@@ -190,6 +296,9 @@ class Init:
                 init._wrap(cls)
 
         nn.Module.__init_subclass__ = classmethod(_init_subclass)
+        self._hook = register_module_parameter_registration_hook(self._on_register)
+        self.reader = SourceReader(self.cfg.aio)
+        self._undo_lazy = None
         return self
 
     def __exit__(self, *exc):
@@ -202,6 +311,9 @@ class Init:
             del nn.Module.__init_subclass__
         else:
             nn.Module.__init_subclass__ = self._saved_init_subclass
+        self._hook.remove()
+        self._stop_lazy_files()
+        self.reader.close()
         logger.info("Init: %d parameters partitioned over %d rank(s) on tier %s", len(self.units), self.world_size,
                     self.store.tier)
         return False
@@ -230,15 +342,55 @@ class Init:
     # ------------------------------------------------------------ partitioning
 
     def _partition_module(self, module: nn.Module) -> None:
+        self._built.add(module)
         for pname, p in module._parameters.items():
-            if p is None or info_of(p) is not None:
-                continue
-            unit = InitUnit(self, p, f"{type(module).__name__}.{pname}", raw_data(p).dtype)
-            unit.store_full(raw_data(p))
-            register(p, unit.info)
-            make_partitioned(p)
-            set_data(p, torch.empty(0, dtype=unit.dtype, device=acc.device()))
-            self.units.append(unit)
+            if p is not None and info_of(p) is None:
+                self._partition(module, pname, p)
+
+    def _partition(self, module: nn.Module, pname: str, p: nn.Parameter) -> None:
+        data = raw_data(p)
+        unit = InitUnit(self, p, f"{type(module).__name__}.{pname}", data.dtype, data.shape)
+        if data.is_meta:
+            self._start_lazy_files()  # a loader will assign the values (Note [streamed load])
+        unit.store_full(data)
+        register(p, unit.info)
+        make_partitioned(p)
+        set_data(p, unit.placeholder())
+        self.units.append(unit)
+
+    def _on_register(self, module: nn.Module, name: str, param: nn.Parameter):
+        """torch's parameter-registration hook: a parameter assigned to a module this Init built,
+        after its ``__init__`` (a loader's ``setattr``), is partitioned at once."""
+        if id(module) in self._depth or module not in self._built or info_of(param) is not None:
+            return None  # partitioned when its __init__ returns, not ours, or already partitioned (tied)
+        if isinstance(param, PendingTensor):
+            return self._adopt_pending(module, name, param)
+        self._partition(module, name, param)
+        return None
+
+    def _adopt_pending(self, module: nn.Module, name: str, pending: PendingTensor) -> nn.Parameter:
+        """A parameter whose values are read from the checkpoint, this rank's chunk only."""
+        if not self._checked_load:
+            self._checked_load = True
+            need = sum(u.chunk_bytes for u in self.units if not u.loaded)
+            self.store.check_room(need, f"loading the checkpoint ({len(self.units)} parameters)")
+        param = nn.Parameter(torch.empty(0, dtype=pending.dtype, device=acc.device()), pending.requires_grad)
+        param.__dict__.update({k: v for k, v in pending.__dict__.items() if k not in ("source", "reader", "_is_param")})
+        unit = InitUnit(self, param, f"{type(module).__name__}.{name}", pending.dtype, pending.shape)
+        unit.load(pending)
+        register(param, unit.info)
+        make_partitioned(param)
+        self.units.append(unit)
+        return param
+
+    def _start_lazy_files(self) -> None:
+        if self._undo_lazy is None:
+            self._undo_lazy = open_lazily(self.reader) or (lambda: None)
+
+    def _stop_lazy_files(self) -> None:
+        if self._undo_lazy is not None:
+            self._undo_lazy()
+            self._undo_lazy = None
 
     # ------------------------------------------------------------ ops on partitioned params
 

@@ -126,3 +126,76 @@ def _collect(procs, results, world_size, timeout):
             hung = [r for r in range(world_size) if r not in values]
             raise RankTimeout(f"ranks {hung} of {world_size} did not finish within {timeout:.0f}s (hung or deadlocked)")
     return [values[r] for r in range(world_size)]
+
+
+def write_checkpoint(config, out_dir: str, dtype=None, shard_bytes: int = 2 << 30, fill: str = "random",
+                     seed: int = 0) -> dict:
+    """Write a Hugging Face checkpoint directory for ``config`` (``config.json``, safetensors
+    shards, ``model.safetensors.index.json`` when sharded) without ever holding the model:
+    tensors are written one by one, from a fixed random block (``fill="random"``: N(0, 0.02)
+    for matrices, ones for vectors) or as holes in sparse files (``fill="sparse"``: reads
+    return zeros, the disk holds nothing). For benchmarks and tests of loading models larger
+    than host memory. Returns {"files": [...], "bytes": tensor bytes, "params": count}."""
+    import json
+    import struct
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ._pretrained import _DTYPES
+
+    if fill not in ("random", "sparse"):
+        raise UsageError(f"fill must be 'random' or 'sparse', got {fill!r}")
+    dtype = dtype or torch.float32
+    names = {v: k for k, v in _DTYPES.items()}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            tensors.append((name, tuple(p.shape), p.numel() * dtype.itemsize))
+    shards, current, size = [], [], 0
+    for t in tensors:
+        if current and size + t[2] > shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t[2]
+    shards.append(current)
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    block = (torch.randn(1 << 22, generator=gen) * 0.02).to(dtype).view(torch.uint8)
+    one = torch.ones(1, dtype=dtype).view(torch.uint8)
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {}, 0
+        for name, shape, nbytes in shard:
+            header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[name] = fname
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)
+        path = os.path.join(out_dir, fname)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for name, shape, nbytes in shard:
+                if fill == "sparse":
+                    f.seek(nbytes, os.SEEK_CUR)
+                    continue
+                src = one.repeat(nbytes // one.numel()) if len(shape) == 1 else block
+                left = nbytes
+                while left:
+                    n = min(left, src.numel())
+                    f.write(memoryview(src[:n].numpy()))
+                    left -= n
+            f.truncate(f.tell())
+        files.append(path)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t[2] for t in tensors)}, "weight_map": weight_map}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return {"files": files, "bytes": sum(t[2] for t in tensors), "params": sum(t[2] for t in tensors) // dtype.itemsize}

@@ -54,7 +54,7 @@ from ._train_data import (
     token_windows,
 )
 from .config import Config, ConfigError
-from .errors import UsageError
+from .errors import InfinityError, UsageError
 
 EXIT_BAD_INPUT = 2
 PROBE_BYTES = 64 * 1024 * 1024
@@ -208,8 +208,9 @@ def _causal_lm_from_config(config, what: str):
                          f"use a GPT-style model_type such as gpt2 or llama") from None
 
 
-def build_model(spec_value, seq_len: int) -> ModelSpec:
-    """A preset name, a dict of HF config fields with model_type, or a local directory."""
+def build_model(spec_value, seq_len: int, init=None) -> ModelSpec:
+    """A preset name, a dict of HF config fields with model_type, or a local directory (built
+    under ``init``, the ``infinity.Init`` in effect, if any)."""
     from transformers import AutoConfig, GPT2Config
 
     byte_tok = ByteTokenizer()
@@ -229,10 +230,10 @@ def build_model(spec_value, seq_len: int) -> ModelSpec:
         config = GPT2Config(**fields)
         _check_fits(config, byte_tok, seq_len, f"preset {spec_value}")
         return ModelSpec(_causal_lm_from_config(config, spec_value), byte_tok, f"{spec_value} (preset)")
-    return _model_from_dir(spec_value, seq_len)
+    return _model_from_dir(spec_value, seq_len, init)
 
 
-def _model_from_dir(directory: str, seq_len: int) -> ModelSpec:
+def _model_from_dir(directory: str, seq_len: int, init=None) -> ModelSpec:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isdir(directory):
@@ -252,10 +253,29 @@ def _model_from_dir(directory: str, seq_len: int) -> ModelSpec:
         logger.warning("model directory %s has no *.safetensors weights: starting from random weights", directory)
         return ModelSpec(_causal_lm_from_config(config, directory), tokenizer, f"{directory} (config only)", directory)
     try:
+        # Under infinity.Init each rank streams its own chunks into the tiers (Note [streamed load]).
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+    except InfinityError:
+        raise
     except Exception as err:
         raise TrainError(f"model directory {directory!r}: cannot load the weights: {err}") from None
-    return ModelSpec(model, tokenizer, f"{directory} ({len(weights)} safetensors file(s))", directory)
+    how = f"{len(weights)} safetensors file(s)"
+    if init is not None and init.reader.bytes_read:
+        how += (f", streamed from the files into {init.store.tier.value} partitions: "
+                f"{init.reader.bytes_read / 2**20:.1f} MiB read by this rank")
+        logger.info("model %s: %s", directory, how)
+    return ModelSpec(model, tokenizer, f"{directory} ({how})", directory)
+
+
+def build_partitioned(cfg: Config) -> ModelSpec:
+    """Build the model under ``infinity.Init`` for stage 3: partitioned while it is built (a
+    model directory is streamed from its files), each chunk checked against the room on its
+    tier before it is stored (Note [Init preflight])."""
+    import infinity
+
+    t = cfg.train
+    with infinity.Init(config=cfg, enabled=cfg.zero.stage == 3) as init:
+        return build_model(t.model, t.seq_len, init if init.enabled else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +456,7 @@ def setup(cfg: Config) -> Run:
     torch.manual_seed(cfg.seed)
     t = cfg.train
     texts = read_texts(t.data) if t.data else [builtin_corpus()]  # bad data fails before the model is built
-    spec = build_model(t.model, t.seq_len)
+    spec = build_partitioned(cfg)
     if hasattr(spec.model.config, "use_cache"):
         spec.model.config.use_cache = False
     spec.model.train()
