@@ -97,6 +97,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # external parameters registered before initialize (e.g. inside a model's __init__)
 _pending_external: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
+_PARTITION_WRITES_IN_FLIGHT = 128 << 20  # bytes of shards written by cast_and_partition before it waits
+
 
 @dataclass(frozen=True)
 class StagePolicy:
@@ -241,11 +243,16 @@ class Engine:
             if b.is_floating_point() and b.dtype != self.dtype and self.dtype != torch.float32:
                 b.data = b.data.to(self.dtype)
         if self.policy.partition_params:
+            store, in_flight = self.optimizer.param_store, 0
             for unit in self.units:
                 unit.partition()
                 for p in unit.params:
                     make_partitioned(p)
-            self.optimizer.param_store.flush()  # shards must be on their tier before the first fetch
+                in_flight += unit.shard_numel * self.itemsize
+                if in_flight > _PARTITION_WRITES_IN_FLIGHT:  # the shards written are held until they land
+                    store.flush()
+                    in_flight = 0
+            store.flush()  # shards must be on their tier before the first fetch
         for unit in self.units:
             unit.forget_init()
         for init in inits.values():

@@ -24,10 +24,19 @@ divided among the ranks on this node. Every new chunk is checked against it befo
 stored, and refused with the numbers and the knob to change, naming the parameter. A model
 built on the meta device (``from_pretrained``) is checked whole, before the first byte of the
 checkpoint is read: the sum of its unloaded parameters' chunks.
+
+Note [chunks left in the checkpoint]: on the NVMe tier a chunk loaded from a checkpoint is not
+copied into ``init.swp``: the store records where it is (file, element range, the file's size,
+modification time and inode) and ``initialize`` reads it from there straight into the
+optimizer's and the parameter store's files. The checkpoint's bytes are read once, by the rank
+that keeps them, and nothing is written twice. A chunk that is changed before ``initialize``
+(an in-place ``torch.nn.init``, an assignment) gets a slot of its own; a checkpoint file that
+changed in between is refused by name instead of being read.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import weakref
 from typing import Dict, List, Optional
@@ -56,7 +65,7 @@ from ._swap import SwapDir, new_aio, reclaim_stale
 from ._tiers import Tier
 from ._unit import padded
 from .aio import aligned_empty
-from .errors import InsufficientResourcesError, UsageError
+from .errors import InsufficientResourcesError, StorageError, UsageError
 
 _INPLACE_SUFFIX = "_"
 
@@ -72,6 +81,8 @@ class InitStore:
         self._offsets: Dict[int, int] = {}
         self._end = 0
         self.used = 0
+        self._in_flight = 0
+        self._files: Dict[int, tuple] = {}
         if tier is Tier.NVME:
             self.swap = SwapDir(nvme_path, rank)
             self.path = self.swap.file("init.swp", 0)
@@ -90,9 +101,17 @@ class InitStore:
                 f"{self.room / GiB:.2f} GiB available ({_ranks_here()} rank(s) on this node share it); "
                 f"{_ADVICE[self.tier]}")
 
+    def new_chunk(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for a chunk that ``put`` stores without a copy: mapped memory, and on NVMe the
+        whole aligned slot, so the write is one O_DIRECT request."""
+        return aligned_empty(self.slot_bytes(numel, dtype), torch.uint8)[: numel * dtype.itemsize].view(dtype)
+
     def put(self, key: int, chunk: torch.Tensor, name: str, copy: bool = True) -> None:
+        """Store ``chunk`` (``copy=False``: hand it over, e.g. from ``new_chunk``). Writes to NVMe
+        are asynchronous, at most ``_WRITES_IN_FLIGHT`` bytes at a time; ``get`` waits for them."""
+        nbytes = self.slot_bytes(chunk.numel(), chunk.dtype)
+        self._files.pop(key, None)  # new values: no longer the checkpoint's
         if key not in self._offsets and key not in self._mem:
-            nbytes = self.slot_bytes(chunk.numel(), chunk.dtype)
             self.check_room(nbytes, f"parameter {name}")
             self.used += nbytes
             if self.tier is Tier.NVME:
@@ -101,20 +120,71 @@ class InitStore:
         if self.tier is not Tier.NVME:
             self._mem[key] = chunk.clone() if copy and chunk.data_ptr() else chunk
             return
-        self.io.sync_pwrite(chunk.contiguous(), self.path, self._offsets[key])
+        slot = _whole_slot(chunk, nbytes)
+        if slot is None or copy:
+            fresh = self.new_chunk(chunk.numel(), chunk.dtype)
+            fresh.copy_(chunk.reshape(-1))
+            slot = _whole_slot(fresh, nbytes)
+        if self._in_flight + nbytes > _WRITES_IN_FLIGHT:
+            self.settle()
+        self.io.pwrite(slot, self.path, self._offsets[key])
+        self._in_flight += nbytes
+
+    def settle(self) -> None:
+        """Wait for the writes in flight."""
+        if self.tier is Tier.NVME and self._in_flight:
+            self.io.wait(what="Init store writes")
+            self._in_flight = 0
+
+    def refer(self, key: int, pending: PendingTensor, lo: int, hi: int, numel: int) -> None:
+        """Keep a chunk where it already is: elements ``[lo, hi)`` of a checkpoint tensor, padded
+        to ``numel`` (Note [chunks left in the checkpoint])."""
+        self._files[key] = (pending, lo, hi, numel, _stamp(pending.source.path))
 
     def get(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        ref = self._files.get(key)
+        if ref is not None:
+            pending, lo, hi, numel, stamp = ref
+            if _stamp(pending.source.path) != stamp:
+                raise StorageError(
+                    f"{pending.source.path} changed after it was loaded under infinity.Init (size or modification "
+                    f"time differ); the partitions still read from it: call infinity.initialize before changing "
+                    f"or removing the checkpoint")
+            out = aligned_empty(numel, dtype)
+            pending.values(lo, hi, out=out)
+            out[hi - lo:].zero_()
+            return out
         if self.tier is not Tier.NVME:
             return self._mem[key]
+        self.settle()
         out = torch.empty(numel, dtype=dtype)
         self.io.sync_pread(out, self.path, self._offsets[key])
         return out
 
     def close(self) -> None:
         self._mem.clear()
+        self._files.clear()
         if self.tier is Tier.NVME:
+            self.settle()
             self.io.close()
             self.swap.remove()
+
+
+_WRITES_IN_FLIGHT = 256 << 20
+
+
+def _stamp(path: str):
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _whole_slot(chunk: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
+    """The ``nbytes`` bytes of a page-aligned buffer that starts with ``chunk``, or None."""
+    storage = chunk.untyped_storage()
+    start = chunk.storage_offset() * chunk.element_size()
+    if not chunk.is_contiguous() or chunk.data_ptr() % 4096 or storage.nbytes() - start < nbytes:
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
 
 
 GiB = float(1 << 30)
@@ -193,13 +263,16 @@ class InitUnit:
 
     def load(self, pending) -> None:
         """This rank's chunk, read from the checkpoint file (Note [streamed load])."""
-        chunk, rank = self.info.chunk, self.engine.rank
+        chunk, rank, store = self.info.chunk, self.engine.rank, self.engine.store
         lo, hi = min(rank * chunk, self.info.numel), min((rank + 1) * chunk, self.info.numel)
-        mine = aligned_empty(chunk, self.dtype)  # mapped memory, returned when dropped (no heap growth)
+        self.loaded = True
+        if store.tier is Tier.NVME:  # Note [chunks left in the checkpoint]
+            store.refer(self.index, pending, lo, hi, chunk)
+            return
+        mine = store.new_chunk(chunk, self.dtype)  # mapped memory: no heap left behind
         pending.values(lo, hi, out=mine)
         mine[hi - lo:].zero_()
-        self.engine.store.put(self.index, mine, self.info.name, copy=False)
-        self.loaded = True
+        store.put(self.index, mine, self.info.name, copy=False)
 
     def placeholder(self) -> torch.Tensor:
         """The empty data of the parameter while partitioned; a parameter built on the meta device
@@ -370,7 +443,7 @@ class Init:
 
     def _adopt_pending(self, module: nn.Module, name: str, pending: PendingTensor) -> nn.Parameter:
         """A parameter whose values are read from the checkpoint, this rank's chunk only."""
-        if not self._checked_load:
+        if not self._checked_load and self.store.tier is not Tier.NVME:  # NVMe: Note [chunks left in the checkpoint]
             self._checked_load = True
             need = sum(u.chunk_bytes for u in self.units if not u.loaded)
             self.store.check_room(need, f"loading the checkpoint ({len(self.units)} parameters)")

@@ -22,6 +22,7 @@ from torch import nn
 from . import _accelerator as acc
 from . import _comm as comm
 from ._param import ParamInfo, ParamState, raw_data, register, set_data
+from .aio import aligned_empty
 from .errors import EngineError, InvariantError
 
 if TYPE_CHECKING:
@@ -111,7 +112,10 @@ class FetchUnit:
         """This rank's shard, from the full parameters or from chunks made by infinity.Init."""
         if not any(self._init_units):
             return self.shard_of([raw_data(p) for p in self.params], dtype)
-        out = torch.empty(self.shard_numel, dtype=dtype, device=acc.device())
+        if acc.device().type == "cpu":  # mapped, not heap: a build shard by shard leaves no heap behind
+            out = aligned_empty(self.shard_numel, dtype)
+        else:
+            out = torch.empty(self.shard_numel, dtype=dtype, device=acc.device())
         for info, p, iu in zip(self.infos, self.params, self._init_units):
             src = iu.chunk() if iu is not None else self.chunks_of(raw_data(p), info)[self.rank]
             out[info.shard_offset : info.shard_offset + info.chunk].copy_(src)

@@ -260,9 +260,8 @@ def _model_from_dir(directory: str, seq_len: int, init=None) -> ModelSpec:
     except Exception as err:
         raise TrainError(f"model directory {directory!r}: cannot load the weights: {err}") from None
     how = f"{len(weights)} safetensors file(s)"
-    if init is not None and init.reader.bytes_read:
-        how += (f", streamed from the files into {init.store.tier.value} partitions: "
-                f"{init.reader.bytes_read / 2**20:.1f} MiB read by this rank")
+    if init is not None:
+        how += f", streamed from the files into {init.store.tier.value} partitions, each rank reading its own chunks"
         logger.info("model %s: %s", directory, how)
     return ModelSpec(model, tokenizer, f"{directory} ({how})", directory)
 
