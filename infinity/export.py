@@ -111,6 +111,7 @@ def _write_shard(reader, path: str, names: List[str], tensors: dict, buffers: di
             t = buffers[n].contiguous()
             sink.append(t, 0, t.numel() * t.element_size())
     sink.close()
+    reader.mover.synced()
     os.replace(tmp, path)
 
 

@@ -134,9 +134,8 @@ def _states(path):
 @pytest.mark.parametrize("src_world,src_combo,dst_world,dst_combo", [
     (2, (3, "nvme", "nvme"), 1, (3, "cpu", "cpu")),
     (1, (3, "cpu", "cpu"), 2, (3, "nvme", "nvme")),
-    (2, (3, "none", "nvme"), 3, (3, "nvme", "none")),
-    (2, (2, None, "cpu"), 3, (1, None, "nvme")),
-], ids=["2to1-nvme-to-cpu", "1to2-cpu-to-nvme", "2to3", "2to3-stage2-to-stage1"])
+    (2, (2, None, "cpu"), 3, (3, "nvme", "none")),
+], ids=["2to1-nvme-to-cpu", "1to2-cpu-to-nvme", "2to3-stage2-to-stage3"])
 def test_reshard_keeps_every_state(tmp_path, src_world, src_combo, dst_world, dst_combo):
     run_ranks(_save_at, src_world, str(tmp_path), src_combo, str(tmp_path / "a"), timeout=180)
     loaded = run_ranks(_load_and_save, dst_world, str(tmp_path), dst_combo, str(tmp_path / "a"),
@@ -156,17 +155,19 @@ def test_reshard_keeps_every_state(tmp_path, src_world, src_combo, dst_world, ds
 # ---------------------------------------------------------------------------------------- integrity
 
 
-def _load_into_fresh(tmp, combo, src):
+def _load_each(tmp, combo, sources):
+    """Per source: the load's error and whether the model kept its weights."""
     model, opt = infinity.initialize(build(KIND, seed=3), _cfg(*combo, f"{tmp}/nvme"))
-    before = _params(model)
-    try:
-        infinity.load_checkpoint(src, model, opt)
-    except StorageError as e:
-        after = _params(model)
-        return str(e), all(torch.equal(before[n], after[n]) for n in before)
-    finally:
-        opt.engine.close()
-    return None, None
+    before, out = _params(model), []
+    for src in sources:
+        try:
+            infinity.load_checkpoint(src, model, opt)
+            out.append((None, None))
+        except StorageError as e:
+            after = _params(model)
+            out.append((str(e), all(torch.equal(before[n], after[n]) for n in before)))
+    opt.engine.close()
+    return out
 
 
 COMBO = (3, "nvme", "nvme")
@@ -186,26 +187,29 @@ def _copy(src, dst):
     return dst / src.name
 
 
-@pytest.mark.parametrize("victim", ["rank1/exp_avg_sq.bin", "rank0/params.bin", "extra.pt"])
-def test_flipped_byte_is_refused_naming_the_file(tmp_path, saved_once, victim):
-    ck = _copy(saved_once, tmp_path / "ck")
-    path = ck / victim
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
-    error, untouched = run_ranks(_load_into_fresh, 2, str(tmp_path), COMBO, str(ck.parent), timeout=180)[0]
-    assert error is not None and str(path) in error and "checksum" in error
-    assert untouched  # nothing was loaded
+FLIPPED = ["rank1/exp_avg_sq.bin", "rank0/params.bin", "extra.pt"]
+MISSING = "rank1/master.bin"
 
 
-def test_missing_shard_is_refused_naming_the_file(tmp_path, saved_once):
-    ck = _copy(saved_once, tmp_path / "ck")
-    os.remove(ck / "rank1" / "master.bin")
-    error, untouched = run_ranks(_load_into_fresh, 2, str(tmp_path), COMBO, str(ck.parent), timeout=180)[0]
-    assert error is not None and str(ck / "rank1" / "master.bin") in error and "missing" in error
-    assert untouched
+def test_flipped_byte_or_missing_shard_is_refused_naming_the_file(tmp_path, saved_once):
+    victims, runs = [], []
+    for i, rel in enumerate(FLIPPED + [MISSING]):
+        runs.append(str(tmp_path / f"ck{i}"))
+        path = _copy(saved_once, tmp_path / f"ck{i}") / rel
+        if rel == MISSING:
+            os.remove(path)
+        else:
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x10]))
+        victims.append(path)
+    results = run_ranks(_load_each, 2, str(tmp_path), COMBO, runs, timeout=180)[0]
+    for path, (error, untouched) in zip(victims, results):
+        assert error is not None and str(path) in error, (path, error)
+        assert ("missing" if path.name == "master.bin" else "checksum") in error
+        assert untouched  # nothing was loaded
 
 
 def _save_twice(tmp, combo, out):
@@ -241,12 +245,12 @@ KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "checkpoi
 
 
 def test_kill_during_save_leaves_latest_complete(tmp_path):
-    """A few trials of the script that runs >= 20: SIGKILL at a random moment of a loop of
+    """Two trials of the script that runs >= 20: SIGKILL at a random moment of a loop of
     saves; ``latest`` always names a complete checkpoint, and it loads."""
-    out = subprocess.run([sys.executable, KILL_SCRIPT, "--trials", "3", "--dir", str(tmp_path), "--seed", "1"],
+    out = subprocess.run([sys.executable, KILL_SCRIPT, "--trials", "2", "--dir", str(tmp_path), "--seed", "1"],
                          capture_output=True, text=True, timeout=220)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "3/3 trials" in out.stdout
+    assert "2/2 trials" in out.stdout
 
 
 
@@ -269,7 +273,7 @@ def _train_hf_and_save(tmp, kind, dtype, out):
     return weights
 
 
-@pytest.mark.parametrize("kind,dtype,shard_bytes", [("gpt2", "fp32", 20_000), ("llama_frozen", "bf16", 10 ** 9)])
+@pytest.mark.parametrize("kind,dtype,shard_bytes", [("llama_frozen", "bf16", 50_000)])
 def test_export_round_trips_into_transformers(tmp_path, kind, dtype, shard_bytes):
     from transformers import AutoModelForCausalLM
 

@@ -2,14 +2,15 @@
 
 A tensor in host memory is written or read in place (no copy); a swap file is copied to a
 checkpoint file, and back, through ``BUFFERS`` aligned buffers of ``CHUNK_BYTES`` each, the
-read of one piece in flight while the previous one is written: host memory stays at those
-buffers whatever the model size. Files are written front to back so that their CRC-32 is
+read of one piece in flight while the previous ones are written: host memory stays at those
+buffers (64 MiB) whatever the model size. Files are written front to back so that their CRC-32 is
 computed as the bytes go out, and fsynced before they count as written.
 """
 from __future__ import annotations
 
 import os
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -18,8 +19,8 @@ from .._swap import new_aio, wait_io
 from ..aio import AsyncIO, aligned_empty
 from ..errors import StorageError
 
-CHUNK_BYTES = 32 << 20
-BUFFERS = 2
+CHUNK_BYTES = 16 << 20
+BUFFERS = 4
 
 Place = Union[torch.Tensor, str]  # a flat tensor, or the path of a file
 
@@ -52,6 +53,8 @@ class Mover:
         self.chunk = chunk_bytes
         self._bufs: Optional[List[torch.Tensor]] = None
         self.bytes_read = self.bytes_written = 0
+        self._syncer: Optional[ThreadPoolExecutor] = None
+        self._syncs: List[Future] = []
 
     @property
     def buffers(self) -> List[torch.Tensor]:
@@ -63,6 +66,21 @@ class Mover:
         for h in self.readers + self.writers:
             h.close()
         self._bufs = None
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+
+    def sync_soon(self, path: str) -> None:
+        """fsync ``path`` on a helper thread while the next file is written (a flush of the
+        disk's cache is slow; the writes need not wait for it). ``synced`` waits for them."""
+        if self._syncer is None:
+            self._syncer = ThreadPoolExecutor(1, thread_name_prefix="infinity-checkpoint-fsync")
+        self._syncs.append(self._syncer.submit(fsync_path, path))
+
+    def synced(self) -> None:
+        """Every ``sync_soon`` file is on disk (raises the first fsync error)."""
+        pending, self._syncs = self._syncs, []
+        for f in pending:
+            f.result()
 
     def _wait(self, handle, what: str) -> None:
         wait_io(handle, what)
@@ -102,17 +120,22 @@ class Mover:
 
 
 class FileSink:
-    """One checkpoint file written front to back; ``close`` fsyncs it and returns (bytes, CRC-32)."""
+    """One checkpoint file written front to back, preallocated to ``nbytes`` when known;
+    ``close`` returns (bytes, CRC-32) and has it fsynced (``Mover.synced`` waits for that)."""
 
-    def __init__(self, path: str, mover: Mover):
+    def __init__(self, path: str, mover: Mover, nbytes: int = 0):
         self.path, self.mover = path, mover
         self.size, self.crc = 0, 0
-        with open(path, "wb"):
-            pass
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)  # no block allocation on the write path
+        finally:
+            os.close(fd)
 
     def _put(self, buf: torch.Tensor, handle: AsyncIO) -> None:
+        handle.pwrite(buf, self.path, self.size)  # the CRC is computed while the write is in flight
         self.crc = crc_of(buf, self.crc)
-        handle.pwrite(buf, self.path, self.size)
         self.size += buf.numel()
         self.mover.bytes_written += buf.numel()
 
@@ -142,7 +165,7 @@ class FileSink:
     def close(self) -> Tuple[int, int]:
         for w in self.mover.writers:
             self.mover._wait(w, f"writing {self.path}")
-        fsync_path(self.path)
+        self.mover.sync_soon(self.path)
         return self.size, self.crc
 
 

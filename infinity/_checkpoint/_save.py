@@ -125,6 +125,7 @@ def _write_rank(engine, opt, tmp: str, extra: dict):
             sources = opt.store.checkpoint_sources()
             for name in STATE_ARRAYS:
                 out[rank_file(rank, name)] = _write_flat(tmp, rank_file(rank, name), sources[name], 4 * opt.total, mover)
+            mover.synced()
         finally:
             mover.close()
         out[f"rank{rank}/{RNG}"] = _save_small(rng_states(), os.path.join(tmp, f"rank{rank}", RNG))
@@ -138,7 +139,7 @@ def _write_rank(engine, opt, tmp: str, extra: dict):
 
 
 def _write_flat(tmp: str, rel: str, source, nbytes: int, mover: Mover) -> dict:
-    sink = FileSink(os.path.join(tmp, rel), mover)
+    sink = FileSink(os.path.join(tmp, rel), mover, nbytes)
     sink.append(source, 0, nbytes)
     size, crc = sink.close()
     return {"bytes": size, "crc32": crc}
@@ -151,7 +152,7 @@ def _write_params(engine, opt, tmp: str, mover: Mover) -> dict:
     size = itemsize(engine.dtype)
     if opt.param_store is not None:
         return _write_flat(tmp, rel, opt.param_store.checkpoint_source(), size * opt.layout.param_total, mover)
-    sink = FileSink(os.path.join(tmp, rel), mover)
+    sink = FileSink(os.path.join(tmp, rel), mover, opt.layout.param_total * size)
     for unit in engine.units:
         sink.zeros(unit.param_offset * size - sink.size)
         shard = unit.shard_of([raw_data(p) for p in unit.params], engine.dtype)
