@@ -423,9 +423,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 _NO_STATE_DICT = (
     "infinity's optimizer keeps its states (fp32 master weights, Adam moments, step counts) sharded across ranks and "
-    "tiers, which a torch state_dict cannot hold; saving and resuming them is not supported yet. To keep the "
-    "trained weights, gather them: `with infinity.GatheredParameters(list(model.parameters())): "
-    "model.save_pretrained(dir)` (or torch.save(model.state_dict(), path) inside the same block).")
+    "tiers, which a torch state_dict cannot hold; save and resume them with infinity.save_checkpoint(dir, model, "
+    "optimizer) and infinity.load_checkpoint(dir, model, optimizer), and export the weights with "
+    "`python -m infinity.export CHECKPOINT OUT_DIR`.")
 
 
 def _first_param_index(units) -> List[int]:
