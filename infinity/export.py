@@ -28,7 +28,7 @@ from ._checkpoint._format import CheckpointReader, itemsize, pieces, rank_file, 
 from ._checkpoint._io import FileSink
 from ._checkpoint._save import EXTRA
 from ._safetensors_export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, _plan
-from .errors import InfinityError, UsageError
+from .errors import InfinityError, InsufficientResourcesError, UsageError
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -53,6 +53,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, weights: str = "params",
         sizes = {n: numel * itemsize(dt) for n, (_, dt, numel, _) in tensors.items()}
         sizes.update({n: b.numel() * b.element_size() for n, b in buffers.items()})
         os.makedirs(out_dir, exist_ok=True)
+        free = shutil.disk_usage(out_dir).free
+        if free < sum(sizes.values()):
+            raise InsufficientResourcesError(f"the export needs {sum(sizes.values())} bytes under {out_dir} and only "
+                                             f"{free} are free; free space there or pass another OUT_DIR")
         shards = _plan(sizes, max_shard_bytes)
         for shard in shards:
             _write_shard(reader, os.path.join(out_dir, shard.file), shard.names, tensors, buffers)

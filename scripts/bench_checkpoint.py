@@ -108,6 +108,7 @@ def measure(name: str, work: str, repeats: int) -> dict:
     torch.set_num_threads(2)
     layers, hidden = MODELS[name]
     cfg = config(os.path.join(work, "nvme"))
+    os.makedirs(os.path.join(work, "nvme"), exist_ok=True)
     disk = probe_disk(os.path.join(work, "probe"), Config.from_dict(cfg).aio, GiB)
     disk["durable_write"] = durable_write(os.path.join(work, "probe"))
     with infinity.Init(config=cfg):

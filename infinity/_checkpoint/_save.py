@@ -27,6 +27,7 @@ import torch
 from .. import _accelerator as acc
 from .. import _comm as comm
 from .._param import raw_data
+from .._safetensors_export import _persistent_buffers
 from .._swap import OWNER, _owner_gone, _owner_line
 from ..errors import InsufficientResourcesError, UsageError
 from ._format import (
@@ -178,12 +179,7 @@ def _small_entry(path: str) -> dict:
 
 def _buffers(model) -> Dict[str, torch.Tensor]:
     """The model's persistent buffers (rank 0's: every rank holds the same)."""
-    out = {}
-    for mod_name, module in model.named_modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                out[f"{mod_name}.{name}" if mod_name else name] = buf.detach().cpu().clone()
-    return out
+    return {name: b.detach().cpu().clone() for name, b in _persistent_buffers(model).items()}
 
 
 def _hf_files(model, tmp: str) -> dict:
