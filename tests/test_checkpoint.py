@@ -221,6 +221,10 @@ def _save_twice(tmp, combo, out):
         infinity.save_checkpoint(out, model, opt, tag="a")
     except UsageError as e:
         errors.append(str(e))
+    try:
+        infinity.save_checkpoint(out, model, opt, tag="bad", callback=lambda: 0)  # not picklable
+    except UsageError as e:
+        errors.append(str(e))
     for tag in ("b", "c", "d"):
         _train(model, opt, batches(1))
         infinity.save_checkpoint(out, model, opt, tag=tag, keep_last=2)
@@ -228,9 +232,9 @@ def _save_twice(tmp, combo, out):
     return errors
 
 
-def test_existing_tag_refused_and_keep_last_prunes_after_commit(tmp_path):
+def test_refused_saves_leave_nothing_and_keep_last_prunes_after_commit(tmp_path):
     errors = run_ranks(_save_twice, 2, str(tmp_path), (3, "cpu", "nvme"), str(tmp_path / "ck"), timeout=180)[0]
-    assert len(errors) == 1 and "already exists" in errors[0]
+    assert len(errors) == 2 and "already exists" in errors[0] and "pickle" in errors[1].lower()
     assert sorted(os.listdir(tmp_path / "ck")) == ["c", "d", "latest"]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "d"
     reader = CheckpointReader(tmp_path / "ck" / "d")

@@ -22,8 +22,12 @@ def engine_and_optimizer(model, optimizer, what: str):
 
 
 def failure(e: BaseException) -> tuple:
-    """A rank's error, as ``agree`` passes it to every rank."""
-    return ("failed", type(e).__name__, str(e))
+    """A rank's error, as ``agree`` passes it to every rank: infinity's own class, else
+    StorageError for an OSError and UsageError for the rest (e.g. an unpicklable extra)."""
+    from ..errors import InfinityError
+
+    name = type(e).__name__ if isinstance(e, InfinityError) else "StorageError" if isinstance(e, OSError) else "UsageError"
+    return ("failed", name, f"{type(e).__name__}: {e}" if not isinstance(e, InfinityError) else str(e))
 
 
 def agree(result, what: str):

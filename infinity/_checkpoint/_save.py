@@ -29,7 +29,7 @@ from .. import _comm as comm
 from .._param import raw_data
 from .._safetensors_export import _persistent_buffers
 from .._swap import OWNER, _owner_gone, _owner_line
-from ..errors import InsufficientResourcesError, UsageError
+from ..errors import InfinityError, InsufficientResourcesError, UsageError
 from ._format import (
     FORMAT,
     LATEST,
@@ -67,7 +67,12 @@ def save_checkpoint(directory, model, optimizer, tag=None, *, keep_last: Optiona
     token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # rank 0's
     tmp = os.path.join(directory, f".tmp-{tag}-{token}")
     agree(_prepare(directory, tag, tmp, _bytes_needed(engine, opt)), "save_checkpoint")
-    files = agree(_write_rank(engine, opt, tmp, extra), "save_checkpoint")
+    try:
+        files = agree(_write_rank(engine, opt, tmp, extra), "save_checkpoint")
+    except InfinityError:
+        if comm.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing refers to it: latest still names the previous one
+        raise
     final = os.path.join(directory, tag)
     if comm.rank() == 0:
         error = _commit(engine, opt, tmp, final, tag, token, {k: v for f in files for k, v in f.items()}, keep_last)
@@ -135,7 +140,7 @@ def _write_rank(engine, opt, tmp: str, extra: dict):
             out.update(_hf_files(engine.model, tmp))
         fsync_dir(os.path.join(tmp, f"rank{rank}"))
         return out
-    except (OSError, RuntimeError, ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - e.g. an unpicklable extra: every rank must hear of it
         return failure(e)
 
 
