@@ -84,9 +84,8 @@ class InitStore:
         self._in_flight = 0
         self._files: Dict[int, tuple] = {}
         if tier is Tier.NVME:
-            self.swap = SwapDir(nvme_path, rank)
-            self.path = self.swap.file("init.swp", 0)
-            self.io = new_aio(aio_cfg)
+            self._swap_args = (nvme_path, rank, aio_cfg)
+            self.swap = None  # made by the first chunk written (loaded chunks stay in the checkpoint)
         self.room, self.where = room_for(tier, nvme_path)
 
     def slot_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -127,12 +126,17 @@ class InitStore:
             slot = _whole_slot(fresh, nbytes)
         if self._in_flight + nbytes > _WRITES_IN_FLIGHT:
             self.settle()
+        if self.swap is None:
+            nvme_path, rank, aio_cfg = self._swap_args
+            self.swap = SwapDir(nvme_path, rank)
+            self.path = self.swap.file("init.swp", 0)
+            self.io = new_aio(aio_cfg)
         self.io.pwrite(slot, self.path, self._offsets[key])
         self._in_flight += nbytes
 
     def settle(self) -> None:
         """Wait for the writes in flight."""
-        if self.tier is Tier.NVME and self._in_flight:
+        if self._in_flight:
             self.io.wait(what="Init store writes")
             self._in_flight = 0
 
@@ -164,7 +168,7 @@ class InitStore:
     def close(self) -> None:
         self._mem.clear()
         self._files.clear()
-        if self.tier is Tier.NVME:
+        if self.swap is not None:
             self.settle()
             self.io.close()
             self.swap.remove()
@@ -198,6 +202,14 @@ _ADVICE = {
 def room_for(tier: Tier, nvme_path: Optional[str]):
     """Bytes this rank may store on ``tier`` and a name for where (Note [Init preflight])."""
     if tier is Tier.NVME:
+        if not nvme_path:
+            raise UsageError("Init(offload='nvme') needs nvme_path: pass nvme_path= or set zero.offload_param.nvme_path "
+                             "to a directory on a fast local disk")
+        try:
+            os.makedirs(nvme_path, exist_ok=True)
+        except OSError as err:
+            raise StorageError(err.errno, f"nvme_path {nvme_path!r} cannot be created ({err.strerror}); "
+                                          f"point it at a writable directory") from None
         reclaim_stale(nvme_path)  # what crashed runs left is free space again
         return shutil.disk_usage(nvme_path).free // _ranks_here(), f"disk under {nvme_path}"
     return int(psutil.virtual_memory().available * _HOST_SHARE) // _ranks_here(), "host memory"

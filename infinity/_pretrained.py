@@ -98,6 +98,7 @@ class SourceReader:
         self._io = None
         self._new_aio = new_aio
         self._lock = threading.Lock()
+        self._buf: Optional[torch.Tensor] = None
         self.bytes_read = 0
 
     def read(self, src: TensorSource, lo: int, hi: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -114,25 +115,35 @@ class SourceReader:
             return out
         a0 = start // _ALIGN * _ALIGN
         a1 = min(-(-end // _ALIGN) * _ALIGN, os.path.getsize(src.path) // _ALIGN * _ALIGN)
-        buf = aligned_empty(max(a1, end) - a0, torch.uint8)
         with self._lock:
+            buf = self._bounce(max(a1, end) - a0)
             if self._io is None:
                 self._io = self._new_aio(self._cfg)
             if a1 > a0:
                 self._io.sync_pread(buf[: a1 - a0], src.path, a0)
-        tail = max(a1, a0)
-        if end > tail:  # the unaligned end of the file: a buffered read
-            with open(src.path, "rb") as f:
-                f.seek(tail)
-                got = f.readinto(memoryview(buf[tail - a0:end - a0].numpy()))
-            if got != end - tail:
-                raise StorageError(f"{src.path}: short read at offset {tail} ({got} of {end - tail} bytes)")
-        with self._lock:
+            tail = max(a1, a0)
+            if end > tail:  # the unaligned end of the file: a buffered read
+                with open(src.path, "rb") as f:
+                    f.seek(tail)
+                    got = f.readinto(memoryview(buf[tail - a0:end - a0].numpy()))
+                if got != end - tail:
+                    raise StorageError(f"{src.path}: short read at offset {tail} ({got} of {end - tail} bytes)")
             self.bytes_read += end - start
-        out[: hi - lo].copy_(buf[start - a0:end - a0].view(src.dtype))
+            out[: hi - lo].copy_(buf[start - a0:end - a0].view(src.dtype))
         return out
 
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        """The aligned read buffer, kept between reads (a fresh mapping per read would fault in
+        every page again); grown to the largest range read so far."""
+        from .aio import aligned_empty
+
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = None
+            self._buf = aligned_empty(-(-nbytes // (2 << 20)) * (2 << 20), torch.uint8)
+        return self._buf[:nbytes]
+
     def close(self) -> None:
+        self._buf = None
         if self._io is not None:
             self._io.close()
             self._io = None

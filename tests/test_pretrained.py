@@ -177,7 +177,8 @@ def test_load_of_a_1gb_model_on_nvme_keeps_host_memory_bounded(tmp_path):
     assert r["loaded_peak"] - r["base"] < (256 << 20) + 3 * largest
     grown = r["peak"] - r["base"]
     bound = (256 << 20) + 3 * largest + r["host_plan"]
-    assert grown < bound, f"RSS grew {grown / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB) for a {info['bytes'] / 2**30:.2f} GiB model"
+    assert grown < bound, (f"RSS grew {grown / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB) "
+                           f"for a {info['bytes'] / 2**30:.2f} GiB model")
 
 
 def _sparse_checkpoint(tmp_path, params_b):
