@@ -316,3 +316,16 @@ def test_meta_parameter_never_loaded_is_refused_by_initialize(tmp_path):
         infinity.initialize(model, {"zero": {"stage": 3}})
 
 
+
+
+def test_load_state_dict_under_init_keeps_the_values(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    directory = _save("gpt2", str(tmp_path / "ckpt"))
+    ref = AutoModelForCausalLM.from_pretrained(directory)
+    with infinity.Init(offload="nvme", nvme_path=str(tmp_path / "swap")):
+        model = AutoModelForCausalLM.from_config(_config("gpt2"))
+    model.load_state_dict(ref.state_dict())
+    with infinity.GatheredParameters(list(model.parameters())):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), name
