@@ -88,6 +88,11 @@ def peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
+def rss_now() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
 def drop_cache(path: str) -> None:
     """Evict ``path``'s pages (so a buffered read goes to the disk, like our O_DIRECT reads)."""
     fd = os.open(path, os.O_RDONLY)
@@ -117,7 +122,7 @@ def measure(name: str, work: str, repeats: int) -> dict:
     out = {"model": name, "params": sum(p.numel() for p in model.parameters()), "disk": disk}
     ck = os.path.join(work, "ck")
     saves, loads = [], []
-    out["rss_before"] = peak_rss()
+    out["rss_before"] = rss_now()
     peak_rss_reset()
     for i in range(repeats):
         t = time.perf_counter()
@@ -198,7 +203,7 @@ def report(r: dict) -> None:
           f"{load:.2f} GB/s of checkpoint; the disk bound for 2B read + B written is {bound:.2f} s: "
           f"{bound / r['load_s']:.2f} x")
     print(f"  peak RSS over the saves and loads {r['rss_peak_save_load'] / 2**20:.0f} MiB "
-          f"(before them {r['rss_before'] / 2**20:.0f} MiB)")
+          f"(RSS before them {r['rss_before'] / 2**20:.0f} MiB: the engine's pools and host cache)")
     if "torch_save_s" in r:
         print(f"  torch.save of the same states (in memory, fsynced): {r['torch_save_s']:.2f} s "
               f"({gbps(b, r['torch_save_s']):.2f} GB/s); ours / torch.save time = {r['save_s'] / r['torch_save_s']:.2f}")
