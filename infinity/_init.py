@@ -83,9 +83,9 @@ class InitStore:
         self.used = 0
         self._in_flight = 0
         self._files: Dict[int, tuple] = {}
+        self.swap = None  # NVMe: made by the first chunk written (loaded chunks stay in the checkpoint)
         if tier is Tier.NVME:
             self._swap_args = (nvme_path, rank, aio_cfg)
-            self.swap = None  # made by the first chunk written (loaded chunks stay in the checkpoint)
         self.room, self.where = room_for(tier, nvme_path)
 
     def slot_bytes(self, numel: int, dtype: torch.dtype) -> int:
