@@ -248,12 +248,10 @@ def test_state_dicts_refuse_instead_of_returning_part_of_the_state():
     model(torch.randn(4, 16)).backward()
     opt.step()
     for call in (opt.state_dict, lambda: opt.load_state_dict({"state": {}, "param_groups": []})):
-        with pytest.raises(NotImplementedError, match=r"GatheredParameters") as err:
-            call()
-        assert "save_checkpoint" not in str(err.value)  # every message names only what exists
-    with pytest.raises(infinity.ParameterNotAvailableError, match=r"GatheredParameters") as err:
+        with pytest.raises(NotImplementedError, match=r"infinity\.save_checkpoint\(.*infinity\.load_checkpoint\("):
+            call()  # names what saves and resumes every state instead
+    with pytest.raises(infinity.ParameterNotAvailableError, match=r"GatheredParameters"):
         model.state_dict()
-    assert "save_checkpoint" not in str(err.value)
     with infinity.GatheredParameters(list(model.parameters())):
         assert set(model.state_dict()) == {n for n, _ in model.named_parameters()}
     opt.engine.close()
