@@ -82,11 +82,12 @@ def check(directory: str) -> str:
     return ""
 
 
-def trial(directory: str, rng: random.Random) -> str:
+def trial(directory: str, rng: random.Random) -> tuple:
+    """(what is wrong or '', whether the kill landed inside a save: a partial directory left)"""
     proc = subprocess.Popen([sys.executable, __file__, "--child", directory], stdout=subprocess.PIPE, text=True)
     try:
         if proc.stdout.readline().strip() != "saved":
-            return f"the child exited with {proc.wait()} before its first save"
+            return f"the child exited with {proc.wait()} before its first save", False
         time.sleep(rng.uniform(0.0, 1.0))
     finally:
         proc.kill()
@@ -96,7 +97,7 @@ def trial(directory: str, rng: random.Random) -> str:
         problem = check(directory)
     except Exception as e:  # noqa: BLE001 - reported as the trial's failure
         problem = f"{type(e).__name__}: {e}"
-    return problem and f"{problem} (partial saves left: {leftovers})"
+    return problem and f"{problem} (partial saves left: {leftovers})", bool(leftovers)
 
 
 def main(argv=None) -> int:
@@ -112,16 +113,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     base = args.dir or tempfile.mkdtemp(prefix="infinity-kill-")
     rng = random.Random(args.seed)
-    passed = 0
+    passed = inside = 0
     for t in range(args.trials):
         directory = os.path.join(base, f"trial{t}")
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
-        problem = trial(directory, rng)
-        print(f"trial {t + 1}: {'ok' if not problem else 'FAILED: ' + problem}", flush=True)
+        problem, during_save = trial(directory, rng)
+        print(f"trial {t + 1}: {'ok' if not problem else 'FAILED: ' + problem}"
+              f"{' (killed during a save)' if during_save else ''}", flush=True)
         passed += not problem
+        inside += during_save
         shutil.rmtree(directory, ignore_errors=True)
-    print(f"{passed}/{args.trials} trials left latest at a complete checkpoint that loads")
+    print(f"{passed}/{args.trials} trials left latest at a complete checkpoint that loads "
+          f"({inside} killed during a save, the others between saves)")
     return 0 if passed == args.trials else 1
 
 
