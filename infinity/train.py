@@ -46,14 +46,13 @@ from ._telemetry import (
 from ._train_data import (
     Batches,
     ByteTokenizer,
-    DataError,
     builtin_corpus,
     has_tokenizer_files,
     load_hf_tokenizer,
     read_texts,
     token_windows,
 )
-from .config import Config, ConfigError
+from .config import Config
 from .errors import InfinityError, UsageError
 
 EXIT_BAD_INPUT = 2
@@ -641,7 +640,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         checkpoints = TrainCheckpoints.from_args(args.save_every, args.resume, args.keep_last, cfg.train.output_dir)
         text = run_job(cfg, checkpoints)
         finished = True
-    except (TrainError, DataError, ConfigError, InsufficientResourcesError) as err:
+    except (UsageError, InsufficientResourcesError) as err:  # TrainError, DataError, ConfigError among them
         print(f"infinity.train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:
