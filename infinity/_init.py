@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import weakref
 from typing import Dict, List, Optional
 
@@ -59,9 +58,9 @@ from ._param import (
     register,
     set_data,
 )
-from ._preflight import _ranks_here
+from ._preflight import free_disk, ranks_here
 from ._pretrained import PendingTensor, SourceReader, open_lazily
-from ._swap import SwapDir, new_aio, reclaim_stale
+from ._swap import SwapDir, new_aio
 from ._tiers import Tier
 from ._unit import padded
 from .aio import aligned_empty
@@ -97,7 +96,7 @@ class InitStore:
         if self.used + nbytes > self.room:
             raise InsufficientResourcesError(
                 f"infinity.Init: {what} needs {(self.used + nbytes) / GiB:.2f} GiB of {self.where} on this rank, "
-                f"{self.room / GiB:.2f} GiB available ({_ranks_here()} rank(s) on this node share it); "
+                f"{self.room / GiB:.2f} GiB available ({ranks_here()} rank(s) on this node share it); "
                 f"{_ADVICE[self.tier]}")
 
     def new_chunk(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -154,10 +153,7 @@ class InitStore:
                     f"{pending.source.path} changed after it was loaded under infinity.Init (size or modification "
                     f"time differ); the partitions still read from it: call infinity.initialize before changing "
                     f"or removing the checkpoint")
-            out = aligned_empty(numel, dtype)
-            pending.values(lo, hi, out=out)
-            out[hi - lo:].zero_()
-            return out
+            return pending.read_chunk(lo, hi, aligned_empty(numel, dtype))
         if self.tier is not Tier.NVME:
             return self._mem[key]
         self.settle()
@@ -210,9 +206,8 @@ def room_for(tier: Tier, nvme_path: Optional[str]):
         except OSError as err:
             raise StorageError(err.errno, f"nvme_path {nvme_path!r} cannot be created ({err.strerror}); "
                                           f"point it at a writable directory") from None
-        reclaim_stale(nvme_path)  # what crashed runs left is free space again
-        return shutil.disk_usage(nvme_path).free // _ranks_here(), f"disk under {nvme_path}"
-    return int(psutil.virtual_memory().available * _HOST_SHARE) // _ranks_here(), "host memory"
+        return free_disk(nvme_path) // ranks_here(), f"disk under {nvme_path}"
+    return int(psutil.virtual_memory().available * _HOST_SHARE) // ranks_here(), "host memory"
 
 
 # The share of the available host memory the Init store may take: the rest is for the model's
@@ -281,9 +276,7 @@ class InitUnit:
         if store.tier is Tier.NVME:  # Note [chunks left in the checkpoint]
             store.refer(self.index, pending, lo, hi, chunk)
             return
-        mine = store.new_chunk(chunk, self.dtype)  # mapped memory: no heap left behind
-        pending.values(lo, hi, out=mine)
-        mine[hi - lo:].zero_()
+        mine = pending.read_chunk(lo, hi, store.new_chunk(chunk, self.dtype))  # mapped memory: no heap left behind
         store.put(self.index, mine, self.info.name, copy=False)
 
     def placeholder(self) -> torch.Tensor:
@@ -438,10 +431,8 @@ class Init:
         if data.is_meta:
             self._start_lazy_files()  # a loader will assign the values (Note [streamed load])
         unit.store_full(data)
-        register(p, unit.info)
-        make_partitioned(p)
+        self._manage(p, unit)
         set_data(p, unit.placeholder())
-        self.units.append(unit)
 
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter):
         """torch's parameter-registration hook: a parameter assigned to a module this Init built,
@@ -463,10 +454,13 @@ class Init:
         param.__dict__.update({k: v for k, v in pending.__dict__.items() if k not in ("source", "reader", "_is_param")})
         unit = InitUnit(self, param, f"{type(module).__name__}.{name}", pending.dtype, pending.shape)
         unit.load(pending)
+        self._manage(param, unit)
+        return param
+
+    def _manage(self, param: nn.Parameter, unit: InitUnit) -> None:
         register(param, unit.info)
         make_partitioned(param)
         self.units.append(unit)
-        return param
 
     def _start_lazy_files(self) -> None:
         if self._undo_lazy is None:

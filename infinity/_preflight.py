@@ -62,8 +62,19 @@ def staging_buffers(z) -> int:
     return z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2)
 
 
-def _ranks_here() -> int:
+def ranks_here() -> int:
+    """Ranks on this node: they share its host memory and local disks."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
+
+
+def free_disk(path: str) -> int:
+    """Free bytes on the disk under ``path`` (or its nearest existing parent), once what crashed
+    runs left there is reclaimed (Note [swap directories])."""
+    reclaim_stale(path)
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe or ".").free
 
 
 def gradients_in_host(choice: str, total: int) -> bool:
@@ -72,33 +83,29 @@ def gradients_in_host(choice: str, total: int) -> bool:
     every rank on this node take at most a quarter of the available host memory."""
     if choice != "auto":
         return choice == "cpu"
-    return 4 * total * _ranks_here() <= psutil.virtual_memory().available // 4
+    return 4 * total * ranks_here() <= psutil.virtual_memory().available // 4
 
 
 def preflight(engine: "Engine", opt: "ZeroOptimizer") -> dict:
     need = plan(engine, opt)
-    ranks_here = _ranks_here()
+    ranks = ranks_here()
     problems = []
     host_total = need["host"] + (need["device"] if engine_device_is_host() else 0)
     avail = psutil.virtual_memory().available
-    if host_total * ranks_here > avail:
+    if host_total * ranks > avail:
         problems.append(
-            f"host memory: {ranks_here} rank(s) x {host_total / GiB:.2f} GiB needed, {avail / GiB:.2f} GiB available; "
+            f"host memory: {ranks} rank(s) x {host_total / GiB:.2f} GiB needed, {avail / GiB:.2f} GiB available; "
             f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
             f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, keep gradients on "
             f"NVMe (zero.offload_optimizer.gradients: nvme), or run fewer ranks per node")
     for path, nbytes in need["nvme"].items():
-        reclaim_stale(path)  # what crashed runs left is free space again (Note [swap directories])
-        probe = path
-        while probe and not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        free = shutil.disk_usage(probe or ".").free
-        if nbytes * ranks_here > free:
+        free = free_disk(path)
+        if nbytes * ranks > free:
             others = stale_elsewhere(path)
             note = (f"; {len(others)} other run director{'y' if len(others) == 1 else 'ies'} there "
                     f"({', '.join(others[:3])}) belong to live runs or other hosts") if others else ""
             problems.append(
-                f"disk under {path}: {ranks_here} rank(s) x {nbytes / GiB:.2f} GiB of swap files needed, "
+                f"disk under {path}: {ranks} rank(s) x {nbytes / GiB:.2f} GiB of swap files needed, "
                 f"{free / GiB:.2f} GiB free{note}; point nvme_path at a larger disk or free space")
     if problems:
         raise InsufficientResourcesError("this placement does not fit on this machine:\n  - " + "\n  - ".join(problems))

@@ -49,6 +49,7 @@ class TensorSource:
     offset: int  # of the first element, from the start of the file
     dtype: torch.dtype
     shape: torch.Size
+    file_size: int  # where O_DIRECT reads must stop: the end of the file rounded down to 4 KiB
 
     @property
     def numel(self) -> int:
@@ -78,7 +79,7 @@ def read_header(path: str) -> Dict[str, TensorSource]:
             continue
         dtype = _DTYPES.get(entry.get("dtype"))
         begin, end = entry["data_offsets"]
-        src = TensorSource(path, 8 + n + begin, dtype, torch.Size(entry["shape"]))
+        src = TensorSource(path, 8 + n + begin, dtype, torch.Size(entry["shape"]), size)
         if dtype is None:
             raise StorageError(f"{path}: tensor {key!r} has dtype {entry.get('dtype')!r}, which infinity cannot read")
         if end - begin != src.numel * dtype.itemsize or src.offset + (end - begin) > size:
@@ -92,33 +93,28 @@ class SourceReader:
     """Ranged reads of checkpoint tensors through ``infinity.aio``; counts the bytes it reads."""
 
     def __init__(self, aio_cfg):
-        from ._swap import new_aio
-
         self._cfg = aio_cfg
         self._io = None
-        self._new_aio = new_aio
         self._lock = threading.Lock()
         self._buf: Optional[torch.Tensor] = None
         self.bytes_read = 0
 
-    def read(self, src: TensorSource, lo: int, hi: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor: into ``out[:hi - lo]`` (cast to its dtype)
-        if given, else into a new tensor of the stored dtype. Buffers are mapped, not taken from
-        the heap, so loading a checkpoint tensor by tensor leaves no heap behind."""
-        from .aio import aligned_empty
+    def read(self, src: TensorSource, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor into ``out[:hi - lo]``, cast to its dtype.
+        The read goes through one kept aligned buffer, not the heap, so loading a checkpoint
+        tensor by tensor leaves no heap behind."""
+        from ._swap import new_aio
 
         es = src.dtype.itemsize
         start, end = src.offset + lo * es, src.offset + hi * es
-        if out is None:
-            out = aligned_empty(hi - lo, src.dtype)
         if end <= start:
             return out
         a0 = start // _ALIGN * _ALIGN
-        a1 = min(-(-end // _ALIGN) * _ALIGN, os.path.getsize(src.path) // _ALIGN * _ALIGN)
+        a1 = min(-(-end // _ALIGN) * _ALIGN, src.file_size // _ALIGN * _ALIGN)
         with self._lock:
             buf = self._bounce(max(a1, end) - a0)
             if self._io is None:
-                self._io = self._new_aio(self._cfg)
+                self._io = new_aio(self._cfg)
             if a1 > a0:
                 self._io.sync_pread(buf[: a1 - a0], src.path, a0)
             tail = max(a1, a0)
@@ -179,6 +175,13 @@ class PendingTensor(torch.Tensor):
 
         hi = self.source.numel if hi is None else hi
         return self.reader.read(self.source, lo, hi, aligned_empty(hi - lo, self.dtype) if out is None else out)
+
+    def read_chunk(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """A rank's chunk (Note [shard layout]): elements ``[lo, hi)`` into ``out``, the rest of
+        ``out`` (the padding of the last chunk) zero."""
+        self.values(lo, hi, out=out)
+        out[hi - lo:].zero_()
+        return out
 
     def full(self) -> torch.Tensor:
         return self.values().view(self.source.shape)

@@ -128,6 +128,27 @@ def _collect(procs, results, world_size, timeout):
     return [values[r] for r in range(world_size)]
 
 
+def rss_now() -> int:
+    """This process's resident set, in bytes (VmRSS)."""
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set since start or the last ``reset_peak_rss``, in bytes (VmHWM)."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """Restart the peak resident set from the current one (Linux: ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def write_checkpoint(config, out_dir: str, dtype=None, shard_bytes: int = 2 << 30, fill: str = "random",
                      seed: int = 0) -> dict:
     """Write a Hugging Face checkpoint directory for ``config`` (``config.json``, safetensors

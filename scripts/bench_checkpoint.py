@@ -77,22 +77,6 @@ def durable_write(directory: str, nbytes: int = GiB, repeats: int = 3) -> float:
     return nbytes / statistics.median(times)
 
 
-def peak_rss_reset() -> None:
-    """Reset this process's peak RSS (VmHWM) to its current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
-def rss_now() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-
-
 def drop_cache(path: str) -> None:
     """Evict ``path``'s pages (so a buffered read goes to the disk, like our O_DIRECT reads)."""
     fd = os.open(path, os.O_RDONLY)
@@ -108,6 +92,7 @@ def measure(name: str, work: str, repeats: int) -> dict:
     import infinity
     from infinity._checkpoint import CheckpointReader
     from infinity.config import Config
+    from infinity.testing import peak_rss, reset_peak_rss, rss_now
     from infinity.train import probe_disk
 
     torch.set_num_threads(2)
@@ -123,7 +108,7 @@ def measure(name: str, work: str, repeats: int) -> dict:
     ck = os.path.join(work, "ck")
     saves, loads = [], []
     out["rss_before"] = rss_now()
-    peak_rss_reset()
+    reset_peak_rss()
     for i in range(repeats):
         t = time.perf_counter()
         path = infinity.save_checkpoint(ck, model, opt, tag=f"r{i}", keep_last=1)
@@ -175,7 +160,7 @@ def torch_reference(path: str, work: str, repeats: int) -> dict:
 def export_rss(ck: str, out: str) -> dict:
     """Peak RSS (VmHWM) of ``python -m infinity.export`` in its own process, and after its imports."""
     here = os.path.abspath(__file__)
-    code = ("import sys, time; sys.path.insert(0, sys.argv[3]); from bench_checkpoint import peak_rss; "
+    code = ("import sys, time; sys.path.insert(0, sys.argv[3]); from infinity.testing import peak_rss; "
             "from infinity.export import main; base = peak_rss(); t = time.perf_counter(); "
             "main([sys.argv[1], sys.argv[2]]); print(peak_rss(), base, time.perf_counter() - t)")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(here)))

@@ -9,7 +9,7 @@
    which is the disk's read speed for this file.
 3. Ours, in a fresh process: ``with infinity.Init(offload="nvme"): from_pretrained(dir,
    dtype=bfloat16)``, reporting the wall time, the bytes this rank read against the file size,
-   the read bandwidth against the reference, and the peak RSS (sampled every 5 ms) against
+   the read bandwidth against the reference, and the peak RSS (VmHWM, reset at the start) against
    the host memory.
 4. Fine-tunes a ``--finetune-b`` billion parameter checkpoint written the same way with
    ``python -m infinity.train --model DIR`` (the same loading path), everything on NVMe,
@@ -36,19 +36,12 @@ GB = 1e9
 GiB = float(1 << 30)
 
 _LOAD = r"""
-import json, sys, threading, time
-import psutil, torch
+import json, sys, time
+import torch
 from transformers import AutoModelForCausalLM
 import infinity
+from infinity.testing import peak_rss, reset_peak_rss, rss_now
 torch.set_num_threads(2)
-proc = psutil.Process()
-peak = [proc.memory_info().rss]
-done = threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.005)
-threading.Thread(target=sample, daemon=True).start()
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(sys.argv[1]))]  # import the model's code before timing
@@ -60,7 +53,8 @@ for name in os.listdir(sys.argv[1]):  # the checkpoint is read from the disk, no
     fd = os.open(os.path.join(sys.argv[1], name), os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-base = proc.memory_info().rss
+base = rss_now()
+reset_peak_rss()
 t = time.perf_counter()
 with infinity.Init(offload="nvme", nvme_path=sys.argv[2]) as init:
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
@@ -71,9 +65,8 @@ cfg = {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": sys
        "precision": {"dtype": "bf16"}}
 model, opt = infinity.initialize(model, cfg)
 wall = time.perf_counter() - t
-done.set()
 print(json.dumps({"load_s": load_s, "wall_s": wall, "read_bytes": init.reader.bytes_read, "base_rss": base,
-                  "peak_rss": peak[0], "written_bytes": opt.param_store.bytes_written}))
+                  "peak_rss": peak_rss(), "written_bytes": opt.param_store.bytes_written}))
 opt.engine.close()
 """
 

@@ -130,30 +130,23 @@ def _big_llama(hidden, layers, vocab=320):
 
 
 _RSS_SCRIPT = """
-import json, sys, threading, time
-import psutil, torch
+import json, sys
+import torch
 from transformers import AutoModelForCausalLM
 import infinity
 from infinity._preflight import plan
+from infinity.testing import peak_rss, reset_peak_rss, rss_now
 torch.set_num_threads(2)
-proc = psutil.Process()
-base = proc.memory_info().rss
-peak = [base]
-done = threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.005)
-t = threading.Thread(target=sample); t.start()
+base = rss_now()
+reset_peak_rss()
 nvme = sys.argv[2]
 cfg = {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
 with infinity.Init(config=cfg) as init:
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-loaded_peak = peak[0]
+loaded_peak = peak_rss()
 model, opt = infinity.initialize(model, cfg)
-done.set(); t.join()
-print(json.dumps({"base": base, "loaded_peak": loaded_peak, "peak": peak[0], "read": init.reader.bytes_read,
+print(json.dumps({"base": base, "loaded_peak": loaded_peak, "peak": peak_rss(), "read": init.reader.bytes_read,
                   "host_plan": plan(opt.engine, opt)["host"]}))
 opt.engine.close()
 """
