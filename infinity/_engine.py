@@ -66,8 +66,8 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -75,23 +75,20 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from . import _accelerator as acc
 from . import _comm as comm
-from ._log import logger
-from ._param import (
-    ParameterNotAvailableError,
-    info_of,
-    make_partitioned,
-    not_available_message,
-    raw_data,
-    set_data,
-)
-from ._prefetch import Prefetcher
-from ._recycle import Recycler
-from ._reduce import GradReducer
-from ._telemetry_counters import Counters
-from ._unit import FetchUnit
+from ._loss_scale import scale_outputs
+from ._param import info_of, make_partitioned, raw_data, set_data
+from ._phase import Frame, ModuleState, Phase, tensors_in
+from ._stores import state_bytes
+from ._unit import FetchUnit, UnitContext, UnitSpec, unit_spec
 from .errors import EngineError
 
-GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
+if TYPE_CHECKING:
+    from ._loss_scale import LossScaler
+    from ._placement import Placement
+    from ._prefetch import Prefetcher
+    from ._reduce import GradReducer
+    from ._swap import SwapDirs
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # external parameters registered before initialize (e.g. inside a model's __init__)
@@ -113,30 +110,6 @@ class StagePolicy:
         return cls(stage, partition_params=stage >= 3, reduce_in_backward=stage >= 2)
 
 
-@dataclass(eq=False)
-class ModuleState:
-    """Per-module hook state: the units the module uses, in collective order."""
-
-    module: nn.Module
-    name: str
-    units: List[FetchUnit] = field(default_factory=list)
-
-    def add_unit(self, unit: FetchUnit) -> bool:
-        if unit in self.units:
-            return False
-        self.units.append(unit)
-        self.units.sort(key=lambda u: u.index)
-        return True
-
-
-@dataclass(eq=False)
-class _Frame:
-    state: ModuleState
-    held: List[FetchUnit]
-    handling: Optional[BaseException] = None  # the exception being handled where the forward was called
-    token: Optional[int] = None  # this call's input gradients: Note [hold until the input gradients]
-
-
 class _InputGrads(torch.autograd.Function):
     """Identity on a module call's inputs; its backward runs once backward has computed the
     gradients of those inputs, i.e. once the call's own backward is done."""
@@ -152,77 +125,74 @@ class _InputGrads(torch.autograd.Function):
         return (None, None) + grads
 
 
+@dataclass(frozen=True)
+class EngineParts:
+    """What ``initialize`` built before the engine, in build order (Note [build order] in
+    _initialize.py)."""
+
+    placement: "Placement"
+    ctx: UnitContext  # the services the units share: counters, ledger, stores, step gate, call stack
+    units: List[FetchUnit]
+    uses: List[Tuple[str, nn.Module, List[int]]]  # per module: the units whose parameters it holds
+    opt_store: object  # MemoryOptimizerStore or NvmeOptimizerStore
+    prefetcher: "Prefetcher"
+    reducer: "GradReducer"
+    scaler: Optional["LossScaler"]  # fp16 only
+    swap_dirs: "SwapDirs"
+
+
 class Engine:
-    def __init__(self, model: nn.Module, cfg):
+    def __init__(self, model: nn.Module, cfg, parts: EngineParts):
+        ctx = parts.ctx
         self.model = model
         self.cfg = cfg
         self.policy = StagePolicy.of(cfg.zero.stage)
-        self.world_size = comm.world_size()
-        self.rank = comm.rank()
-        self.dtype = DTYPES[cfg.precision.dtype]
-        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
-        acc.budget.set_limit(cfg.device_memory_limit)
-        self._check_same_model_on_all_ranks()
-        self.units: List[FetchUnit] = []
+        self.placement = parts.placement
+        self.ctx = ctx
+        self.world_size = ctx.world_size
+        self.rank = ctx.rank
+        self.dtype = ctx.dtype
+        self.itemsize = ctx.itemsize
+        self.units: List[FetchUnit] = parts.units
         self.states: Dict[nn.Module, ModuleState] = {}
-        self._build_units()
-        self._stack: List[_Frame] = []
+        for name, module, indices in parts.uses:
+            state = self.states[module] = ModuleState(module, name)
+            for i in indices:
+                state.add_unit(self.units[i])
+        self.calls = ctx.calls  # Note [phases] in _phase.py
+        self.counters = ctx.counters
+        self.ledger = ctx.ledger
+        self.gathered = ctx.gathered
+        self.gate = ctx.step_gate
+        self.param_store = ctx.param_store
+        self.opt_store = parts.opt_store
+        self.prefetcher = parts.prefetcher
+        self.reducer = parts.reducer
+        self.scaler = parts.scaler
+        self.swap_dirs = parts.swap_dirs
         self._bwd_holds: Dict[ModuleState, set] = {}  # units and input tokens a module's backward waits for
-        self._gathers: List[int] = []  # units all-gathered since the last check: Note [same gathers on every rank]
         self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
         self._inputs_seen: set = set()  # tokens whose input gradients backward has computed
-        self._bwd_active = False
         self._handles: list = []
-        self.reducer: Optional[GradReducer] = None  # set by the optimizer, which owns the shards
-        self.optimizer = None
-        self.swap_dirs: dict = {}
-        self.counters = Counters()
         self._telemetry_totals: dict = {}  # running totals at the last telemetry() call
-        self.live_elems = 0  # elements of gathered (full) parameters alive now
-        self.peak_live_elems = 0
-        self.persistence_threshold = cfg.zero.prefetch.persistence_threshold if self.policy.partition_params else 0
-        # Note [recycled host memory] in _recycle.py: stage 3 gathers parameters again and again
-        self.gathered = gathered_recycler(self.units) if self.policy.partition_params else None
-        self.prefetcher = Prefetcher(self, cfg.zero.prefetch)
-        _engines[model] = self
-
-    # ------------------------------------------------------------ construction
-
-    def _check_same_model_on_all_ranks(self) -> None:
-        sig = [(n, tuple(p.shape), str(p.dtype), "trainable" if p.requires_grad else "frozen")
-               for n, p in self.model.named_parameters()]
-        sigs = comm.all_gather_object(sig)
-        for r, other in enumerate(sigs):
-            if other != sig:
-                diff = next(((a, b) for a, b in zip(sig, other) if a != b),
-                            (f"{len(sig)} parameters", f"{len(other)} parameters"))
-                raise EngineError(
-                    f"rank {self.rank} and rank {r} built different models (first difference: {diff[0]} vs "
-                    f"{diff[1]}); every data-parallel rank must construct the same model")
-
-    def _build_units(self) -> None:
-        owner: Dict[nn.Parameter, FetchUnit] = {}
-        for name, module in self.model.named_modules():
-            state = ModuleState(module, name)
-            self.states[module] = state
-            own = [(f"{name}.{pn}" if name else pn, p) for pn, p in module._parameters.items()
-                   if p is not None and p not in owner]
-            for group in _by_requires_grad(own):  # Note [frozen parameters] in _optimizer.py
-                unit = FetchUnit(self, len(self.units), name, group, partitioned=self.policy.partition_params)
-                self.units.append(unit)
-                for _, p in group:
-                    owner[p] = unit
-            for p in module._parameters.values():
-                if p is not None:
-                    state.add_unit(owner[p])  # tied/shared parameters owned by another module
         for module, params in list(_pending_external.items()):
             if module in self.states:
                 for p in params:
                     self.register_external(module, p)
+        _engines[model] = self
+
+    @property
+    def live_elems(self) -> int:
+        """Elements of gathered (full) parameters alive now."""
+        return self.ledger.live
+
+    @property
+    def peak_live_elems(self) -> int:
+        return self.ledger.peak
 
     def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
         info = info_of(param)
-        if info is None or info.unit.engine is not self:
+        if info is None or getattr(info.unit, "ctx", None) is not self.ctx:
             raise EngineError("register_external_parameter: the parameter is not part of this model")
         if module not in self.states:
             raise EngineError(f"register_external_parameter: {type(module).__name__} is not a submodule of this model")
@@ -231,7 +201,7 @@ class Engine:
     def cast_and_partition(self) -> None:
         """Cast parameters to the compute dtype; in stage 3 keep only this rank's shards.
         Parameters built under infinity.Init are adopted: whole again for stages 1-2."""
-        inits = {id(iu.engine): iu.engine for unit in self.units for iu in unit._init_units if iu is not None}
+        inits = {id(iu.init): iu.init for unit in self.units for iu in unit._init_units if iu is not None}
         if not self.policy.partition_params:
             for unit in self.units:
                 unit.materialize_init_params()
@@ -243,7 +213,7 @@ class Engine:
             if b.is_floating_point() and b.dtype != self.dtype and self.dtype != torch.float32:
                 b.data = b.data.to(self.dtype)
         if self.policy.partition_params:
-            store, in_flight = self.optimizer.param_store, 0
+            store, in_flight = self.param_store, 0
             for unit in self.units:
                 unit.partition()
                 for p in unit.params:
@@ -282,19 +252,20 @@ class Engine:
         self._handles.clear()
 
     def _pre_forward_root(self, module, args):
-        self._reset_stack()
+        self.calls.begin_forward()
 
     def _post_forward_root(self, module, args, output):
+        self.calls.end_forward()
         if self.dtype == torch.float16 and torch.is_grad_enabled():
-            self.optimizer.scale_outputs(output)
+            scale_outputs(self.scaler, output)
 
     def _pre_forward(self, module, args, kwargs):
         if module is self.model:
-            self._reset_stack()
-            self.prefetcher.begin("forward")
+            self.calls.begin_forward()
+            self.prefetcher.begin(Phase.FORWARD)
         state = self.states[module]
-        frame = _Frame(state, [], handling=sys.exc_info()[1])
-        self._stack.append(frame)  # first: an acquire that raises still has its frame popped
+        frame = Frame(state, [], handling=sys.exc_info()[1])
+        self.calls.push(frame)  # first: an acquire that raises still has its frame popped
         for unit in state.units:
             unit.acquire()
             frame.held.append(unit)
@@ -304,7 +275,7 @@ class Engine:
             return self._watch_inputs(frame, args, kwargs)
         return None
 
-    def _watch_inputs(self, frame: _Frame, args, kwargs):
+    def _watch_inputs(self, frame: Frame, args, kwargs):
         """Note [hold until the input gradients]: route this call's inputs that need a
         gradient through ``_InputGrads``; None when there are none."""
         slots = [(i, None) for i, a in enumerate(args) if _needs_grad(a)]
@@ -337,17 +308,18 @@ class Engine:
 
     def _post_forward(self, module, args, kwargs, output):
         raised = sys.exc_info()[1]  # torch calls this hook inside its `except` when forward raised
-        if not self._stack or self._stack[-1].state.module is not module:
+        top = self.calls.top()
+        if top is None or top.state.module is not module:
             if raised is not None:
                 return  # the forward raised before this module's pre-forward hook pushed a frame
             raise EngineError(f"forward hooks out of order at {type(module).__name__}; was a forward interrupted?")
-        frame = self._stack.pop()
+        frame = self.calls.pop()
         for unit in frame.held:
             unit.release()
         if raised is not None and raised is not frame.handling:
             return  # aborted (a forward called inside an `except` block sees that block's exception)
         if torch.is_grad_enabled() and frame.state.units:
-            outs = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
+            outs = [t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None]
             if outs:
                 state, token = frame.state, frame.token
                 register_multi_grad_hook(outs, lambda _grad: self._pre_backward(state, token), mode="any")
@@ -356,44 +328,15 @@ class Engine:
             self.check_same_gathers("forward")
             self._post_forward_root(module, args, output)
 
-    def _reset_stack(self) -> None:
-        """A forward that raised leaves frames behind: release what they held."""
-        while self._stack:
-            for unit in self._stack.pop().held:
-                unit.release()
-
-    def on_unavailable(self, func, args, kwargs, infos):
-        """A RELEASED parameter reached an operator: fetch it (inside forward) and run."""
-        self.fetch_on_demand(infos, op=getattr(func, "__name__", str(func)))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    def fetch_on_demand(self, infos, op: str) -> None:
-        """A RELEASED parameter was touched: gather it inside a forward, else refuse."""
-        if not self._stack:
-            msg = not_available_message(infos[0], op)
-            if self._bwd_active:
-                msg += (" This happened during backward: a parameter used there but owned by another module must be "
-                        "declared with infinity.register_external_parameter(module, param).")
-            raise ParameterNotAvailableError(msg)
-        frame = self._stack[-1]
-        for unit in sorted({i.unit for i in infos}, key=lambda u: u.index):
-            unit.acquire()
-            frame.held.append(unit)
-            if frame.state.add_unit(unit):
-                logger.debug("external parameters of %s used by %s: fetched with it from now on",
-                             unit.module_name, frame.state.name or "<root>")
-
     # ------------------------------------------------------------ backward
 
     def _begin_backward(self) -> None:
-        if self._bwd_active:
+        if not self.calls.begin_backward():  # an overlapped step may still run: Note [step gate]
             return
-        self._bwd_active = True  # an overlapped step may still run: Note [overlapped step] in _optimizer.py
         for unit in self.units:
             unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.prefetcher.begin("backward")
+        self.prefetcher.begin(Phase.BACKWARD)
 
     def _pre_backward(self, state: ModuleState, token: Optional[int] = None) -> None:
         self._begin_backward()
@@ -446,19 +389,14 @@ class Engine:
                 self._drop_hold(state)
         self._bwd_holds.clear()
         self._inputs_seen.clear()
-        self._bwd_active = False
+        self.calls.end_backward()
         self.prefetcher.end()
         self.check_same_gathers("backward")
-
-    def note_gather(self, unit: FetchUnit) -> None:
-        """Note [same gathers on every rank]: one more all-gather, of ``unit``."""
-        if self.world_size > 1:  # one rank has nothing to compare
-            self._gathers.append(unit.index)
 
     def check_same_gathers(self, where: str) -> None:
         """Note [same gathers on every rank]: raise if the ranks gathered different units
         since the last check."""
-        seq, self._gathers = self._gathers, []
+        seq = self.ledger.take_sequence()
         if self.world_size == 1 or not self.policy.partition_params:
             return
         h = 0
@@ -485,29 +423,27 @@ class Engine:
     def repartition(self, unit: FetchUnit) -> None:
         """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
         full = [raw_data(p) for p in unit.params]
-        opt = self.optimizer
-        opt.wait_step()
+        self.gate.join()
         if unit.trainable:
-            opt.store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
-        if self.policy.partition_params and not opt.aliased:
-            opt.param_store.write(unit.param_offset, unit.shard_of(full, self.dtype))
-            opt.param_store.flush()
+            self.opt_store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
+        if self.policy.partition_params and not self.placement.params_are_master:
+            self.param_store.write(unit.param_offset, unit.shard_of(full, self.dtype))
+            self.param_store.flush()
 
     def restore(self, unit: FetchUnit, saved: Optional[List[torch.Tensor]] = None) -> None:
         """Undo edits of ``unit``'s gathered values: copy back ``saved``, or else rebuild them
         from the stored shards (collective): stage 3's parameter store, stages 1-2's master
         weights. Note [edits without modifier_rank] in _gathered.py."""
-        opt = self.optimizer
         if saved is not None:
             with torch.no_grad():
                 for p, t in zip(unit.params, saved):
                     raw_data(p).copy_(t)
             return
-        opt.wait_step()
+        self.gate.join()
         if self.policy.partition_params:
-            shard = opt.param_store.read(unit.param_offset, unit.shard_numel)
+            shard = self.param_store.read(unit.param_offset, unit.shard_numel)
         else:
-            shard = opt.master_slice(unit)
+            shard = self.opt_store.read_master(unit.opt_offset, unit.shard_numel)
         shard = shard.to(device=acc.device(), dtype=self.dtype)
         full = torch.empty(self.world_size * unit.shard_numel, dtype=self.dtype, device=acc.device())
         comm.all_gather_into_tensor(full, shard, async_op=False, what=f"restoring {unit.module_name or '<root>'}")
@@ -515,9 +451,9 @@ class Engine:
 
     def settle_writes(self) -> None:
         """Wait for the overlapped step and every parameter-shard write in flight."""
-        self.optimizer.wait_step()
-        if self.optimizer.param_store is not None:
-            self.optimizer.param_store.flush()
+        self.gate.join()
+        if self.param_store is not None:
+            self.param_store.flush()
 
     def needs_copy_to_restore(self, unit: FetchUnit) -> bool:
         """An edit of ``unit``'s gathered values would also edit the only stored copy: stage
@@ -525,7 +461,7 @@ class Engine:
         parameters (whole, and without master weights)."""
         if not self.policy.partition_params:
             return not unit.trainable
-        stores = [getattr(self.optimizer.store, "master", None), self.optimizer.param_store.flat]
+        stores = [getattr(self.opt_store, "master", None), self.param_store.flat]
         bases = {t.untyped_storage().data_ptr() for t in stores if t is not None and t.numel()}
         return any(raw_data(p).untyped_storage().data_ptr() in bases for p in unit.params)
 
@@ -542,9 +478,8 @@ class Engine:
         rate, trace divergences, NVMe traffic of the stores and collective bytes (deltas,
         like everything else here), and the peak of gathered elements."""
         out = self.counters.snapshot()
-        opt = self.optimizer
         totals = {}
-        for name, store in (("optimizer", opt.store), ("params", opt.param_store)):
+        for name, store in (("optimizer", self.opt_store), ("params", self.param_store)):
             if store is not None and hasattr(store, "bytes_read"):
                 totals[f"nvme_{name}_read_bytes"] = store.bytes_read
                 totals[f"nvme_{name}_write_bytes"] = store.bytes_written
@@ -561,9 +496,9 @@ class Engine:
     def tier_bytes(self) -> dict:
         """Bytes this rank keeps on each tier (device, host, nvme), pools included."""
         out = {"device": 0, "host": 0, "nvme": 0}
-        stores = [self.optimizer.store] + ([self.optimizer.param_store] if self.optimizer.param_store else [])
+        stores = [self.opt_store] + ([self.param_store] if self.param_store else [])
         for store in stores:
-            if store is self.optimizer.param_store and self.optimizer.aliased:
+            if store is self.param_store and self.placement.params_are_master:
                 continue
             for tier, n in store.nbytes().items():
                 out[tier] += n
@@ -573,11 +508,10 @@ class Engine:
 
     def close(self) -> None:
         """Remove hooks and this run's swap files."""
-        self.optimizer.wait_step()
+        self.gate.join()
         self.prefetcher.release_held()
         self.remove_hooks()
-        for d in self.swap_dirs.values():
-            d.remove()
+        self.swap_dirs.remove()
 
     def model_state_bytes(self) -> dict:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer."""
@@ -589,8 +523,42 @@ class Engine:
             else:
                 params += sum(raw_data(p).numel() * raw_data(p).element_size() for p in unit.params)
             grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)
-        opt = self.optimizer.state_bytes() if self.optimizer is not None else {}
+        opt = state_bytes(self.opt_store, self.placement.params_are_master)
         return {"params": params, "grads": grads + opt.get("grads", 0), "optimizer": opt.get("optimizer", 0)}
+
+
+def check_same_model_on_all_ranks(model: nn.Module) -> None:
+    sig = [(n, tuple(p.shape), str(p.dtype), "trainable" if p.requires_grad else "frozen")
+           for n, p in model.named_parameters()]
+    sigs = comm.all_gather_object(sig)
+    for r, other in enumerate(sigs):
+        if other != sig:
+            diff = next(((a, b) for a, b in zip(sig, other) if a != b),
+                        (f"{len(sig)} parameters", f"{len(other)} parameters"))
+            raise EngineError(
+                f"rank {comm.rank()} and rank {r} built different models (first difference: {diff[0]} vs "
+                f"{diff[1]}); every data-parallel rank must construct the same model")
+
+
+def plan_units(model: nn.Module, world_size: int) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
+    """The fetch units of a model, per module that owns parameters (trainable, then frozen),
+    and per module the units whose parameters it holds (tied parameters: the owner's unit)."""
+    specs: List[UnitSpec] = []
+    owner: Dict[nn.Parameter, int] = {}
+    uses = []
+    for name, module in model.named_modules():
+        own = [(f"{name}.{pn}" if name else pn, p) for pn, p in module._parameters.items()
+               if p is not None and p not in owner]
+        for group in _by_requires_grad(own):  # Note [frozen parameters] in _layout.py
+            specs.append(unit_spec(len(specs), name, group, world_size))
+            for _, p in group:
+                owner[p] = specs[-1].index
+        used = []
+        for p in module._parameters.values():
+            if p is not None and owner[p] not in used:
+                used.append(owner[p])
+        uses.append((name, module, used))
+    return specs, uses
 
 
 def _by_requires_grad(params: list) -> list:
@@ -599,31 +567,11 @@ def _by_requires_grad(params: list) -> list:
     return [g for g in ([x for x in params if x[1].requires_grad], [x for x in params if not x[1].requires_grad]) if g]
 
 
-def gathered_recycler(units: List[FetchUnit]) -> Optional[Recycler]:
-    """Where gathered parameters come from on a CPU-only run: two of the largest units' worth
-    of returned buffers (a CUDA caching allocator already reuses device memory)."""
-    if acc.has_cuda():
-        return None
-    biggest = max((u.full_nbytes for u in units), default=0)
-    return Recycler(GATHERED_REUSE * biggest, acc.host_empty)  # aligned: one rank reads shards from NVMe into them
-
-
 def _needs_grad(x) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
 
 
-def _tensors(obj, depth: int = 0):
-    """Tensors inside a module output (tensors, sequences, mappings, HF ModelOutput)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth > 4:
-        return
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x, depth + 1)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x, depth + 1)
+
 
 
 _engines: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictionary()
@@ -633,9 +581,14 @@ def engine_of(model: nn.Module) -> Optional[Engine]:
     return _engines.get(model)
 
 
+def engine_of_unit(unit) -> Optional[Engine]:
+    """The engine whose units include ``unit`` (None for a unit of infinity.Init)."""
+    ctx = getattr(unit, "ctx", None)
+    return next((e for e in list(_engines.values()) if e.ctx is ctx), None) if ctx is not None else None
+
+
 def forget_engine(model: nn.Module) -> None:
     """``initialize`` failed after the engine was built: the model is not managed."""
     engine = _engines.pop(model, None)
     if engine is not None:
-        for d in engine.swap_dirs.values():
-            d.remove()
+        engine.swap_dirs.remove()

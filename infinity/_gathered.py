@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import _comm as comm
-from ._engine import EngineError, _engines, _pending_external
+from ._engine import EngineError, _engines, _pending_external, engine_of_unit
 from ._log import logger
 from ._param import info_of, raw_data
 from ._unit import FetchUnit
@@ -59,11 +59,11 @@ class GatheredParameters:
             unit.acquire()
         self._prints = self._saved = None
         if self.modifier_rank is None and self._managed():
-            for engine in {id(u.engine): u.engine for u in self.units}.values():
+            for engine in {id(e): e for e in map(engine_of_unit, self.units)}.values():
                 engine.settle_writes()  # a handed-off shard may still be being written: edits must not reach the file
             self._prints = [_fingerprint(raw_data(p)) for unit in self.units for p in unit.params]
             self._saved = {unit: [raw_data(p).clone() for p in unit.params]
-                           for unit in self.units if unit.engine.needs_copy_to_restore(unit)}
+                           for unit in self.units if engine_of_unit(unit).needs_copy_to_restore(unit)}
         return self.params
 
     def __exit__(self, exc_type, exc, tb):
@@ -73,7 +73,7 @@ class GatheredParameters:
                     for unit in self.units:
                         for p in unit.params:
                             comm.broadcast(raw_data(p), self.modifier_rank)
-                        unit.engine.repartition(unit)
+                        engine_of_unit(unit).repartition(unit)
             elif exc_type is None and self._prints is not None:
                 self._discard_edits()
         finally:
@@ -95,7 +95,7 @@ class GatheredParameters:
             flags = edited[k : k + len(unit.params)]
             k += len(unit.params)
             if bool((flags > 0).any()):
-                unit.engine.restore(unit, self._saved.get(unit))
+                engine_of_unit(unit).restore(unit, self._saved.get(unit))
                 names += [info.name for info, f in zip(unit.infos, flags) if f > 0]
         if names:
             logger.warning("GatheredParameters: %s modified without modifier_rank; the edits were discarded (pass "
@@ -130,8 +130,9 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     if not isinstance(module, nn.Module) or not isinstance(param, nn.Parameter):
         raise UsageTypeError("register_external_parameter(module, param) takes an nn.Module and an nn.Parameter")
     info = info_of(param)
-    if info is not None:
-        info.unit.engine.register_external(module, param)
+    owner = engine_of_unit(info.unit) if info is not None else None  # None too for a parameter built under Init
+    if owner is not None:
+        owner.register_external(module, param)
         return
     engine = _engine_containing(module)
     if engine is not None:  # too late to wait for initialize: the parameter is not in that model

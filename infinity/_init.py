@@ -47,6 +47,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from . import _accelerator as acc
 from . import _comm as comm
+from ._layout import padded
 from ._log import logger
 from ._param import (
     ParamInfo,
@@ -62,7 +63,6 @@ from ._preflight import free_disk, ranks_here
 from ._pretrained import PendingTensor, SourceReader, open_lazily
 from ._swap import SwapDir, new_aio
 from ._tiers import Tier
-from ._unit import padded
 from .aio import aligned_empty
 from .errors import InsufficientResourcesError, StorageError, UsageError
 
@@ -223,7 +223,7 @@ class InitUnit:
     and ``chunk`` refuses."""
 
     def __init__(self, init: "Init", param: nn.Parameter, name: str, dtype: torch.dtype, shape: torch.Size):
-        self.engine = init
+        self.init = init
         self.index = init.counter
         init.counter += 1
         self.world_size = init.world_size
@@ -240,9 +240,13 @@ class InitUnit:
     def state(self) -> ParamState:
         return self._state
 
+    def on_unavailable(self, func, args, kwargs, infos):
+        """Note [parameter owners] in _param.py: Init runs the op on the full tensors."""
+        return self.init.on_unavailable(func, args, kwargs, infos)
+
     @property
     def chunk_bytes(self) -> int:
-        return self.engine.store.slot_bytes(self.info.chunk, self.dtype)
+        return self.init.store.slot_bytes(self.info.chunk, self.dtype)
 
     def chunk(self) -> torch.Tensor:
         if not self.loaded:
@@ -250,7 +254,7 @@ class InitUnit:
                 f"parameter {self.info.name!r} {tuple(self.info.shape)} was built on the meta device under "
                 f"infinity.Init and never given values (it is not in the checkpoint and nothing initialized it); "
                 f"load or initialize it before infinity.initialize")
-        return self.engine.store.get(self.index, self.info.chunk, self.dtype)
+        return self.init.store.get(self.index, self.info.chunk, self.dtype)
 
     def materialize(self) -> torch.Tensor:
         """All-gather the chunks into the full tensor (in the parameter's dtype)."""
@@ -265,12 +269,12 @@ class InitUnit:
         if full.is_meta:
             return  # still without values (Note [streamed load])
         rows = _chunks(full.detach().to(self.dtype), self.info, self.world_size)
-        self.engine.store.put(self.index, rows[self.engine.rank].contiguous(), self.info.name)
+        self.init.store.put(self.index, rows[self.init.rank].contiguous(), self.info.name)
         self.loaded = True
 
     def load(self, pending) -> None:
         """This rank's chunk, read from the checkpoint file (Note [streamed load])."""
-        chunk, rank, store = self.info.chunk, self.engine.rank, self.engine.store
+        chunk, rank, store = self.info.chunk, self.init.rank, self.init.store
         lo, hi = min(rank * chunk, self.info.numel), min((rank + 1) * chunk, self.info.numel)
         self.loaded = True
         if store.tier is Tier.NVME:  # Note [chunks left in the checkpoint]

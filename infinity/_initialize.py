@@ -1,15 +1,44 @@
-"""``infinity.initialize``: wrap a model and build its partitioned optimizer."""
+"""``infinity.initialize``: the composition root that builds the engine and its optimizer.
+
+Note [build order]: everything is built in one direction, each object receiving the few
+services it uses when it is constructed, and nobody assigns another object's attributes
+afterwards:
+
+    unit specs (grouping, shard sizes) -> placement plan (tiers, flat layout) -> preflight
+    -> stores -> shared services (counters, gather ledger, step gate, call stack, prefetcher,
+    recycler) -> fetch units -> master weights -> gradient sink -> reducer -> engine
+    -> optimizer -> cast and partition -> hooks
+
+The preflight sees only the plan, so it runs before the first byte is allocated. The fetch
+units never see the engine or the optimizer: the step publishes its progress through the
+step gate (Note [step gate] in _step_gate.py), which the units consult before reading a shard.
+"""
 from __future__ import annotations
 
 from typing import Tuple
 
+import torch
 from torch import nn
 
+from . import _accelerator as acc
 from . import _comm as comm
-from ._engine import Engine, engine_of, forget_engine
+from ._engine import DTYPES, Engine, EngineParts, StagePolicy, check_same_model_on_all_ranks, engine_of, forget_engine
 from ._log import logger
-from ._optimizer import ZeroOptimizer
+from ._loss_scale import LossScaler
+from ._optimizer import GradSink, ZeroOptimizer
 from ._param_groups import resolve_groups
+from ._phase import Calls
+from ._placement import Placement
+from ._prefetch import Prefetcher
+from ._preflight import preflight, staging_buffers
+from ._recycle import Recycler
+from ._reduce import GradReducer
+from ._step_gate import StepGate
+from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore
+from ._swap import SwapDirs
+from ._telemetry_counters import Counters
+from ._tiers import Tier
+from ._unit import FetchUnit, GatherLedger, UnitContext
 from .errors import EngineError, UsageTypeError
 
 
@@ -30,16 +59,89 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     cfg = Config.coerce(config)
     comm.ensure_initialized()
     groups = resolve_groups(list(model.named_parameters()), param_groups)  # refused before anything is built
-    engine = Engine(model, cfg)
+    check_same_model_on_all_ranks(model)
+    acc.budget.set_limit(cfg.device_memory_limit)
+    engine, sink, gate = _build_engine(model, cfg)
     try:
-        optimizer = ZeroOptimizer(engine, cfg, groups)  # takes fp32 master weights before the cast
+        optimizer = ZeroOptimizer(engine, cfg, groups, sink=sink, gate=gate)
     except BaseException:
-        forget_engine(model)  # refused (bad groups, does not fit): the model may be passed again
+        forget_engine(model)  # refused (bad groups): the model may be passed again
         raise
-    engine.optimizer = optimizer
     engine.cast_and_partition()
     engine.install_hooks()
     logger.info("ZeRO stage %d on %d rank(s): %d fetch units, %.1fM parameters, %s",
                 cfg.zero.stage, engine.world_size, len(engine.units),
                 sum(u.shard_numel for u in engine.units) * engine.world_size / 1e6, cfg.precision.dtype)
     return model, optimizer
+
+
+def _build_engine(model: nn.Module, cfg):
+    """Note [build order], up to the engine."""
+    from ._engine import plan_units
+
+    policy = StagePolicy.of(cfg.zero.stage)
+    world, rank = comm.world_size(), comm.rank()
+    dtype = DTYPES[cfg.precision.dtype]
+    specs, uses = plan_units(model, world)
+    placement = Placement.of(cfg, policy.partition_params, dtype, specs, world)
+    preflight(placement, cfg)
+    swap_dirs = SwapDirs(rank)
+    try:
+        opt_store = _optimizer_store(placement, cfg, swap_dirs, policy)
+        param_store = _param_store(placement, cfg, swap_dirs, opt_store) if policy.partition_params else None
+        counters, ledger = Counters(), GatherLedger(world)
+        gate = StepGate(rank, counters.blocked)
+        prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, ledger=ledger,
+                                counters=counters)
+        recycler = Recycler(placement.gathered_reuse_bytes, acc.host_empty) \
+            if policy.partition_params and not acc.has_cuda() else None  # Note [recycled host memory] in _recycle.py
+        ctx = UnitContext(
+            world_size=world, rank=rank, dtype=dtype, itemsize=placement.itemsize,
+            partitioned=policy.partition_params,
+            persistence_threshold=cfg.zero.prefetch.persistence_threshold if policy.partition_params else 0,
+            counters=counters, ledger=ledger, gathered=recycler, param_store=param_store,
+            params_are_master=placement.params_are_master, step_gate=gate, make_room=prefetcher.make_room,
+            calls=Calls())
+        layout = placement.layout
+        units = [FetchUnit(ctx, spec, layout.param_ranges[spec.index][0], layout.opt_offsets[spec.index])
+                 for spec in specs]
+        for unit in units:  # fp32 master weights, taken before the cast to the compute dtype
+            if unit.trainable:
+                opt_store.load_master(unit.opt_offset, unit.local_shard(torch.float32))
+        sink = GradSink(opt_store, units, 1.0 / (world * cfg.gradient_accumulation_steps), counters)
+        reducer = GradReducer(units, world, cfg.zero.reduce_bucket_size, sink.accumulate,
+                              drop_full_grads=policy.reduce_in_backward, consumers_done=opt_store.wait_grad_writes,
+                              on_add=sink.note)
+        scaler = _loss_scaler(cfg.precision) if dtype == torch.float16 else None
+        parts = EngineParts(placement, ctx, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs)
+        return Engine(model, cfg, parts), sink, gate
+    except BaseException:
+        swap_dirs.remove()
+        raise
+
+
+def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: StagePolicy):
+    z = cfg.zero
+    total, ranges = placement.layout.opt_total, list(placement.layout.opt_ranges)
+    if placement.opt_tier is Tier.NVME:
+        return NvmeOptimizerStore(total, ranges, swap_dirs.under(z.offload_optimizer.nvme_path), cfg.aio,
+                                  z.offload_optimizer.chunk_size, cfg.gradient_accumulation_steps,
+                                  z.offload_optimizer.host_cache, placement.grads_in_memory)
+    return MemoryOptimizerStore(placement.opt_tier, total, lazy_grad=not policy.reduce_in_backward,
+                                overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size)
+
+
+def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store) -> ParamStore:
+    """Stage 3's compute-dtype shards; the fp32 master itself where the two coincide."""
+    z = cfg.zero
+    return ParamStore(placement.param_tier, placement.dtype, placement.layout.param_total,
+                      swap=swap_dirs.under(z.offload_param.nvme_path) if placement.param_tier is Tier.NVME else None,
+                      aio_cfg=cfg.aio, alias=opt_store.master if placement.params_are_master else None,
+                      max_unit=placement.layout.max_shard,
+                      buffer_size=z.offload_param.buffer_size, buffer_count=staging_buffers(z),
+                      slots=placement.layout.param_slots())
+
+
+def _loss_scaler(p) -> LossScaler:
+    return LossScaler(static_scale=p.loss_scale, initial_scale_power=p.initial_scale_power,
+                      window=p.loss_scale_window, hysteresis=p.hysteresis, min_scale=p.min_loss_scale)

@@ -19,6 +19,11 @@ from typing import List, Tuple
 from .errors import UsageError
 
 
+def padded(numel: int, world_size: int) -> int:
+    """Note [shard layout] in _unit.py: a parameter's elements rounded up to a multiple of the world size."""
+    return -(-numel // world_size) * world_size
+
+
 def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -34,24 +39,32 @@ class Layout:
     slots: Tuple[int, ...]  # slot lengths
     param_ranges: Tuple[Tuple[int, int], ...]  # (param_offset, shard_numel) of every unit
     opt_ranges: Tuple[Tuple[int, int], ...]  # (opt_offset, shard_numel) of every trainable unit
+    opt_offsets: Tuple[int, ...]  # every unit's offset in the optimizer's space (a frozen one's: where it would go)
 
     @classmethod
-    def assign(cls, units, align: int) -> "Layout":
-        """Set ``param_offset`` and ``opt_offset`` of every unit; return the layout."""
+    def assign(cls, specs, align: int) -> "Layout":
+        """The offsets of units with these ``shard_numel`` and ``trainable`` (``UnitSpec``s),
+        in order, each slot rounded up to ``align`` elements."""
         param_total = opt_total = 0
-        opt_starts, param_starts, slots = [], [], []
-        for unit in units:
-            slot = round_up(unit.shard_numel, align)
-            unit.param_offset, unit.opt_offset = param_total, opt_total
-            if unit.trainable:
+        opt_starts, param_starts, slots, param_ranges, opt_offsets = [], [], [], [], []
+        for spec in specs:
+            slot = round_up(spec.shard_numel, align)
+            param_ranges.append((param_total, spec.shard_numel))
+            opt_offsets.append(opt_total)
+            if spec.trainable:
                 opt_starts.append(opt_total)
                 param_starts.append(param_total)
                 slots.append(slot)
                 opt_total += slot
             param_total += slot
+        opt_ranges = tuple((o, s.shard_numel) for o, s in zip(opt_offsets, specs) if s.trainable)
         return cls(param_total, opt_total, tuple(opt_starts), tuple(param_starts), tuple(slots),
-                   tuple((u.param_offset, u.shard_numel) for u in units),
-                   tuple((u.opt_offset, u.shard_numel) for u in units if u.trainable))
+                   tuple(param_ranges), opt_ranges, tuple(opt_offsets))
+
+    @property
+    def max_shard(self) -> int:
+        """Elements of the largest unit's shard."""
+        return max((n for _, n in self.param_ranges), default=0)
 
     @property
     def same_spaces(self) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ._log import logger
+from ._phase import tensors_in
 
 
 class LossScaler:
@@ -53,3 +54,29 @@ class LossScaler:
         self._clean_steps = sd["clean_steps"]
         self._overflows_left = sd["overflows_left"]
         self.skipped_steps = sd["skipped_steps"]
+
+
+def scale_outputs(scaler: LossScaler, output) -> None:
+    """fp16: scale the gradient entering the graph at the model's outputs."""
+    outs = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
+    scale = scaler.scale
+    for t in _terminal(outs):
+        t.register_hook(lambda g, s=scale: g * s)
+
+
+def _terminal(outs):
+    """Outputs that no other output depends on: scaling only these scales each path once."""
+    if len(outs) <= 1:
+        return outs
+    nodes = {t.grad_fn: t for t in outs}
+    reachable = set()
+    for t in outs:
+        seen, todo = set(), [t.grad_fn]
+        while todo:
+            fn = todo.pop()
+            for nxt, _ in getattr(fn, "next_functions", ()):
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        reachable |= seen & nodes.keys()
+    return [t for t in outs if t.grad_fn not in reachable]

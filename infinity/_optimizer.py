@@ -11,29 +11,18 @@ the updated low-precision values back to the parameters.
 from __future__ import annotations
 
 import math
-import threading
 from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
 from . import _accelerator as acc
 from . import _comm as comm
-from ._layout import Layout
 from ._log import logger
-from ._loss_scale import LossScaler
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
-from ._preflight import gradients_in_host, preflight, staging_buffers
-from ._reduce import GradReducer
-from ._stores import (
-    ALIGN_ELEMS,
-    Chunk,
-    MemoryOptimizerStore,
-    NvmeOptimizerStore,
-    ParamStore,
-)
-from ._swap import SwapDir
+from ._step_gate import StepGate
+from ._stores import Chunk, MemoryOptimizerStore, state_bytes
 from ._tiers import Tier
-from .errors import EngineError, NotSupportedError, UsageError, WaitTimeout
+from .errors import EngineError, NotSupportedError, UsageError
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -73,30 +62,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     in _layout.py).
     """
 
-    def __init__(self, engine: "Engine", cfg, groups: List[dict]):
+    def __init__(self, engine: "Engine", cfg, groups: List[dict], *, sink: "GradSink", gate: StepGate):
         self.engine = engine
         self.cfg = cfg
+        self.placement = placement = engine.placement
+        self.opt_tier = placement.opt_tier
+        self.param_tier = placement.param_tier
+        self.layout = placement.layout
+        self.total = self.layout.opt_total
+        self.overlap = placement.overlap
+        self.grads_in_memory = placement.grads_in_memory
+        self.store = engine.opt_store
+        self.param_store = engine.param_store
+        self.scaler = engine.scaler
+        self.sink = sink
+        self.gate = gate  # Note [step gate]: this step owns it
         oc = cfg.optimizer
-        z = cfg.zero
-        self.opt_tier = Tier.of(z.offload_optimizer.device)
-        self.param_tier = Tier.of(z.offload_param.device) if engine.policy.partition_params else Tier.DEVICE
-        align = ALIGN_ELEMS if Tier.NVME in (self.opt_tier, self.param_tier) else 1
-        self.layout = Layout.assign(engine.units, align)
-        self.total = total = self.layout.opt_total
-        self.unit_ranges = list(self.layout.opt_ranges)  # each trainable unit's flat shard range
-        # Note [overlapped step]: stage 3 with the optimizer states, or the parameters with the
-        # optimizer states in host memory, on NVMe steps in the background.
-        states_in_host = self.opt_tier is Tier.CPU or (self.opt_tier is Tier.DEVICE and acc.device().type == "cpu")
-        self.overlap = engine.policy.partition_params and (
-            self.opt_tier is Tier.NVME or (self.param_tier is Tier.NVME and states_in_host))
-        self.grads_in_memory = self.opt_tier is Tier.NVME and gradients_in_host(
-            engine.cfg.zero.offload_optimizer.gradients, total)  # Note [gradients in host memory] in _stores.py
-        preflight(engine, self)
-        engine.swap_dirs = {}
-        self.store = self._make_store(total)
-        for unit in engine.units:
-            if unit.trainable:
-                self.store.load_master(unit.opt_offset, unit.local_shard(torch.float32))
         named = named_parameters(engine.units)  # groups: torch-style, resolved against the model by initialize
         defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
         self._building = True  # torch's __init__ adds the groups; add_param_group refuses afterwards
@@ -105,58 +86,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.adamw = oc.type == "adamw"
         check_group_hyper(self.param_groups, self.adamw)
         self.steps = StepCounts(slots_of(engine.units, self.param_groups), len(named))
-        self._got_grad = torch.zeros(len(named), dtype=torch.float64)  # Note [update plan]
-        self._unit_first = _first_param_index(engine.units)
         self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
-        self.param_store = self._make_param_store() if engine.policy.partition_params else None
         self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier is not Tier.DEVICE else None
-        self.scaler = LossScaler(static_scale=cfg.precision.loss_scale, initial_scale_power=cfg.precision.initial_scale_power,
-                                 window=cfg.precision.loss_scale_window, hysteresis=cfg.precision.hysteresis,
-                                 min_scale=cfg.precision.min_loss_scale) if engine.dtype == torch.float16 else None
-        self.grad_scale = 1.0 / (engine.world_size * cfg.gradient_accumulation_steps)
-        engine.reducer = GradReducer(engine.units, engine.world_size, z.reduce_bucket_size, self._accumulate,
-                                     drop_full_grads=engine.policy.reduce_in_backward,
-                                     consumers_done=self.store.wait_grad_writes, on_add=self._note_grads)
         self.last_grad_norm: Optional[float] = None
         self.skipped = False
         self._step = 0
-        self._bg: Optional[threading.Thread] = None
-        self._bg_error: Optional[BaseException] = None
-        self._updated_upto = math.inf
-        self._cond = threading.Condition()
-
-    def _swap_dir(self, nvme_path: str) -> SwapDir:
-        dirs = self.engine.swap_dirs
-        if nvme_path not in dirs:
-            dirs[nvme_path] = SwapDir(nvme_path, self.engine.rank)
-        return dirs[nvme_path]
-
-    def _make_store(self, total: int):
-        z = self.cfg.zero
-        if self.opt_tier is Tier.NVME:
-            return NvmeOptimizerStore(total, self.unit_ranges, self._swap_dir(z.offload_optimizer.nvme_path), self.cfg.aio,
-                                      z.offload_optimizer.chunk_size, self.cfg.gradient_accumulation_steps,
-                                      z.offload_optimizer.host_cache, self.grads_in_memory)
-        return MemoryOptimizerStore(self.opt_tier, total, lazy_grad=not self.engine.policy.reduce_in_backward,
-                                    overlapped=self.overlap, ranges=self.unit_ranges, chunk=z.offload_optimizer.chunk_size)
-
-    def _make_param_store(self) -> ParamStore:
-        z = self.cfg.zero
-        alias = self.store.master if self.params_are_master else None
-        return ParamStore(self.param_tier, self.engine.dtype, self.layout.param_total,
-                          swap=self._swap_dir(z.offload_param.nvme_path) if self.param_tier is Tier.NVME else None,
-                          aio_cfg=self.cfg.aio, alias=alias,
-                          max_unit=max((u.shard_numel for u in self.engine.units), default=0),
-                          buffer_size=z.offload_param.buffer_size,
-                          buffer_count=staging_buffers(z),
-                          slots=self.layout.param_slots())
 
     @property
     def params_are_master(self) -> bool:
         """fp32 with parameters and optimizer states on one resident tier: the master
         weights are the parameter shards (no second copy)."""
-        return (self.engine.dtype == torch.float32 and self.param_tier is self.opt_tier and self.opt_tier.resident
-                and self.layout.same_spaces)
+        return self.placement.params_are_master
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_building", False):
@@ -167,31 +107,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def aliased(self) -> bool:
-        return self.param_store is not None and self.param_store.flat is not None and \
-            self.param_store.flat is getattr(self.store, "master", None)
-
-    # ------------------------------------------------------------ gradients
-
-    def _note_grads(self, unit: "FetchUnit") -> None:
-        """The reducer takes ``unit``'s gradients: flag the parameters that have one."""
-        first = self._unit_first[unit.index]
-        for j, p in enumerate(unit.params):
-            if p.grad is not None:
-                self._got_grad[first + j] = 1.0
-
-    def _accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
-        with self.engine.counters.blocked("grad_offload"):
-            self.store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
-        self.engine.counters.bytes["grad_offload"] += shard_grad.numel() * 4
-
-    def scale_outputs(self, output) -> None:
-        """fp16: scale the gradient entering the graph at the model's outputs."""
-        from ._engine import _tensors
-
-        outs = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
-        scale = self.scaler.scale
-        for t in _terminal(outs):
-            t.register_hook(lambda g, s=scale: g * s)
+        """The parameter store is the fp32 master itself."""
+        return self.placement.params_are_master
 
     # ------------------------------------------------------------ step
 
@@ -207,9 +124,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with engine.counters.blocked("grad_offload"):
             self.store.finalize_grads()
         sq, finite = self.store.grad_stats()
-        stats = torch.cat([torch.tensor([sq, 0.0 if finite else 1.0], dtype=torch.float64), self._got_grad])
+        stats = torch.cat([torch.tensor([sq, 0.0 if finite else 1.0], dtype=torch.float64), self.sink.got_grad])
         comm.all_reduce(stats, "sum")  # the norm, overflow and which parameters got a gradient, in one collective
-        self._got_grad.zero_()  # the step consumes this backward's gradients (the store's are sealed below)
+        self.sink.got_grad.zero_()  # the step consumes this backward's gradients (the store's are sealed below)
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is not None:
             overflow = bool(stats[1].item() > 0)
@@ -264,60 +181,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         weights and close wait for the whole step (``wait_step``). Time the main thread
         spends waiting on the step is telemetry's ``optimizer_io`` stall."""
         self.engine.after_step()  # persistent units' gathered copies are about to be stale
-        with self._cond:
-            self._updated_upto = 0
+        self.gate.open()
         # The cached head (Note [host cache] in _stores.py) is what the next forward needs first:
         # update it here, on every core, from memory; the background thread streams the rest.
         self.store.update_head(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
-        # Not a daemon: an interpreter that exits right after step() first lets the update land.
-        self._bg = threading.Thread(target=self._run_step, args=(plan,), name="infinity-optimizer-step", daemon=False)
-        self._bg.start()
+        self.gate.run_in_background(lambda: self._run_tail(plan))
 
-    def _run_step(self, plan: Plan) -> None:
-        try:
-            # One thread for the math: the next forward computes on the other cores meanwhile.
-            if self._adam is not None:
-                plan = plan.with_hyper(num_threads=1)
-            self.store.update_tail(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
-            self.param_store.flush()
-            with self._cond:
-                self._updated_upto = math.inf
-                self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread at the next wait
-            with self._cond:
-                self._bg_error = e
-                self._cond.notify_all()
-
-    def _publish(self, upto: int) -> None:
-        with self._cond:
-            self._updated_upto = upto
-            self._cond.notify_all()
-
-    def wait_updated(self, end: int, *, block: bool = True, what: str = "") -> bool:
-        """True once the flat range below ``end`` holds this step's values (see the Note)."""
-        if self._updated_upto >= end and self._bg_error is None:
-            return True
-        with self._cond:
-            if not block and self._bg_error is None:
-                return self._updated_upto >= end
-            with self.engine.counters.blocked("optimizer_io"):
-                ok = self._cond.wait_for(lambda: self._updated_upto >= end or self._bg_error is not None,
-                                         timeout=comm.DEFAULT_TIMEOUT_S)
-            if self._bg_error is not None:
-                raise self._bg_error
-            if not ok:
-                raise WaitTimeout(f"rank {self.engine.rank}: waited {comm.DEFAULT_TIMEOUT_S:.0f}s for the optimizer "
-                                   f"step to update {what or 'a parameter shard'}")
-        return True
+    def _run_tail(self, plan: Plan) -> None:
+        # One thread for the math: the next forward computes on the other cores meanwhile.
+        if self._adam is not None:
+            plan = plan.with_hyper(num_threads=1)
+        self.store.update_tail(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
+        self.param_store.flush()
 
     def wait_step(self) -> None:
         """Join an in-flight overlapped step; re-raise its error, if any."""
-        if self._bg is not None:
-            with self.engine.counters.blocked("optimizer_io"):
-                self._bg.join()
-            self._bg = None
-        if self._bg_error is not None:
-            raise self._bg_error
+        self.gate.join()
 
     def _update_chunk(self, chunk: Chunk, plan: Plan, out_flat: Optional[torch.Tensor],
                       publish: bool = False) -> None:
@@ -350,7 +229,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
             upto = self._outputs_done(chunk.offset, end)
         if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
-            self._publish(upto)
+            self.gate.publish(upto)
 
     def _outputs_done(self, lo: int, hi: int) -> int:
         """Report [lo, hi) of the optimizer's space written to the NVMe parameter tier's step
@@ -391,11 +270,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for unit in self.engine.units:
             unit.drop_grads()
 
-    def master_slice(self, unit: "FetchUnit") -> torch.Tensor:
-        """The fp32 master weights of one unit (a view in memory, a copy read from NVMe)."""
-        self.wait_step()
-        return self.store.read_master(unit.opt_offset, unit.shard_numel)
-
     def state_dict(self):
         raise NotSupportedError(_NO_STATE_DICT)
 
@@ -415,10 +289,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> dict:
         """Optimizer states (fp32 master unless it is the parameter shard, Adam moments) and
         gradient shards this rank holds in memory."""
-        if not isinstance(self.store, MemoryOptimizerStore):
-            return {"optimizer": 0, "grads": 0}
-        n = self.store.total * 4
-        return {"optimizer": 2 * n + (0 if self.aliased else n), "grads": self.store.grad_bytes()}
+        return state_bytes(self.store, self.aliased)
+
+
+
+
+
+class GradSink:
+    """Where the reducer delivers gradients: each unit's shard gradient accumulated into the
+    optimizer store (scaled by 1 / (ranks x accumulation steps)), and which parameters got a
+    gradient in this backward (Note [update plan] in _param_groups.py), consumed by the step."""
+
+    def __init__(self, store, units: List["FetchUnit"], grad_scale: float, counters):
+        self._store = store
+        self._grad_scale = grad_scale
+        self._counters = counters
+        self._unit_first = _first_param_index(units)
+        self.got_grad = torch.zeros(sum(len(u.params) for u in units), dtype=torch.float64)
+
+    def note(self, unit: "FetchUnit") -> None:
+        """The reducer takes ``unit``'s gradients: flag the parameters that have one."""
+        first = self._unit_first[unit.index]
+        for j, p in enumerate(unit.params):
+            if p.grad is not None:
+                self.got_grad[first + j] = 1.0
+
+    def accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
+        with self._counters.blocked("grad_offload"):
+            self._store.accumulate(unit.opt_offset, shard_grad, self._grad_scale)
+        self._counters.bytes["grad_offload"] += shard_grad.numel() * 4
 
 
 _NO_STATE_DICT = (
@@ -463,21 +362,3 @@ def gather_into_whole_params(engine: "Engine", flat: torch.Tensor) -> None:
                 start = u.opt_offset - first.opt_offset
                 u.load_full_into_params(rows[:, start : start + u.shard_numel])
             group, cols = [], 0
-
-
-def _terminal(outs):
-    """Outputs that no other output depends on: scaling only these scales each path once."""
-    if len(outs) <= 1:
-        return outs
-    nodes = {t.grad_fn: t for t in outs}
-    reachable = set()
-    for t in outs:
-        seen, todo = set(), [t.grad_fn]
-        while todo:
-            fn = todo.pop()
-            for nxt, _ in getattr(fn, "next_functions", ()):
-                if nxt is not None and nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        reachable |= seen & nodes.keys()
-    return [t for t in outs if t.grad_fn not in reachable]

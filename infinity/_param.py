@@ -19,15 +19,12 @@ import enum
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
 
 from .errors import ParameterNotAvailableError
-
-if TYPE_CHECKING:
-    from ._unit import FetchUnit
 
 
 class ParamState(enum.Enum):
@@ -40,6 +37,26 @@ class ParamState(enum.Enum):
     AVAILABLE = "available"  # param.data is the full tensor
 
 
+class ParamOwner(Protocol):
+    """Note [parameter owners]: a managed parameter belongs to a ``FetchUnit`` (after
+    ``initialize``) or to an ``InitUnit`` (built under ``infinity.Init``, not yet initialized).
+    Both hold their parameters' shards, acquire and release them for ``GatheredParameters``,
+    and answer an operator that reached a released parameter."""
+
+    index: int
+    world_size: int
+    module_name: str
+
+    @property
+    def state(self) -> "ParamState": ...
+
+    def acquire(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def on_unavailable(self, func, args, kwargs, infos): ...
+
+
 @dataclass
 class ParamInfo:
     """The engine's side object for one managed parameter."""
@@ -49,7 +66,7 @@ class ParamInfo:
     numel: int  # elements of the full tensor
     padded_numel: int  # numel rounded up to a multiple of the world size
     shard_offset: int  # where this parameter's chunk starts in its unit's shard
-    unit: "FetchUnit"  # the unit that owns the storage
+    unit: ParamOwner  # the unit that owns the storage: a FetchUnit or an InitUnit
 
     @property
     def chunk(self) -> int:
@@ -75,11 +92,6 @@ def register(param: nn.Parameter, info: ParamInfo) -> None:
             del _registry[key]
 
     _registry[key] = (weakref.ref(param, _forget), info)
-
-
-def unregister(param: nn.Parameter) -> None:
-    if info_of(param) is not None:
-        del _registry[id(param)]
 
 
 def info_of(param) -> Optional[ParamInfo]:
@@ -181,8 +193,8 @@ class PartitionedParameter(nn.Parameter):
                 return answer
             unavailable.append((p, info))
         if unavailable:
-            engine = unavailable[0][1].unit.engine
-            return engine.on_unavailable(func, args, kwargs, [info for _, info in unavailable])
+            owner = unavailable[0][1].unit  # a FetchUnit or an InitUnit: Note [parameter owners]
+            return owner.on_unavailable(func, args, kwargs, [info for _, info in unavailable])
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

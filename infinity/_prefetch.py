@@ -39,10 +39,12 @@ import torch
 
 from . import _accelerator as acc
 from ._param import ParamState
+from ._phase import Phase
 
 if TYPE_CHECKING:
-    from ._engine import Engine, ModuleState
-    from ._unit import FetchUnit
+    from ._phase import ModuleState
+    from ._telemetry_counters import Counters
+    from ._unit import FetchUnit, GatherLedger
 
 
 class _Pass:
@@ -67,26 +69,27 @@ def _next_uses(trace: list) -> list:
 
 
 class Prefetcher:
-    def __init__(self, engine: "Engine", cfg):
-        self.engine = engine
-        self.enabled = cfg.enabled and engine.policy.partition_params
+    def __init__(self, cfg, *, partition_params: bool, ledger: "GatherLedger", counters: "Counters"):
+        self._ledger = ledger  # gathered elements alive now, against max_live_parameters
+        self._counters = counters
+        self.enabled = cfg.enabled and partition_params
         self.depth = cfg.depth
         self.device_depth = cfg.device_depth
         self.gather_depth = cfg.gather_depth
         self.bucket = cfg.bucket_size
         self.max_live = cfg.max_live_parameters
-        self.traces = {"forward": None, "backward": None}
+        self.traces = {Phase.FORWARD: None, Phase.BACKWARD: None}
         self._pass: Optional[_Pass] = None
-        self._direction = None
+        self._direction: Optional[Phase] = None  # the pass recording or following a trace
         self._prefetched: List["FetchUnit"] = []
         self._held: List["FetchUnit"] = []  # kept gathered from the end of forward into backward
         self._kept: Dict["FetchUnit", int] = {}  # kept gathered until the pass reaches this position
 
     # ------------------------------------------------------------ iteration boundaries
 
-    def begin(self, direction: str) -> None:
+    def begin(self, direction: Phase) -> None:
         self._finish_pass()
-        if direction == "forward":
+        if direction is Phase.FORWARD:
             self.release_held()
         self._direction = direction
         self._pass = _Pass(self.traces[direction])
@@ -95,9 +98,10 @@ class Prefetcher:
 
     def end(self) -> None:
         self._finish_pass()
-        if self._direction == "backward":
+        if self._direction is Phase.BACKWARD:
             self.release_held()
         self._pass = None
+        self._direction = None
 
     def release_held(self) -> None:
         self._release_kept()
@@ -114,7 +118,7 @@ class Prefetcher:
         """``incoming`` is about to be gathered: release kept units, the one needed last
         first, until it fits within ``max_live_parameters`` and the device budget."""
         for unit in sorted(self._kept, key=self._kept.get, reverse=True):
-            if self.engine.live_elems + incoming.full_numel <= self.max_live and acc.budget.fits(incoming.full_nbytes):
+            if self._ledger.live + incoming.full_numel <= self.max_live and acc.budget.fits(incoming.full_nbytes):
                 return
             del self._kept[unit]
             unit.release()
@@ -133,7 +137,7 @@ class Prefetcher:
 
     def _hold_for_backward(self) -> None:
         """The last forward module runs: keep what backward starts with gathered."""
-        trace = self.traces["backward"]
+        trace = self.traces[Phase.BACKWARD]
         if not trace or not torch.is_grad_enabled():
             return
         for state in trace[: max(1, self.gather_depth)]:
@@ -149,7 +153,7 @@ class Prefetcher:
         p = self._pass
         if p.trace is not None and (p.diverged or len(p.seen) != len(p.trace)) and p.seen:
             if not p.diverged:
-                self.engine.counters.divergences += 1  # a shorter pass (early exit)
+                self._counters.divergences += 1  # a shorter pass (early exit)
         if p.seen and (p.trace is None or p.seen != p.trace):
             self.traces[self._direction] = list(p.seen)
         self._release_kept()
@@ -164,7 +168,7 @@ class Prefetcher:
             return
         pos = len(p.seen)
         p.seen.append(state)
-        if self._held and self._direction == "backward":
+        if self._held and self._direction is Phase.BACKWARD:
             for unit in [u for u in self._held if u in state.units]:  # acquired by its module now
                 self._held.remove(unit)
                 unit.release()
@@ -172,16 +176,16 @@ class Prefetcher:
             return
         if pos >= len(p.trace) or p.trace[pos] is not state:
             p.diverged = True
-            self.engine.counters.divergences += 1
+            self._counters.divergences += 1
             self._release_kept()
             self._abandon_unused()
-            if self._direction == "backward":
+            if self._direction is Phase.BACKWARD:
                 self.release_held()  # backward went another way: do not keep them through it
             return
         if self.enabled:
             self._keep_until_next_use(pos)
             self._ahead(pos + 1)
-            if self._direction == "forward" and pos == len(p.trace) - 1:
+            if self._direction is Phase.FORWARD and pos == len(p.trace) - 1:
                 self._hold_for_backward()
 
     def _window(self, nxt: int, depth: int) -> list:
@@ -215,7 +219,7 @@ class Prefetcher:
         for state in window[: self.gather_depth]:
             for unit in state.units:
                 if unit.state in (ParamState.RELEASED, ParamState.HOST, ParamState.DEVICE) and unit.partitioned \
-                        and self.engine.live_elems + unit.full_numel <= self.max_live:
+                        and self._ledger.live + unit.full_numel <= self.max_live:
                     unit.start_gather()
                     if unit not in self._prefetched:
                         self._prefetched.append(unit)

@@ -20,40 +20,38 @@ from ._tiers import Tier
 from .errors import InsufficientResourcesError
 
 if TYPE_CHECKING:
-    from ._engine import Engine
-    from ._optimizer import ZeroOptimizer
+    from ._placement import Placement
 
 
 GiB = float(1 << 30)
 
 
-def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
+def plan(placement: "Placement", cfg) -> dict:
     """Bytes per tier this rank will hold, and per nvme_path on disk."""
-    esize = engine.itemsize
-    n = opt.total
+    esize = placement.itemsize
+    layout = placement.layout
+    n = layout.opt_total
     need = {"device": 0, "host": 0, "nvme": {}}
-    z = engine.cfg.zero
-    if opt.opt_tier is Tier.NVME:
+    z = cfg.zero
+    if placement.opt_tier is Tier.NVME:
         path = z.offload_optimizer.nvme_path
         chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
-        head = head_elems(z.offload_optimizer.host_cache, opt.unit_ranges, chunk, n)  # Note [host cache]
-        store = NvmeOptimizerStore.bytes_for(n, chunk, head, opt.grads_in_memory)
+        head = head_elems(z.offload_optimizer.host_cache, list(layout.opt_ranges), chunk, n)  # Note [host cache]
+        store = NvmeOptimizerStore.bytes_for(n, chunk, head, placement.grads_in_memory)
         need["nvme"][path] = need["nvme"].get(path, 0) + store["nvme"]
         need["host"] += store["host"]
     else:
-        need[opt.opt_tier.memory] += MemoryOptimizerStore.bytes_for(n, opt.overlap)
-    if engine.policy.partition_params:
-        param_bytes = opt.layout.param_total * esize  # every unit; the optimizer space holds trainable ones
-        if opt.param_tier is Tier.NVME:
+        need[placement.opt_tier.memory] += MemoryOptimizerStore.bytes_for(n, placement.overlap)
+    if placement.partition_params:
+        param_bytes = layout.param_total * esize  # every unit; the optimizer space holds trainable ones
+        if placement.param_tier is Tier.NVME:
             path = z.offload_param.nvme_path
             need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
-            biggest = max((u.shard_numel for u in engine.units), default=0)
-            need["host"] += ParamStore.staging_bytes(max(z.offload_param.buffer_size or 0, biggest),
+            need["host"] += ParamStore.staging_bytes(max(z.offload_param.buffer_size or 0, layout.max_shard),
                                                      staging_buffers(z), esize)
-        elif not opt.params_are_master:
-            need[opt.param_tier.memory] += param_bytes
-        if engine.gathered is not None:  # gathered buffers kept for reuse (Note [recycled host memory])
-            need["device"] += engine.gathered.capacity
+        elif not placement.params_are_master:
+            need[placement.param_tier.memory] += param_bytes
+        need["device"] += placement.gathered_reuse_bytes  # gathered buffers kept for reuse (Note [recycled host memory])
     return need
 
 
@@ -77,17 +75,8 @@ def free_disk(path: str) -> int:
     return shutil.disk_usage(probe or ".").free
 
 
-def gradients_in_host(choice: str, total: int) -> bool:
-    """``zero.offload_optimizer.gradients`` for an NVMe optimizer tier (Note [gradients in host
-    memory] in _stores.py): ``auto`` keeps the gradient shards in host memory when those of
-    every rank on this node take at most a quarter of the available host memory."""
-    if choice != "auto":
-        return choice == "cpu"
-    return 4 * total * ranks_here() <= psutil.virtual_memory().available // 4
-
-
-def preflight(engine: "Engine", opt: "ZeroOptimizer") -> dict:
-    need = plan(engine, opt)
+def preflight(placement: "Placement", cfg) -> dict:
+    need = plan(placement, cfg)
     ranks = ranks_here()
     problems = []
     host_total = need["host"] + (need["device"] if engine_device_is_host() else 0)

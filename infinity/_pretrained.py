@@ -31,7 +31,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from .errors import StorageError, UsageError
+from .errors import StorageError
 
 _ALIGN = 4096
 _DTYPES = {
@@ -291,10 +291,3 @@ def open_lazily(reader: SourceReader) -> Optional[Callable[[], None]]:
         mu.safe_open = opener
 
     return undo
-
-
-def check_loaded(name: str) -> None:
-    raise UsageError(
-        f"parameter {name!r} was built on the meta device under infinity.Init and never given values "
-        f"(it is not in the checkpoint, and nothing initialized it); load it, or build the model without "
-        f"torch.device('meta')")

@@ -72,6 +72,12 @@ class HostPool:
             self._free.append(buf)
             self._cond.notify()
 
+    @property
+    def free(self) -> int:
+        """Buffers a ``get`` would return now without waiting (made or not yet made)."""
+        with self._cond:
+            return len(self._free) + self.count - self._made
+
 
 # ------------------------------------------------------------------------ parameters
 
@@ -808,3 +814,11 @@ def _sq_and_finite(t: torch.Tensor) -> tuple:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def state_bytes(store, params_are_master: bool) -> dict:
+    """Optimizer states and gradient shards an optimizer store holds in memory."""
+    if not isinstance(store, MemoryOptimizerStore):
+        return {"optimizer": 0, "grads": 0}
+    n = store.total * 4
+    return {"optimizer": 2 * n + (0 if params_are_master else n), "grads": store.grad_bytes()}

@@ -58,6 +58,26 @@ class SwapDir:
         self._finalizer()
 
 
+class SwapDirs:
+    """This run's swap directory under each ``nvme_path``, made on first use; removed together."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._dirs: dict = {}
+
+    def under(self, nvme_path: str) -> SwapDir:
+        if nvme_path not in self._dirs:
+            self._dirs[nvme_path] = SwapDir(nvme_path, self._rank)
+        return self._dirs[nvme_path]
+
+    def values(self):
+        return self._dirs.values()
+
+    def remove(self) -> None:
+        for d in self._dirs.values():
+            d.remove()
+
+
 def _remove(run_dir: str, rank_dir: str) -> None:
     shutil.rmtree(rank_dir, ignore_errors=True)
     try:

@@ -25,10 +25,6 @@ class Tier(str, enum.Enum):
         return cls.DEVICE if name == "none" else cls(name)
 
     @property
-    def config_name(self) -> str:
-        return "none" if self is Tier.DEVICE else self.value
-
-    @property
     def memory(self) -> str:
         """The key of this tier in byte accounting: device, host or nvme."""
         return {Tier.DEVICE: "device", Tier.CPU: "host", Tier.NVME: "nvme"}[self]

@@ -14,39 +14,105 @@ parameters] in _optimizer.py).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from . import _accelerator as acc
 from . import _comm as comm
-from ._param import ParamInfo, ParamState, raw_data, register, set_data
+from ._init import InitUnit
+from ._layout import padded
+from ._param import ParamInfo, ParamState, info_of, raw_data, register, set_data
 from .aio import aligned_empty
 from .errors import EngineError, InvariantError
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from ._phase import Calls
+    from ._recycle import Recycler
+    from ._step_gate import StepGate
+    from ._stores import ParamStore
+    from ._telemetry_counters import Counters
 
 
-def padded(numel: int, world_size: int) -> int:
-    return -(-numel // world_size) * world_size
+@dataclass(frozen=True)
+class UnitSpec:
+    """What a fetch unit will hold, known before anything is allocated: the layout, the
+    preflight and the stores are computed from these (Note [shard layout])."""
+
+    index: int  # position in the unit list: the order of collectives
+    module_name: str
+    params: Tuple[Tuple[str, nn.Parameter], ...]
+    shard_numel: int
+    trainable: bool
+
+
+def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter]], world_size: int) -> UnitSpec:
+    shard = sum(padded(p.numel(), world_size) // world_size for _, p in params)
+    return UnitSpec(index, module_name, tuple(params), shard, any(p.requires_grad for _, p in params))
+
+
+class GatherLedger:
+    """Gathered (full) parameters alive now and their peak, in elements, and the sequence of
+    units all-gathered since the last check (Note [same gathers on every rank] in _engine.py)."""
+
+    def __init__(self, world_size: int):
+        self._world_size = world_size
+        self.live = 0
+        self.peak = 0
+        self.sequence: List[int] = []
+
+    def gathered(self, unit: "FetchUnit") -> None:
+        self.live += unit.full_numel
+        self.peak = max(self.peak, self.live)
+        if self._world_size > 1:  # one rank has nothing to compare
+            self.sequence.append(unit.index)
+
+    def freed(self, unit: "FetchUnit") -> None:
+        self.live -= unit.full_numel
+
+    def take_sequence(self) -> List[int]:
+        seq, self.sequence = self.sequence, []
+        return seq
+
+
+@dataclass(frozen=True)
+class UnitContext:
+    """The services a fetch unit uses, built before the units by ``initialize`` (the
+    composition root) and shared by all of them; a unit never sees the engine or the
+    optimizer."""
+
+    world_size: int
+    rank: int
+    dtype: torch.dtype  # the compute dtype of the gathered parameters
+    itemsize: int
+    partitioned: bool  # stage 3: parameters live as shards between uses
+    persistence_threshold: int  # units smaller than this stay gathered (zero.prefetch.persistence_threshold)
+    counters: "Counters"
+    ledger: GatherLedger
+    gathered: Optional["Recycler"]  # recycled gathered buffers (CPU-only runs)
+    param_store: Optional["ParamStore"]  # stage 3's shards
+    params_are_master: bool  # the parameter store is the fp32 master itself: nothing to write at partition
+    step_gate: "StepGate"  # Note [step gate]: has the step updated this range yet
+    make_room: Callable[["FetchUnit"], None]  # the prefetcher releases kept units before a gather
+    calls: "Calls"  # a released parameter touched inside a module call is fetched on demand
 
 
 class FetchUnit:
     """The directly-owned parameters of one module and their shard on this rank."""
 
-    def __init__(self, engine: "Engine", index: int, module_name: str, params: List[Tuple[str, nn.Parameter]],
-                 *, partitioned: bool):
-        self.engine = engine
-        self.index = index  # position in the engine's unit list: the order of collectives
-        self.module_name = module_name
-        self.world_size = engine.world_size
-        self.rank = engine.rank
-        self.partitioned = partitioned
+    def __init__(self, ctx: UnitContext, spec: UnitSpec, param_offset: int, opt_offset: int):
+        self.ctx = ctx
+        self.index = spec.index  # position in the engine's unit list: the order of collectives
+        self.module_name = spec.module_name
+        self.world_size = ctx.world_size
+        self.rank = ctx.rank
+        self.partitioned = ctx.partitioned
         self.params: List[nn.Parameter] = []
         self.infos: List[ParamInfo] = []
         offset = 0
+        params = list(spec.params)
         self._init_units = [_init_unit_of(p) for _, p in params]  # built under infinity.Init
         for init_unit, (name, _) in zip(self._init_units, params):
             if init_unit is not None and init_unit.world_size != self.world_size:
@@ -61,9 +127,9 @@ class FetchUnit:
             self.infos.append(info)
             offset += info.chunk
         self.shard_numel = offset
-        self.trainable = any(p.requires_grad for p in self.params)  # the engine never mixes the two in a unit
-        self.param_offset = 0  # start of this unit's shard in the parameter store's flat space
-        self.opt_offset = 0  # start of its range in the optimizer's flat fp32 space (trainable units)
+        self.trainable = spec.trainable  # the engine never mixes the two in a unit
+        self.param_offset = param_offset  # start of this unit's shard in the parameter store's flat space
+        self.opt_offset = opt_offset  # start of its range in the optimizer's flat fp32 space (trainable units)
         self._staged: Optional[torch.Tensor] = None  # pool buffer holding the shard read from NVMe
         self._read = None  # the read of the shard in flight (HOST state on the NVMe tier)
         self._kept: Optional[torch.Tensor] = None  # the shard handed off by the optimizer step (HOST state)
@@ -77,6 +143,10 @@ class FetchUnit:
         self._gather_handle: Optional[comm.CommHandle] = None
         self._charged = 0
         self.grads_pending = 0  # params whose gradient has not arrived in this backward
+
+    def on_unavailable(self, func, args, kwargs, infos):
+        """A parameter of this unit reached an operator while released (Note [partitioned parameter])."""
+        return self.ctx.calls.on_unavailable(func, args, kwargs, infos)
 
     # ------------------------------------------------------------ state
 
@@ -97,11 +167,11 @@ class FetchUnit:
     @property
     def full_nbytes(self) -> int:
         """Bytes of the gathered parameters."""
-        return self.full_numel * self.engine.itemsize
+        return self.full_numel * self.ctx.itemsize
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.engine.dtype
+        return self.ctx.dtype
 
     def __repr__(self) -> str:
         return f"FetchUnit({self.module_name or '<root>'}, {len(self.params)} params, {self.state.name})"
@@ -152,7 +222,7 @@ class FetchUnit:
 
     @property
     def store(self):
-        return self.engine.optimizer.param_store
+        return self.ctx.param_store
 
     def partition(self) -> None:
         """AVAILABLE -> RELEASED for the first time: keep only this rank's shard (stage 3),
@@ -160,7 +230,7 @@ class FetchUnit:
         self._expect(ParamState.AVAILABLE, "partition")
         if not self.partitioned:
             raise InvariantError(f"partition: {self!r} is not partitioned (stages 1-2 keep parameters whole)")
-        if not self.engine.optimizer.aliased:
+        if not self.ctx.params_are_master:
             self.store.write(self.param_offset, self.local_shard(self.dtype))
         self._drop_full()
 
@@ -185,13 +255,13 @@ class FetchUnit:
     @property
     def persistent(self) -> bool:
         """Small units stay gathered between uses (zero.prefetch.persistence_threshold)."""
-        return self.partitioned and self.full_numel < self.engine.persistence_threshold
+        return self.partitioned and self.full_numel < self.ctx.persistence_threshold
 
     def acquire(self) -> None:
         """Take a reference; gather if needed (waiting for what the prefetcher started).
         Pairs with ``release``."""
         self._refs += 1
-        counters = self.engine.counters
+        counters = self.ctx.counters
         if self._state is ParamState.AVAILABLE:
             if self.partitioned:
                 counters.hits += 1
@@ -201,7 +271,7 @@ class FetchUnit:
         else:
             counters.hits += 1
         if self._state is not ParamState.GATHERING:
-            self.engine.prefetcher.make_room(self)
+            self.ctx.make_room(self)
             self.start_gather()
         self.wait_gather()
 
@@ -221,10 +291,10 @@ class FetchUnit:
     def _free_full(self) -> None:
         self._drop_full()
         if self._full is not None:  # reused once nothing else (say, autograd) still holds a view of it
-            self.engine.gathered.give(self._full)
+            self.ctx.gathered.give(self._full)
             self._full = None
         acc.budget.release(self._charged)
-        self.engine.live_elems -= self.full_numel
+        self.ctx.ledger.freed(self)
         self._charged = 0
 
     def abandon(self) -> None:
@@ -242,7 +312,7 @@ class FetchUnit:
         if self._state is ParamState.DEVICE:
             self._drop_device_shard()
             if self._full is not None:  # read straight into a gathered buffer
-                self.engine.gathered.give(self._full)
+                self.ctx.gathered.give(self._full)
                 self._full = None
             self._state = ParamState.RELEASED
 
@@ -250,24 +320,24 @@ class FetchUnit:
         """RELEASED -> HOST: submit the read of the shard from NVMe into a pool buffer
         (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
         self._expect(ParamState.RELEASED, "stage_to_host")
-        if self.trainable and not self.engine.optimizer.wait_updated(self.opt_offset + self.shard_numel, block=block,
-                                                                     what=self._what()):
+        if self.trainable and not self.ctx.step_gate.wait(self.opt_offset + self.shard_numel, block=block,
+                                                          what=self._what()):
             return False  # a frozen unit's shard is never rewritten
         if not self.store.resident:
             nbytes = self.shard_numel * self.store.itemsize
             self._kept = self.store.take_kept(self.param_offset, self.shard_numel)  # Note [hand-off] in _stores.py
             if self._kept is not None:
-                self.engine.counters.bytes["param_handoff"] += nbytes
+                self.ctx.counters.bytes["param_handoff"] += nbytes
             else:
                 into = self._direct_read_buffer()
-                with self.engine.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
+                with self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
                     self._read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
                 if self._read is None:
                     if into is not None:
-                        self.engine.gathered.give(into)
+                        self.ctx.gathered.give(into)
                     return False
                 self._full = into  # the gathered buffer from the start (None: a pool buffer)
-                self.engine.counters.bytes["nvme_read"] += nbytes
+                self.ctx.counters.bytes["nvme_read"] += nbytes
         self._state = ParamState.HOST
         return True
 
@@ -275,9 +345,9 @@ class FetchUnit:
         """One rank without an accelerator: the gathered parameters would be a copy of the
         shard as read, so the read goes straight into a recycled gathered buffer (the
         parameters become views of it) instead of a staging buffer; None elsewhere."""
-        if self.world_size != 1 or self.engine.gathered is None:
+        if self.world_size != 1 or self.ctx.gathered is None:
             return None
-        return self.engine.gathered.take(self.full_numel, self.dtype)
+        return self.ctx.gathered.take(self.full_numel, self.dtype)
 
     def stage_to_device(self, *, block: bool = True) -> bool:
         """HOST -> DEVICE: once the shard's read has landed (waiting for it when ``block``),
@@ -288,7 +358,7 @@ class FetchUnit:
         if self._read is not None:
             if not block and not self.store.read_done(self._read):
                 return False
-            with self.engine.counters.blocked("nvme_read"):
+            with self.ctx.counters.blocked("nvme_read"):
                 buf = self.store.finish_read(self._read, what=self._what())
             self._read = None
             if self._full is None:
@@ -302,14 +372,14 @@ class FetchUnit:
         self._dev_shard, self._h2d = acc.start_copy_to_device(src)
         self._h2d_copied = self._dev_shard is not src
         if self._h2d_copied:
-            self.engine.counters.bytes["host_to_device"] += src.numel() * src.element_size()
+            self.ctx.counters.bytes["host_to_device"] += src.numel() * src.element_size()
         self._state = ParamState.DEVICE
         return True
 
     def _drop_device_shard(self) -> None:
         """The device shard was consumed: give the staging buffer back once its copy is done."""
         if self._staged is not None:
-            with self.engine.counters.blocked("host_to_device"):
+            with self.ctx.counters.blocked("host_to_device"):
                 self._h2d.synchronize()
             self.store.pool.put(self._staged)
             self._staged = None
@@ -335,16 +405,16 @@ class FetchUnit:
         if not in_place or self._h2d_copied or self._kept is not None or self._full is not None:
             acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             self._charged = nbytes
-        self.engine.live_elems += self.full_numel
-        self.engine.peak_live_elems = max(self.engine.peak_live_elems, self.engine.live_elems)
-        self.engine.counters.bytes["all_gather"] += nbytes
-        self.engine.note_gather(self)
+        self.ctx.ledger.gathered(self)
+        self.ctx.counters.bytes["all_gather"] += nbytes
         if in_place:
             self._gather_out = shard
         else:
-            recycler = self.engine.gathered
-            self._gather_out = self._full = recycler.take(self.full_numel, self.dtype) if recycler else \
-                torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
+            recycler = self.ctx.gathered
+            if recycler is not None:  # _full: a buffer to give back to the recycler when freed
+                self._gather_out = self._full = recycler.take(self.full_numel, self.dtype)
+            else:  # CUDA: the caching allocator reuses the memory
+                self._gather_out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
         self._gather_handle = comm.all_gather_into_tensor(
             self._gather_out, shard, async_op=True,
             what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
@@ -353,7 +423,7 @@ class FetchUnit:
     def wait_gather(self) -> None:
         """GATHERING -> AVAILABLE: wait, then point every parameter at its full tensor."""
         self._expect(ParamState.GATHERING, "wait_gather")
-        with self.engine.counters.blocked("all_gather"):
+        with self.ctx.counters.blocked("all_gather"):
             self._gather_handle.wait()
         rows = self._gather_out.view(self.world_size, self.shard_numel)
         for p, info in zip(self.params, self.infos):
@@ -403,9 +473,6 @@ class FetchUnit:
                 raw_data(p).copy_(block.reshape(-1)[: info.numel].view(info.shape))
 
 
-def _init_unit_of(param):
-    from ._init import InitUnit
-    from ._param import info_of
-
+def _init_unit_of(param) -> Optional[InitUnit]:
     info = info_of(param)
     return info.unit if info is not None and isinstance(info.unit, InitUnit) else None

@@ -88,7 +88,7 @@ def test_lora_is_exact_and_its_optimizer_holds_the_adapters_only(tmp_path, stage
     if opt.param_store is not None:  # every parameter keeps its shard
         assert opt.layout.param_total >= total
         assert sum(opt.param_store.nbytes().values()) >= 4 * opt.layout.param_total
-    needed = plan(opt.engine, opt)
+    needed = plan(opt.placement, opt.cfg)
     nvme_needed = sum(needed["nvme"].values())
     if optim == "nvme":
         assert nvme_needed <= 16 * opt.total + (4 * opt.layout.param_total if param == "nvme" else 0)

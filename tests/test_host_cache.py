@@ -126,7 +126,7 @@ def test_gradients_in_host_memory_never_touch_the_disk(tmp_path):
     train_losses(model, opt, "gpt2", 2)
     opt.wait_step()
     assert store._io["grad"] == [0, 0]
-    need = plan(opt.engine, opt)
+    need = plan(opt.placement, opt.cfg)
     assert store.nbytes()["nvme"] == 12 * store.total == sum(need["nvme"].values()) - opt.param_store.total * 4
     assert store.nbytes()["host"] == (store.SETS * store.chunk + store.head) * 16 + 4 * (store.total - store.head)
     opt.engine.close()
@@ -139,7 +139,7 @@ def test_preflight_counts_the_cache(tmp_path):
     sizes = {}
     for name, cache in CACHES.items():
         model, opt = infinity.initialize(build("gpt2"), _config(str(tmp_path), host_cache=cache))
-        sizes[name] = plan(opt.engine, opt)["host"]
+        sizes[name] = plan(opt.placement, opt.cfg)["host"]
         assert opt.store.nbytes()["host"] == (opt.store.SETS * opt.store.chunk + opt.store.head) * 16
         opt.engine.close()
     assert sizes["off"] < sizes["auto"] < sizes["all"]

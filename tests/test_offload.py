@@ -98,7 +98,7 @@ def _train_tail_heavy(cfg, monkeypatch=None):
     model, opt = infinity.initialize(_TailHeavy(), cfg)
     during_step = []  # per gradient arrival: was the previous step still running?
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda _p: during_step.append(opt._bg is not None and opt._bg.is_alive()))
+        p.register_post_accumulate_grad_hook(lambda _p: during_step.append(opt.gate.running))
     if monkeypatch is not None:  # a slow step: every chunk of the update takes 20 ms longer
         real = _optimizer.ZeroOptimizer._update_chunk
 
@@ -279,7 +279,7 @@ def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, mon
     opt.step()  # the head (units a and b) is updated here; the tail waits for `release`
     head_end = opt.store.head
     units = [u for u in opt.engine.units if u.opt_offset + u.shard_numel <= head_end]
-    assert len(units) >= 2 and opt._updated_upto >= max(u.opt_offset + u.shard_numel for u in units)
+    assert len(units) >= 2 and opt.gate.updated_upto >= max(u.opt_offset + u.shard_numel for u in units)
     release.set()
     opt.engine.close()
 
@@ -294,7 +294,7 @@ def test_preflight_plan_equals_what_the_stores_hold(tmp_path, stage, param, opti
     from infinity._preflight import plan
 
     model, opt = infinity.initialize(build("gpt2"), _config(stage, param, optim, str(tmp_path), dtype=dtype))
-    need = plan(opt.engine, opt)
+    need = plan(opt.placement, opt.cfg)
     held = opt.engine.tier_bytes()
     assert {"device": need["device"], "host": need["host"], "nvme": sum(need["nvme"].values())} == held
     opt.engine.close()

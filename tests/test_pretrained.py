@@ -147,7 +147,7 @@ with infinity.Init(config=cfg) as init:
 loaded_peak = peak_rss()
 model, opt = infinity.initialize(model, cfg)
 print(json.dumps({"base": base, "loaded_peak": loaded_peak, "peak": peak_rss(), "read": init.reader.bytes_read,
-                  "host_plan": plan(opt.engine, opt)["host"]}))
+                  "host_plan": plan(opt.placement, opt.cfg)["host"]}))
 opt.engine.close()
 """
 

@@ -1,0 +1,258 @@
+"""Fast in-process tests of the engine's parts, built the way initialize builds them (Note
+[build order] in _initialize.py) from real small stores: fetch unit transitions, the step
+gate, prefetch windows and divergence, kept units, and reducer bucketing. One rank, no
+process group, no engine."""
+import faulthandler
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity._engine import plan_units
+from infinity._layout import Layout
+from infinity._param import ParamState, make_partitioned, raw_data
+from infinity._phase import Calls, ModuleState, Phase
+from infinity._prefetch import Prefetcher
+from infinity._reduce import GradReducer, plan_buckets
+from infinity._step_gate import StepGate
+from infinity._stores import ALIGN_ELEMS, ParamStore
+from infinity._swap import SwapDir
+from infinity._telemetry_counters import Counters
+from infinity._tiers import Tier
+from infinity._unit import FetchUnit, GatherLedger, UnitContext
+from infinity.errors import InvariantError, WaitTimeout
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    """In-process parts block on conditions: a hang ends the run with every thread's stack."""
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+class Chain(nn.Module):
+    def __init__(self, n=6, width=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+
+class Parts:
+    """Units of ``model`` over a real parameter store on ``tier``, with their services."""
+
+    def __init__(self, model, tier=Tier.CPU, tmp_path=None, persistence=0, prefetch=None, max_live=10**9):
+        self.counters, self.ledger, self.calls = Counters(), GatherLedger(1), Calls()
+        self.gate = StepGate(0, self.counters.blocked)
+        specs, uses = plan_units(model, 1)
+        self.layout = Layout.assign(specs, ALIGN_ELEMS if tier is Tier.NVME else 1)
+        self.swap = swap = SwapDir(str(tmp_path), 0) if tier is Tier.NVME else None  # removed when collected
+        self.store = ParamStore(tier, torch.float32, self.layout.param_total, swap=swap,
+                                aio_cfg=infinity.Config.from_dict({}).aio, max_unit=self.layout.max_shard,
+                                buffer_count=5, slots=self.layout.param_slots())
+        pcfg = infinity.Config.from_dict({"zero": {"prefetch": {"max_live_parameters": max_live, **(prefetch or {})}}})
+        self.prefetcher = Prefetcher(pcfg.zero.prefetch, partition_params=True, ledger=self.ledger,
+                                     counters=self.counters)
+        ctx = UnitContext(world_size=1, rank=0, dtype=torch.float32, itemsize=4, partitioned=True,
+                          persistence_threshold=persistence, counters=self.counters, ledger=self.ledger, gathered=None,
+                          param_store=self.store, params_are_master=False, step_gate=self.gate,
+                          make_room=self.prefetcher.make_room, calls=self.calls)
+        self.units = [FetchUnit(ctx, s, self.layout.param_ranges[s.index][0], self.layout.opt_offsets[s.index])
+                      for s in specs]
+        self.states = []
+        for name, module, indices in uses:
+            if indices:
+                state = ModuleState(module, name)
+                for i in indices:
+                    state.add_unit(self.units[i])
+                self.states.append(state)
+        self.values = {id(p): p.detach().clone() for u in self.units for p in u.params}
+        for unit in self.units:
+            unit.partition()
+            for p in unit.params:
+                make_partitioned(p)
+        self.store.flush()
+
+    def run(self, order, direction=Phase.FORWARD, check=None):
+        """What the engine's hooks do for modules run in ``order`` (indices into states)."""
+        self.prefetcher.begin(direction)
+        for pos, i in enumerate(order):
+            state = self.states[i]
+            for u in state.units:
+                u.acquire()
+            self.prefetcher.on_module(state)
+            if check:
+                check(pos, i)
+            for u in state.units:
+                u.release()
+        self.prefetcher.end()
+
+
+# ------------------------------------------------------------------ fetch unit transitions
+
+@pytest.mark.parametrize("tier", [Tier.CPU, Tier.NVME])
+def test_partition_then_acquire_gives_back_the_same_values(tier, tmp_path):
+    parts = Parts(Chain(3), tier, tmp_path)
+    for unit in parts.units:
+        assert unit.state is ParamState.RELEASED
+        assert all(raw_data(p).numel() == 0 for p in unit.params)  # placeholders while released
+        unit.acquire()
+        assert unit.state is ParamState.AVAILABLE
+        for p in unit.params:
+            assert torch.equal(p.data, parts.values[id(p)])
+        unit.release()
+        assert unit.state is ParamState.RELEASED
+    assert parts.ledger.live == 0 and parts.ledger.peak == max(u.full_numel for u in parts.units)
+
+
+def test_release_without_acquire_and_wrong_transitions_raise():
+    unit = Parts(Chain(1)).units[0]
+    with pytest.raises(InvariantError, match="released more often than acquired"):
+        unit.release()
+    with pytest.raises(InvariantError, match="stage_to_device: .* is RELEASED, expected HOST"):
+        unit.stage_to_device()
+    unit.acquire()
+    with pytest.raises(InvariantError, match="abandon: .* still has 1 reference"):
+        unit.abandon()
+    unit.release()
+
+
+def test_references_nest_and_persistent_units_stay_gathered():
+    parts = Parts(Chain(2), persistence=10**6)
+    unit = parts.units[0]
+    unit.acquire()
+    unit.acquire()
+    unit.release()
+    assert unit.state is ParamState.AVAILABLE and unit.refs == 1
+    unit.release()
+    assert unit.persistent and unit.state is ParamState.AVAILABLE  # below persistence_threshold
+    unit.refresh()  # what the step does: the gathered copy is stale
+    assert unit.state is ParamState.RELEASED
+
+
+def test_step_gate_holds_a_fetch_until_the_step_published_its_range():
+    parts = Parts(Chain(2))
+    first, second = parts.units  # layer 0's and layer 1's units
+    parts.gate.open()
+    assert not first.stage_to_host(block=False) and first.state is ParamState.RELEASED
+    parts.gate.publish(first.opt_offset + first.shard_numel)
+    assert first.stage_to_host(block=False) and first.state is ParamState.HOST
+    assert not second.stage_to_host(block=False)
+    parts.gate.fail(RuntimeError("step failed on its thread"))
+    with pytest.raises(RuntimeError, match="step failed"):
+        second.stage_to_host()
+    first.abandon()
+
+
+def test_step_gate_times_out_with_the_unit_named(monkeypatch):
+    from infinity import _comm
+
+    monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 0.2)
+    parts = Parts(Chain(1))
+    parts.gate.open()
+    with pytest.raises(WaitTimeout, match="update the shard of layers.0"):
+        parts.units[0].acquire()
+
+
+def test_abandon_returns_the_staging_buffer(tmp_path):
+    parts = Parts(Chain(2), Tier.NVME, tmp_path)
+    pool = parts.store.pool
+    free = pool.free
+    unit = parts.units[0]
+    assert unit.stage_to_host()
+    assert pool.free == free - 1
+    unit.abandon()
+    assert unit.state is ParamState.RELEASED and pool.free == free
+
+
+# ------------------------------------------------------------------ prefetcher
+
+def test_prefetch_windows_follow_the_trace(tmp_path):
+    parts = Parts(Chain(6), Tier.NVME, tmp_path, prefetch={"depth": 3, "device_depth": 2, "gather_depth": 1})
+    parts.run(range(6))  # records the trace
+    assert parts.counters.misses == 6  # one unit per layer, each fetched on demand while recording
+    seen = {}
+
+    def check(pos, i):
+        if pos == 0:
+            seen.update({j: parts.states[j].units[0].state for j in range(1, 6)})
+
+    parts.run(range(6), check=check)
+    assert seen[1] in (ParamState.GATHERING, ParamState.AVAILABLE)  # gather_depth 1
+    assert seen[2] in (ParamState.HOST, ParamState.DEVICE)  # read submitted or landed: depth 3
+    assert seen[3] in (ParamState.HOST, ParamState.DEVICE)
+    assert seen[4] is ParamState.RELEASED and seen[5] is ParamState.RELEASED  # beyond the window
+    assert all(u.state is ParamState.RELEASED and u.refs == 0 for u in parts.units)
+    assert parts.counters.divergences == 0
+
+
+def test_divergence_abandons_prefetches_and_records_the_new_order(tmp_path):
+    parts = Parts(Chain(6), Tier.NVME, tmp_path)
+    parts.run(range(6))
+    parts.run(range(6))
+    free = parts.store.pool.free
+    parts.run([0, 1, 3, 4, 5])  # a block skipped
+    assert parts.counters.divergences == 1
+    assert all(u.state is ParamState.RELEASED and u.refs == 0 for u in parts.units)
+    assert parts.store.pool.free == free  # every abandoned read gave its buffer back
+    assert parts.prefetcher.traces[Phase.FORWARD] == [parts.states[i] for i in (0, 1, 3, 4, 5)]
+    parts.run([0, 1, 3, 4, 5])
+    assert parts.counters.divergences == 1  # the new order is the trace now
+
+
+def test_unit_used_twice_in_a_pass_is_kept_between_uses():
+    parts = Parts(Chain(4))
+    order = [0, 1, 2, 3, 0]  # module 0 again at the end, like a tied output layer
+    parts.run(order)
+    misses = parts.counters.misses
+    states = []
+    parts.run(order, check=lambda pos, i: states.append(parts.states[0].units[0].state))
+    assert states[1:4] == [ParamState.AVAILABLE] * 3  # kept gathered until its next use
+    assert parts.counters.misses - misses < len(order)  # the second use was no fetch
+    assert parts.states[0].units[0].state is ParamState.RELEASED
+
+
+def test_kept_units_give_way_to_max_live_parameters():
+    width = 16
+    one = width * width + width
+    parts = Parts(Chain(4, width), max_live=2 * one, prefetch={"gather_depth": 0, "device_depth": 0})
+    order = [0, 1, 2, 3, 0]
+    parts.run(order)
+    parts.run(order)
+    assert parts.ledger.peak <= 2 * one
+
+
+# ------------------------------------------------------------------ reducer
+
+def test_bucket_plan_is_reverse_order_bounded_and_skips_frozen():
+    model = Chain(5)
+    model.layers[2].requires_grad_(False)
+    parts = Parts(model)
+    shard = parts.units[0].shard_numel
+    buckets = plan_buckets(parts.units, 1, bucket_elems=2 * shard)
+    planned = [[u.module_name for u, _ in b.units] for b in buckets]
+    assert planned == [["layers.4", "layers.3"], ["layers.1", "layers.0"]]
+    assert all(b.cols <= 2 * shard for b in buckets)
+    oversized = plan_buckets(parts.units, 1, bucket_elems=1)
+    assert [len(b.units) for b in oversized] == [1, 1, 1, 1]  # a unit bigger than a bucket is one of its own
+
+
+def test_reducer_hands_over_each_gradient_once_and_zeros_for_units_without():
+    parts = Parts(Chain(3))
+    got = {}
+    reducer = GradReducer(parts.units, 1, 10**6, lambda u, g: got.setdefault(u.module_name, []).append(g.clone()),
+                          drop_full_grads=True)
+    for unit in parts.units:
+        unit.acquire()
+    x = torch.randn(4, 16)
+    parts.states[0].module(x).sum().backward()  # only layer 0 gets gradients
+    reducer.add(parts.units[0])
+    reducer.finish()
+    assert sorted(got) == ["layers.0", "layers.1", "layers.2"]
+    assert all(len(v) == 1 for v in got.values())
+    assert torch.count_nonzero(got["layers.1"][0]) == 0 and torch.count_nonzero(got["layers.0"][0]) > 0
+    expected = torch.cat([x.new_ones(4).matmul(x).expand(16, 16).reshape(-1), torch.full((16,), 4.0)])
+    torch.testing.assert_close(got["layers.0"][0], expected)
+    for unit in parts.units:
+        unit.release()
