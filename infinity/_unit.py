@@ -99,6 +99,40 @@ class UnitContext:
     calls: "Calls"  # a released parameter touched inside a module call is fetched on demand
 
 
+@dataclass(eq=False)
+class _Staging:
+    """The payload of HOST and DEVICE: this rank's shard on its way to the device."""
+
+    read: object = None  # HOST on NVMe: the read in flight
+    pool_buffer: Optional[torch.Tensor] = None  # the staging buffer the read lands in, given back after the copy
+    direct: Optional[torch.Tensor] = None  # one rank: a recycled gathered buffer the shard is read straight into
+    handoff: Optional[torch.Tensor] = None  # the shard the step handed off (Note [hand-off] in _stores.py)
+    device_shard: Optional[torch.Tensor] = None  # DEVICE: the shard on the device
+    h2d: object = None  # DEVICE: the event of its host->device copy
+    copied: bool = False  # DEVICE: the device shard is a copy (CUDA), not the host tensor itself
+
+
+@dataclass(eq=False)
+class _Gathered:
+    """The payload of GATHERING and AVAILABLE: the full parameters' buffer."""
+
+    recycled: Optional[torch.Tensor] = None  # from the recycler: given back when freed (None: in place, or CUDA)
+    charged: int = 0  # device bytes charged to the budget for it
+    out: Optional[torch.Tensor] = None  # GATHERING: the all-gather's output
+    handle: Optional[comm.CommHandle] = None  # GATHERING: the all-gather in flight
+
+
+# Note [unit payloads]: a unit's data beyond its shard lives in the payload of its state, and
+# ``_expect`` checks the payload with the state on every transition:
+#   RELEASED   no payload (the shard is in the parameter store)
+#   HOST       _Staging with a read in flight (NVMe), a hand-off view, or nothing (resident store)
+#   DEVICE     _Staging with the device shard and its copy event (the read has landed)
+#   GATHERING  _Gathered with the all-gather's output and handle, and the _Staging it reads from
+#   AVAILABLE  _Gathered (or None before the first partition and for stages 1-2: the model's own tensors)
+_PAYLOAD = {ParamState.RELEASED: (None, None), ParamState.HOST: (True, None), ParamState.DEVICE: (True, None),
+            ParamState.GATHERING: (True, True), ParamState.AVAILABLE: (None, "maybe")}
+
+
 class FetchUnit:
     """The directly-owned parameters of one module and their shard on this rank."""
 
@@ -130,18 +164,10 @@ class FetchUnit:
         self.trainable = spec.trainable  # the engine never mixes the two in a unit
         self.param_offset = param_offset  # start of this unit's shard in the parameter store's flat space
         self.opt_offset = opt_offset  # start of its range in the optimizer's flat fp32 space (trainable units)
-        self._staged: Optional[torch.Tensor] = None  # pool buffer holding the shard read from NVMe
-        self._read = None  # the read of the shard in flight (HOST state on the NVMe tier)
-        self._kept: Optional[torch.Tensor] = None  # the shard handed off by the optimizer step (HOST state)
-        self._dev_shard: Optional[torch.Tensor] = None  # the shard on the device (DEVICE state)
-        self._h2d = None  # the event of its host->device copy
-        self._h2d_copied = False  # the device shard is a copy (CUDA), not the host tensor itself
-        self._state = ParamState.AVAILABLE
+        self._state = ParamState.AVAILABLE  # the model's own full tensors until partition()
+        self._staging: Optional[_Staging] = None  # HOST, DEVICE: Note [unit payloads]
+        self._gathered: Optional[_Gathered] = None  # GATHERING, AVAILABLE (None: nothing of ours to free)
         self._refs = 0
-        self._gather_out: Optional[torch.Tensor] = None
-        self._full: Optional[torch.Tensor] = None  # the gathered buffer, when it came from the engine's recycler
-        self._gather_handle: Optional[comm.CommHandle] = None
-        self._charged = 0
         self.grads_pending = 0  # params whose gradient has not arrived in this backward
 
     def on_unavailable(self, func, args, kwargs, infos):
@@ -156,9 +182,15 @@ class FetchUnit:
 
     def _expect(self, state: ParamState, transition: str) -> None:
         """The precondition of a transition, checked always (not an ``assert``: ``python -O``
-        would drop it and a wrong state would corrupt a gather silently)."""
+        would drop it and a wrong state would corrupt a gather silently), payload included
+        (Note [unit payloads])."""
         if self._state is not state:
             raise InvariantError(f"{transition}: {self!r} is {self._state.name}, expected {state.name}")
+        staging, gathered = _PAYLOAD[state]
+        if (self._staging is not None) != bool(staging) or (gathered is None and self._gathered is not None) \
+                or (gathered is True and self._gathered is None):
+            raise InvariantError(f"{transition}: {self!r} has the payload of another state (staging "
+                                 f"{self._staging is not None}, gathered {self._gathered is not None})")
 
     @property
     def full_numel(self) -> int:
@@ -289,13 +321,14 @@ class FetchUnit:
             self._free_full()
 
     def _free_full(self) -> None:
+        """AVAILABLE -> RELEASED: drop the full tensors and give their buffer back."""
+        gathered, self._gathered = self._gathered, None
         self._drop_full()
-        if self._full is not None:  # reused once nothing else (say, autograd) still holds a view of it
-            self.ctx.gathered.give(self._full)
-            self._full = None
-        acc.budget.release(self._charged)
-        self.ctx.ledger.freed(self)
-        self._charged = 0
+        if gathered is not None:
+            if gathered.recycled is not None:  # reused once nothing else (say, autograd) still holds a view of it
+                self.ctx.gathered.give(gathered.recycled)
+            acc.budget.release(gathered.charged)
+            self.ctx.ledger.freed(self)
 
     def abandon(self) -> None:
         """Undo a prefetch nobody used: back to RELEASED, buffers returned (refs must be 0)."""
@@ -310,10 +343,9 @@ class FetchUnit:
         if self._state is ParamState.HOST:
             self.stage_to_device()  # completes an in-flight read before its buffer is reused
         if self._state is ParamState.DEVICE:
-            self._drop_device_shard()
-            if self._full is not None:  # read straight into a gathered buffer
-                self.ctx.gathered.give(self._full)
-                self._full = None
+            staging = self._drop_staging()
+            if staging.direct is not None:  # read straight into a gathered buffer
+                self.ctx.gathered.give(staging.direct)
             self._state = ParamState.RELEASED
 
     def stage_to_host(self, *, block: bool = True) -> bool:
@@ -323,21 +355,23 @@ class FetchUnit:
         if self.trainable and not self.ctx.step_gate.wait(self.opt_offset + self.shard_numel, block=block,
                                                           what=self._what()):
             return False  # a frozen unit's shard is never rewritten
+        staging = _Staging()
         if not self.store.resident:
             nbytes = self.shard_numel * self.store.itemsize
-            self._kept = self.store.take_kept(self.param_offset, self.shard_numel)  # Note [hand-off] in _stores.py
-            if self._kept is not None:
+            staging.handoff = self.store.take_kept(self.param_offset, self.shard_numel)  # Note [hand-off]
+            if staging.handoff is not None:
                 self.ctx.counters.bytes["param_handoff"] += nbytes
             else:
                 into = self._direct_read_buffer()
                 with self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
-                    self._read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
-                if self._read is None:
+                    staging.read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
+                if staging.read is None:
                     if into is not None:
                         self.ctx.gathered.give(into)
                     return False
-                self._full = into  # the gathered buffer from the start (None: a pool buffer)
+                staging.direct = into  # the gathered buffer from the start (None: a pool buffer)
                 self.ctx.counters.bytes["nvme_read"] += nbytes
+        self._staging = staging
         self._state = ParamState.HOST
         return True
 
@@ -355,35 +389,36 @@ class FetchUnit:
         host buffer is the device shard). False when ``block`` is off and the read is still
         in flight."""
         self._expect(ParamState.HOST, "stage_to_device")
-        if self._read is not None:
-            if not block and not self.store.read_done(self._read):
+        staging = self._staging
+        if staging.read is not None:
+            if not block and not self.store.read_done(staging.read):
                 return False
             with self.ctx.counters.blocked("nvme_read"):
-                buf = self.store.finish_read(self._read, what=self._what())
-            self._read = None
-            if self._full is None:
-                self._staged = buf
-        if self._staged is not None:
-            src = self._staged[: self.shard_numel]
-        elif self._full is not None:  # read straight into the gathered buffer
-            src = self._full[: self.shard_numel]
+                buf = self.store.finish_read(staging.read, what=self._what())
+            staging.read = None
+            if staging.direct is None:
+                staging.pool_buffer = buf
+        if staging.pool_buffer is not None:
+            src = staging.pool_buffer[: self.shard_numel]
+        elif staging.direct is not None:  # read straight into the gathered buffer
+            src = staging.direct[: self.shard_numel]
         else:
-            src = self._kept if self._kept is not None else self.shard()
-        self._dev_shard, self._h2d = acc.start_copy_to_device(src)
-        self._h2d_copied = self._dev_shard is not src
-        if self._h2d_copied:
+            src = staging.handoff if staging.handoff is not None else self.shard()
+        staging.device_shard, staging.h2d = acc.start_copy_to_device(src)
+        staging.copied = staging.device_shard is not src
+        if staging.copied:
             self.ctx.counters.bytes["host_to_device"] += src.numel() * src.element_size()
         self._state = ParamState.DEVICE
         return True
 
-    def _drop_device_shard(self) -> None:
-        """The device shard was consumed: give the staging buffer back once its copy is done."""
-        if self._staged is not None:
+    def _drop_staging(self) -> _Staging:
+        """The device shard was consumed (gathered, or abandoned): give the staging buffer back once its copy is done."""
+        staging, self._staging = self._staging, None
+        if staging.pool_buffer is not None:
             with self.ctx.counters.blocked("host_to_device"):
-                self._h2d.synchronize()
-            self.store.pool.put(self._staged)
-            self._staged = None
-        self._dev_shard = self._h2d = self._kept = None
+                staging.h2d.synchronize()
+            self.store.pool.put(staging.pool_buffer)
+        return staging
 
     def _what(self) -> str:
         return f"the shard of {self.module_name or '<root>'} ({len(self.params)} params, first " \
@@ -396,42 +431,43 @@ class FetchUnit:
         if self._state is ParamState.HOST:
             self.stage_to_device()
         self._expect(ParamState.DEVICE, "start_gather")
-        shard = acc.finish_copy_to_device(self._dev_shard, self._h2d)
+        st = self._staging
+        shard = acc.finish_copy_to_device(st.device_shard, st.h2d)
         nbytes = self.full_nbytes
+        gathered = _Gathered(recycled=st.direct)
         # One rank: the parameters are views of the device shard unless it is a staging buffer
         # (no accelerator, NVMe tier); it is new memory when it is a copy, was handed off or
         # read straight into a gathered buffer.
-        in_place = self.world_size == 1 and (self._staged is None or self._h2d_copied)
-        if not in_place or self._h2d_copied or self._kept is not None or self._full is not None:
+        in_place = self.world_size == 1 and (st.pool_buffer is None or st.copied)
+        if not in_place or st.copied or st.handoff is not None or st.direct is not None:
             acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
-            self._charged = nbytes
+            gathered.charged = nbytes
         self.ctx.ledger.gathered(self)
         self.ctx.counters.bytes["all_gather"] += nbytes
         if in_place:
-            self._gather_out = shard
-        else:
-            recycler = self.ctx.gathered
-            if recycler is not None:  # _full: a buffer to give back to the recycler when freed
-                self._gather_out = self._full = recycler.take(self.full_numel, self.dtype)
-            else:  # CUDA: the caching allocator reuses the memory
-                self._gather_out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
-        self._gather_handle = comm.all_gather_into_tensor(
-            self._gather_out, shard, async_op=True,
+            gathered.out = shard
+        elif self.ctx.gathered is not None:  # a buffer to give back to the recycler when freed
+            gathered.out = gathered.recycled = self.ctx.gathered.take(self.full_numel, self.dtype)
+        else:  # CUDA: the caching allocator reuses the memory
+            gathered.out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
+        gathered.handle = comm.all_gather_into_tensor(
+            gathered.out, shard, async_op=True,
             what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
+        self._gathered = gathered
         self._state = ParamState.GATHERING
 
     def wait_gather(self) -> None:
         """GATHERING -> AVAILABLE: wait, then point every parameter at its full tensor."""
         self._expect(ParamState.GATHERING, "wait_gather")
+        gathered = self._gathered
         with self.ctx.counters.blocked("all_gather"):
-            self._gather_handle.wait()
-        rows = self._gather_out.view(self.world_size, self.shard_numel)
+            gathered.handle.wait()
+        rows = gathered.out.view(self.world_size, self.shard_numel)
         for p, info in zip(self.params, self.infos):
             block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
             set_data(p, block.reshape(-1)[: info.numel].view(info.shape))
-        self._gather_out = None
-        self._gather_handle = None
-        self._drop_device_shard()
+        gathered.out = gathered.handle = None
+        self._drop_staging()  # the shard was read by the all-gather: its staging buffer is free again
         self._state = ParamState.AVAILABLE
 
     def refresh(self) -> None:
