@@ -43,6 +43,19 @@ another accumulation; gradients that arrive after the unit's were handed to the 
 stay in ``.grad`` and are reduced at the end of backward (Note [bucket plan] in _reduce.py),
 as are those of a unit only some of whose parameters got one.
 
+Note [fetch unit grouping]: a fetch unit is what one all-gather brings and one reduce-scatter
+takes. By default (``zero.fetch_units.group: block``) each repeated block (every child of an
+``nn.ModuleList``, as FSDP2 is applied per transformer block, and every module of a class
+named in ``zero.fetch_units.classes``) is one unit holding all its parameters, nested blocks
+apart (experts in a list inside a block are units of their own); modules outside blocks
+(embeddings, the final norm, the head) keep a unit each. The block's own pre-forward hook
+acquires its units, so the gather happens at the block boundary; its submodules acquire the
+same units again, which only counts a reference. In backward every submodule holds the
+block's units until all the block's gradients are in, then the unit is reduced at once.
+GPT-2 124M: 15 all-gathers per forward instead of about 75. Working memory is bounded by the
+largest unit (a block, or a tile where tiling applies). ``group: module`` gives one unit per
+module.
+
 Note [same gathers on every rank]: an all-gather is a collective, so in stage 3 every rank
 must gather the same units in the same order. When ranks run different modules (an expert
 routed on one rank only) the gathers pair up wrongly: with units of different sizes the
@@ -394,7 +407,20 @@ class Engine:
         self.check_same_gathers("backward")
 
     def check_same_gathers(self, where: str) -> None:
-        """Note [same gathers on every rank]: raise if the ranks gathered different units
+        """Note [fetch unit grouping]: a fetch unit is what one all-gather brings and one reduce-scatter
+takes. By default (``zero.fetch_units.group: block``) each repeated block (every child of an
+``nn.ModuleList``, as FSDP2 is applied per transformer block, and every module of a class
+named in ``zero.fetch_units.classes``) is one unit holding all its parameters, nested blocks
+apart (experts in a list inside a block are units of their own); modules outside blocks
+(embeddings, the final norm, the head) keep a unit each. The block's own pre-forward hook
+acquires its units, so the gather happens at the block boundary; its submodules acquire the
+same units again, which only counts a reference. In backward every submodule holds the
+block's units until all the block's gradients are in, then the unit is reduced at once.
+GPT-2 124M: 15 all-gathers per forward instead of about 75. Working memory is bounded by the
+largest unit (a block, or a tile where tiling applies). ``group: module`` gives one unit per
+module.
+
+Note [same gathers on every rank]: raise if the ranks gathered different units
         since the last check."""
         seq = self.ledger.take_sequence()
         if self.world_size == 1 or not self.policy.partition_params:
@@ -540,25 +566,59 @@ def check_same_model_on_all_ranks(model: nn.Module) -> None:
                 f"{diff[1]}); every data-parallel rank must construct the same model")
 
 
-def plan_units(model: nn.Module, world_size: int) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
-    """The fetch units of a model, per module that owns parameters (trainable, then frozen),
-    and per module the units whose parameters it holds (tied parameters: the owner's unit)."""
+def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
+    """The fetch units of a model (Note [fetch unit grouping]): one per block in ``blocks``
+    holding every parameter inside it (nested blocks apart), one per other module that owns
+    parameters; each split into trainable, then frozen. And per module, the units it holds in
+    its forward and backward: those owning its own parameters (tied ones: the owner's unit)
+    and, for a block, all of the block's."""
+    blocks = set(blocks)
+    names = dict(model.named_modules())
+    key_of: Dict[nn.Module, nn.Module] = {}  # module -> the block it belongs to, or itself
+    members: Dict[nn.Module, list] = {}  # key -> its parameters in module order (first owner wins)
+    seen = set()
+    for name, module in names.items():
+        parent = names.get(name.rsplit(".", 1)[0] if "." in name else "") if name else None
+        key = module if module in blocks or parent is None else key_of[parent]
+        if key is not module and key not in blocks:  # outside every block: a unit of its own
+            key = module
+        key_of[module] = key
+        for pn, p in module._parameters.items():
+            if p is not None and p not in seen:
+                seen.add(p)
+                members.setdefault(key, []).append((f"{name}.{pn}" if name else pn, p))
     specs: List[UnitSpec] = []
     owner: Dict[nn.Parameter, int] = {}
-    uses = []
-    for name, module in model.named_modules():
-        own = [(f"{name}.{pn}" if name else pn, p) for pn, p in module._parameters.items()
-               if p is not None and p not in owner]
-        for group in _by_requires_grad(own):  # Note [frozen parameters] in _layout.py
+    key_units: Dict[nn.Module, List[int]] = {}
+    for key, params in members.items():
+        name = next(n for n, m in names.items() if m is key)
+        for group in _by_requires_grad(params):  # Note [frozen parameters] in _layout.py
             specs.append(unit_spec(len(specs), name, group, world_size))
+            key_units.setdefault(key, []).append(specs[-1].index)
             for _, p in group:
                 owner[p] = specs[-1].index
-        used = []
+    uses = []
+    for name, module in names.items():
+        used = list(key_units.get(module, [])) if module in blocks else []
         for p in module._parameters.values():
             if p is not None and owner[p] not in used:
                 used.append(owner[p])
         uses.append((name, module, used))
     return specs, uses
+
+
+def block_modules(model: nn.Module, cfg) -> list:
+    """Note [fetch unit grouping]: the modules that each form one fetch unit."""
+    if cfg.group == "module":
+        return []
+    classes = set(cfg.classes)
+    out = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            out += [m for m in module.children() if any(True for _ in m.parameters())]
+        elif type(module).__name__ in classes:
+            out.append(module)
+    return out
 
 
 def _by_requires_grad(params: list) -> list:

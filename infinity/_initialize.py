@@ -77,12 +77,13 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
 
 def _build_engine(model: nn.Module, cfg):
     """Note [build order], up to the engine."""
-    from ._engine import plan_units
+    from ._engine import block_modules, plan_units
 
     policy = StagePolicy.of(cfg.zero.stage)
     world, rank = comm.world_size(), comm.rank()
     dtype = DTYPES[cfg.precision.dtype]
-    specs, uses = plan_units(model, world)
+    blocks = block_modules(model, cfg.zero.fetch_units) if policy.partition_params else []
+    specs, uses = plan_units(model, world, blocks)  # Note [fetch unit grouping] in _engine.py
     placement = Placement.of(cfg, policy.partition_params, dtype, specs, world)
     preflight(placement, cfg)
     swap_dirs = SwapDirs(rank)

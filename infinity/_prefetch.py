@@ -189,13 +189,19 @@ class Prefetcher:
                 self._hold_for_backward()
 
     def _window(self, nxt: int, depth: int) -> list:
-        """The next ``depth`` modules of the trace from ``nxt`` that have a unit to fetch."""
+        """The next ``depth`` modules of the trace from ``nxt`` that have a unit to fetch, each
+        counted once: the submodules of a block hold the block's units too (Note [fetch unit
+        grouping] in _engine.py), and those of the module running now are not ahead."""
+        trace = self._pass.trace
+        seen = set(trace[nxt - 1].units) if nxt > 0 else set()
         out = []
-        for state in self._pass.trace[nxt:]:
+        for state in trace[nxt:]:
             if len(out) >= depth:
                 break
-            if any(u.partitioned and not u.persistent for u in state.units):
+            new = [u for u in state.units if u.partitioned and not u.persistent and u not in seen]
+            if new:
                 out.append(state)
+                seen.update(new)
         return out
 
     def _ahead(self, nxt: int) -> None:

@@ -203,6 +203,17 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True)
+class FetchUnitsConfig:
+    """How stage 3 groups parameters into fetch units: one all-gather and one reduce-scatter each."""
+
+    group: Literal["block", "module"] = _opt(
+        "block", "block: one unit per repeated block (each child of an nn.ModuleList, and each module of a class in "
+        "`classes`) holding every parameter inside it, plus one per module outside blocks; module: one unit per module "
+        "that owns parameters")
+    classes: Tuple[str, ...] = _opt((), "block: names of module classes that also form one unit each (e.g. GPT2Block)")
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO partitioning and offload."""
 
@@ -211,6 +222,7 @@ class ZeroConfig:
     offload_optimizer: OptimizerOffloadConfig = _opt(OptimizerOffloadConfig, "optimizer offload")
     reduce_bucket_size: int = _opt(50_000_000, "elements per gradient reduce-scatter bucket", gt=0)
     prefetch: PrefetchConfig = _opt(PrefetchConfig, "prefetcher")
+    fetch_units: FetchUnitsConfig = _opt(FetchUnitsConfig, "grouping of parameters into fetch units (stage 3)")
 
     def _cross_check(self, prefix: str) -> list:
         if self.stage < 3 and self.offload_param.device != "none":
@@ -577,6 +589,10 @@ def _check_type(value: Any, hint: Any) -> Any:
             raise _LeafError(f"{_describe(value)} is not allowed; allowed values: "
                              f"{', '.join(repr(a) if isinstance(a, str) else str(a) for a in args)}")
         return value
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # a list of any length
+        if not isinstance(value, (list, tuple)):
+            raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}")
+        return tuple(_check_type(v, args[0]) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}")
@@ -636,6 +652,8 @@ def _type_name(hint: Any) -> str:
         return " or ".join(names)
     if origin is Literal:
         return "one of " + ", ".join(str(a) for a in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"list of {_type_name(args[0])}"
     if origin is tuple:
         return "[" + ", ".join(_type_name(a) for a in args) + "]"
     return {dict: "mapping", str: "str", int: "int", float: "float", bool: "bool"}.get(
