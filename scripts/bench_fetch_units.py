@@ -118,7 +118,8 @@ def main() -> None:
             per = res[g]["per_step"]
             print(f"  {g:8} {res[g]['units']:6d} {per['all_gather']:17.0f} {per['reduce_scatter']:21.0f} {med[g]:8.3f}")
         ratios = [a / b for a, b in zip(res["module"]["times"], res["block"]["times"])]
-        print(f"  block vs module: {res['module']['per_step']['all_gather'] / max(1, res['block']['per_step']['all_gather']):.1f}x "
+        fewer = res["module"]["per_step"]["all_gather"] / max(1, res["block"]["per_step"]["all_gather"])
+        print(f"  block vs module: {fewer:.1f}x "
               f"fewer all-gathers, step time module/block {statistics.median(ratios):.2f}x (median of {len(ratios)} rounds)")
         same = res["module"]["losses"] == res["block"]["losses"]
         print(f"  losses identical: {same}" + ("" if same else f" (module {res['module']['losses'][:3]}, "
