@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .errors import InvariantError, OutOfMemory, UsageError
+from .errors import InvariantError, OutOfMemory
 
 
 class DeviceOutOfMemory(OutOfMemory):
@@ -68,19 +68,6 @@ def comm_backend() -> str:
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Page-locked host memory (CUDA machines only): the CUDA host allocator aligns it."""
     return torch.empty(numel, dtype=dtype, pin_memory=True)
-
-
-def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor ready for DMA and O_DIRECT: pinned on CUDA machines; otherwise 2 MiB
-    aligned and advised for transparent huge pages (physically contiguous buffers let the
-    disk merge O_DIRECT requests: DESIGN.md §7), from native/aio's allocator."""
-    if numel < 0:
-        raise UsageError(f"host_empty: numel must be >= 0, got {numel}")
-    if has_cuda():
-        return pinned_empty(numel, dtype)
-    from .aio import aligned_empty  # lazy: aio imports this module
-
-    return aligned_empty(numel, dtype)
 
 
 def to_device(t: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from ._swap import SwapDirs
 from ._telemetry_counters import Counters
 from ._tiers import Tier
 from ._unit import FetchUnit, GatherLedger, UnitContext
+from .aio import aligned_empty
 from .errors import EngineError, UsageTypeError
 
 
@@ -94,7 +95,7 @@ def _build_engine(model: nn.Module, cfg):
         gate = StepGate(rank, counters.blocked)
         prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, ledger=ledger,
                                 counters=counters)
-        recycler = Recycler(placement.gathered_reuse_bytes, acc.host_empty) \
+        recycler = Recycler(placement.gathered_reuse_bytes, aligned_empty) \
             if policy.partition_params and not acc.has_cuda() else None  # Note [recycled host memory] in _recycle.py
         ctx = UnitContext(
             world_size=world, rank=rank, dtype=dtype, itemsize=placement.itemsize,

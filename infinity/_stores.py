@@ -25,6 +25,7 @@ from . import _accelerator as acc
 from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 from ._tiers import Tier
+from .aio import aligned_empty
 from .errors import InfinityError, UsageError
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
@@ -60,7 +61,7 @@ class HostPool:
         with self._cond:
             if not self._free and self._made < self.count:
                 self._made += 1
-                return acc.host_empty(self.numel, self.dtype)
+                return aligned_empty(self.numel, self.dtype)
             if not block and not self._free:
                 return None
             if not self._cond.wait_for(lambda: self._free, timeout):
@@ -130,11 +131,11 @@ class ParamStore:
             self._spans = [(a, a + n) for a, n in slots or []]  # each trainable unit's slot (Note [frozen parameters])
             self._span_starts = [a for a, _ in self._spans]
             self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
-            self._outputs = Recycler(self._kept_cap, acc.host_empty)
+            self._outputs = Recycler(self._kept_cap, aligned_empty)
         elif alias is not None:
             self.flat = alias
         elif tier is Tier.CPU:
-            self.flat = acc.host_empty(total, dtype)
+            self.flat = aligned_empty(total, dtype)
         else:
             self.flat = torch.empty(total, dtype=dtype, device=acc.device())
 
@@ -440,7 +441,7 @@ class MemoryOptimizerStore:
 
 
 def _zeros_host(n: int) -> torch.Tensor:
-    t = acc.host_empty(n, torch.float32)
+    t = aligned_empty(n, torch.float32)
     t.zero_()
     return t
 
@@ -494,7 +495,7 @@ class NvmeOptimizerStore:
         self.grad_mem = _zeros_host(total) if grads_in_memory else None
         self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
         self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in self._swapped}
-        self.head_sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in self._swapped}
+        self.head_sets = [{n: aligned_empty(self.chunk, torch.float32) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
             if "grad" in hs:
@@ -507,7 +508,7 @@ class NvmeOptimizerStore:
         self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
         self.grad_reader = new_aio(aio_cfg)
         self.grad_writer = new_aio(aio_cfg)
-        self.sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in _NAMES} for _ in range(self.SETS)]
+        self.sets = [{n: aligned_empty(self.chunk, torch.float32) for n in _NAMES} for _ in range(self.SETS)]
         self.accumulation_steps = accumulation_steps
         self.rank = swap.rank
         self._written: set = set()  # offsets of gradient ranges written since the last step

@@ -6,12 +6,12 @@ import torch
 from _models import build, train_losses
 
 import infinity
-from infinity._accelerator import host_empty
 from infinity._recycle import Recycler
+from infinity.aio import aligned_empty
 
 
 def _recycler(capacity=1 << 20):
-    return Recycler(capacity, host_empty)
+    return Recycler(capacity, aligned_empty)
 
 
 def test_reused_only_when_nothing_else_uses_it():
