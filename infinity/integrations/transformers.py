@@ -86,6 +86,17 @@ def _config_source(source: Any) -> tuple:
     return source, _looks_like_deepspeed(source)
 
 
+class _ArgsView:
+    """TrainingArguments with some attributes replaced."""
+
+    def __init__(self, args, **replaced):
+        self._args, self._replaced = args, replaced
+
+    def __getattr__(self, name):
+        replaced = self.__dict__["_replaced"]
+        return replaced[name] if name in replaced else getattr(self.__dict__["_args"], name)
+
+
 class InfinityTrainer(Trainer):
     """A ``transformers.Trainer`` whose model, optimizer, checkpoints and saved model are
     infinity's. Note [InfinityTrainer seams]."""
@@ -123,7 +134,8 @@ class InfinityTrainer(Trainer):
         if isinstance(source, Config):
             cfg = source
         elif self._is_deepspeed:
-            ds_args = dataclasses.replace(args, fp16=fp16, bf16=bf16) if args is not None else None
+            # a view, not dataclasses.replace: a new TrainingArguments resets accelerate's shared state
+            ds_args = _ArgsView(args, fp16=fp16, bf16=bf16) if args is not None else None
             cfg = Config.from_deepspeed(source, strict=self._strict, model=model, training_args=ds_args)
         else:
             cfg = Config.from_dict(source)
@@ -164,9 +176,10 @@ class InfinityTrainer(Trainer):
         # Note [InfinityTrainer seams] (gradient accumulation): the Trainer already divides by it.
         self.optimizer.grad_scale = 1.0 / self.optimizer.engine.world_size
         self._infinity_cfg = cfg
-        # registered with accelerate as prepared, but not moved (its parameters are shards) nor
-        # wrapped (no DDP): evaluation_loop would otherwise prepare it and move it
-        self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        # counted as prepared, so that evaluation_loop does not prepare it: accelerate would move
+        # it (its parameters are shards) or wrap it (no DDP: infinity reduces the gradients)
+        if model not in self.accelerator._models:
+            self.accelerator._models.append(model)
         if cfg.zero.stage == 3:
             synced_generate(model)
         logger.info("InfinityTrainer: ZeRO stage %d, optimizer %s lr=%g, %d parameter groups", cfg.zero.stage,
