@@ -62,9 +62,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     model = build_model(a.model)
     args = TrainingArguments(output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=a.gradient_accumulation_steps, learning_rate=3e-4, warmup_steps=1, logging_steps=1,
-                             save_strategy="no", report_to=[], fp16=a.fp16, bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
-                             disable_tqdm=True)
+                             gradient_accumulation_steps=a.gradient_accumulation_steps, learning_rate=3e-4,
+                             warmup_steps=1, logging_steps=1,
+                             save_strategy="no", report_to=[], fp16=a.fp16, bf16=a.bf16,
+                             use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
     trainer = InfinityTrainer(model=model, args=args, train_dataset=token_rows(a.data, model.config.vocab_size),
                               infinity_config=config_with_nvme_path(a.config, a.nvme_path), strict=a.strict)
     trainer.train()
