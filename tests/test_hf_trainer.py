@@ -40,11 +40,31 @@ def test_same_losses_as_plain_trainer_with_adamw(tmp_path):
     expected, got = losses(plain), losses(ours)
     assert len(expected) == len(got) == 4
     assert got == pytest.approx(expected, rel=0, abs=2e-5)
+    norms = [[h["grad_norm"] for h in t.state.log_history if "loss" in h] for t in (plain, ours)]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)  # the pre-clip norm, logged after infinity's step
     groups = ours.optimizer.param_groups  # the Trainer's groups: no decay on norms
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     no_decay = {id(p) for p in groups[1]["params"]}
     assert all(id(p) in no_decay for n, p in ours.model.named_parameters() if "norm" in n)
     assert ours.optimizer.engine.cfg.zero.offload_param.device == "nvme"
+
+
+def test_fp16_step_skipped_on_overflow_does_not_step_the_scheduler(tmp_path):
+    cfg = {"zero": {"stage": 2}, "precision": {"dtype": "fp16", "loss_scale": 1.0e30}}  # every step overflows
+    args = training_args(str(tmp_path / "run"), max_steps=3, lr_scheduler_type="linear", warmup_steps=2)
+    ours = InfinityTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), infinity_config=cfg)
+    before = [p.detach().half().float() for p in ours.model.parameters()]  # the fp16 cast, nothing more
+    ours.train()
+    assert ours.optimizer.skipped
+    assert [h["learning_rate"] for h in ours.state.log_history if "loss" in h] == [0.0, 0.0, 0.0]
+    assert all(torch.equal(a, p.detach().float()) for a, p in zip(before, ours.model.parameters()))
+
+
+def test_refuses_an_optimizer_of_its_own(tmp_path):
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(Exception, match="builds the optimizer"):
+        InfinityTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=dataset(), optimizers=(opt, None))
 
 
 def test_model_init_builds_under_init_and_evaluates(tmp_path):

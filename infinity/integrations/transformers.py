@@ -97,6 +97,21 @@ class _ArgsView:
         return replaced[name] if name in replaced else getattr(self.__dict__["_args"], name)
 
 
+class _SkipOnOverflow:
+    """The Trainer's scheduler, not stepped after an fp16 step infinity skipped on overflow (as
+    DeepSpeed's engine and accelerate's AcceleratedScheduler do); everything else delegated."""
+
+    def __init__(self, scheduler, optimizer):
+        self.scheduler, self.optimizer = scheduler, optimizer
+
+    def step(self, *args, **kwargs):
+        if not self.optimizer.skipped:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["scheduler"], name)
+
+
 class InfinityTrainer(Trainer):
     """A ``transformers.Trainer`` whose model, optimizer, checkpoints and saved model are
     infinity's. Note [InfinityTrainer seams]."""
@@ -105,6 +120,11 @@ class InfinityTrainer(Trainer):
         if not hasattr(Trainer, "_prepare_for_training"):
             raise UsageError(f"InfinityTrainer covers transformers 5.x; the installed {transformers.__version__} has "
                              f"no Trainer._prepare_for_training")
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers[0] is not None or optimizers[1] is not None:
+            raise UsageError("InfinityTrainer builds the optimizer (infinity's, partitioned) and the scheduler itself; "
+                             "drop optimizers=(...) and give lr, betas, eps and weight decay in TrainingArguments, and "
+                             "the schedule as lr_scheduler_type or the config's scheduler section")
         self._infinity_source, self._is_deepspeed = _config_source(infinity_config)
         self._strict = strict
         self._precision_flags = (False, False)
@@ -192,8 +212,12 @@ class InfinityTrainer(Trainer):
             warmup = self.args.get_warmup_steps(num_training_steps)
             self.lr_scheduler = make_scheduler(optimizer or self.optimizer, cfg, num_training_steps, warmup)
             self._created_lr_scheduler = True
-            return self.lr_scheduler
-        return super().create_scheduler(num_training_steps, optimizer)
+        else:
+            super().create_scheduler(num_training_steps, optimizer)
+        fp16 = cfg is not None and cfg.precision.dtype == "fp16"  # only an fp16 step can be skipped
+        if fp16 and self.optimizer is not None and not isinstance(self.lr_scheduler, _SkipOnOverflow):
+            self.lr_scheduler = _SkipOnOverflow(self.lr_scheduler, self.optimizer)
+        return self.lr_scheduler
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Note [InfinityTrainer seams]: initialize instead of accelerate's prepare."""
@@ -215,7 +239,13 @@ class InfinityTrainer(Trainer):
         return None  # infinity clips inside optimizer.step() (gradient_clipping = max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        return grad_norm  # the norm exists only inside infinity's step; optimizer.last_grad_norm after it
+        return grad_norm  # the norm exists only inside infinity's step: logged below, after it
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        opt = self.optimizer
+        if grad_norm is None and opt is not None and not opt.skipped:
+            grad_norm = opt.last_grad_norm  # this step's norm before clipping, as the Trainer logs it
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def evaluation_loop(self, *args, **kwargs):
         self._ensure_engine()  # a model built under Init has no values until initialize adopts it
