@@ -148,3 +148,16 @@ def test_example_trainer_script_runs_each_config(name, extra, tmp_path):
     assert len(result["losses"]) == 3 and all(math.isfinite(v) for v in result["losses"])
     assert result["dtype"] == CASES[name][1] and result["scheduler"] == CASES[name][2]
     assert (tmp_path / "out" / "final" / "config.json").exists()
+
+
+def test_train_job_honours_the_scheduler_section(tmp_path):
+    from test_train import read_jsonl, run_cli, tiny_config, write_config
+
+    cfg = tiny_config(lr_warmup_steps=0)
+    cfg["scheduler"] = {"type": "WarmupDecayLR", "warmup_min_lr": 0.001, "warmup_max_lr": 0.003,
+                        "warmup_num_steps": 2, "warmup_type": "linear", "total_num_steps": None}  # null: train.steps
+    out = tmp_path / "run"
+    proc = run_cli(["--config", write_config(tmp_path / "c.json", cfg), "--output-dir", str(out), "--no-save"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lrs = [r["lr"] for r in read_jsonl(out / "telemetry.jsonl") if r["event"] == "step"]
+    assert lrs == pytest.approx([0.001, 0.001, 0.002, 0.003])  # step k runs with iteration k-2

@@ -163,3 +163,37 @@ def test_generate_two_stage3_ranks_with_different_lengths_finishes(tmp_path):
     for rank, (out, want) in enumerate(results):
         assert out == want
         assert len(out[0]) == 4 + (3 if rank == 0 else 9)
+
+
+def _trainer_two_ranks(out: str, nvme: str):
+    from transformers import Trainer
+
+    plain = Trainer(model=tiny_llama(), args=training_args(out + "/plain", optim="adamw_torch"), train_dataset=dataset())
+    plain.train()
+    ours = InfinityTrainer(model=tiny_llama(), args=training_args(out + "/ours"), train_dataset=dataset(),
+                           infinity_config=_nvme_config(nvme))
+    ours.train()
+    wrapped = type(ours.model_wrapped).__name__
+    return losses(plain), losses(ours), wrapped, ours.optimizer.engine.world_size, plain.args.world_size
+
+
+@pytest.mark.slow  # 80 s on two shared cores
+def test_two_ranks_same_losses_as_plain_trainer_with_ddp(tmp_path):
+    results = run_ranks(_trainer_two_ranks, 2, str(tmp_path), str(tmp_path / "nvme"), timeout=300)
+    for expected, got, wrapped, world, plain_world in results:
+        assert world == plain_world == 2 and wrapped == "LlamaForCausalLM"  # no DDP around it: infinity reduces the gradients
+        assert len(got) == 4 and got == pytest.approx(expected, rel=0, abs=2e-5)
+
+
+def test_activation_checkpointing_through_training_arguments(tmp_path):
+    from transformers import Trainer
+
+    over = dict(max_steps=3, activation_checkpointing=True)
+    plain = Trainer(model=tiny_llama(), args=training_args(str(tmp_path / "a"), optim="adamw_torch", **over),
+                    train_dataset=dataset())
+    plain.train()
+    ours = InfinityTrainer(model=tiny_llama(), args=training_args(str(tmp_path / "b"), **over), train_dataset=dataset(),
+                           infinity_config={"zero": {"stage": 3}})
+    ours.train()
+    assert ours.model.is_activation_checkpointing
+    assert losses(ours) == pytest.approx(losses(plain), abs=2e-5)
