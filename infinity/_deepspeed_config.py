@@ -34,7 +34,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from ._accelerator import native_bf16
 from ._log import logger
+from .config import Config, ConfigError, _base_type, _describe, _leaf_fields
 
 _FP16_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 
@@ -182,8 +184,6 @@ class _DsState:
     problems: list = field(default_factory=list)
 
     def set(self, target: str, value: Any, origin: str) -> None:
-        from .config import _base_type
-
         hint = _base_type(self.leaf_hints[target])
         if hint is int and isinstance(value, float) and value.is_integer():
             value = int(value)  # DeepSpeed configs write sizes like 1e9
@@ -232,7 +232,7 @@ def hidden_size_of(model) -> Optional[int]:
 
 
 def _from_args(args) -> list:
-    """(DeepSpeed key, value, TrainingArguments name, must match) as transformers fills them."""
+    """(DeepSpeed key, value, where it comes from, must match) as transformers fills them."""
     world = int(getattr(args, "world_size", 1) or 1)
     micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
     return [
@@ -244,7 +244,7 @@ def _from_args(args) -> list:
         ("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2", True),
         ("optimizer.params.eps", args.adam_epsilon, "adam_epsilon", True),
         ("optimizer.params.weight_decay", args.weight_decay, "weight_decay", True),
-        ("scheduler.params.warmup_min_lr", 0, "0 (not a training argument)", False),
+        ("scheduler.params.warmup_min_lr", 0, "0, as transformers fills it", False),
         ("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate", True),
         ("fp16.enabled", bool(args.fp16 or getattr(args, "fp16_full_eval", False)), "fp16", True),
         ("bf16.enabled", bool(args.bf16 or getattr(args, "bf16_full_eval", False)), "bf16", True),
@@ -262,7 +262,7 @@ def resolve_auto(data: Mapping, model=None, training_args=None) -> tuple:
             current = _get(data, key)
             if current == "auto":
                 _put(data, key, value)
-                resolved.append((key, value, f"TrainingArguments.{name}"))
+                resolved.append((key, value, name if not must_match else f"TrainingArguments.{name}"))
             elif must_match and current is not None and _differs(current, value):
                 problems.append((key, f"{current!r} differs from TrainingArguments {name}={value!r}; set the "
                                       f"key to 'auto' (or make the two agree)"))
@@ -294,8 +294,6 @@ def _differs(a: Any, b: Any) -> bool:
 
 def map_deepspeed(cls, data: Mapping, strict: bool = False, model=None, training_args=None):
     """A :class:`Config` from a DeepSpeed config dict. Note [DeepSpeed keys], Note [auto values]."""
-    from .config import ConfigError, _describe, _leaf_fields
-
     if not isinstance(data, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a mapping, got {_describe(data)}")
     data = dict(data)
@@ -356,8 +354,6 @@ def _walk(node: Mapping, prefix: str, st: _DsState, resolved: list) -> None:
             if isinstance(value, Mapping):
                 _walk(value, path + ".", st, resolved)
             elif value is not None:
-                from .config import _describe
-
                 st.problems.append((path, f"must be a section (a mapping), got {_describe(value)}"))
         else:
             st.problems.append((path, "DeepSpeed key infinity does not support, and ignoring it could change what is "
@@ -381,8 +377,6 @@ def _keep_default(path: str, st: _DsState, resolved: list) -> None:
         resolved.append((path, value, "0, as transformers fills it" if value == 0.0 else
                          "the run's: filled once the number of steps (or optimizer.lr) is known"))
         return
-    from .config import Config
-
     default = Config()
     for name in target.split("."):
         default = getattr(default, name)
@@ -392,8 +386,6 @@ def _keep_default(path: str, st: _DsState, resolved: list) -> None:
 def _flag(st: _DsState, path: str) -> Any:
     value = st.special.get(path, False)
     if value != "auto" and not isinstance(value, bool):
-        from .config import _describe
-
         st.problems.append((path, f"expected bool or 'auto', got {_describe(value)}"))
         return False
     return value
@@ -412,8 +404,6 @@ def _precision(st: _DsState, resolved: list, have_args: bool) -> None:
     elif bf16 is True:
         st.set("precision.dtype", "bf16", "bf16.enabled")
     elif bf16 == "auto":  # Note [auto values]: follows precision.dtype auto
-        from ._accelerator import native_bf16
-
         fast, why = native_bf16()
         st.set("precision.dtype", "bf16" if fast else "fp32", "bf16.enabled")
         resolved.append(("bf16.enabled", fast, f"precision.dtype auto: {why}"))
@@ -423,8 +413,6 @@ def _optimizer(st: _DsState) -> None:
     if "optimizer.type" not in st.special:
         return
     name, w_mode = st.special["optimizer.type"], st.special.get("optimizer.params.adam_w_mode", True)
-    from .config import _describe
-
     if not isinstance(w_mode, bool):
         st.problems.append(("optimizer.params.adam_w_mode", f"expected bool, got {_describe(w_mode)}"))
     elif not isinstance(name, str) or name.lower() not in ("adam", "adamw"):
@@ -462,8 +450,6 @@ def _batch_size(st: _DsState, training_args) -> None:
     if isinstance(total, float) and total.is_integer():
         total = int(total)
     if not isinstance(total, int) or isinstance(total, bool) or total < 1:
-        from .config import _describe
-
         st.problems.append(("train_batch_size", f"expected a positive int or 'auto', got {_describe(total)}"))
         return
     micro = st.out.get("train", {}).get("micro_batch_size")

@@ -197,3 +197,16 @@ def test_activation_checkpointing_through_training_arguments(tmp_path):
     ours.train()
     assert ours.model.is_activation_checkpointing
     assert losses(ours) == pytest.approx(losses(plain), abs=2e-5)
+
+
+def test_deepspeed_json_path_resolved_from_the_model_and_arguments(tmp_path):
+    path = Path(__file__).resolve().parent.parent / "examples" / "deepspeed" / "ds_zero3_bf16_cpu_auto.json"
+    model = tiny_llama()
+    args = training_args(str(tmp_path), learning_rate=2e-4, max_grad_norm=0.5, weight_decay=0.0)
+    trainer = InfinityTrainer(model=model, args=args, train_dataset=dataset(), infinity_config=str(path))
+    cfg = trainer.infinity_config(model)
+    assert trainer.infinity_config(model) is cfg  # built (and logged) once
+    assert (cfg.zero.reduce_bucket_size, cfg.zero.prefetch.bucket_size, cfg.zero.prefetch.persistence_threshold) == \
+        (32 * 32, int(0.9 * 32 * 32), 320)
+    assert (cfg.optimizer.lr, cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (2e-4, 0.5, 2)
+    assert (cfg.zero.offload_param.device, cfg.precision.dtype, cfg.scheduler.type) == ("cpu", "fp32", "WarmupDecayLR")

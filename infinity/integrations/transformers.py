@@ -47,6 +47,7 @@ from transformers import Trainer
 import infinity
 
 from .. import _comm as comm
+from .._deepspeed_config import hidden_size_of
 from .._engine import engine_of
 from .._log import logger
 from .._safetensors_export import export_safetensors
@@ -140,6 +141,7 @@ class InfinityTrainer(Trainer):
                 args = (args[0], training_args, *args[2:])
         self._training_args_for_config = training_args
         self._infinity_cfg: Optional[Config] = None
+        self._configs: dict = {}
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------ config
@@ -147,7 +149,14 @@ class InfinityTrainer(Trainer):
     def infinity_config(self, model: Optional[torch.nn.Module] = None) -> Config:
         """The infinity config of this run: the given one, with what the TrainingArguments own
         (lr, betas, eps, weight decay, clipping, accumulation, micro batch, fp16/bf16) taken
-        from them; a DeepSpeed config's "auto" values resolved from ``model`` too."""
+        from them; a DeepSpeed config's "auto" values resolved from ``model`` too. Built (and
+        its warnings and resolved values logged) once without a model and once per hidden size."""
+        key = hidden_size_of(model) if model is not None else None
+        if key not in self._configs:
+            self._configs[key] = self._build_config(model)
+        return self._configs[key]
+
+    def _build_config(self, model: Optional[torch.nn.Module]) -> Config:
         args = self._training_args_for_config
         fp16, bf16 = self._precision_flags
         source = self._infinity_source
