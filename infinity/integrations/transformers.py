@@ -20,6 +20,10 @@ Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where 
   then only averages over ranks (``grad_scale = 1 / world size``).
 - scheduler: the config's ``scheduler`` section (DeepSpeed's WarmupLR/WarmupDecayLR/
   WarmupCosineLR) when it has one, else the Trainer's own ``lr_scheduler_type``.
+- precision: TrainingArguments' ``fp16`` / ``bf16`` set ``precision.dtype`` (infinity casts
+  the model and scales the loss); the Trainer gets a copy of its arguments with both off
+  (``trainer.args.fp16`` is False), so accelerate adds no autocast and no GradScaler. An fp16
+  step infinity skips on overflow does not step the scheduler (``_SkipOnOverflow``).
 - no accelerate wrapping: no DDP (infinity reduce-scatters gradients) and no
   ``AcceleratedOptimizer`` (infinity's optimizer has no torch state_dict):
   ``_prepare_for_training`` is replaced.
