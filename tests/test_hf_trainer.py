@@ -210,3 +210,13 @@ def test_deepspeed_json_path_resolved_from_the_model_and_arguments(tmp_path):
         (32 * 32, int(0.9 * 32 * 32), 320)
     assert (cfg.optimizer.lr, cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (2e-4, 0.5, 2)
     assert (cfg.zero.offload_param.device, cfg.precision.dtype, cfg.scheduler.type) == ("cpu", "fp32", "WarmupDecayLR")
+
+
+def test_deepspeed_schedule_steps_must_agree_with_the_run(tmp_path):
+    ds = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 4}}}
+    trainer = InfinityTrainer(model=tiny_llama(), args=training_args(str(tmp_path)), train_dataset=dataset(),
+                              infinity_config=ds)
+    with pytest.raises(Exception, match="warmup_num_steps=5 differs from the run's 1") as err:
+        trainer.train()
+    assert "total_num_steps" not in str(err.value)  # 4 = max_steps agrees

@@ -51,7 +51,7 @@ from transformers import Trainer
 import infinity
 
 from .. import _comm as comm
-from .._deepspeed_config import hidden_size_of
+from .._deepspeed_config import _get, hidden_size_of
 from .._engine import engine_of
 from .._log import logger
 from .._safetensors_export import export_safetensors
@@ -223,6 +223,8 @@ class InfinityTrainer(Trainer):
         cfg = self._infinity_cfg
         if self.lr_scheduler is None and cfg is not None and cfg.scheduler.type != "none":
             warmup = self.args.get_warmup_steps(num_training_steps)
+            if self._is_deepspeed:
+                self._check_schedule_steps(num_training_steps, max(1, warmup))
             self.lr_scheduler = make_scheduler(optimizer or self.optimizer, cfg, num_training_steps, warmup)
             self._created_lr_scheduler = True
         else:
@@ -231,6 +233,18 @@ class InfinityTrainer(Trainer):
         if fp16 and self.optimizer is not None and not isinstance(self.lr_scheduler, _SkipOnOverflow):
             self.lr_scheduler = _SkipOnOverflow(self.lr_scheduler, self.optimizer)
         return self.lr_scheduler
+
+    def _check_schedule_steps(self, total: int, warmup: int) -> None:
+        """As transformers does: a DeepSpeed scheduler's step counts that are not "auto" must
+        agree with the run's (max_steps; max(1, the TrainingArguments' warm-up))."""
+        problems = []
+        for key, run in (("total_num_steps", total), ("warmup_num_steps", warmup)):
+            given = _get(self._infinity_source, f"scheduler.params.{key}")
+            if given not in (None, "auto") and given != run:
+                problems.append(f"scheduler.params.{key}={given} differs from the run's {run}")
+        if problems:
+            raise UsageError("; ".join(problems) + "; set them to 'auto' (or make TrainingArguments' max_steps and "
+                             "warmup_steps agree)")
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Note [InfinityTrainer seams]: initialize instead of accelerate's prepare."""
