@@ -92,6 +92,8 @@ FIXED = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": None,
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": None,
     "fp16.auto_cast": (False,),
+    "sparse_gradients": (False,),
+    "data_types.grad_accum_dtype": ("fp32",),  # infinity accumulates gradients in fp32
     "fp16.fp16_master_weights_and_grads": (False,),
     "zero_optimization.zero_quantized_weights": (False,),
     "zero_optimization.zero_quantized_gradients": (False,),
@@ -148,6 +150,7 @@ TUNING = {
     "checkpointing (TrainingArguments.gradient_checkpointing) or torch.utils.checkpoint",
     "zero_optimization.cpu_offload_params": _HOST_POOL,
     "zero_optimization.cpu_offload_use_pin_memory": "host buffers are always pinned",
+    "bf16.immediate_grad_update": "gradient shards always accumulate in fp32 as backward produces them",
 }
 # Keys whose value changes what is trained: what to do instead when infinity cannot honour it.
 _RESULT_ADVICE = {
@@ -162,7 +165,7 @@ _RESULT_ADVICE = {
 _SPECIAL = {"fp16.enabled", "bf16.enabled", "optimizer.type", "optimizer.params.adam_w_mode",
             "train_batch_size", "scheduler.type"}
 _SECTIONS = {"zero_optimization", "zero_optimization.offload_param", "zero_optimization.offload_optimizer",
-             "fp16", "bf16", "optimizer", "optimizer.params", "aio", "scheduler", "scheduler.params"}
+             "fp16", "bf16", "optimizer", "optimizer.params", "aio", "scheduler", "scheduler.params", "data_types"}
 SCHEDULERS = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}
 _SCHEDULER_PARAMS = {
     "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
