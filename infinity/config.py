@@ -328,6 +328,25 @@ class TrainConfig:
     lr_warmup_steps: int = _opt(0, "linear learning-rate warm-up steps", ge=0)
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR, with their parameter names,
+    defaults and formulas (infinity/_schedule.py); stepped after every optimizer step."""
+
+    type: Literal["none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = _opt(
+        "none", "none = constant lr (with train.lr_warmup_steps), or one of DeepSpeed's schedules")
+    warmup_min_lr: float = _opt(0.0, "WarmupLR/WarmupDecayLR: lr at the start of the warm-up", ge=0)
+    warmup_max_lr: Optional[float] = _opt(0.001, "WarmupLR/WarmupDecayLR: lr at the end of the warm-up; "
+                                          "null = optimizer.lr", ge=0)
+    warmup_num_steps: Optional[int] = _opt(1000, "warm-up steps (at least 2 count); null = the run's "
+                                           "(train.lr_warmup_steps, or the Trainer's warmup_steps)", ge=0)
+    warmup_type: Literal["log", "linear"] = _opt("log", "shape of the warm-up")
+    total_num_steps: Optional[int] = _opt(None, "WarmupDecayLR/WarmupCosineLR: steps of the whole schedule; "
+                                          "null = the run's (train.steps, or the Trainer's max_steps)", ge=1)
+    warmup_min_ratio: float = _opt(0.0, "WarmupCosineLR: lr ratio at the start of the warm-up", ge=0)
+    cos_min_ratio: float = _opt(0.0001, "WarmupCosineLR: lr ratio at the end of the cosine", ge=0)
+
+
 _INTERNAL = "internal"
 
 
@@ -348,9 +367,13 @@ class Config:
     seed: int = _opt(1234, "random seed", ge=0)
     telemetry: TelemetryConfig = _opt(TelemetryConfig, "telemetry")
     train: TrainConfig = _opt(TrainConfig, "the train job")
+    scheduler: SchedulerConfig = _opt(SchedulerConfig, "learning-rate schedule (DeepSpeed's, by its names)")
     # DeepSpeed keys that were ignored (from_deepspeed with strict=False); not a config key.
     unsupported: list = field(default_factory=list, compare=False, repr=False,
                               metadata={_INTERNAL: True})
+    # DeepSpeed "auto" values and what they resolved to: [(key, value, source)]; not a config key.
+    resolved_auto: list = field(default_factory=list, compare=False, repr=False,
+                                metadata={_INTERNAL: True})
 
     def __post_init__(self):
         problems: list = []
@@ -379,37 +402,46 @@ class Config:
         return config
 
     @classmethod
-    def from_file(cls, path: Union[str, os.PathLike], strict: bool = True) -> "Config":
-        """Load a .json, .yaml or .yml file; a DeepSpeed JSON is routed to :meth:`from_deepspeed`."""
+    def from_file(cls, path: Union[str, os.PathLike], strict: bool = False, **deepspeed_context: Any) -> "Config":
+        """Load a .json, .yaml or .yml file; a DeepSpeed JSON is routed to :meth:`from_deepspeed`
+        (with ``strict`` and ``model=`` / ``training_args=``)."""
         data = _read_file(path)
         if _looks_like_deepspeed(data):
-            return cls.from_deepspeed(data, strict=strict)
+            return cls.from_deepspeed(data, strict=strict, **deepspeed_context)
         return cls.from_dict(data)
 
     @classmethod
-    def from_deepspeed(cls, source: Union[Mapping, str, os.PathLike], strict: bool = True) -> "Config":
-        """Map a DeepSpeed config (dict or file) onto infinity's keys.
+    def from_deepspeed(cls, source: Union[Mapping, str, os.PathLike], strict: bool = False, *,
+                       model: Any = None, training_args: Any = None) -> "Config":
+        """Map a DeepSpeed config (dict or file) onto infinity's keys (Note [DeepSpeed keys] in
+        _deepspeed_config.py).
 
-        DeepSpeed keys infinity does not support raise one :class:`ConfigError` listing each by
-        its full key path; with ``strict=False`` they are logged as warnings instead and kept
-        in ``config.unsupported``.
+        Keys that only tune DeepSpeed's own machinery are accepted with one warning and kept in
+        ``config.unsupported``; ``strict=True`` makes them errors. Keys that would change the
+        training result if ignored are always errors naming the key. ``"auto"`` values are
+        resolved from ``model`` (its hidden size) and ``training_args`` (a
+        ``transformers.TrainingArguments``) as transformers resolves them (Note [auto
+        values]), and the resolved values are logged once and kept in ``config.resolved_auto``.
         """
+        from ._deepspeed_config import map_deepspeed
+
         data = source if isinstance(source, Mapping) else _read_file(source)
-        return _map_deepspeed(cls, data, strict)
+        return map_deepspeed(cls, data, strict, model=model, training_args=training_args)
 
     @classmethod
-    def coerce(cls, config: Any) -> "Config":
-        """None, a Config, a dict (infinity or DeepSpeed keys) or a file path -> a Config."""
+    def coerce(cls, config: Any, strict: bool = False, **deepspeed_context: Any) -> "Config":
+        """None, a Config, a dict (infinity or DeepSpeed keys) or a file path -> a Config.
+        ``strict``, ``model=`` and ``training_args=`` go to :meth:`from_deepspeed`."""
         if config is None:
             return cls()
         if isinstance(config, Config):
             return config
         if isinstance(config, Mapping):
             if _looks_like_deepspeed(config):
-                return cls.from_deepspeed(config)
+                return cls.from_deepspeed(config, strict=strict, **deepspeed_context)
             return cls.from_dict(config)
         if isinstance(config, (str, os.PathLike)):
-            return cls.from_file(config)
+            return cls.from_file(config, strict=strict, **deepspeed_context)
         raise ConfigError(f"config must be None, an infinity.Config, a dict or a path to a "
                           f".json/.yaml file, got {_describe(config)}")
 
@@ -510,13 +542,15 @@ def _unknown_key_message(key: str, prefix: str, siblings: list[str]) -> str:
 
 def _deepspeed_alias(path: str) -> Optional[str]:
     """infinity's key for a DeepSpeed name written into an infinity config, if any."""
+    from ._deepspeed_config import RENAMES
+
     sections = {"zero_optimization": "zero", "fp16": "precision", "bf16": "precision"}
     if path in sections:
         return sections[path]
     for candidate in (path, path.replace("zero.", "zero_optimization.", 1),
                       path.replace("optimizer.", "optimizer.params.", 1)):
-        if candidate in _DS_RENAMES and _DS_RENAMES[candidate] != path:
-            return _DS_RENAMES[candidate]
+        if candidate in RENAMES and RENAMES[candidate] != path:
+            return RENAMES[candidate]
     return None
 
 
@@ -730,242 +764,6 @@ def _read_file(path: Union[str, os.PathLike]) -> dict:
     return data
 
 
-# ---------------------------------------------------------------------------------------------
-# DeepSpeed configs
-#
-# Note: every key of a DeepSpeed config ends in exactly one of four places: renamed onto an
-# infinity key (_DS_RENAMES); accepted without effect because infinity always behaves the way
-# the value asks (_DS_FIXED, with the values that match; None = any value); read by the code
-# below (_DS_SPECIAL); or reported as unsupported by its full key path. A value of "auto"
-# (Hugging Face Trainer style) keeps infinity's default, and a section with
-# ``"enabled": false`` asks for nothing.
-
-_DS_RENAMES = {
-    "zero_optimization.stage": "zero.stage",
-    "zero_optimization.offload_param.device": "zero.offload_param.device",
-    "zero_optimization.offload_param.nvme_path": "zero.offload_param.nvme_path",
-    "zero_optimization.offload_param.buffer_size": "zero.offload_param.buffer_size",
-    "zero_optimization.offload_param.buffer_count": "zero.offload_param.buffer_count",
-    "zero_optimization.offload_optimizer.device": "zero.offload_optimizer.device",
-    "zero_optimization.offload_optimizer.nvme_path": "zero.offload_optimizer.nvme_path",
-    "zero_optimization.sub_group_size": "zero.offload_optimizer.chunk_size",
-    "zero_optimization.reduce_bucket_size": "zero.reduce_bucket_size",
-    "zero_optimization.stage3_prefetch_bucket_size": "zero.prefetch.bucket_size",
-    "zero_optimization.stage3_max_live_parameters": "zero.prefetch.max_live_parameters",
-    "zero_optimization.stage3_param_persistence_threshold": "zero.prefetch.persistence_threshold",
-    **{f"fp16.{knob}": f"precision.{knob}" for knob in _FP16_KNOBS},
-    **{f"optimizer.params.{k}": f"optimizer.{k}" for k in ("lr", "betas", "eps", "weight_decay")},
-    "aio.block_size": "aio.block_size",
-    "aio.queue_depth": "aio.queue_depth",
-    "aio.thread_count": "aio.threads",
-    "aio.intra_op_parallelism": "aio.threads",
-    "gradient_clipping": "gradient_clipping",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "steps_per_print": "train.log_every",
-}
-_DS_FIXED = {
-    "zero_optimization.offload_param.pin_memory": None,  # host buffers are always pinned
-    "zero_optimization.offload_optimizer.pin_memory": None,
-    "zero_optimization.overlap_comm": (True,),
-    "zero_optimization.contiguous_gradients": (True,),
-    "zero_optimization.reduce_scatter": (True,),
-    "zero_optimization.allgather_partitions": (True,),
-    "zero_optimization.round_robin_gradients": (False,),
-    "aio.single_submit": (False,),
-    "aio.overlap_events": (True,),
-    "aio.use_gds": (False,),
-    "optimizer.params.bias_correction": (True,),
-    "optimizer.params.amsgrad": (False,),
-    "optimizer.params.torch_adam": None,
-    "prescale_gradients": (False,),
-    "gradient_predivide_factor": (1.0,),
-    "zero_allow_untested_optimizer": None,
-    "wall_clock_breakdown": None,  # telemetry.path records per-stage times instead
-    "memory_breakdown": (False,),
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (False,),
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (False,),
-    "dump_state": (False,),
-}
-_DS_SPECIAL = {"fp16.enabled", "bf16.enabled", "optimizer.type", "optimizer.params.adam_w_mode",
-               "train_batch_size"}
-_DS_SECTIONS = {"zero_optimization", "zero_optimization.offload_param",
-                "zero_optimization.offload_optimizer", "fp16", "bf16", "optimizer",
-                "optimizer.params", "aio"}
-_DS_REASONS = {
-    "zero_optimization.stage3_max_reuse_distance": "parameters are released after use and "
-    "re-fetched along the recorded trace; there is no reuse-distance cache",
-    "zero_optimization.allgather_bucket_size": "all-gathers are coalesced per fetch unit "
-    "(one submodule), not by a byte bucket",
-    "zero_optimization.offload_param.max_in_cpu": "host memory is bounded by the staging pool "
-    "(zero.offload_param.buffer_count x buffer_size)",
-    "zero_optimization.offload_optimizer.buffer_count": "the optimizer swapper streams fixed "
-    "chunks; size them with zero.offload_optimizer.chunk_size",
-    **{f"zero_optimization.stage3_gather_{b}_weights_on_model_save": "gather the weights with "
-       "infinity.GatheredParameters to save them whole" for b in ("16bit", "fp16")},
-    "scheduler": "use train.lr_warmup_steps, or step a torch.optim.lr_scheduler yourself",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
-}
-_OURS_TO_DS = {ours: ds for ds, ours in reversed(list(_DS_RENAMES.items()))}
-
-
-@dataclass
-class _DsState:
-    out: dict = field(default_factory=dict)  # infinity keys, nested
-    origins: dict = field(default_factory=dict)  # infinity key path -> DeepSpeed key path
-    special: dict = field(default_factory=dict)
-    unsupported: list = field(default_factory=list)  # (path, reason)
-    problems: list = field(default_factory=list)
-
-    def set(self, target: str, value: Any, origin: str) -> None:
-        hint = _LEAF_HINTS[target]
-        if _base_type(hint) is int and isinstance(value, float) and value.is_integer():
-            value = int(value)  # DeepSpeed configs write sizes like 1e9
-        if target.endswith(".device") and isinstance(value, str):
-            value = value.lower()
-        node = self.out
-        *parents, leaf = target.split(".")
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-        self.origins[target] = origin
-
-
 def _base_type(hint: Any) -> Any:
     args = [a for a in get_args(hint) if a is not type(None)]
     return args[0] if get_origin(hint) in (Union, types.UnionType) and len(args) == 1 else hint
-
-
-_LEAF_HINTS = {path: hint for path, hint, _ in _leaf_fields(Config)}
-
-
-def _map_deepspeed(cls, data: Mapping, strict: bool) -> Config:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"a DeepSpeed config must be a mapping, got {_describe(data)}")
-    data = dict(data)
-    if "bfloat16" in data and "bf16" not in data:  # DeepSpeed's older spelling
-        data["bf16"] = data.pop("bfloat16")
-    if "zero_optimization" not in data:
-        logger.info("DeepSpeed config has no zero_optimization section; using zero.stage=3")
-    st = _DsState()
-    _ds_walk(data, "", st)
-    _ds_precision(st)
-    _ds_optimizer(st)
-    _ds_batch_size(st)
-    problems = list(st.problems)
-    config = None
-    try:
-        config = cls.from_dict(st.out)
-    except ConfigError as err:
-        for path, msg in err.problems:
-            ds_path = st.origins.get(path) or _OURS_TO_DS.get(path)
-            problems.append((ds_path, f"{msg} (infinity key {path})") if ds_path else (path, msg))
-    if strict and st.unsupported:
-        problems.extend((path, "DeepSpeed key not supported by infinity" + (f": {why}" if why else ""))
-                        for path, why in st.unsupported)
-        problems.append(("", "remove the unsupported keys, or load with strict=False to ignore "
-                             "them with a warning"))
-    if problems:
-        raise ConfigError(problems)
-    for path, why in st.unsupported:
-        logger.warning("DeepSpeed key %s is not supported by infinity and is ignored%s",
-                       path, f" ({why})" if why else "")
-    object.__setattr__(config, "unsupported", [path for path, _ in st.unsupported])
-    return config
-
-
-def _ds_walk(node: Mapping, prefix: str, st: _DsState) -> None:
-    for key, value in node.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, str) and value == "auto":
-            logger.debug("DeepSpeed key %s is 'auto': keeping infinity's default", path)
-        elif path in _DS_RENAMES:
-            st.set(_DS_RENAMES[path], value, path)
-        elif path in _DS_FIXED:
-            allowed = _DS_FIXED[path]
-            if allowed is not None and value not in allowed:
-                why = _DS_REASONS.get(path, f"infinity always runs with {key}={allowed[0]}")
-                st.unsupported.append((path, why))
-            else:
-                logger.debug("DeepSpeed key %s accepted; infinity always behaves this way", path)
-        elif path in _DS_SPECIAL:
-            st.special[path] = value
-        elif path in _DS_SECTIONS:
-            if isinstance(value, Mapping):
-                _ds_walk(value, path + ".", st)
-            elif value is not None:
-                st.problems.append((path, f"must be a section (a mapping), got {_describe(value)}"))
-        elif isinstance(value, Mapping) and value.get("enabled") is False:
-            logger.debug("DeepSpeed section %s is disabled: nothing to map", path)
-        else:
-            st.unsupported.append((path, _DS_REASONS.get(path, "")))
-
-
-def _ds_flag(st: _DsState, path: str) -> bool:
-    value = st.special.get(path, False)
-    if not isinstance(value, bool):
-        st.problems.append((path, f"expected bool or 'auto', got {_describe(value)}"))
-        return False
-    return value
-
-
-def _ds_precision(st: _DsState) -> None:
-    fp16, bf16 = _ds_flag(st, "fp16.enabled"), _ds_flag(st, "bf16.enabled")
-    if fp16 and bf16:
-        st.problems.append(("fp16.enabled", "fp16 and bf16 are both enabled (bf16.enabled is "
-                                            "true too); enable at most one of them"))
-    elif fp16 or bf16:
-        name = "fp16" if fp16 else "bf16"
-        st.set("precision.dtype", name, f"{name}.enabled")
-
-
-def _ds_optimizer(st: _DsState) -> None:
-    if "optimizer.type" not in st.special:
-        return
-    name, w_mode = st.special["optimizer.type"], st.special.get("optimizer.params.adam_w_mode", True)
-    if not isinstance(w_mode, bool):
-        st.problems.append(("optimizer.params.adam_w_mode", f"expected bool, got {_describe(w_mode)}"))
-    elif not isinstance(name, str) or name.lower() not in ("adam", "adamw"):
-        st.problems.append(("optimizer.type", f"{_describe(name)} is not supported; allowed "
-                                              "values: Adam, AdamW"))
-    else:
-        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false.
-        kind = "adamw" if name.lower() == "adamw" or w_mode else "adam"
-        st.set("optimizer.type", kind, "optimizer.type")
-
-
-def _ds_batch_size(st: _DsState) -> None:
-    """``train_batch_size = micro batch x accumulation steps x world size``: check or derive."""
-    total = st.special.get("train_batch_size")
-    if total is None:
-        return
-    if isinstance(total, float) and total.is_integer():
-        total = int(total)
-    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
-        st.problems.append(("train_batch_size", f"expected a positive int or 'auto', "
-                                                f"got {_describe(total)}"))
-        return
-    micro = st.out.get("train", {}).get("micro_batch_size")
-    accum = st.out.get("gradient_accumulation_steps", 1)
-    env_world = os.environ.get("WORLD_SIZE", "")
-    world = int(env_world) if env_world.isdigit() and int(env_world) > 0 else None
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (micro or 1, accum)):
-        return  # from_dict reports the bad value by name
-    if micro is None:
-        per_step = accum * (world or 1)
-        if total % per_step:
-            st.problems.append(("train_batch_size", f"{total} is not divisible by "
-                                f"gradient_accumulation_steps x world size = {per_step}"))
-            return
-        st.set("train.micro_batch_size", total // per_step, "train_batch_size")
-        if world is None:
-            logger.info("train_micro_batch_size_per_gpu derived from train_batch_size assuming "
-                        "world size 1 (WORLD_SIZE is not set)")
-    elif world is not None and total != micro * accum * world:
-        st.problems.append(("train_batch_size", f"{total} != train_micro_batch_size_per_gpu "
-                            f"({micro}) x gradient_accumulation_steps ({accum}) x world size "
-                            f"({world}); fix one of them or set train_batch_size to 'auto'"))
-    elif world is None and total % (micro * accum):
-        st.problems.append(("train_batch_size", f"{total} is not a multiple of "
-                            f"train_micro_batch_size_per_gpu ({micro}) x "
-                            f"gradient_accumulation_steps ({accum})"))

@@ -30,6 +30,7 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
 from ._preflight import InsufficientResourcesError
+from ._schedule import make_scheduler
 from ._swap import PROBE_PREFIX
 from ._telemetry import (
     StepStats,
@@ -120,6 +121,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--resume", metavar="auto|DIR",
                    help="resume from a checkpoint: auto = the latest complete one under --output-dir/checkpoints")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep only the newest N checkpoints")
+    p.add_argument("--strict", action="store_true",
+                   help="a DeepSpeed --config: refuse keys that only tune DeepSpeed (default: accept them with "
+                        "one warning)")
     return p.parse_args(argv)
 
 
@@ -133,7 +137,7 @@ def _model_arg(text: str):
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
-    cfg = Config.from_file(args.config) if args.config else Config.from_dict(default_config())
+    cfg = Config.from_file(args.config, strict=args.strict) if args.config else Config.from_dict(default_config())
     updates: Dict[str, Any] = {}
     for flag, key in (("steps", "train.steps"), ("data", "train.data"), ("output_dir", "train.output_dir"),
                       ("stage", "zero.stage"), ("dtype", "precision.dtype")):
@@ -336,10 +340,6 @@ class Run:
         return self.batches.global_batch * self.cfg.train.seq_len
 
 
-def _warmup(steps: int):
-    return lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0
-
-
 def _loss(model, inputs, targets) -> torch.Tensor:
     logits = model(input_ids=inputs).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -470,7 +470,7 @@ def start(run: Run) -> None:
 
     cfg = run.cfg
     run.model, run.optimizer = infinity.initialize(run.spec.model, config=cfg)
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, _warmup(cfg.train.lr_warmup_steps))
+    run.scheduler = make_scheduler(run.optimizer, cfg, cfg.train.steps, cfg.train.lr_warmup_steps)
     paths = nvme_paths(cfg)
     if run.rank0 and paths:
         try:

@@ -1,0 +1,1 @@
+"""Integrations with other libraries; each module imports its library only when imported."""

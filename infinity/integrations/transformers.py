@@ -1,0 +1,313 @@
+"""``InfinityTrainer``: Hugging Face's ``transformers.Trainer`` on infinity.
+
+Switching is one line: ``InfinityTrainer(..., infinity_config=cfg)`` where ``cfg`` is an
+:class:`infinity.Config`, a dict, or a path to an infinity YAML / a DeepSpeed JSON (its
+``"auto"`` values resolved from the model and the ``TrainingArguments`` as transformers
+resolves them: Note [auto values] in _deepspeed_config.py). Covered: transformers 5.x (tested
+with the installed 5.23); the Trainer's private ``_prepare_for_training`` is the one seam
+whose shape is version-specific, and its absence is refused at construction.
+
+Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where it happens here.
+- model: ``model_init`` runs under ``infinity.Init`` (the model is built partitioned); a
+  model passed in already built stays whole until ``create_optimizer`` hands it to
+  ``infinity.initialize``, which partitions it (stage 3) in place.
+- optimizer: ``create_optimizer`` builds infinity's optimizer with the Trainer's two groups
+  (``get_decay_parameter_names``: no weight decay on biases and norms) and the
+  TrainingArguments' lr, betas, eps, weight decay and max_grad_norm (clipping happens inside
+  ``optimizer.step()``, so ``_clip_grad_norm`` does nothing).
+- gradient accumulation: the Trainer divides each micro-batch loss itself (or normalises by
+  ``num_items_in_batch``), as with DeepSpeed's ``scale_wrt_gas=False``; infinity's optimizer
+  then only averages over ranks (``grad_scale = 1 / world size``).
+- scheduler: the config's ``scheduler`` section (DeepSpeed's WarmupLR/WarmupDecayLR/
+  WarmupCosineLR) when it has one, else the Trainer's own ``lr_scheduler_type``.
+- precision: TrainingArguments' ``fp16`` / ``bf16`` set ``precision.dtype`` (infinity casts
+  the model and scales the loss); the Trainer gets a copy of its arguments with both off
+  (``trainer.args.fp16`` is False), so accelerate adds no autocast and no GradScaler. An fp16
+  step infinity skips on overflow does not step the scheduler (``_SkipOnOverflow``).
+- no accelerate wrapping: no DDP (infinity reduce-scatters gradients) and no
+  ``AcceleratedOptimizer`` (infinity's optimizer has no torch state_dict):
+  ``_prepare_for_training`` is replaced.
+- checkpoints: ``checkpoint-N/`` holds ``infinity/`` (``infinity.save_checkpoint``: every
+  state on every tier, the scheduler's state as extra), ``trainer_state.json`` and the RNG
+  states; resume loads it with ``infinity.load_checkpoint``; ``save_total_limit`` rotates the
+  directories as usual. ``save_model`` writes a normal Hugging Face directory (safetensors
+  gathered unit by unit, config.json, the tokenizer).
+- generate: under stage 3 every rank must run the same forwards, so a rank whose sequences
+  end first must keep stepping until all have ended (transformers' ``synced_gpus``, which it
+  turns on only for DeepSpeed ZeRO-3 or FSDP). ``synced_generate(model)`` makes ``synced_gpus``
+  default to True on that model at several ranks; the Trainer applies it at initialize.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Optional
+
+import torch
+import transformers
+from transformers import Trainer
+
+import infinity
+
+from .. import _comm as comm
+from .._deepspeed_config import _get, hidden_size_of
+from .._engine import engine_of
+from .._log import logger
+from .._safetensors_export import export_safetensors
+from .._schedule import make_scheduler
+from ..config import Config, _looks_like_deepspeed, _read_file
+from ..errors import UsageError
+
+__all__ = ["InfinityTrainer", "synced_generate"]
+
+CHECKPOINT_TAG = "infinity"
+
+
+def synced_generate(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model.generate`` default to ``synced_gpus=True`` when several ranks run:
+    Note [InfinityTrainer seams] (generate). An explicit ``synced_gpus=`` still wins."""
+    original = type(model).generate
+
+    @functools.wraps(original)
+    def generate(*args, synced_gpus: Optional[bool] = None, **kwargs):
+        if synced_gpus is None:
+            synced_gpus = comm.world_size() > 1
+        return original(model, *args, synced_gpus=synced_gpus, **kwargs)
+
+    model.generate = generate
+    return model
+
+
+def _config_source(source: Any) -> tuple:
+    """(data or Config, is DeepSpeed) from what ``infinity_config=`` accepts."""
+    if source is None or isinstance(source, Config):
+        return source or Config(), False
+    if isinstance(source, (str, os.PathLike)):
+        source = _read_file(source)
+    if not isinstance(source, dict):
+        raise UsageError(f"infinity_config must be an infinity.Config, a dict or a path to a .yaml/.json file, "
+                         f"got {type(source).__name__}")
+    return source, _looks_like_deepspeed(source)
+
+
+class _ArgsView:
+    """TrainingArguments with some attributes replaced."""
+
+    def __init__(self, args, **replaced):
+        self._args, self._replaced = args, replaced
+
+    def __getattr__(self, name):
+        replaced = self.__dict__["_replaced"]
+        return replaced[name] if name in replaced else getattr(self.__dict__["_args"], name)
+
+
+class _SkipOnOverflow:
+    """The Trainer's scheduler, not stepped after an fp16 step infinity skipped on overflow (as
+    DeepSpeed's engine and accelerate's AcceleratedScheduler do); everything else delegated."""
+
+    def __init__(self, scheduler, optimizer):
+        self.scheduler, self.optimizer = scheduler, optimizer
+
+    def step(self, *args, **kwargs):
+        if not self.optimizer.skipped:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["scheduler"], name)
+
+
+class InfinityTrainer(Trainer):
+    """A ``transformers.Trainer`` whose model, optimizer, checkpoints and saved model are
+    infinity's. Note [InfinityTrainer seams]."""
+
+    def __init__(self, *args, infinity_config: Any = None, strict: bool = False, **kwargs):
+        if not hasattr(Trainer, "_prepare_for_training"):
+            raise UsageError(f"InfinityTrainer covers transformers 5.x; the installed {transformers.__version__} has "
+                             f"no Trainer._prepare_for_training")
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers[0] is not None or optimizers[1] is not None:
+            raise UsageError("InfinityTrainer builds the optimizer (infinity's, partitioned) and the scheduler itself; "
+                             "drop optimizers=(...) and give lr, betas, eps and weight decay in TrainingArguments, and "
+                             "the schedule as lr_scheduler_type or the config's scheduler section")
+        self._infinity_source, self._is_deepspeed = _config_source(infinity_config)
+        self._strict = strict
+        self._precision_flags = (False, False)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and (training_args.fp16 or training_args.bf16):
+            # infinity casts the model and scales the loss itself; accelerate's autocast and
+            # GradScaler must stay off, so the Trainer sees fp32 and the config gets the flag.
+            self._precision_flags = (training_args.fp16, training_args.bf16)
+            training_args = dataclasses.replace(training_args, fp16=False, bf16=False)
+            if "args" in kwargs:
+                kwargs["args"] = training_args
+            else:
+                args = (args[0], training_args, *args[2:])
+        self._training_args_for_config = training_args
+        self._infinity_cfg: Optional[Config] = None
+        self._configs: dict = {}
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------ config
+
+    def infinity_config(self, model: Optional[torch.nn.Module] = None) -> Config:
+        """The infinity config of this run: the given one, with what the TrainingArguments own
+        (lr, betas, eps, weight decay, clipping, accumulation, micro batch, fp16/bf16) taken
+        from them; a DeepSpeed config's "auto" values resolved from ``model`` too. Built (and
+        its warnings and resolved values logged) once without a model and once per hidden size."""
+        key = hidden_size_of(model) if model is not None else None
+        if key not in self._configs:
+            self._configs[key] = self._build_config(model)
+        return self._configs[key]
+
+    def _build_config(self, model: Optional[torch.nn.Module]) -> Config:
+        args = self._training_args_for_config
+        fp16, bf16 = self._precision_flags
+        source = self._infinity_source
+        if isinstance(source, Config):
+            cfg = source
+        elif self._is_deepspeed:
+            # a view, not dataclasses.replace: a new TrainingArguments resets accelerate's shared state
+            ds_args = _ArgsView(args, fp16=fp16, bf16=bf16) if args is not None else None
+            cfg = Config.from_deepspeed(source, strict=self._strict, model=model, training_args=ds_args)
+        else:
+            cfg = Config.from_dict(source)
+        if args is None:
+            return cfg
+        updates = {"optimizer.lr": args.learning_rate, "optimizer.betas": [args.adam_beta1, args.adam_beta2],
+                   "optimizer.eps": args.adam_epsilon, "optimizer.weight_decay": args.weight_decay,
+                   "gradient_clipping": args.max_grad_norm, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                   "train.micro_batch_size": args.per_device_train_batch_size, "seed": args.seed}
+        if fp16 or bf16:
+            updates["precision.dtype"] = "fp16" if fp16 else "bf16"
+        return cfg.with_overrides(updates)
+
+    # ------------------------------------------------------------ model and optimizer
+
+    def call_model_init(self, trial=None):
+        with infinity.Init(config=self.infinity_config()):
+            return super().call_model_init(trial)
+
+    def _ensure_engine(self) -> None:
+        if self.optimizer is None:
+            self.create_optimizer()
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        cfg = self.infinity_config(model)
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        if engine_of(model) is not None:
+            raise UsageError("InfinityTrainer: this model is already managed by infinity.initialize; pass the model "
+                             "itself (built plainly or under infinity.Init) and let the Trainer initialize it")
+        _, self.optimizer = infinity.initialize(model, config=cfg, param_groups=groups)
+        # Note [InfinityTrainer seams] (gradient accumulation): the Trainer already divides by it.
+        self.optimizer.grad_scale = 1.0 / self.optimizer.engine.world_size
+        self._infinity_cfg = cfg
+        # counted as prepared, so that evaluation_loop does not prepare it: accelerate would move
+        # it (its parameters are shards) or wrap it (no DDP: infinity reduces the gradients)
+        if model not in self.accelerator._models:
+            self.accelerator._models.append(model)
+        if cfg.zero.stage == 3:
+            synced_generate(model)
+        logger.info("InfinityTrainer: ZeRO stage %d, optimizer %s lr=%g, %d parameter groups", cfg.zero.stage,
+                    cfg.optimizer.type, cfg.optimizer.lr, len(groups))
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        cfg = self._infinity_cfg
+        if self.lr_scheduler is None and cfg is not None and cfg.scheduler.type != "none":
+            warmup = self.args.get_warmup_steps(num_training_steps)
+            if self._is_deepspeed:
+                self._check_schedule_steps(num_training_steps, max(1, warmup))
+            self.lr_scheduler = make_scheduler(optimizer or self.optimizer, cfg, num_training_steps, warmup)
+            self._created_lr_scheduler = True
+        else:
+            super().create_scheduler(num_training_steps, optimizer)
+        fp16 = cfg is not None and cfg.precision.dtype == "fp16"  # only an fp16 step can be skipped
+        if fp16 and self.optimizer is not None and not isinstance(self.lr_scheduler, _SkipOnOverflow):
+            self.lr_scheduler = _SkipOnOverflow(self.lr_scheduler, self.optimizer)
+        return self.lr_scheduler
+
+    def _check_schedule_steps(self, total: int, warmup: int) -> None:
+        """As transformers does: a DeepSpeed scheduler's step counts that are not "auto" must
+        agree with the run's (max_steps; max(1, the TrainingArguments' warm-up))."""
+        problems = []
+        for key, run in (("total_num_steps", total), ("warmup_num_steps", warmup)):
+            given = _get(self._infinity_source, f"scheduler.params.{key}")
+            if given not in (None, "auto") and given != run:
+                problems.append(f"scheduler.params.{key}={given} differs from the run's {run}")
+        if problems:
+            raise UsageError("; ".join(problems) + "; set them to 'auto' (or make TrainingArguments' max_steps and "
+                             "warmup_steps agree)")
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """Note [InfinityTrainer seams]: initialize instead of accelerate's prepare."""
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = self.model
+        if resume_from_checkpoint is not None:
+            extra = infinity.load_checkpoint(resume_from_checkpoint, self.model, self.optimizer, tag=CHECKPOINT_TAG)
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self.model, train_dataloader
+
+    def _clip_grad_norm(self, model):
+        return None  # infinity clips inside optimizer.step() (gradient_clipping = max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grad_norm  # the norm exists only inside infinity's step: logged below, after it
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        opt = self.optimizer
+        if grad_norm is None and opt is not None and not opt.skipped:
+            grad_norm = opt.last_grad_norm  # this step's norm before clipping, as the Trainer logs it
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def evaluation_loop(self, *args, **kwargs):
+        self._ensure_engine()  # a model built under Init has no values until initialize adopts it
+        return super().evaluation_loop(*args, **kwargs)
+
+    # ------------------------------------------------------------ checkpoints and saving
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # the weights come back with the optimizer states in _prepare_for_training
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_TAG)):
+            raise UsageError(f"{resume_from_checkpoint} holds no infinity checkpoint ({CHECKPOINT_TAG}/); resume from "
+                             f"a checkpoint directory InfinityTrainer saved")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        infinity.save_checkpoint(output_dir, self.model, self.optimizer, tag=CHECKPOINT_TAG,
+                                 lr_scheduler=self.lr_scheduler.state_dict())
+
+    def _save_scaler(self, output_dir: str) -> None:
+        pass  # fp16 loss scaling lives in infinity's optimizer, saved with its checkpoint
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """A normal Hugging Face directory (safetensors, config.json, tokenizer). Collective.
+        Inside a checkpoint the weights are in its infinity checkpoint instead (export one
+        with ``python -m infinity.export``), unless ``save_only_model``."""
+        if engine_of(self.model) is None:
+            return super().save_model(output_dir, _internal_call)
+        if _internal_call and not self.args.save_only_model:
+            return None
+        output_dir = output_dir or self.args.output_dir
+        export_safetensors(self.model, output_dir)
+        if self.args.should_save:
+            generation_config = getattr(self.model, "generation_config", None)
+            if generation_config is not None:
+                generation_config.save_pretrained(output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        return None

@@ -1,0 +1,222 @@
+"""InfinityTrainer (transformers.Trainer on infinity): same losses as the plain Trainer with
+AdamW, save / kill / resume continuing exactly, a normal Hugging Face directory from
+save_model, and generate() at two stage-3 ranks whose sequences end at different lengths."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from _trainer_job import dataset, losses, tiny_llama, training_args  # noqa: E402
+
+from infinity.integrations.transformers import InfinityTrainer  # noqa: E402
+from infinity.testing import run_ranks  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def _nvme_config(path: str) -> dict:
+    return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
+                     "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+            "precision": {"dtype": "fp32"}}
+
+
+def test_same_losses_as_plain_trainer_with_adamw(tmp_path):
+    from transformers import Trainer
+
+    plain = Trainer(model=tiny_llama(), args=training_args(str(tmp_path / "plain"), optim="adamw_torch"),
+                    train_dataset=dataset())
+    plain.train()
+    ours = InfinityTrainer(model=tiny_llama(), args=training_args(str(tmp_path / "ours")), train_dataset=dataset(),
+                           infinity_config=_nvme_config(str(tmp_path / "nvme")))
+    ours.train()
+    expected, got = losses(plain), losses(ours)
+    assert len(expected) == len(got) == 4
+    assert got == pytest.approx(expected, rel=0, abs=2e-5)
+    norms = [[h["grad_norm"] for h in t.state.log_history if "loss" in h] for t in (plain, ours)]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)  # the pre-clip norm, logged after infinity's step
+    groups = ours.optimizer.param_groups  # the Trainer's groups: no decay on norms
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    no_decay = {id(p) for p in groups[1]["params"]}
+    assert all(id(p) in no_decay for n, p in ours.model.named_parameters() if "norm" in n)
+    assert ours.optimizer.engine.cfg.zero.offload_param.device == "nvme"
+
+
+def test_fp16_step_skipped_on_overflow_does_not_step_the_scheduler(tmp_path):
+    cfg = {"zero": {"stage": 2}, "precision": {"dtype": "fp16", "loss_scale": 1.0e30}}  # every step overflows
+    args = training_args(str(tmp_path / "run"), max_steps=3, lr_scheduler_type="linear", warmup_steps=2)
+    ours = InfinityTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), infinity_config=cfg)
+    before = [p.detach().half().float() for p in ours.model.parameters()]  # the fp16 cast, nothing more
+    ours.train()
+    assert ours.optimizer.skipped
+    assert [h["learning_rate"] for h in ours.state.log_history if "loss" in h] == [0.0, 0.0, 0.0]
+    assert all(torch.equal(a, p.detach().float()) for a, p in zip(before, ours.model.parameters()))
+
+
+def test_refuses_an_optimizer_of_its_own(tmp_path):
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(Exception, match="builds the optimizer"):
+        InfinityTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=dataset(), optimizers=(opt, None))
+
+
+def test_model_init_builds_under_init_and_evaluates(tmp_path):
+    from transformers import Trainer
+
+    args = training_args(str(tmp_path / "a"), max_steps=2)
+    plain = Trainer(model_init=lambda: tiny_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=3))
+    plain.train()
+    ours = InfinityTrainer(model_init=lambda: tiny_llama(), args=training_args(str(tmp_path / "b"), max_steps=2),
+                           train_dataset=dataset(), eval_dataset=dataset(8, seed=3), infinity_config={"zero": {"stage": 3}})
+    ours.train()
+    assert losses(ours) == pytest.approx(losses(plain), abs=2e-5)
+    assert ours.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], abs=2e-5)
+
+
+def test_save_model_writes_a_hugging_face_directory(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ours = InfinityTrainer(model=tiny_llama(), args=training_args(str(tmp_path / "run"), max_steps=2),
+                           train_dataset=dataset(), infinity_config={"zero": {"stage": 3}})
+    ours.train()
+    out = str(tmp_path / "hf")
+    ours.save_model(out)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.arange(12).view(1, 12)
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, ours.model(input_ids=ids).logits, atol=1e-5)
+
+
+def _run_job(out: str, nvme: str, steps: int, resume: bool = False) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    cmd = [sys.executable, str(HERE / "_trainer_job.py"), out, nvme, str(steps)] + (["resume"] if resume else [])
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _complete_checkpoints(out: str) -> list:
+    found = []
+    for name in os.listdir(out) if os.path.isdir(out) else []:
+        if name.startswith("checkpoint-") and os.path.exists(os.path.join(out, name, "trainer_state.json")):
+            found.append(int(name.split("-")[1]))
+    return sorted(found)
+
+
+def _step_losses(path: str) -> dict:
+    return {h["step"]: h["loss"] for h in json.loads(Path(path).read_text())}
+
+
+def test_save_kill_resume_continues_exactly(tmp_path):
+    steps = 6
+    ref = _run_job(str(tmp_path / "ref"), str(tmp_path / "nvme_ref"), steps)
+    assert ref.wait(timeout=300) == 0, ref.stderr.read().decode()[-3000:]
+    expected = _step_losses(str(tmp_path / "ref" / "losses.json"))
+    out = str(tmp_path / "run")
+    job = _run_job(out, str(tmp_path / "nvme"), steps)
+    deadline = time.monotonic() + 300
+    while not _complete_checkpoints(out) or _complete_checkpoints(out)[-1] < 2:
+        assert job.poll() is None, "the job ended before it was killed"
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait(timeout=60)
+    assert job.returncode == -signal.SIGKILL
+    saved = _complete_checkpoints(out)[-1]
+    assert saved < steps
+    resumed = _run_job(out, str(tmp_path / "nvme"), steps, resume=True)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
+    got = _step_losses(os.path.join(out, "losses.json"))
+    after = [s for s in range(1, steps + 1) if s > saved]
+    assert after and [got[s] for s in after] == [expected[s] for s in after]
+    assert len(_complete_checkpoints(out)) <= 2  # save_total_limit
+
+
+def _generate_two_ranks(nvme: str):
+    import infinity
+    from infinity import _comm as comm
+    from infinity.integrations.transformers import synced_generate
+
+    reference = tiny_llama(seed=0).eval()
+    model = tiny_llama(seed=0).eval()
+    cfg = {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+                    "prefetch": {"persistence_threshold": 0}}}
+    model, _ = infinity.initialize(model, config=cfg)
+    rank = comm.rank()
+    synced_generate(model)
+    prompt = torch.tensor([[5 + rank, 17, 3, 40 + rank]])
+    new_tokens = 3 if rank == 0 else 9  # rank 0 stops first and must keep stepping with rank 1
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        want = reference.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out.tolist(), want.tolist()
+
+
+def test_generate_two_stage3_ranks_with_different_lengths_finishes(tmp_path):
+    results = run_ranks(_generate_two_ranks, 2, str(tmp_path / "nvme"), timeout=240)
+    for rank, (out, want) in enumerate(results):
+        assert out == want
+        assert len(out[0]) == 4 + (3 if rank == 0 else 9)
+
+
+def _trainer_two_ranks(out: str, nvme: str):
+    from transformers import Trainer
+
+    plain = Trainer(model=tiny_llama(), args=training_args(out + "/plain", optim="adamw_torch"), train_dataset=dataset())
+    plain.train()
+    ours = InfinityTrainer(model=tiny_llama(), args=training_args(out + "/ours"), train_dataset=dataset(),
+                           infinity_config=_nvme_config(nvme))
+    ours.train()
+    wrapped = type(ours.model_wrapped).__name__
+    return losses(plain), losses(ours), wrapped, ours.optimizer.engine.world_size, plain.args.world_size
+
+
+@pytest.mark.slow  # 80 s on two shared cores
+def test_two_ranks_same_losses_as_plain_trainer_with_ddp(tmp_path):
+    results = run_ranks(_trainer_two_ranks, 2, str(tmp_path), str(tmp_path / "nvme"), timeout=300)
+    for expected, got, wrapped, world, plain_world in results:
+        assert world == plain_world == 2 and wrapped == "LlamaForCausalLM"  # no DDP around it: infinity reduces the gradients
+        assert len(got) == 4 and got == pytest.approx(expected, rel=0, abs=2e-5)
+
+
+def test_activation_checkpointing_through_training_arguments(tmp_path):
+    from transformers import Trainer
+
+    over = dict(max_steps=3, activation_checkpointing=True)
+    plain = Trainer(model=tiny_llama(), args=training_args(str(tmp_path / "a"), optim="adamw_torch", **over),
+                    train_dataset=dataset())
+    plain.train()
+    ours = InfinityTrainer(model=tiny_llama(), args=training_args(str(tmp_path / "b"), **over), train_dataset=dataset(),
+                           infinity_config={"zero": {"stage": 3}})
+    ours.train()
+    assert ours.model.is_activation_checkpointing
+    assert losses(ours) == pytest.approx(losses(plain), abs=2e-5)
+
+
+def test_deepspeed_json_path_resolved_from_the_model_and_arguments(tmp_path):
+    path = Path(__file__).resolve().parent.parent / "examples" / "deepspeed" / "ds_zero3_bf16_cpu_auto.json"
+    model = tiny_llama()
+    args = training_args(str(tmp_path), learning_rate=2e-4, max_grad_norm=0.5, weight_decay=0.0)
+    trainer = InfinityTrainer(model=model, args=args, train_dataset=dataset(), infinity_config=str(path))
+    cfg = trainer.infinity_config(model)
+    assert trainer.infinity_config(model) is cfg  # built (and logged) once
+    assert (cfg.zero.reduce_bucket_size, cfg.zero.prefetch.bucket_size, cfg.zero.prefetch.persistence_threshold) == \
+        (32 * 32, int(0.9 * 32 * 32), 320)
+    assert (cfg.optimizer.lr, cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (2e-4, 0.5, 2)
+    assert (cfg.zero.offload_param.device, cfg.precision.dtype, cfg.scheduler.type) == ("cpu", "fp32", "WarmupDecayLR")
+
+
+def test_deepspeed_schedule_steps_must_agree_with_the_run(tmp_path):
+    ds = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 4}}}
+    trainer = InfinityTrainer(model=tiny_llama(), args=training_args(str(tmp_path)), train_dataset=dataset(),
+                              infinity_config=ds)
+    with pytest.raises(Exception, match="warmup_num_steps=5 differs from the run's 1") as err:
+        trainer.train()
+    assert "total_num_steps" not in str(err.value)  # 4 = max_steps agrees
