@@ -11,12 +11,17 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Lowest first. A new module goes into the layer of what it is, and may import only downwards.
 LAYERS = {
     "runtime": ["errors", "_log", "_accelerator", "_comm", "_telemetry_counters", "_telemetry", "_tiers", "_recycle",
-                "config", "aio", "optim", "_aio_cffi", "_cpu_adam"],
+                "config", "_deepspeed_config", "_schedule", "aio", "optim", "_aio_cffi", "_cpu_adam"],
     "offload": ["_layout", "_swap", "_stores", "_preflight", "_placement"],
     "zero": ["_param", "_pretrained", "_init", "_unit", "_phase", "_step_gate", "_prefetch", "_reduce", "_loss_scale",
              "_param_groups", "_optimizer", "_engine", "_gathered", "_initialize"],
     "apps": ["__init__", "train", "_train_data", "estimate", "_estimate", "export", "_safetensors_export", "_checkpoint",
-             "testing"],
+             "testing", "integrations"],
+}
+# Deferred (function-level) imports that close a cycle on purpose, each with its reason.
+DEFERRED_OK = {
+    ("config", "_deepspeed_config"): "Config.from_deepspeed / from_file are the public entries of the DeepSpeed mapping, "
+                                     "which builds on the schema",
 }
 LEVEL = {name: i for i, layer in enumerate(LAYERS.values()) for name in layer}
 
@@ -77,7 +82,8 @@ def test_imports_point_down():
 
 
 def test_no_import_cycles():
-    edges = {name: {t for t, type_only in targets if not type_only and t in LEVEL and t != name}
+    edges = {name: {t for t, type_only in targets if not type_only and t in LEVEL and t != name
+                    and (name, t) not in DEFERRED_OK}
              for name, targets in _graph().items()}
     state, cycles = {}, []
 
