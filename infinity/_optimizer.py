@@ -93,6 +93,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._step = 0
 
     @property
+    def grad_scale(self) -> float:
+        """The factor applied to each gradient as it is accumulated: 1 / (ranks x
+        accumulation steps), so the update averages over both. A caller that already divides
+        its loss by the accumulation steps (Hugging Face's Trainer) sets 1 / ranks."""
+        return self.sink.grad_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: float) -> None:
+        self.sink.grad_scale = float(value)
+
+    @property
     def params_are_master(self) -> bool:
         """fp32 with parameters and optimizer states on one resident tier: the master
         weights are the parameter shards (no second copy)."""
@@ -302,7 +313,7 @@ class GradSink:
 
     def __init__(self, store, units: List["FetchUnit"], grad_scale: float, counters):
         self._store = store
-        self._grad_scale = grad_scale
+        self.grad_scale = grad_scale
         self._counters = counters
         self._unit_first = _first_param_index(units)
         self.got_grad = torch.zeros(sum(len(u.params) for u in units), dtype=torch.float64)
@@ -316,7 +327,7 @@ class GradSink:
 
     def accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
         with self._counters.blocked("grad_offload"):
-            self._store.accumulate(unit.opt_offset, shard_grad, self._grad_scale)
+            self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
         self._counters.bytes["grad_offload"] += shard_grad.numel() * 4
 
 
