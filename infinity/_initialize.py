@@ -11,6 +11,7 @@ from ._log import logger
 from ._optimizer import ZeroOptimizer
 from ._param_groups import resolve_groups
 from .errors import EngineError, UsageTypeError
+from .tiling import check_working_memory, retarget_groups, tile_model
 
 
 def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Module, ZeroOptimizer]:
@@ -29,9 +30,12 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
         raise EngineError("this model was already passed to infinity.initialize; call it once per model")
     cfg = Config.coerce(config)
     comm.ensure_initialized()
-    groups = resolve_groups(list(model.named_parameters()), param_groups)  # refused before anything is built
+    tiling = cfg.zero.tiling
+    replaced = tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
+    groups = resolve_groups(list(model.named_parameters()), retarget_groups(param_groups, replaced))
     engine = Engine(model, cfg)
     try:
+        check_working_memory(engine, cfg)  # Note [operator working memory] in tiling.py
         optimizer = ZeroOptimizer(engine, cfg, groups)  # takes fp32 master weights before the cast
     except BaseException:
         forget_engine(model)  # refused (bad groups, does not fit): the model may be passed again

@@ -203,6 +203,15 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True)
+class TilingConfig:
+    """Memory-centric tiling (paper 002 §5.1.3): large operators as grids of small fetch units."""
+
+    enabled: bool = _opt(False, "replace large nn.Linear / nn.Embedding modules by tiled ones at initialize")
+    min_params: int = _opt(1_000_000, "modules with at most this many parameters are left whole", ge=0)
+    max_tile_params: int = _opt(4_000_000, "the most parameters one tile holds", gt=0)
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO partitioning and offload."""
 
@@ -211,6 +220,7 @@ class ZeroConfig:
     offload_optimizer: OptimizerOffloadConfig = _opt(OptimizerOffloadConfig, "optimizer offload")
     reduce_bucket_size: int = _opt(50_000_000, "elements per gradient reduce-scatter bucket", gt=0)
     prefetch: PrefetchConfig = _opt(PrefetchConfig, "prefetcher")
+    tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
 
     def _cross_check(self, prefix: str) -> list:
         if self.stage < 3 and self.offload_param.device != "none":
@@ -316,6 +326,14 @@ class TrainConfig:
     lr_warmup_steps: int = _opt(0, "linear learning-rate warm-up steps", ge=0)
 
 
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """What happens to the tensors saved at activation-checkpoint boundaries."""
+
+    offload: Literal["none", "cpu"] = _opt("none", "cpu: move them to host memory after each checkpointed block's "
+                                           "forward and bring them back before its recomputation")
+
+
 _INTERNAL = "internal"
 
 
@@ -336,6 +354,8 @@ class Config:
     seed: int = _opt(1234, "random seed", ge=0)
     telemetry: TelemetryConfig = _opt(TelemetryConfig, "telemetry")
     train: TrainConfig = _opt(TrainConfig, "the train job")
+    activation_checkpointing: ActivationCheckpointingConfig = _opt(ActivationCheckpointingConfig,
+                                                                  "activation checkpoint offload")
     # DeepSpeed keys that were ignored (from_deepspeed with strict=False); not a config key.
     unsupported: list = field(default_factory=list, compare=False, repr=False,
                               metadata={_INTERNAL: True})
