@@ -5,7 +5,10 @@ refused without tiling and trains exactly like plain PyTorch with it.
 Tolerances (Note [tiled numerics] in infinity/tiling.py): the forward with in_splits == 1 is
 bitwise; a sum of partial products (in_splits > 1 forward, the input gradient with
 out_splits > 1) differs from the one-GEMM result by fp32 rounding of the partial sums:
-compared at rtol 1e-5, atol 1e-6 on O(1) data.
+compared at rtol 1e-5, atol 1e-6 on O(1) data. After a few AdamW steps parameters are compared
+at atol 1e-4 (1% of one step at lr 1e-2): Adam divides a gradient by its own running magnitude,
+so for an element whose gradient is near zero a rounding difference in the gradient becomes a
+visible difference in the update.
 """
 import copy
 
@@ -228,7 +231,7 @@ def test_largest_layer_over_the_limit_fails_without_tiling_and_trains_exactly_wi
     assert set(sd) == set(ref_sd)  # tiles read as the untiled parameters
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for k in ref_sd:
-        torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
     engine.close()
 
 
@@ -255,3 +258,98 @@ def test_param_groups_follow_their_tiles():
                                      param_groups=groups)
     tile_biases = [t.bias for t in model.up.tiles]
     assert len(tile_biases) == 5 and all(b is not None for b in tile_biases)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face Llama and infinity.Init
+
+
+def _hf_reference(model, batches):
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _hf_train(model, cfg, batches):
+    model, opt = infinity.initialize(model, cfg)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with infinity.GatheredParameters(list(model.parameters())):
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+    return model, losses, sd
+
+
+@pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
+def test_hf_llama_with_tiling_matches_plain_pytorch(mode):
+    from _hf_models import llama
+    from _models import batches
+
+    base = llama(mode)
+    data = batches(4)
+    ref_losses, ref_sd = _hf_reference(base, data)
+    model, losses, sd = _hf_train(copy.deepcopy(base), zero_config(3, lr=LR, weight_decay=0.01,
+                                                                   tiling=_tiling(1000, min_params=1000)), data)
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, TiledLinear) and isinstance(layer.self_attn.q_proj, TiledLinear)
+    assert isinstance(model.model.embed_tokens, TiledEmbedding) and isinstance(model.lm_head, TiledLinear)
+    assert max(u.full_numel for u in engine_of(model).units) <= 1000
+    assert list(sd) == list(ref_sd)  # saved under the original names, in the original order
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k in ref_sd:
+        torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_tiling_a_model_built_under_init():
+    torch.manual_seed(0)
+    base = OneBlock()
+    ref_losses, _ = _reference(base, 3)
+    cfg = zero_config(3, lr=LR, weight_decay=0.01, tiling=_tiling(1000, min_params=500))
+    torch.manual_seed(0)
+    with infinity.Init(config=cfg):
+        model = OneBlock()
+    _, losses, sd, _, _ = _train(model, cfg, 3)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def _train_on_rank(cfg, steps):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(OneBlock(), cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for ids in _batches(steps):
+        loss = model(ids.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses, max(u.full_numel for u in engine_of(model).units)
+
+
+def test_tiling_on_two_ranks_matches_plain_pytorch(tmp_path):
+    """Tiles are gathered and their gradients reduce-scattered across real gloo ranks, params on NVMe."""
+    from infinity.testing import run_ranks
+
+    torch.manual_seed(0)
+    ref_losses, _ = _reference(OneBlock(), 4)
+    cfg = zero_config(3, param="nvme", nvme=str(tmp_path), lr=LR, weight_decay=0.01, bucket=500,
+                      tiling=_tiling(1000, min_params=500))
+    results = run_ranks(_train_on_rank, 2, cfg, 4, timeout=300)
+    for losses, biggest in results:
+        assert biggest <= 1000
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
