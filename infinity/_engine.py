@@ -173,6 +173,7 @@ class Engine:
         self._inputs_seen: set = set()  # tokens whose input gradients backward has computed
         self._bwd_active = False
         self._handles: list = []
+        self.activation_offload = None  # activation_checkpointing.offload: cpu (set by initialize)
         self.reducer: Optional[GradReducer] = None  # set by the optimizer, which owns the shards
         self.optimizer = None
         self.swap_dirs: dict = {}

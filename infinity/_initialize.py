@@ -6,6 +6,7 @@ from typing import Tuple
 from torch import nn
 
 from . import _comm as comm
+from ._activation_offload import ActivationOffloader
 from ._engine import Engine, engine_of, forget_engine
 from ._log import logger
 from ._optimizer import ZeroOptimizer
@@ -43,6 +44,9 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     engine.optimizer = optimizer
     engine.cast_and_partition()
     engine.install_hooks()
+    if cfg.activation_checkpointing.offload == "cpu":  # Note [which tensors are offloaded] in _activation_offload.py
+        engine.activation_offload = ActivationOffloader()
+        engine._handles.extend(engine.activation_offload.install(model))
     logger.info("ZeRO stage %d on %d rank(s): %d fetch units, %.1fM parameters, %s",
                 cfg.zero.stage, engine.world_size, len(engine.units),
                 sum(u.shard_numel for u in engine.units) * engine.world_size / 1e6, cfg.precision.dtype)
