@@ -451,3 +451,76 @@ def check_working_memory(engine, cfg) -> None:
         f"device working memory in stage 3 (its gathered parameters, their gradient, {depth} unit(s) gathered "
         f"ahead and {persistent} bytes of parameters that stay gathered) but device_memory_limit is {limit} bytes; "
         f"{hint}, or raise device_memory_limit")
+
+
+# ---------------------------------------------------------------------------------------------
+# Note [untiled export]: checkpoints store each tile as the parameter it is (resume needs the
+# same tiling), and record in their manifest, under "tiled", where each tile sits in the whole
+# tensor: {untiled name: {"shape": [...], "parts": [[tile name, [[row_lo, row_hi], [col_lo,
+# col_hi]]], ...]}} (1-d: one range), parts in row-major order. Both exports (the streamed
+# ``python -m infinity.export`` and the live ``export_safetensors``) write the untiled names
+# and shapes from it, so an exported tiled model loads into the untiled model.
+
+
+def untiled_layout(model: nn.Module) -> dict:
+    """Note [untiled export]: the layout of every tiled module of ``model``."""
+    out = {}
+    for mname, m in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        if isinstance(m, TiledLinear):
+            out[prefix + "weight"] = {"shape": [m.out_features, m.in_features], "parts": [
+                [f"{prefix}tiles.{o * m.in_splits + i}.weight", [list(rows), list(cols)]]
+                for o, rows in enumerate(m.out_bounds) for i, cols in enumerate(m.in_bounds)]}
+            if m.has_bias:
+                out[prefix + "bias"] = {"shape": [m.out_features], "parts": [
+                    [f"{prefix}tiles.{o * m.in_splits}.bias", [list(rows)]] for o, rows in enumerate(m.out_bounds)]}
+        elif isinstance(m, TiledEmbedding):
+            out[prefix + "weight"] = {"shape": [m.num_embeddings, m.embedding_dim], "parts": [
+                [f"{prefix}tiles.{k}.weight", [list(rows), [0, m.embedding_dim]]] for k, rows in enumerate(m.bounds)]}
+    return out
+
+
+def untiled_names(names: List[str], layout: dict) -> Tuple[List[str], dict]:
+    """``names`` (parameter names in order) with each tile's name replaced by its untiled
+    name at the first tile's place; and {tile name: untiled name}."""
+    owner = {part[0]: whole for whole, spec in layout.items() for part in spec["parts"]}
+    out, seen = [], set()
+    for n in names:
+        n2 = owner.get(n, n)
+        if n2 not in seen:
+            seen.add(n2)
+            out.append(n2)
+    return out, owner
+
+
+def untiled_pieces(spec: dict, tile_pieces: dict, itemsize: int) -> list:
+    """The byte pieces of a whole tensor, in its row-major order, from its tiles' pieces
+    (``tile_pieces[name]``: (source, byte offset, bytes) in the tile's own row-major order).
+    A band of rows held by one tile is its pieces as they are; tiles side by side in a band
+    are interleaved row by row."""
+    bands: dict = {}
+    for name, ranges in spec["parts"]:
+        bands.setdefault(tuple(ranges[0]), []).append((ranges[1][0] if len(ranges) > 1 else 0, name, ranges))
+    out: list = []
+    for (rlo, rhi), parts in sorted(bands.items()):
+        parts.sort()
+        if len(parts) == 1:
+            out.extend(tile_pieces[parts[0][1]])
+            continue
+        for r in range(rhi - rlo):
+            for _, name, ranges in parts:
+                row = (ranges[1][1] - ranges[1][0]) * itemsize
+                out.extend(_byte_range(tile_pieces[name], r * row, (r + 1) * row))
+    return out
+
+
+def _byte_range(pieces: list, lo: int, hi: int) -> list:
+    out, at = [], 0
+    for src, off, n in pieces:
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b:
+            out.append((src, off + a - at, b - a))
+        at += n
+        if at >= hi:
+            break
+    return out
