@@ -353,3 +353,34 @@ def test_tiling_on_two_ranks_matches_plain_pytorch(tmp_path):
     for losses, biggest in results:
         assert biggest <= 1000
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# infinity.estimate with tiling
+
+
+def _est(**kw):
+    return infinity.estimate(layers=1, hidden=8192, gpus=1, gpu_mem="256MB", cpu_mem="64GB", nvme="1TB", dtype="fp32",
+                             seq_len=16, **kw)
+
+
+def test_estimate_divides_the_operator_working_memory_by_the_tiling_factor():
+    plain, tiled = _est(), _est(tiling_factor=16)
+    largest = 4 * 8192 * 8192
+    assert plain.terms.model_state_working == 8 * largest  # fp32 params + grads of the h -> 4h weight
+    assert tiled.terms.model_state_working == 8 * largest // 16
+    assert tiled.terms.activation_working == plain.terms.activation_working
+    assert tiled.recommended.config["zero"]["tiling"] == {"enabled": True, "max_tile_params": largest // 16}
+
+
+def test_estimate_names_the_tiling_factor_that_makes_the_largest_operator_fit(capsys):
+    est = _est()
+    assert not est.fitting
+    assert est.tiling_needed.tiling_factor == 16  # 8 B x 268M / 16 = 134 MB; / 8 would be 268 MB > 256 MB
+    assert est.tiling_needed.recommended.placement.stage == 3
+    assert est.to_dict()["tiling_needed"]["max_tile_params"] == 4 * 8192 * 8192 // 16
+    from infinity._estimate import main
+
+    main(["--layers", "1", "--hidden", "8192", "--gpus", "1", "--gpu-mem", "256MB", "--cpu-mem", "64GB", "--nvme",
+          "1TB", "--dtype", "fp32", "--seq-len", "16"])
+    assert "fits with tiling factor 16 (zero.tiling.max_tile_params = 16777216)" in capsys.readouterr().out
