@@ -22,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # a shared 2-core machine: spinning OpenMP threads distort timings
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -90,10 +91,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     infinity.logger.setLevel("WARNING")
     tokens = (args.batch, args.seq)
-    print(f"{args.layers} checkpointed GPT blocks, batch {args.batch} x seq {args.seq}, fp32, stage 3")
+    print(f"{args.layers} checkpointed GPT blocks, batch {args.batch} x seq {args.seq}, fp32, stage 3, "
+          f"{args.threads} thread(s)")
     print(f"{'hidden':>6} | {'ckpt bytes off':>14} | {'ckpt bytes on':>13} | {'ratio':>6} | {'step off':>9} | "
           f"{'step on':>9} | {'time on/off':>11}")
     for h in args.hidden:

@@ -13,7 +13,7 @@ device budget), optimizer states in host memory, under ``device_memory_limit``:
 (c) at a hidden size where all three fit: median step time (interleaved rounds) and the device
     peak the engine charged (gathered parameters), which follows the tile size.
 
-    python scripts/bench_tiling.py [--limit 16MB] [--step 128] [--rounds 5] [--nvme-path DIR]
+    python scripts/bench_tiling.py [--limit 16MB] [--step 128] [--rounds 5] [--batch 2 --seq 64] [--nvme-path DIR]
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # a shared 2-core machine: spinning OpenMP threads distort timings
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -39,7 +40,7 @@ from infinity.config import _parse_bytes  # noqa: E402
 from infinity.tiling import tile_params_to_fit, working_memory_bytes  # noqa: E402
 
 FACTORS = (1, 4, 16)
-BATCH, SEQ = 2, 16
+TOKENS = [2, 16]  # (batch, seq) of a step; --batch / --seq
 
 
 class GPTBlock(nn.Module):
@@ -77,7 +78,7 @@ def build(h: int, factor: int, limit: int, nvme: str):
 
 
 def step(model, opt, h: int) -> float:
-    x = torch.randn(BATCH, SEQ, h, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(*TOKENS, h, generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()
     loss = model(x).pow(2).mean()
     loss.backward()
@@ -134,13 +135,18 @@ def main() -> None:
     p.add_argument("--step", type=int, default=128, help="hidden sizes tried are multiples of this")
     p.add_argument("--rounds", type=int, default=5, help="timed steps per contender in (c)")
     p.add_argument("--nvme-path", default=None, help="directory for the parameter swap files")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    TOKENS[:] = [args.batch, args.seq]
     limit, paper = _parse_bytes(args.limit), _parse_bytes(args.paper_limit)
     nvme = args.nvme_path or tempfile.mkdtemp(prefix="bench_tiling_")
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
     infinity.logger.setLevel("WARNING")
     try:
-        print(f"(a) device_memory_limit {limit / 2**20:.0f} MiB, fp32, stage 3, parameters on NVMe")
+        print(f"(a) device_memory_limit {limit / 1e6:.0f} MB, fp32, stage 3, parameters on NVMe, "
+              f"batch {args.batch} x seq {args.seq}, {args.threads} thread(s)")
         found = {}
         for factor in FACTORS:
             h = largest(factor, limit, args.step, nvme)
@@ -150,10 +156,10 @@ def main() -> None:
                   f"trained 2 steps, device peak {peak / 2**20:.1f} MiB")
         for factor in FACTORS[1:]:
             print(f"  hidden x{found[factor] / found[1]:.2f} with factor {factor} vs untiled")
-        print(f"(b) formula only at {paper / 2**20:.0f} MiB (not trained here):")
+        print(f"(b) formula only at {paper / 1e6:.0f} MB (not trained here):")
         for factor, h in paper_table(paper):
             print(f"  tiling factor {factor:>2}: largest hidden {h}")
-        print(f"    max_tile_params that fits {paper / 2**20:.0f} MiB: {tile_params_to_fit(paper, 4, 1)}")
+        print(f"    max_tile_params that fits {paper / 1e6:.0f} MB: {tile_params_to_fit(paper, 4, 1)}")
         h = found[1]
         print(f"(c) hidden {h} (fits all three), median of {args.rounds} steps after a warm-up, interleaved:")
         runs = {f: build(h, f, limit, nvme) for f in FACTORS}

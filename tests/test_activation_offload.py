@@ -138,3 +138,20 @@ def test_block_inputs_leave_the_device_and_backward_holds_the_window(mode):
 def test_config_refuses_other_tiers():
     with pytest.raises(infinity.ConfigError, match="activation_checkpointing.offload"):
         infinity.Config.from_dict({"activation_checkpointing": {"offload": "nvme"}})
+
+
+def test_hf_gradient_checkpointing_enable_gpt2():
+    """The call the issue names, on GPT-2 (tied embeddings, Conv1D)."""
+    from _models import gpt2
+
+    base = gpt2()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.train()
+
+    def loss_of(m, ids):
+        return m(input_ids=ids, labels=ids).loss
+
+    _, plain = _train(copy.deepcopy(base), _cfg(3, "none"), 3, loss_of)
+    model, offloaded = _train(copy.deepcopy(base), _cfg(3, "cpu"), 3, loss_of)
+    assert offloaded == plain
+    assert engine_of(model).activation_offload.stats()["packs"] >= 2 * 3  # both layers' inputs, every step

@@ -241,11 +241,23 @@ def test_tiles_are_gathered_one_at_a_time():
     torch.manual_seed(0)
     cfg = zero_config(3, lr=LR, prefetch={"enabled": False, "persistence_threshold": 0},
                       tiling=_tiling(1000, min_params=500))
-    model, losses, _, _, live = _train(OneBlock(), cfg, 2)
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(OneBlock(), cfg)
     engine = engine_of(model)
+    reduced = []  # (unit, gathered elements) each time a unit's gradient goes to the reducer
+    add = engine.reducer.add
+    engine.reducer.add = lambda unit: (reduced.append((unit.module_name, engine.live_elems)), add(unit))[1]
+    for ids in _batches(2):
+        model(ids).backward()
+        opt.step()
+        opt.zero_grad()
     biggest = max(u.full_numel for u in engine.units)
-    assert live == biggest
+    assert engine.peak_live_elems == biggest
     assert biggest < 4 * HIDDEN * HIDDEN / 4
+    up_tiles = [name for name, _ in reduced if name.startswith("up.tiles.")]
+    assert sorted(set(up_tiles)) == [f"up.tiles.{k}" for k in range(5)] and len(up_tiles) == 10  # 5 tiles x 2 steps
+    # each tile's gradient is handed over while at most that tile is gathered, not once the whole layer is done
+    assert all(live <= biggest for _, live in reduced)
 
 
 def test_param_groups_follow_their_tiles():
