@@ -14,6 +14,7 @@ device budget), optimizer states in host memory, under ``device_memory_limit``:
     peak the engine charged (gathered parameters), which follows the tile size.
 
     python scripts/bench_tiling.py [--limit 16MB] [--step 128] [--rounds 5] [--batch 2 --seq 64] [--nvme-path DIR]
+    python scripts/bench_tiling.py --only-timing --hidden 1024 --timing-tier none   # (c) alone
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def mlp_params(h: int) -> int:
     return 4 * h * h + 4 * h  # the largest operator: h -> 4h with its bias
 
 
-def config(h: int, factor: int, limit: int, nvme: str) -> dict:
-    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+def config(h: int, factor: int, limit: int, nvme: str, tier: str = "nvme") -> dict:
+    zero = {"stage": 3, "offload_param": {"device": tier, "nvme_path": nvme},
             "offload_optimizer": {"device": "cpu"}, "prefetch": {"persistence_threshold": 0}}
     if factor > 1:
         zero["tiling"] = {"enabled": True, "min_params": 0, "max_tile_params": -(-mlp_params(h) // factor)}
@@ -72,9 +73,9 @@ def config(h: int, factor: int, limit: int, nvme: str) -> dict:
             "optimizer": {"lr": 1e-4}}
 
 
-def build(h: int, factor: int, limit: int, nvme: str):
+def build(h: int, factor: int, limit: int, nvme: str, tier: str = "nvme"):
     torch.manual_seed(0)
-    return infinity.initialize(GPTBlock(h), config(h, factor, limit, nvme))
+    return infinity.initialize(GPTBlock(h), config(h, factor, limit, nvme, tier))
 
 
 def step(model, opt, h: int) -> float:
@@ -128,6 +129,48 @@ def paper_table(limit: int) -> list:
     return rows
 
 
+def sections_a_b(args, limit: int, paper: int, nvme: str) -> dict:
+    print(f"(a) device_memory_limit {limit / 1e6:.0f} MB, fp32, stage 3, parameters on NVMe, "
+          f"batch {args.batch} x seq {args.seq}, {args.threads} thread(s)")
+    found = {}
+    for factor in FACTORS:
+        h = largest(factor, limit, args.step, nvme)
+        _, peak = trains(h, factor, limit, nvme)
+        found[factor] = h
+        print(f"  tiling factor {factor:>2}: largest hidden {h:>5} (MLP weight {4 * h * h / 1e6:.1f}M params), "
+              f"trained 2 steps, device peak {peak / 2**20:.1f} MiB")
+    for factor in FACTORS[1:]:
+        print(f"  hidden x{found[factor] / found[1]:.2f} with factor {factor} vs untiled")
+    print(f"(b) formula only at {paper / 1e6:.0f} MB (not trained here):")
+    for factor, h in paper_table(paper):
+        print(f"  tiling factor {factor:>2}: largest hidden {h}")
+    print(f"    max_tile_params that fits {paper / 1e6:.0f} MB: {tile_params_to_fit(paper, 4, 1)}")
+    return found
+
+
+def section_c(args, h: int, limit: int, nvme: str) -> None:
+    print(f"(c) hidden {h} (fits all three), parameters on {args.timing_tier}, median of {args.rounds} steps "
+          f"after a warm-up, interleaved:")
+    runs = {f: build(h, f, limit, nvme, args.timing_tier) for f in FACTORS}
+    times = {f: [] for f in FACTORS}
+    peaks = {}
+    for f in FACTORS:
+        step(*runs[f], h)
+    for _ in range(args.rounds):
+        for f in FACTORS:
+            acc.budget.reset_peak()
+            times[f].append(step(*runs[f], h))
+            peaks[f] = max(peaks.get(f, 0), acc.budget.stats().peak)
+    base = statistics.median(times[1])
+    for f in FACTORS:
+        med = statistics.median(times[f])
+        tile = max(u.full_numel for u in engine_of(runs[f][0]).units)
+        print(f"  factor {f:>2}: step {med * 1e3:8.1f} ms (x{med / base:.2f} of untiled), largest unit {tile} "
+              f"params, device peak {peaks[f] / 2**20:.2f} MiB")
+    for f in FACTORS:
+        engine_of(runs[f][0]).close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", default="16MB", help="device_memory_limit for the measured runs")
@@ -138,6 +181,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timing-tier", default="nvme", choices=("nvme", "cpu", "none"),
+                   help="parameter tier of the step-time runs in (c) (the device peak is charged on nvme only)")
+    p.add_argument("--only-timing", action="store_true", help="skip (a) and (b); time (c) at --hidden")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size of (c); default: the largest untiled")
     args = p.parse_args()
     TOKENS[:] = [args.batch, args.seq]
     limit, paper = _parse_bytes(args.limit), _parse_bytes(args.paper_limit)
@@ -145,41 +192,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     infinity.logger.setLevel("WARNING")
     try:
-        print(f"(a) device_memory_limit {limit / 1e6:.0f} MB, fp32, stage 3, parameters on NVMe, "
-              f"batch {args.batch} x seq {args.seq}, {args.threads} thread(s)")
-        found = {}
-        for factor in FACTORS:
-            h = largest(factor, limit, args.step, nvme)
-            _, peak = trains(h, factor, limit, nvme)
-            found[factor] = h
-            print(f"  tiling factor {factor:>2}: largest hidden {h:>5} (MLP weight {4 * h * h / 1e6:.1f}M params), "
-                  f"trained 2 steps, device peak {peak / 2**20:.1f} MiB")
-        for factor in FACTORS[1:]:
-            print(f"  hidden x{found[factor] / found[1]:.2f} with factor {factor} vs untiled")
-        print(f"(b) formula only at {paper / 1e6:.0f} MB (not trained here):")
-        for factor, h in paper_table(paper):
-            print(f"  tiling factor {factor:>2}: largest hidden {h}")
-        print(f"    max_tile_params that fits {paper / 1e6:.0f} MB: {tile_params_to_fit(paper, 4, 1)}")
-        h = found[1]
-        print(f"(c) hidden {h} (fits all three), median of {args.rounds} steps after a warm-up, interleaved:")
-        runs = {f: build(h, f, limit, nvme) for f in FACTORS}
-        times = {f: [] for f in FACTORS}
-        peaks = {}
-        for f in FACTORS:
-            step(*runs[f], h)
-        for _ in range(args.rounds):
-            for f in FACTORS:
-                acc.budget.reset_peak()
-                times[f].append(step(*runs[f], h))
-                peaks[f] = max(peaks.get(f, 0), acc.budget.stats().peak)
-        base = statistics.median(times[1])
-        for f in FACTORS:
-            med = statistics.median(times[f])
-            tile = max(u.full_numel for u in engine_of(runs[f][0]).units)
-            print(f"  factor {f:>2}: step {med * 1e3:8.1f} ms (x{med / base:.2f} of untiled), largest unit {tile} "
-                  f"params, device peak {peaks[f] / 2**20:.2f} MiB")
-        for f in FACTORS:
-            engine_of(runs[f][0]).close()
+        found = {} if args.only_timing else sections_a_b(args, limit, paper, nvme)
+        section_c(args, args.hidden or found.get(1) or 512, limit, nvme)
     finally:
         if args.nvme_path is None:
             shutil.rmtree(nvme, ignore_errors=True)
