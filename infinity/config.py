@@ -227,6 +227,13 @@ class ZeroConfig:
             return [(f"{prefix}.offload_param.device",
                      f"parameter offload needs stage 3 (stage is {self.stage}); set {prefix}.stage "
                      f"to 3 or {prefix}.offload_param.device to none")]
+        if self.stage == 3 and self.tiling.enabled and self.tiling.max_tile_params < self.prefetch.persistence_threshold:
+            # a unit below the threshold stays gathered between uses: every tile would, and the
+            # tiled operator would be as large on the device as untiled
+            return [(f"{prefix}.tiling.max_tile_params",
+                     f"({self.tiling.max_tile_params}) is below {prefix}.prefetch.persistence_threshold "
+                     f"({self.prefetch.persistence_threshold}), so every tile would stay gathered; lower "
+                     f"persistence_threshold below max_tile_params or raise max_tile_params")]
         return []
 
 

@@ -155,3 +155,21 @@ def test_hf_gradient_checkpointing_enable_gpt2():
     model, offloaded = _train(copy.deepcopy(base), _cfg(3, "cpu"), 3, loss_of)
     assert offloaded == plain
     assert engine_of(model).activation_offload.stats()["packs"] >= 2 * 3  # both layers' inputs, every step
+
+
+def test_offload_with_tiling_is_exact():
+    """Tiles run inside checkpointed blocks: recomputation gathers them again; offload changes nothing."""
+    torch.manual_seed(0)
+    base = Stack("nonreentrant")
+    tiling = {"tiling": {"enabled": True, "min_params": 1000, "max_tile_params": 1000},
+              "prefetch": {"persistence_threshold": 0}}
+
+    def cfg(offload):
+        c = _cfg(3, offload)
+        c["zero"].update(tiling)
+        return c
+
+    _, plain = _train(copy.deepcopy(base), cfg("none"), 3)
+    model, offloaded = _train(copy.deepcopy(base), cfg("cpu"), 3)
+    assert type(model.blocks[0].up).__name__ == "TiledLinear"
+    assert offloaded == plain

@@ -193,10 +193,13 @@ def _tiling(max_tile, min_params=0):
     return {"enabled": True, "min_params": min_params, "max_tile_params": max_tile}
 
 
+NO_PERSIST = {"persistence_threshold": 0}  # tiles this small would otherwise stay gathered (refused by the config)
+
+
 def test_zero_tiling_replaces_covered_layers_only():
     torch.manual_seed(0)
     model = OneBlock()
-    cfg = zero_config(3, lr=LR, weight_decay=0.01, tiling=_tiling(1000, min_params=500))
+    cfg = zero_config(3, lr=LR, weight_decay=0.01, prefetch=NO_PERSIST, tiling=_tiling(1000, min_params=500))
     model, _ = infinity.initialize(model, cfg)
     assert isinstance(model.up, TiledLinear) and isinstance(model.down, TiledLinear)
     assert isinstance(model.emb, TiledEmbedding) and isinstance(model.head, TiledLinear)
@@ -206,9 +209,14 @@ def test_zero_tiling_replaces_covered_layers_only():
     assert (model.up.in_splits, model.up.out_splits) == (1, 5)  # 128 rows of 33 parameters, 30 rows a tile
 
 
+def test_tiles_that_would_stay_gathered_are_refused():
+    with pytest.raises(infinity.ConfigError, match="below zero.prefetch.persistence_threshold"):
+        infinity.Config.from_dict(zero_config(3, tiling=_tiling(1000)))
+
+
 def test_tied_weights_are_refused():
     with pytest.raises(UsageError, match="tied to another module"):
-        infinity.initialize(OneBlock(tie=True), zero_config(3, tiling=_tiling(1000)))
+        infinity.initialize(OneBlock(tie=True), zero_config(3, prefetch=NO_PERSIST, tiling=_tiling(1000)))
 
 
 def test_largest_layer_over_the_limit_fails_without_tiling_and_trains_exactly_with_it(tmp_path):
@@ -267,7 +275,7 @@ def test_param_groups_follow_their_tiles():
     no_decay = [base.up.bias, base.down.bias, base.norm.weight, base.norm.bias]
     decay = [p for p in base.parameters() if all(p is not q for q in no_decay)]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    model, opt = infinity.initialize(base, zero_config(3, lr=LR, tiling=_tiling(1000, min_params=500)),
+    model, opt = infinity.initialize(base, zero_config(3, lr=LR, prefetch=NO_PERSIST, tiling=_tiling(1000, min_params=500)),
                                      param_groups=groups)
     tile_biases = [t.bias for t in model.up.tiles]
     assert len(tile_biases) == 5 and all(b is not None for b in tile_biases)
@@ -312,8 +320,8 @@ def test_hf_llama_with_tiling_matches_plain_pytorch(mode):
     base = llama(mode)
     data = batches(4)
     ref_losses, ref_sd = _hf_reference(base, data)
-    model, losses, sd = _hf_train(copy.deepcopy(base), zero_config(3, lr=LR, weight_decay=0.01,
-                                                                   tiling=_tiling(1000, min_params=1000)), data)
+    cfg = zero_config(3, lr=LR, weight_decay=0.01, prefetch=NO_PERSIST, tiling=_tiling(1000, min_params=1000))
+    model, losses, sd = _hf_train(copy.deepcopy(base), cfg, data)
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.down_proj, TiledLinear) and isinstance(layer.self_attn.q_proj, TiledLinear)
     assert isinstance(model.model.embed_tokens, TiledEmbedding) and isinstance(model.lm_head, TiledLinear)
@@ -328,7 +336,7 @@ def test_tiling_a_model_built_under_init():
     torch.manual_seed(0)
     base = OneBlock()
     ref_losses, _ = _reference(base, 3)
-    cfg = zero_config(3, lr=LR, weight_decay=0.01, tiling=_tiling(1000, min_params=500))
+    cfg = zero_config(3, lr=LR, weight_decay=0.01, prefetch=NO_PERSIST, tiling=_tiling(1000, min_params=500))
     torch.manual_seed(0)
     with infinity.Init(config=cfg):
         model = OneBlock()
@@ -361,7 +369,7 @@ def test_tiling_on_two_ranks_matches_plain_pytorch(tmp_path):
     torch.manual_seed(0)
     ref_losses, _ = _reference(OneBlock(), 4)
     cfg = zero_config(3, param="nvme", nvme=str(tmp_path), lr=LR, weight_decay=0.01, bucket=500,
-                      tiling=_tiling(1000, min_params=500))
+                      prefetch=NO_PERSIST, tiling=_tiling(1000, min_params=500))
     results = run_ranks(_train_on_rank, 2, cfg, 4, timeout=300)
     for losses, biggest in results:
         assert biggest <= 1000
@@ -397,3 +405,14 @@ def test_estimate_names_the_tiling_factor_that_makes_the_largest_operator_fit(ca
     main(["--layers", "1", "--hidden", "8192", "--gpus", "1", "--gpu-mem", "256MB", "--cpu-mem", "64GB", "--nvme",
           "1TB", "--dtype", "fp32", "--seq-len", "16"])
     assert "fits with tiling factor 16 (zero.tiling.max_tile_params = 16777216)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_tiling_at_stages_1_and_2_matches_plain_pytorch(stage):
+    torch.manual_seed(0)
+    base = OneBlock()
+    ref_losses, _ = _reference(base, 3)
+    cfg = zero_config(stage, lr=LR, weight_decay=0.01, tiling=_tiling(1000, min_params=500))
+    model, losses, _, _, _ = _train(copy.deepcopy(base), cfg, 3)
+    assert isinstance(model.up, TiledLinear)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)

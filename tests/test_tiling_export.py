@@ -44,7 +44,7 @@ def _train_save_export(root):
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    model, opt = infinity.initialize(Net(), zero_config(3, lr=LR, tiling=TILING))
+    model, opt = infinity.initialize(Net(), zero_config(3, lr=LR, prefetch={"persistence_threshold": 0}, tiling=TILING))
     assert isinstance(model.down, TiledLinear) and model.down.in_splits > 1
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -81,7 +81,7 @@ def test_checkpoint_and_live_exports_have_the_untiled_names(saved):
 
 def _resume(root):
     torch.manual_seed(0)
-    model, opt = infinity.initialize(Net(), zero_config(3, lr=LR, tiling=TILING))
+    model, opt = infinity.initialize(Net(), zero_config(3, lr=LR, prefetch={"persistence_threshold": 0}, tiling=TILING))
     infinity.load_checkpoint(os.path.join(root, "ckpt"), model, opt, tag="t")
     with infinity.GatheredParameters(list(model.parameters())):
         return {k: v.clone() for k, v in model.state_dict().items()}
