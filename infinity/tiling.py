@@ -36,6 +36,9 @@ from torch import nn
 
 from .errors import UsageError
 
+_NO_WHOLE = ("{cls} holds its {name} as tiles, not one tensor (zero.tiling): read state_dict()['{name}'] "
+             "(inside infinity.GatheredParameters in stage 3), or leave this module untiled (zero.tiling.min_params)")
+
 
 def split_bounds(n: int, splits: int) -> List[Tuple[int, int]]:
     """``splits`` contiguous ranges covering ``range(n)``; sizes differ by at most one (the
@@ -91,6 +94,11 @@ class TiledLinear(nn.Module):
 
     def tile(self, o: int, i: int) -> nn.Linear:
         return self.tiles[o * self.in_splits + i]
+
+    def __getattr__(self, name: str):
+        if name in ("weight", "bias"):
+            raise AttributeError(_NO_WHOLE.format(cls=type(self).__name__, name=name))
+        return super().__getattr__(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -208,9 +216,9 @@ def _tiled_load_state_dict(module: TiledLinear, state_dict: dict, prefix: str, l
 class TiledEmbedding(nn.Module):
     """``nn.Embedding(num_embeddings, embedding_dim)`` held as ``splits`` tiles of vocabulary
     rows (the input embedding of an LLM is its largest single tensor). Each tile looks up the
-    tokens in its rows (the others read row 0 and are multiplied by zero), and the tiles'
-    outputs are summed: every token gets its row plus exact zeros, so the output and the rows'
-    gradients equal ``nn.Embedding``'s (tested bitwise)."""
+    tokens whose ids fall in its rows and writes them into their places of the output: every
+    token's row is copied, never summed, so the output and the rows' gradients equal
+    ``nn.Embedding``'s (tested bitwise)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, splits: int = 1, padding_idx: Optional[int] = None,
                  device=None, dtype=None):
@@ -227,12 +235,16 @@ class TiledEmbedding(nn.Module):
         self.register_load_state_dict_pre_hook(_tiled_embedding_load_state_dict)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"TiledEmbedding: token ids must be in [0, {self.num_embeddings}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
         out = None
         for (lo, hi), tile in zip(self.bounds, self.tiles):
             mine = (ids >= lo) & (ids < hi)
-            rows = tile(torch.where(mine, ids - lo, torch.zeros_like(ids)))
-            part = rows * mine.unsqueeze(-1).to(rows.dtype)
-            out = part if out is None else out + part
+            rows = tile(ids[mine] - lo)  # only this tile's tokens: no activation is held per tile
+            if out is None:
+                out = rows.new_zeros(*ids.shape, self.embedding_dim)
+            out = out.index_put((mine,), rows)
         return out
 
     @classmethod
@@ -254,6 +266,11 @@ class TiledEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, splits={self.splits}"
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            raise AttributeError(_NO_WHOLE.format(cls=type(self).__name__, name=name))
+        return super().__getattr__(name)
 
 
 def _untiled_embedding_state_dict(module: TiledEmbedding, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -329,36 +346,92 @@ def _materialized(module: nn.Module):
 
 
 def tile_model(model: nn.Module, enabled: bool, min_params: int, max_tile_params: int) -> dict:
-    """Note [what zero.tiling covers]: replace every ``nn.Linear`` and ``nn.Embedding`` with
-    more than ``min_params`` parameters, and a tile limit it exceeds, by a ``TiledLinear`` /
-    ``TiledEmbedding`` whose tiles have at most ``max_tile_params`` each. Other module types
-    (e.g. Hugging Face GPT-2's ``Conv1D``) are not tiled; a parameter of one above the limit is
-    named in a warning. A tied (shared) weight is refused: its two users would need the same
-    tiling. Returns {replaced parameter: its tiles' parameters in order} for parameter groups."""
-    from ._log import logger
-
+    """Note [what zero.tiling covers]: replace every module of exact type ``nn.Linear`` or
+    ``nn.Embedding`` (subclasses may use their weight in other ways, e.g. attention's
+    ``out_proj``) with more than ``min_params`` parameters, and more than ``max_tile_params``,
+    by a ``TiledLinear`` / ``TiledEmbedding`` whose tiles have at most ``max_tile_params`` each.
+    Other module types (e.g. Hugging Face GPT-2's ``Conv1D``) are not tiled; a parameter of one
+    above the limit is named in a warning. Tied weights stay tied: embeddings are tiled first,
+    an output layer tied to one gets the same row tiles (its tiles' weights are the embedding
+    tiles' parameters) and another embedding tied to it becomes the same module; any other
+    sharing is refused. Returns {replaced parameter: its tiles' parameters} for parameter groups."""
     if not enabled:
         return {}
-    shared = _shared_params(model)
-    replaced: dict = {}
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            new = _tiled_version(name, child, shared, min_params, max_tile_params)
-            if new is None:
-                if not isinstance(child, (TiledLinear, TiledEmbedding) + COVERED):
-                    big = [pn for pn, p in child.named_parameters(recurse=False) if _numel(p) > max_tile_params]
-                    if big:
-                        logger.warning("zero.tiling: %s (%s) is not a covered type (nn.Linear, nn.Embedding); its %s "
-                                       "is not tiled", name, type(child).__name__, ", ".join(big))
+    plan = _TilingPlan(model, min_params, max_tile_params)
+    for kind in (nn.Embedding, nn.Linear):  # embeddings first: a head tied to one takes its tiles
+        for parent_name, parent in list(model.named_modules()):
+            for child_name, child in list(parent.named_children()):
+                if type(child) is kind:
+                    plan.visit(parent, child_name, f"{parent_name}.{child_name}" if parent_name else child_name)
+    plan.warn_uncovered()
+    left = {p for p in model.parameters()}
+    kept = [p for p in plan.replaced if p in left]
+    if kept:  # a replaced weight still used by a module tiling did not cover: the tie would break silently
+        name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is kept[0])
+        raise UsageError(f"zero.tiling replaced a weight that {name} still uses (a tie with a module it does not "
+                         f"tile); untie them or raise zero.tiling.min_params above its size")
+    return plan.replaced
+
+
+class _TilingPlan:
+    def __init__(self, model: nn.Module, min_params: int, max_tile_params: int):
+        self.model, self.min_params, self.max_tile = model, min_params, max_tile_params
+        self.shared = _shared_params(model)
+        self.tiled: dict = {}  # an embedding's original weight -> its TiledEmbedding
+        self.replaced: dict = {}
+
+    def visit(self, parent: nn.Module, child_name: str, name: str) -> None:
+        from ._log import logger
+
+        child = getattr(parent, child_name)
+        total = sum(_numel(p) for p in child.parameters(recurse=False))
+        tied = child.weight in self.tiled
+        if not tied and (total <= self.min_params or total <= self.max_tile):
+            return
+        if child.weight in self.shared and not tied and not isinstance(child, nn.Embedding):
+            raise UsageError(f"zero.tiling would tile {name} ({type(child).__name__}, {total} parameters) but its "
+                             f"weight is shared with another module that zero.tiling cannot tile the same way; untie "
+                             f"them or raise zero.tiling.min_params to at least {total}")
+        _materialized(child)
+        new = self._tied_version(name, child) if tied else self._tiled_version(child)
+        olds, news = list(child.parameters()), list(new.parameters())
+        setattr(parent, child_name, new)
+        for p in olds:  # a weight's tiles are the 2-d parameters, a bias's the 1-d ones
+            self.replaced.setdefault(p, [q for q in news if q.ndim == p.ndim])
+        if isinstance(new, TiledEmbedding):
+            self.tiled[child.weight] = new
+        logger.info("zero.tiling: %s -> %s", name, new.extra_repr())
+
+    def _tiled_version(self, module) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            return TiledEmbedding.from_embedding(module, embedding_splits(module.num_embeddings, module.embedding_dim,
+                                                                          self.max_tile))
+        in_splits, out_splits = linear_splits(module.in_features, module.out_features, module.bias is not None,
+                                              self.max_tile)
+        return TiledLinear.from_linear(module, in_splits=in_splits, out_splits=out_splits)
+
+    def _tied_version(self, name: str, module) -> nn.Module:
+        emb = self.tiled[module.weight]
+        if isinstance(module, nn.Embedding):
+            return emb  # the same module, as before tiling
+        if (module.out_features, module.in_features) != (emb.num_embeddings, emb.embedding_dim):
+            raise UsageError(f"zero.tiling: {name} shares its weight with an embedding of another shape; untie them "
+                             f"or raise zero.tiling.min_params above the embedding's size")
+        head = TiledLinear.from_linear(module, out_splits=emb.splits)
+        for o, tile in enumerate(emb.tiles):  # tied again, tile by tile
+            head.tile(o, 0).weight = tile.weight
+        return head
+
+    def warn_uncovered(self) -> None:
+        from ._log import logger
+
+        for name, child in self.model.named_modules():
+            if isinstance(child, (TiledLinear, TiledEmbedding)) or type(child) in COVERED:
                 continue
-            olds = list(child.parameters())
-            setattr(parent, child_name, new)
-            news = list(new.parameters())
-            for p in olds:  # a weight's tiles are the 2-d parameters, a bias's the 1-d ones
-                replaced[p] = [q for q in news if q.ndim == p.ndim]
-            logger.info("zero.tiling: %s -> %r", name, new)
-    return replaced
+            big = [pn for pn, p in child.named_parameters(recurse=False) if _numel(p) > self.max_tile]
+            if big:
+                logger.warning("zero.tiling: %s (%s) is not a covered type (exactly nn.Linear or nn.Embedding); its "
+                               "%s is not tiled", name, type(child).__name__, ", ".join(big))
 
 
 def _numel(p) -> int:
@@ -366,25 +439,6 @@ def _numel(p) -> int:
 
     info = info_of(p)
     return info.numel if info is not None else p.numel()
-
-
-def _tiled_version(name, module, shared, min_params, max_tile_params):
-    params = list(module.parameters(recurse=False))
-    total = sum(_numel(p) for p in params)
-    if not isinstance(module, COVERED) or total <= min_params or total <= max_tile_params:
-        return None
-    tied = [p for p in params if p in shared]
-    if tied:
-        raise UsageError(f"zero.tiling would tile {name} ({type(module).__name__}, {total} parameters) but its weight is "
-                         f"tied to another module's (shared parameters must keep one tiling); untie them (Hugging "
-                         f"Face: tie_word_embeddings=False) or raise zero.tiling.min_params to at least {total}")
-    _materialized(module)
-    if isinstance(module, nn.Embedding):
-        return TiledEmbedding.from_embedding(module, embedding_splits(module.num_embeddings, module.embedding_dim,
-                                                                      max_tile_params))
-    in_splits, out_splits = linear_splits(module.in_features, module.out_features, module.bias is not None,
-                                          max_tile_params)
-    return TiledLinear.from_linear(module, in_splits=in_splits, out_splits=out_splits)
 
 
 def retarget_groups(param_groups, replaced: dict):

@@ -117,6 +117,8 @@ def test_tiled_embedding_bitwise(splits):
     y2.backward(g)
     assert torch.equal(torch.cat([t.weight.grad for t in tiled.tiles]), emb.weight.grad)
     assert list(tiled.state_dict()) == ["weight"] and torch.equal(tiled.state_dict()["weight"], emb.weight)
+    with pytest.raises(IndexError, match=r"token ids must be in \[0, 23\)"):
+        tiled(torch.tensor([3, 23]))
 
 
 def test_linear_splits_respect_the_tile_limit():
@@ -214,9 +216,35 @@ def test_tiles_that_would_stay_gathered_are_refused():
         infinity.Config.from_dict(zero_config(3, tiling=_tiling(1000)))
 
 
-def test_tied_weights_are_refused():
-    with pytest.raises(UsageError, match="tied to another module"):
-        infinity.initialize(OneBlock(tie=True), zero_config(3, prefetch=NO_PERSIST, tiling=_tiling(1000)))
+def test_tied_embedding_and_head_stay_tied():
+    torch.manual_seed(0)
+    base = OneBlock(tie=True)
+    ref_losses, ref_sd = _reference(base, 4)
+    cfg = zero_config(3, lr=LR, weight_decay=0.01, prefetch=NO_PERSIST, tiling=_tiling(1000, min_params=500))
+    model, losses, sd, _, _ = _train(copy.deepcopy(base), cfg, 4)
+    assert isinstance(model.emb, TiledEmbedding) and isinstance(model.head, TiledLinear)
+    assert all(h.weight is e.weight for h, e in zip(model.head.tiles, model.emb.tiles))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sd["head.weight"], sd["emb.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(sd["emb.weight"], ref_sd["emb.weight"], rtol=1e-4, atol=1e-4)
+    with pytest.raises(AttributeError, match="holds its weight as tiles"):
+        model.head.weight
+
+
+class SharedWithOther(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.other = nn.Linear(32, 64)
+        self.other.weight = self.up.weight  # two linears sharing a weight: not tiled alike
+
+    def forward(self, x):
+        return self.up(x) + self.other(x)
+
+
+def test_other_sharing_is_refused():
+    with pytest.raises(UsageError, match="shared with another module"):
+        infinity.initialize(SharedWithOther(), zero_config(3, prefetch=NO_PERSIST, tiling=_tiling(1000)))
 
 
 def test_largest_layer_over_the_limit_fails_without_tiling_and_trains_exactly_with_it(tmp_path):
@@ -415,4 +443,27 @@ def test_tiling_at_stages_1_and_2_matches_plain_pytorch(stage):
     cfg = zero_config(stage, lr=LR, weight_decay=0.01, tiling=_tiling(1000, min_params=500))
     model, losses, _, _, _ = _train(copy.deepcopy(base), cfg, 3)
     assert isinstance(model.up, TiledLinear)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_hf_gpt2_tied_embedding_tiled_and_conv1d_named(caplog):
+    """GPT-2: the tied wte / lm_head are tiled alike and stay tied; its Conv1D layers are not a
+    covered type and a warning names those above max_tile_params."""
+    import logging
+
+    from _models import batches, gpt2
+
+    base = gpt2()
+    data = batches(3)
+    ref_losses, _ = _hf_reference(base, data)
+    cfg = zero_config(3, lr=LR, weight_decay=0.01, prefetch=NO_PERSIST, tiling=_tiling(1000, min_params=1000))
+    infinity.logger.propagate, was = True, infinity.logger.propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger=infinity.logger.name):
+            model, losses, sd = _hf_train(copy.deepcopy(base), cfg, data)
+    finally:
+        infinity.logger.propagate = was
+    assert isinstance(model.transformer.wte, TiledEmbedding) and isinstance(model.lm_head, TiledLinear)
+    assert model.lm_head.tiles[0].weight is model.transformer.wte.tiles[0].weight
+    assert "transformer.h.0.mlp.c_fc (Conv1D) is not a covered type" in caplog.text
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
