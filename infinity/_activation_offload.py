@@ -38,10 +38,12 @@ DEFAULT_DEPTH = 2  # checkpoints fetched ahead of backward
 class _Saved:
     """One offloaded tensor: its host copy and, while fetched, its device copy."""
 
-    __slots__ = ("owner", "host", "event", "device", "nbytes", "index", "__weakref__")
+    __slots__ = ("owner", "host", "event", "device", "nbytes", "order", "index", "__weakref__")
 
-    def __init__(self, owner: "ActivationOffloader", host, event, nbytes: int, index: int):
-        self.owner, self.host, self.event, self.nbytes, self.index = owner, host, event, nbytes, index
+    def __init__(self, owner: "ActivationOffloader", host, event, nbytes: int, order: list):
+        self.owner, self.host, self.event, self.nbytes = owner, host, event, nbytes
+        self.order, self.index = order, len(order)  # its forward's packing order (weak), and its place in it
+        order.append(weakref.ref(self))
         self.device = None  # (tensor, event) of the host->device copy while fetched
 
     def __del__(self):
@@ -97,8 +99,7 @@ class ActivationOffloader:
         ref, saved = self._copies.get(id(t), (None, None))
         if ref is None or ref() is not t:  # (an id is reused once its tensor is freed)
             host, event = acc.start_copy_to_host(t)
-            saved = _Saved(self, host, event, t.numel() * t.element_size(), len(self._order))
-            self._order.append(weakref.ref(saved))
+            saved = _Saved(self, host, event, t.numel() * t.element_size(), self._order)
             self._copies[id(t)] = (weakref.ref(t), saved)
             self.offloaded_bytes += saved.nbytes
             self.packs += 1
@@ -112,7 +113,7 @@ class ActivationOffloader:
         if saved.device is None:
             self._fetch(saved, block=True)
         for k in range(saved.index - 1, max(-1, saved.index - 1 - self.depth), -1):
-            ahead = self._order[k]() if k < len(self._order) else None
+            ahead = saved.order[k]()  # the same forward's, even if another forward ran since
             if ahead is not None and ahead.device is None:
                 self._fetch(ahead, block=False)
         t, saved.device = acc.finish_copy_to_device(*saved.device), None

@@ -173,3 +173,22 @@ def test_offload_with_tiling_is_exact():
     model, offloaded = _train(copy.deepcopy(base), cfg("cpu"), 3)
     assert type(model.blocks[0].up).__name__ == "TiledLinear"
     assert offloaded == plain
+
+
+def test_two_forwards_then_two_backwards():
+    """Gradient accumulation written as two forwards before their backwards: each backward
+    brings back its own forward's checkpoints."""
+    torch.manual_seed(0)
+    base = Stack("nonreentrant")
+    params = {}
+    for offload in ("none", "cpu"):
+        model, opt = infinity.initialize(copy.deepcopy(base), {**_cfg(2, offload), "gradient_accumulation_steps": 2})
+        a, b = _batches(2)
+        la, lb = model(a), model(b)
+        lb.backward()
+        la.backward()
+        opt.step()
+        with infinity.GatheredParameters(list(model.parameters())):
+            params[offload] = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in params["none"]:
+        assert torch.equal(params["none"][k], params["cpu"][k]), k
