@@ -92,3 +92,26 @@ def test_a_tiled_checkpoint_resumes_at_another_world_size(saved):
     resumed = _resume(str(tmp_path))
     for k, v in trained.items():
         assert torch.equal(resumed[k], v), k
+
+
+def test_hf_save_pretrained_of_a_tiled_gpt2_loads_untiled(tmp_path):
+    """The documented way to save a stage-3 model: save_pretrained inside GatheredParameters. The
+    tied, tiled embedding and head are written once, as GPT-2 names them, and load into plain GPT-2."""
+    from _models import batches, gpt2
+    from transformers import GPT2LMHeadModel
+
+    cfg = zero_config(3, lr=LR, prefetch={"persistence_threshold": 0},
+                      tiling={"enabled": True, "min_params": 1000, "max_tile_params": 1000})
+    model, opt = infinity.initialize(gpt2(), cfg)
+    for ids in batches(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with infinity.GatheredParameters(list(model.parameters())):
+        trained = {k: v.clone() for k, v in model.state_dict().items()}
+        model.save_pretrained(str(tmp_path))
+    assert not list(model.lm_head.named_parameters(recurse=False))  # saving did not re-tie a whole weight onto it
+    back = GPT2LMHeadModel.from_pretrained(str(tmp_path)).state_dict()
+    assert set(back) == set(trained)
+    for k, v in trained.items():
+        assert torch.equal(back[k], v), k
