@@ -12,10 +12,11 @@ from ._log import logger
 from ._param import ParameterNotAvailableError
 from .config import Config, ConfigError
 from .errors import InfinityError
+from .tiling import TiledLinear
 
 __all__ = [
     "Config", "ConfigError", "InfinityError", "aio", "optim", "GatheredParameters", "Init", "ParameterNotAvailableError",
     "estimate", "initialize", "load_checkpoint",
-    "logger", "register_external_parameter", "save_checkpoint",
+    "logger", "register_external_parameter", "save_checkpoint", "TiledLinear",
 ]
 __version__ = "0.1.0"

@@ -128,6 +128,35 @@ def finish_copy_to_device(dst: torch.Tensor, event) -> torch.Tensor:
     return dst
 
 
+_d2h_stream = None
+
+
+def start_copy_to_host(src: torch.Tensor):
+    """Begin copying a device tensor into new host memory (pinned on CUDA) on the side stream
+    for device->host traffic; returns ``(host tensor, event)``. ``src`` is recorded on that
+    stream, so the caching allocator does not reuse its memory before the copy is done even if
+    the caller drops it at once. Without an accelerator the copy is made now (a real copy: the
+    caller's tensor can be freed) and the event has already happened."""
+    global _d2h_stream
+    if not has_cuda() or not src.is_cuda:
+        return src.detach().clone(), _SyncEvent()
+    if _d2h_stream is None:
+        _d2h_stream = torch.cuda.Stream()
+    _d2h_stream.wait_stream(torch.cuda.current_stream())  # src was produced on the compute stream
+    host = torch.empty_like(src, device="cpu", pin_memory=True)
+    with torch.cuda.stream(_d2h_stream):
+        host.copy_(src.detach(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(_d2h_stream)
+    src.record_stream(_d2h_stream)
+    return host, event
+
+
+def wait_copy_to_host(event) -> None:
+    """The host tensor of a ``start_copy_to_host`` copy is complete after this."""
+    event.synchronize()
+
+
 # ---------------------------------------------------------------- memory budget
 
 

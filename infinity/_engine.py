@@ -96,6 +96,7 @@ from ._unit import FetchUnit, UnitContext, UnitSpec, unit_spec
 from .errors import EngineError
 
 if TYPE_CHECKING:
+    from ._activation_offload import ActivationOffloader
     from ._loss_scale import LossScaler
     from ._placement import Placement
     from ._prefetch import Prefetcher
@@ -152,6 +153,7 @@ class EngineParts:
     reducer: "GradReducer"
     scaler: Optional["LossScaler"]  # fp16 only
     swap_dirs: "SwapDirs"
+    activation_offload: Optional["ActivationOffloader"] = None  # activation_checkpointing.offload: cpu
 
 
 class Engine:
@@ -183,6 +185,7 @@ class Engine:
         self.reducer = parts.reducer
         self.scaler = parts.scaler
         self.swap_dirs = parts.swap_dirs
+        self.activation_offload = parts.activation_offload  # Note [which tensors are offloaded] in _activation_offload.py
         self._bwd_holds: Dict[ModuleState, set] = {}  # units and input tokens a module's backward waits for
         self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
         self._inputs_seen: set = set()  # tokens whose input gradients backward has computed
@@ -258,6 +261,8 @@ class Engine:
                 for p in unit.params:
                     if p.requires_grad:
                         self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        if self.activation_offload is not None:
+            self._handles.extend(self.activation_offload.install(self.model))
 
     def remove_hooks(self) -> None:
         for h in self._handles:

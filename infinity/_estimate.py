@@ -32,6 +32,12 @@ Note: the formulas, and where they come from
     Activation working memory, AWM (002 eq. 5): bsz·seq·ci·(16·hd + 2·heads·seq) bytes: the
     activations recomputed between two checkpoints during backward.
 
+    Memory-centric tiling (002 §5.1.3): with tiling factor f (zero.tiling) the largest operator
+    is gathered and differentiated one tile at a time, so MSWM (and stage 2's full gradient of
+    it) is divided by f: (P+G)·⌈largest/f⌉. AWM is unchanged (a tile's output is a slice of the
+    operator's). When no placement fits, the estimate tries f = 2, 4, ... 4096 and names the
+    smallest that makes one fit, with its zero.tiling.max_tile_params.
+
     NVMe tiers need host memory of their own, computed by the stores' own formulas with the
     config's defaults (``_staging_bytes``; the preflight of a real run checks the same bytes):
     the parameter tier's staging pool and hand-off buffers (shards of the largest operator),
@@ -427,6 +433,8 @@ class Estimate:
     terms: Terms
     placements: list = field(default_factory=list)
     nvme_path: Optional[str] = None
+    tiling_factor: int = 1                # the factor these placements were computed with
+    tiling_needed: Optional["Estimate"] = None  # nothing fits: the estimate at the smallest factor that fits
 
     def placement(self, stage: int, param_tier: str, optimizer_tier: str) -> Placement:
         wanted = (stage, Tier(param_tier), Tier(optimizer_tier))
@@ -458,9 +466,14 @@ class Estimate:
                 return {"device": "none"}
             return {"device": "nvme", "nvme_path": path} if tier is Tier.NVME else {"device": "cpu"}
 
-        return {"zero": {"stage": p.stage, "offload_param": offload(p.param_tier),
-                         "offload_optimizer": offload(p.optimizer_tier)},
-                "precision": {"dtype": self.precision.name}}
+        zero = {"stage": p.stage, "offload_param": offload(p.param_tier), "offload_optimizer": offload(p.optimizer_tier)}
+        if self.tiling_factor > 1:
+            zero["tiling"] = {"enabled": True, "max_tile_params": self.max_tile_params}
+        return {"zero": zero, "precision": {"dtype": self.precision.name}}
+
+    @property
+    def max_tile_params(self) -> int:
+        return math.ceil(self.shape.largest_operator_numel / self.tiling_factor)
 
     def to_dict(self) -> dict:
         rec = self.recommended
@@ -473,6 +486,10 @@ class Estimate:
             "hardware": {**asdict(self.hardware), "detected": list(self.hardware.detected)},
             "terms": asdict(self.terms),
             "placements": [p.to_dict() for p in self.placements],
+            "tiling_factor": self.tiling_factor,
+            "tiling_needed": None if self.tiling_needed is None else {
+                "factor": self.tiling_needed.tiling_factor, "max_tile_params": self.tiling_needed.max_tile_params,
+                "recommended": self.tiling_needed.recommended.config},
             "recommended": None if rec is None else {"placement": rec.placement.to_dict(),
                                                      "config": rec.config},
         }
@@ -499,7 +516,9 @@ class Estimate:
             f"activation checkpoints, per GPU: {_format_bytes(t.activation_checkpoints)}",
             f"activation working memory:       {_format_bytes(t.activation_working)}",
             f"model-state working memory:      {_format_bytes(t.model_state_working)} "
-            "(largest operator's params + grads)",
+            "(largest operator's params + grads" + (f", tiled {self.tiling_factor} ways: tiles of "
+                                                   f"{_format_count(self.max_tile_params)} params)"
+                                                   if self.tiling_factor > 1 else ")"),
         ]
 
     def _placement_lines(self) -> list:
@@ -516,17 +535,18 @@ class Estimate:
         return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _terms(params: int, trainable: int, shape: Shape, seq: int, bsz: int, ci: int, prec: Precision) -> Terms:
+def _terms(params: int, trainable: int, shape: Shape, seq: int, bsz: int, ci: int, prec: Precision,
+           tiling: int = 1) -> Terms:
     ckpt = 2 * bsz * seq * shape.hidden * math.ceil(shape.layers / ci)          # 002 eq. 3
     awm = bsz * seq * ci * (16 * shape.hidden + 2 * shape.heads * seq)          # 002 eq. 5
     scale = prec.activation / 2          # both equations count 2-byte activations
-    mswm = (prec.param + prec.grad) * shape.largest_operator_numel              # 002 eq. 4
+    mswm = (prec.param + prec.grad) * math.ceil(shape.largest_operator_numel / tiling)  # 002 eq. 4, tiled
     states = prec.param * params + (prec.total - prec.param) * trainable  # frozen: the parameter only
     return Terms(model_states=states, activation_checkpoints=int(ckpt * scale),
                  activation_working=int(awm * scale), model_state_working=mswm)
 
 
-def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw) -> Placement:
+def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, tiling: int = 1) -> Placement:
     ranks, per_node = hw.ranks, hw.gpus_per_node
     shard = math.ceil(params / ranks)
     tshard = math.ceil(trainable / ranks)  # gradients and optimizer states exist for trainable parameters only
@@ -537,7 +557,7 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw) -
         tiers[otier] += prec.optimizer * tshard
     else:
         tiers[otier] += (prec.grad + prec.optimizer) * tshard
-    working = {1: 0, 2: prec.grad * shape.largest_operator_numel, 3: terms.model_state_working}
+    working = {1: 0, 2: prec.grad * math.ceil(shape.largest_operator_numel / tiling), 3: terms.model_state_working}
     device = (tiers[Tier.DEVICE] + working[stage] + terms.activation_checkpoints
               + terms.activation_working)
     staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw)
@@ -588,7 +608,8 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
              hidden: Optional[int] = None, heads: Optional[int] = None, seq_len: int = 1024,
              micro_batch: int = 1, ckpt_interval: int = 1, gpus: Optional[int] = None,
              nodes: int = 1, gpu_mem: Any = None, cpu_mem: Any = None, nvme: Any = None,
-             dtype: str = "bf16", nvme_path: Optional[str] = None, trainable: Any = None) -> Estimate:
+             dtype: str = "bf16", nvme_path: Optional[str] = None, trainable: Any = None,
+             tiling_factor: int = 1) -> Estimate:
     """Memory per tier for each ZeRO stage and offload choice, and which of them fit.
 
     ``params`` is a count (``1e12``, ``"70B"``); ``model`` a transformers config, a dict of
@@ -597,7 +618,9 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
     ``"1.5TB"``, bytes). Sizes left out are read from this machine; the NVMe size is the free
     space under ``nvme_path`` (default: the temp directory). ``trainable``: how many of the
     parameters are trained (LoRA, frozen layers; default all): frozen parameters cost their
-    low-precision copy only, no gradient and no optimizer state.
+    low-precision copy only, no gradient and no optimizer state. ``tiling_factor``: the largest
+    operator split into this many tiles (zero.tiling); when nothing fits, ``tiling_needed`` is
+    the estimate at the smallest factor (a power of two) that makes a placement fit, if any.
     """
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
         _positive_int(value, name)
@@ -605,6 +628,7 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
                         ("ckpt_interval", ckpt_interval), ("nodes", nodes)):
         _positive_int(value, name, allow_none=False)
     _positive_int(gpus, "gpus")
+    _positive_int(tiling_factor, "tiling_factor", allow_none=False)
     prec = Precision.of(dtype)
     shape, params = _resolve_model(params, model, layers, hidden, heads)
     if nvme_path is not None and not os.path.isdir(nvme_path):
@@ -615,13 +639,35 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
     trained = params if trainable is None else parse_count(trainable, "trainable")
     if trained > params:
         raise EstimateError(f"trainable: {trained} is more than the model's {params} parameters")
-    terms = _terms(params, trained, shape, seq_len, micro_batch, ckpt_interval, prec)
-    grid = [(s, pt, ot) for s in (1, 2, 3) for pt in Tier for ot in Tier
-            if s == 3 or pt is Tier.DEVICE]
-    placements = [_placement(s, pt, ot, params, trained, shape, terms, prec, hw) for s, pt, ot in grid]
-    return Estimate(params=params, shape=shape, seq_len=seq_len, micro_batch=micro_batch,
-                    ckpt_interval=ckpt_interval, precision=prec, hardware=hw, terms=terms,
-                    placements=placements, nvme_path=nvme_path)
+    def at(factor: int) -> Estimate:
+        terms = _terms(params, trained, shape, seq_len, micro_batch, ckpt_interval, prec, factor)
+        grid = [(s, pt, ot) for s in (1, 2, 3) for pt in Tier for ot in Tier if s == 3 or pt is Tier.DEVICE]
+        placements = [_placement(s, pt, ot, params, trained, shape, terms, prec, hw, factor) for s, pt, ot in grid]
+        return Estimate(params=params, shape=shape, seq_len=seq_len, micro_batch=micro_batch,
+                        ckpt_interval=ckpt_interval, precision=prec, hardware=hw, terms=terms,
+                        placements=placements, nvme_path=nvme_path, tiling_factor=factor)
+
+    est = at(tiling_factor)
+    if not est.fitting:
+        est.tiling_needed = _smallest_tiling(at, tiling_factor)
+    return est
+
+
+_MAX_TILING = 4096
+
+
+def _smallest_tiling(at, start: int) -> Optional[Estimate]:
+    """The estimate at the smallest power-of-two tiling factor above ``start`` with a placement
+    that fits; None when tiling alone cannot make one fit."""
+    factor = 2
+    while factor <= _MAX_TILING:
+        est = at(factor) if factor > start else None
+        if est is not None and est.fitting:
+            return est
+        if est is not None and factor >= est.shape.largest_operator_numel:
+            return None  # tiles of one parameter: tiling cannot go further
+        factor *= 2
+    return None
 
 
 def _resolve_model(params, model, layers, hidden, heads) -> tuple[Shape, int]:
@@ -663,6 +709,13 @@ def _report(est: Estimate) -> str:
                         for p in est.fitting)
     out = [est.table(), "", "fits: " + (fitting or "nothing"), ""]
     if rec is None:
+        tiled = est.tiling_needed
+        if tiled is not None:
+            out.append(f"no placement fits untiled; the largest operator ({_format_count(est.shape.largest_operator_numel)} "
+                       f"params) fits with tiling factor {tiled.tiling_factor} (zero.tiling.max_tile_params = "
+                       f"{tiled.max_tile_params}):")
+            out += ["recommended config:", _yaml(tiled.recommended.config)]
+            return "\n".join(out)
         out.append("no placement fits: add GPUs or nodes, host memory or NVMe space, or lower "
                    "micro-batch / raise ckpt-interval")
     else:
@@ -701,6 +754,8 @@ def _parser() -> argparse.ArgumentParser:
     hw.add_argument("--cpu-mem", help="host memory per node")
     hw.add_argument("--nvme", help="NVMe space per node")
     hw.add_argument("--nvme-path", help="NVMe directory (measured when --nvme is left out)")
+    run.add_argument("--tiling-factor", type=int, default=1,
+                     help="the largest operator split into this many tiles (zero.tiling)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
 
@@ -713,7 +768,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        heads=args.heads, seq_len=args.seq_len, micro_batch=args.micro_batch,
                        ckpt_interval=args.ckpt_interval, gpus=args.gpus, nodes=args.nodes,
                        gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme=args.nvme,
-                       dtype=args.dtype, nvme_path=args.nvme_path, trainable=args.trainable)
+                       dtype=args.dtype, nvme_path=args.nvme_path, trainable=args.trainable,
+                       tiling_factor=args.tiling_factor)
     except EstimateError as exc:
         parser.error(str(exc))     # exits 2 with the usage and the message
     text = json.dumps(est.to_dict(), indent=2) if args.json else _report(est)

@@ -22,6 +22,7 @@ from torch import nn
 
 from . import _accelerator as acc
 from . import _comm as comm
+from ._activation_offload import ActivationOffloader
 from ._engine import DTYPES, Engine, EngineParts, StagePolicy, check_same_model_on_all_ranks, engine_of, forget_engine
 from ._log import logger
 from ._loss_scale import LossScaler
@@ -41,6 +42,7 @@ from ._tiers import Tier
 from ._unit import FetchUnit, GatherLedger, UnitContext
 from .aio import aligned_empty
 from .errors import EngineError, UsageTypeError
+from .tiling import check_working_memory, retarget_groups, tile_model
 
 
 def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Module, ZeroOptimizer]:
@@ -59,7 +61,9 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
         raise EngineError("this model was already passed to infinity.initialize; call it once per model")
     cfg = Config.coerce(config)
     comm.ensure_initialized()
-    groups = resolve_groups(list(model.named_parameters()), param_groups)  # refused before anything is built
+    tiling = cfg.zero.tiling
+    replaced = tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
+    groups = resolve_groups(list(model.named_parameters()), retarget_groups(param_groups, replaced))  # refused early
     check_same_model_on_all_ranks(model)
     acc.budget.set_limit(cfg.device_memory_limit)
     engine, sink, gate = _build_engine(model, cfg)
@@ -86,6 +90,8 @@ def _build_engine(model: nn.Module, cfg):
     blocks = block_modules(model, cfg.zero.fetch_units) if policy.partition_params else []
     specs, uses = plan_units(model, world, blocks)  # Note [fetch unit grouping] in _engine.py
     placement = Placement.of(cfg, policy.partition_params, dtype, specs, world)
+    if policy.partition_params:  # Note [operator working memory] in tiling.py: refused before anything is allocated
+        check_working_memory([(s.module_name, s.shard_numel * world) for s in specs], placement.itemsize, cfg)
     preflight(placement, cfg)
     swap_dirs = SwapDirs(rank)
     try:
@@ -115,7 +121,8 @@ def _build_engine(model: nn.Module, cfg):
                               drop_full_grads=policy.reduce_in_backward, consumers_done=opt_store.wait_grad_writes,
                               on_add=sink.note)
         scaler = _loss_scaler(cfg.precision) if dtype == torch.float16 else None
-        parts = EngineParts(placement, ctx, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs)
+        offload = ActivationOffloader() if cfg.activation_checkpointing.offload == "cpu" else None
+        parts = EngineParts(placement, ctx, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs, offload)
         return Engine(model, cfg, parts), sink, gate
     except BaseException:
         swap_dirs.remove()

@@ -225,7 +225,8 @@ class Prefetcher:
         for state in window[: self.gather_depth]:
             for unit in state.units:
                 if unit.state in (ParamState.RELEASED, ParamState.HOST, ParamState.DEVICE) and unit.partitioned \
-                        and self._ledger.live + unit.full_numel <= self.max_live:
+                        and self._ledger.live + unit.full_numel <= self.max_live \
+                        and acc.budget.fits(unit.full_nbytes):  # a prefetch never overruns device_memory_limit
                     unit.start_gather()
                     if unit not in self._prefetched:
                         self._prefetched.append(unit)

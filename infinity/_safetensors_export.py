@@ -24,6 +24,7 @@ from . import _comm as comm
 from ._engine import engine_of
 from ._gathered import GatheredParameters
 from .errors import UsageError
+from .tiling import untiled_layout, untiled_names
 
 DEFAULT_MAX_SHARD_BYTES = 200 * 1000 * 1000
 SINGLE_FILE = "model.safetensors"
@@ -102,11 +103,16 @@ def export_safetensors(model: nn.Module, directory: str, *, max_shard_bytes: int
     def out_dtype(t_dtype):
         return dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
 
-    sizes = {names[p]: p.numel() * _itemsize(out_dtype(p.dtype)) for p in names}
+    layout = untiled_layout(model)  # Note [untiled export] in tiling.py
+    by_name = {n: p for p, n in names.items()}
+    order, tile_owner = untiled_names(list(by_name), layout)
+    sizes = {n: _numel(layout[n]["shape"]) * _itemsize(out_dtype(by_name[layout[n]["parts"][0][0]].dtype))
+             if n in layout else by_name[n].numel() * _itemsize(out_dtype(by_name[n].dtype)) for n in order}
     sizes.update({n: b.numel() * _itemsize(out_dtype(b.dtype)) for n, b in buffers.items()})
     shards = _plan(sizes, max_shard_bytes)
     owner = {n: s for s in shards for n in s.names}
     pending: Dict[str, torch.Tensor] = {}
+    assembling: Dict[str, list] = {}  # untiled name -> [whole host tensor, tiles still to come]
     done_files: List[str] = []
     if writer:
         os.makedirs(directory, exist_ok=True)
@@ -128,7 +134,10 @@ def export_safetensors(model: nn.Module, directory: str, *, max_shard_bytes: int
         with GatheredParameters(group) if engine_of(model) is not None else contextlib.nullcontext():
             if writer:
                 for p in group:
-                    take(names[p], p)
+                    if names[p] in tile_owner:  # a tile: copied into its place in the whole tensor
+                        _place(assembling, layout, tile_owner[names[p]], names[p], p, out_dtype, take)
+                    else:
+                        take(names[p], p)
         seen.update(group)
     if writer:
         for name, buf in buffers.items():
@@ -138,6 +147,27 @@ def export_safetensors(model: nn.Module, directory: str, *, max_shard_bytes: int
     if not writer:
         return None
     return ExportResult(directory, [s.file for s in shards], sum(sizes.values()), len(sizes))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _place(assembling: dict, layout: dict, whole: str, tile_name: str, tile: torch.Tensor, out_dtype, take) -> None:
+    """Copy one gathered tile into the host tensor of its untiled parameter; hand that to
+    ``take`` once its last tile is in (host memory: one tiled operator at a time)."""
+    spec = layout[whole]
+    if whole not in assembling:
+        assembling[whole] = [torch.empty(spec["shape"], dtype=out_dtype(tile.dtype)), len(spec["parts"])]
+    entry = assembling[whole]
+    ranges = next(r for n, r in spec["parts"] if n == tile_name)
+    entry[0][tuple(slice(lo, hi) for lo, hi in ranges)].copy_(tile.detach())
+    entry[1] -= 1
+    if entry[1] == 0:
+        take(whole, assembling.pop(whole)[0])
 
 
 def _write_index_and_config(model: nn.Module, directory: str, shards: List[_Shard], sizes: Dict[str, int]) -> None:

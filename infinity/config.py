@@ -214,6 +214,15 @@ class FetchUnitsConfig:
 
 
 @dataclass(frozen=True)
+class TilingConfig:
+    """Memory-centric tiling (paper 002 §5.1.3): large operators as grids of small fetch units."""
+
+    enabled: bool = _opt(False, "replace large nn.Linear / nn.Embedding modules by tiled ones at initialize")
+    min_params: int = _opt(1_000_000, "modules with at most this many parameters are left whole", ge=0)
+    max_tile_params: int = _opt(4_000_000, "the most parameters one tile holds", gt=0)
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO partitioning and offload."""
 
@@ -223,12 +232,20 @@ class ZeroConfig:
     reduce_bucket_size: int = _opt(50_000_000, "elements per gradient reduce-scatter bucket", gt=0)
     prefetch: PrefetchConfig = _opt(PrefetchConfig, "prefetcher")
     fetch_units: FetchUnitsConfig = _opt(FetchUnitsConfig, "grouping of parameters into fetch units (stage 3)")
+    tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
 
     def _cross_check(self, prefix: str) -> list:
         if self.stage < 3 and self.offload_param.device != "none":
             return [(f"{prefix}.offload_param.device",
                      f"parameter offload needs stage 3 (stage is {self.stage}); set {prefix}.stage "
                      f"to 3 or {prefix}.offload_param.device to none")]
+        if self.stage == 3 and self.tiling.enabled and self.tiling.max_tile_params < self.prefetch.persistence_threshold:
+            # a unit below the threshold stays gathered between uses: every tile would, and the
+            # tiled operator would be as large on the device as untiled
+            return [(f"{prefix}.tiling.max_tile_params",
+                     f"({self.tiling.max_tile_params}) is below {prefix}.prefetch.persistence_threshold "
+                     f"({self.prefetch.persistence_threshold}), so every tile would stay gathered; lower "
+                     f"persistence_threshold below max_tile_params or raise max_tile_params")]
         return []
 
 
@@ -347,6 +364,14 @@ class SchedulerConfig:
     cos_min_ratio: float = _opt(0.0001, "WarmupCosineLR: lr ratio at the end of the cosine", ge=0)
 
 
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """What happens to the tensors saved at activation-checkpoint boundaries."""
+
+    offload: Literal["none", "cpu"] = _opt("none", "cpu: move them to host memory after each checkpointed block's "
+                                           "forward and bring them back before its recomputation")
+
+
 _INTERNAL = "internal"
 
 
@@ -368,6 +393,8 @@ class Config:
     telemetry: TelemetryConfig = _opt(TelemetryConfig, "telemetry")
     train: TrainConfig = _opt(TrainConfig, "the train job")
     scheduler: SchedulerConfig = _opt(SchedulerConfig, "learning-rate schedule (DeepSpeed's, by its names)")
+    activation_checkpointing: ActivationCheckpointingConfig = _opt(ActivationCheckpointingConfig,
+                                                                  "activation checkpoint offload")
     # DeepSpeed keys that were ignored (from_deepspeed with strict=False); not a config key.
     unsupported: list = field(default_factory=list, compare=False, repr=False,
                               metadata={_INTERNAL: True})

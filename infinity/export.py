@@ -29,6 +29,7 @@ from ._checkpoint._io import FileSink
 from ._checkpoint._save import EXTRA
 from ._safetensors_export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, _plan
 from .errors import InfinityError, InsufficientResourcesError, UsageError
+from .tiling import untiled_names, untiled_pieces
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -47,10 +48,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, weights: str = "params",
     path = checkpoint if os.path.exists(os.path.join(checkpoint, "manifest.json")) else resolve(checkpoint, None)
     reader = CheckpointReader(path)
     try:
-        tensors = _sources(reader, weights)
+        tensors = _untiled(_sources(reader, weights), reader.manifest.get("tiled") or {})
         reader.verify([EXTRA])
         buffers = torch.load(reader.file(EXTRA), weights_only=False)["buffers"]
-        sizes = {n: numel * itemsize(dt) for n, (_, dt, numel, _) in tensors.items()}
+        sizes = {n: t[2] * itemsize(t[1]) for n, t in tensors.items()}
         sizes.update({n: b.numel() * b.element_size() for n, b in buffers.items()})
         os.makedirs(out_dir, exist_ok=True)
         free = shutil.disk_usage(out_dir).free
@@ -83,6 +84,26 @@ def _sources(reader: CheckpointReader, weights: str) -> Dict[str, Tuple[str, tor
     return out
 
 
+def _untiled(tensors: dict, layout: dict) -> dict:
+    """Note [untiled export] in tiling.py: tiles written as the tensors they are parts of."""
+    if not layout:
+        return tensors
+    order, owner = untiled_names(list(tensors), layout)
+    out = {}
+    for name in order:
+        if name not in layout:
+            out[name] = tensors[name]
+            continue
+        spec = layout[name]
+        array, dtype, _, _ = tensors[spec["parts"][0][0]][:4]
+        pieces_of = {part[0]: tensors[part[0]][3] for part in spec["parts"]}
+        numel = 1
+        for d in spec["shape"]:
+            numel *= d
+        out[name] = (array, dtype, numel, untiled_pieces(spec, pieces_of, itemsize(dtype)), tuple(spec["shape"]))
+    return out
+
+
 def _header(names: List[str], shapes: Dict[str, tuple]) -> bytes:
     """A safetensors header for these tensors in this order (data offsets contiguous)."""
     meta, at = {"__metadata__": {"format": "pt"}}, 0
@@ -99,8 +120,9 @@ def _write_shard(reader, path: str, names: List[str], tensors: dict, buffers: di
     shapes = {}
     for n in names:
         if n in tensors:
-            _, dtype, numel, _ = tensors[n]
-            shapes[n] = (dtype, reader.params[n]["shape"], numel * itemsize(dtype))
+            _, dtype, numel, _ = tensors[n][:4]
+            shape = tensors[n][4] if len(tensors[n]) > 4 else reader.params[n]["shape"]
+            shapes[n] = (dtype, shape, numel * itemsize(dtype))
         else:
             shapes[n] = (buffers[n].dtype, tuple(buffers[n].shape), buffers[n].numel() * buffers[n].element_size())
     tmp = path + ".tmp"

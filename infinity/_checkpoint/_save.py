@@ -30,6 +30,7 @@ from .._param import raw_data
 from .._safetensors_export import _persistent_buffers
 from .._swap import OWNER, _owner_gone, _owner_line
 from ..errors import InfinityError, InsufficientResourcesError, UsageError
+from ..tiling import untiled_layout
 from ._format import (
     FORMAT,
     LATEST,
@@ -220,6 +221,7 @@ def _commit(engine, opt, tmp: str, final: str, tag: str, token: str, files: dict
             "world_size": engine.world_size, "stage": engine.cfg.zero.stage, "dtype": str(engine.dtype),
             "param_total": opt.layout.param_total, "opt_total": opt.layout.opt_total,
             "params": param_entries(engine, opt),
+            "tiled": untiled_layout(engine.model),  # Note [untiled export] in tiling.py
             "groups": [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in opt.param_groups],
             "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
             "files": dict(sorted(files.items())),
