@@ -64,6 +64,25 @@ __all__ = ["InfinityTrainer", "synced_generate"]
 CHECKPOINT_TAG = "infinity"
 
 
+def last_complete_checkpoint(output_dir: str) -> str:
+    """The newest ``checkpoint-N`` under ``output_dir`` holding infinity's committed states and
+    the Trainer's state (written last); newer partial ones are named in a warning."""
+    found = sorted((int(n.split("-")[1]), n) for n in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
+                   if n.startswith("checkpoint-") and n.split("-")[1].isdigit())
+    partial = []
+    for _, name in reversed(found):
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(os.path.join(path, CHECKPOINT_TAG)) and os.path.exists(os.path.join(path, "trainer_state.json")):
+            if partial:
+                logger.warning("InfinityTrainer: %s in %s were not saved whole (the run stopped during a save); "
+                               "resuming from %s", ", ".join(partial), output_dir, name)
+            return path
+        partial.append(name)
+    raise UsageError(f"resume_from_checkpoint=True: no complete checkpoint-N under {output_dir!r}"
+                     + (f" ({', '.join(partial)} were not saved whole)" if partial else "")
+                     + "; train from the start or pass the checkpoint directory")
+
+
 def synced_generate(model: torch.nn.Module) -> torch.nn.Module:
     """Make ``model.generate`` default to ``synced_gpus=True`` when several ranks run:
     Note [InfinityTrainer seams] (generate). An explicit ``synced_gpus=`` still wins."""
@@ -279,6 +298,14 @@ class InfinityTrainer(Trainer):
         return super().evaluation_loop(*args, **kwargs)
 
     # ------------------------------------------------------------ checkpoints and saving
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``resume_from_checkpoint=True`` resumes from the newest checkpoint that was saved
+        whole: Trainer's own choice is the highest-numbered ``checkpoint-N``, which a run killed
+        in the middle of a save leaves without its infinity states."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # the weights come back with the optimizer states in _prepare_for_training
