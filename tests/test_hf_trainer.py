@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import infinity
+from infinity.errors import UsageError
 
 pytest.importorskip("transformers")
 
@@ -140,7 +141,6 @@ def test_save_kill_resume_continues_exactly(tmp_path):
 
 
 def _generate_two_ranks(nvme: str):
-    import infinity
     from infinity import _comm as comm
     from infinity.integrations.transformers import synced_generate
 
@@ -237,6 +237,6 @@ def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog):
             (d / "trainer_state.json").write_text("{}")
     assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")  # not 10 (numeric order), not 4
     assert "checkpoint-10, checkpoint-4 in" in caplog.text and "not saved whole" in caplog.text
-    with pytest.raises(infinity.UsageError, match="no complete checkpoint-N"):
+    with pytest.raises(UsageError, match="no complete checkpoint-N"):
         last_complete_checkpoint(str(tmp_path / "checkpoint-10"))
     logger.removeHandler(caplog.handler)
