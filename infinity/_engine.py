@@ -572,12 +572,15 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Remove hooks and this run's swap files."""
-        self.optimizer.wait_step()
-        self.prefetcher.release_held()
-        self.remove_hooks()
-        for d in self.swap_dirs.values():
-            d.remove()
+        """Remove hooks and this run's swap files (also when the step's error is re-raised:
+        a failed run leaves no swap files behind)."""
+        try:
+            self.optimizer.wait_step()
+        finally:
+            self.prefetcher.release_held()
+            self.remove_hooks()
+            for d in self.swap_dirs.values():
+                d.remove()
 
     def model_state_bytes(self) -> dict:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer."""

@@ -32,6 +32,7 @@ from ._stores import (
     ParamStore,
 )
 from ._swap import SwapDir
+from ._swap_labels import label_swap_files
 from ._tiers import Tier
 from .errors import EngineError, NotSupportedError, UsageError, WaitTimeout
 
@@ -109,6 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._unit_first = _first_param_index(engine.units)
         self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
         self.param_store = self._make_param_store() if engine.policy.partition_params else None
+        label_swap_files(self)  # what corrupt bytes would have held (Note [swap checksums] in aio/_checksum.py)
         self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier is not Tier.DEVICE else None
         self.scaler = LossScaler(static_scale=cfg.precision.loss_scale, initial_scale_power=cfg.precision.initial_scale_power,
                                  window=cfg.precision.loss_scale_window, hysteresis=cfg.precision.hysteresis,

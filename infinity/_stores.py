@@ -25,6 +25,7 @@ from . import _accelerator as acc
 from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 from ._tiers import Tier
+from .aio._checksum import BlockSums, checksummed, sums_of
 from .errors import InfinityError, UsageError
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
@@ -103,7 +104,8 @@ class ParamStore:
         self.bytes_read = 0
         self.bytes_written = 0
         if tier is Tier.NVME:
-            self.path = swap.file("params.swp", nbytes_of(total, dtype))
+            self.path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
+                                    aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
             self._writers = [new_aio(aio_cfg) for _ in range(WRITE_HANDLES)]  # Note [write ordering]
             self._next_writer = 0
             self._writes: List[tuple] = []  # (start, end, handle) of writes not yet seen to land
@@ -297,8 +299,14 @@ class ParamStore:
     def nbytes(self) -> dict:
         own = nbytes_of(self.total, self.dtype)
         if self.tier is Tier.NVME:
-            return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize)}
+            sums = BlockSums.bytes_for(own) if sums_of(self.path) else 0
+            return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize) + sums}
         return {self.tier.memory: own}
+
+    def checksums(self) -> dict:
+        """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
+        sums = sums_of(getattr(self, "path", None))
+        return {"params": sums} if sums else {}
 
     @staticmethod
     def staging_bytes(buffer_numel: int, buffer_count: int, itemsize: int) -> int:
@@ -487,7 +495,9 @@ class NvmeOptimizerStore:
         # Note [gradients in host memory]: every gradient shard; None = the swap file (and the head sets)
         self.grad_mem = _zeros_host(total) if grads_in_memory else None
         self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
-        self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in self._swapped}
+        self.paths = {n: checksummed(swap.file(f"{n}.swp", total * 4), total * 4, aio_cfg.checksums)
+                      for n in self._swapped}  # Note [swap checksums] in aio/_checksum.py
+        self.checksummed = aio_cfg.checksums
         self.head_sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
@@ -760,16 +770,24 @@ class NvmeOptimizerStore:
             self._read(self.readers[s], name, off, self.sets[s][name][:n])
 
     def nbytes(self) -> dict:
-        return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None)
+        return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None,
+                              self.checksummed)
+
+    def checksums(self) -> dict:
+        """The block sums of each swap file by array name (Note [swap checksums] in aio/_checksum.py)."""
+        return {n: sums_of(p) for n, p in self.paths.items() if sums_of(p)}
 
     @classmethod
-    def bytes_for(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
+    def bytes_for(cls, total: int, chunk: int, head: int, grads_in_memory: bool, checksums: bool = False) -> dict:
         """Files and host memory for a plan: the swap files (gradients too unless they stay
         in host memory), the buffer sets, the host cache of the first ``head`` elements (Note
-        [host cache]) and the gradients in host memory (Note [gradients in host memory])."""
+        [host cache]), the gradients in host memory (Note [gradients in host memory]) and the
+        files' block sums (Note [swap checksums] in aio/_checksum.py)."""
         swapped = len(_NAMES) - (1 if grads_in_memory else 0)
+        sums = swapped * BlockSums.bytes_for(4 * total) if checksums else 0
         return {"nvme": 4 * swapped * total,
-                "host": cls.SETS * 4 * len(_NAMES) * chunk + 4 * swapped * head + (4 * total if grads_in_memory else 0)}
+                "host": cls.SETS * 4 * len(_NAMES) * chunk + 4 * swapped * head + (4 * total if grads_in_memory else 0)
+                + sums}
 
 
 def _unit_pieces(ranges: List[tuple], total: int, target: int) -> List[tuple]:

@@ -289,6 +289,8 @@ class AioConfig:
     backend: Optional[Literal["io_uring", "threads"]] = _opt(
         None, "io_uring or threads (portable pread/pwrite); null = io_uring when available")
     direct: bool = _opt(True, "open swap files with O_DIRECT (bypass the page cache)")
+    checksums: bool = _opt(True, "CRC32C of every 4 KiB block written to a swap file, checked on every read "
+                                 "(a mismatch raises CorruptionError); 8 bytes of host memory per block")
 
 
 @dataclass(frozen=True)
