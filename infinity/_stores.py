@@ -25,7 +25,7 @@ from . import _accelerator as acc
 from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 from ._tiers import Tier
-from .aio._checksum import BlockSums, checksummed, sums_of
+from .aio._checksum import checksummed, sums_of
 from .errors import InfinityError, UsageError
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
@@ -299,8 +299,7 @@ class ParamStore:
     def nbytes(self) -> dict:
         own = nbytes_of(self.total, self.dtype)
         if self.tier is Tier.NVME:
-            sums = BlockSums.bytes_for(own) if sums_of(self.path) else 0
-            return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize) + sums}
+            return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize)}
         return {self.tier.memory: own}
 
     def checksums(self) -> dict:
@@ -497,7 +496,6 @@ class NvmeOptimizerStore:
         self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
         self.paths = {n: checksummed(swap.file(f"{n}.swp", total * 4), total * 4, aio_cfg.checksums)
                       for n in self._swapped}  # Note [swap checksums] in aio/_checksum.py
-        self.checksummed = aio_cfg.checksums
         self.head_sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
@@ -770,24 +768,22 @@ class NvmeOptimizerStore:
             self._read(self.readers[s], name, off, self.sets[s][name][:n])
 
     def nbytes(self) -> dict:
-        return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None,
-                              self.checksummed)
+        return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None)
 
     def checksums(self) -> dict:
         """The block sums of each swap file by array name (Note [swap checksums] in aio/_checksum.py)."""
         return {n: sums_of(p) for n, p in self.paths.items() if sums_of(p)}
 
     @classmethod
-    def bytes_for(cls, total: int, chunk: int, head: int, grads_in_memory: bool, checksums: bool = False) -> dict:
+    def bytes_for(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
         """Files and host memory for a plan: the swap files (gradients too unless they stay
         in host memory), the buffer sets, the host cache of the first ``head`` elements (Note
-        [host cache]), the gradients in host memory (Note [gradients in host memory]) and the
-        files' block sums (Note [swap checksums] in aio/_checksum.py)."""
+        [host cache]) and the gradients in host memory (Note [gradients in host memory]).
+        Not yet counted: the files' block sums, 1/512 of the swap bytes (BlockSums.bytes_for;
+        Note [swap checksums] in aio/_checksum.py)."""
         swapped = len(_NAMES) - (1 if grads_in_memory else 0)
-        sums = swapped * BlockSums.bytes_for(4 * total) if checksums else 0
         return {"nvme": 4 * swapped * total,
-                "host": cls.SETS * 4 * len(_NAMES) * chunk + 4 * swapped * head + (4 * total if grads_in_memory else 0)
-                + sums}
+                "host": cls.SETS * 4 * len(_NAMES) * chunk + 4 * swapped * head + (4 * total if grads_in_memory else 0)}
 
 
 def _unit_pieces(ranges: List[tuple], total: int, target: int) -> List[tuple]:

@@ -291,6 +291,8 @@ class AioConfig:
     direct: bool = _opt(True, "open swap files with O_DIRECT (bypass the page cache)")
     checksums: bool = _opt(True, "CRC32C of every 4 KiB block written to a swap file, checked on every read "
                                  "(a mismatch raises CorruptionError); 8 bytes of host memory per block")
+    timeout: Optional[float] = _opt(None, "seconds a wait for swap-file I/O may last before WaitTimeout names the "
+                                          "requests still in flight (a hung disk); null = INFINITY_COMM_TIMEOUT", gt=0)
 
 
 @dataclass(frozen=True)

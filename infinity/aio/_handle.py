@@ -80,6 +80,8 @@ class AsyncIO:
     O_DIRECT where the file system allows it; ``fsync``: ``wait`` also flushes the files
     written since the previous wait; ``backend``: "io_uring", "threads" or "auto"/None
     (then ``INFINITY_AIO_BACKEND``, default auto: io_uring when it works).
+    ``timeout``: the limit the engine's waits on this handle use (``aio.timeout``); ``wait``
+    itself takes its own.
 
     Files are opened on first use and stay open until ``close``: a file deleted and
     re-created under the same path meanwhile is not seen by this handle. Failing to open a
@@ -89,12 +91,14 @@ class AsyncIO:
     """
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1,
-                 direct: bool = True, *, fsync: bool = False, backend: Optional[str] = None):
+                 direct: bool = True, *, fsync: bool = False, backend: Optional[str] = None,
+                 timeout: Optional[float] = None):
         self.block_size = _check_int("block_size", block_size, 4096, 1 << 30, 4096)
         self.queue_depth = _check_int("queue_depth", queue_depth, 1, 32768)
         self.threads = _check_int("threads", threads, 1, 256)
         self.direct = bool(direct)
         self.fsync_on_wait = bool(fsync)
+        self.timeout = timeout  # the engine's waits (wait_io in _swap.py): seconds, None = its default
         requested = _resolve_backend(backend)
         out = ffi.new("infinity_aio **")
         why = ffi.new("char[512]")

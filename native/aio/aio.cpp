@@ -566,11 +566,10 @@ void Engine::ring_entered(int rc, int &failures) {
 void Engine::uring_loop(void *arg) {
     auto *ring = static_cast<struct io_uring *>(arg);
     BouncePool pool(bs_);
-    std::vector<Piece *> fresh, again, ready;
+    std::vector<Piece *> fresh, again;
     std::vector<std::pair<Piece *, int64_t>> decided;  // attempts a fault settled without the kernel
     fresh.reserve(static_cast<size_t>(qd_));
     again.reserve(static_cast<size_t>(qd_));
-    ready.reserve(static_cast<size_t>(qd_));
     decided.reserve(static_cast<size_t>(qd_));
     std::vector<struct io_uring_cqe *> cqes(static_cast<size_t>(qd_));
     size_t in_flight = 0;
@@ -585,21 +584,29 @@ void Engine::uring_loop(void *arg) {
             }
             take(static_cast<size_t>(qd_) - in_flight - again.size(), fresh);
         }
-        ready.swap(again);
-        for (Piece *p : fresh) {
-            if (begin(p, pool))
-                ready.push_back(p);
-            else
-                finish(p, pool);
-        }
-        for (Piece *p : ready) {
+        for (Piece *p : again) {
             int64_t res = 0;
             if (prep(ring, p, &res))
                 ++in_flight;
             else
                 decided.emplace_back(p, res);
         }
-        ready.clear();
+        again.clear();
+        for (Piece *p : fresh) {
+            if (!begin(p, pool)) {
+                finish(p, pool);
+                continue;
+            }
+            int64_t res = 0;
+            if (!prep(ring, p, &res)) {
+                decided.emplace_back(p, res);
+                continue;
+            }
+            ++in_flight;
+            // A checksummed write spent time summing its bytes in begin(): let the disk start
+            // on it before the next piece is summed (Note: checksummed requests).
+            if (p->req->sums && p->req->op == INFINITY_AIO_WRITE) ring_entered(io_uring_submit(ring), failures);
+        }
         for (auto &d : decided) {
             if (on_result(d.first, d.second))
                 finish(d.first, pool);
