@@ -71,6 +71,15 @@ def test_crc32c_known_value_and_hardware_matches_scalar():
     assert isinstance(crc32c_hardware(), bool)
 
 
+def test_block_sums_match_the_reference():
+    from infinity.aio._native import ffi, lib
+
+    data = _data(7 * BLOCK, seed=5).numpy().tobytes()
+    out = ffi.new("uint32_t[]", 7)
+    lib.infinity_aio_crc32c_blocks(ffi.from_buffer(data), 7, out)
+    assert list(out) == [crc32c(data[i * BLOCK:(i + 1) * BLOCK], scalar=True) for i in range(7)]
+
+
 # ------------------------------------------------------------------ AsyncIO on a checksummed path
 
 
@@ -269,3 +278,13 @@ def test_checksums_off_trains_on_the_corrupt_bytes(tmp_path):
     _train(model, opt, 3, losses)
     assert any(not math.isfinite(x) for x in losses[2:]), losses
     _close(opt)
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"checksums": "yes"}, "aio.checksums: expected bool"),
+    ({"timeout": 0}, "aio.timeout: 0.0 is out of range"),
+])
+def test_the_config_keys_are_validated(section, message):
+    with pytest.raises(infinity.ConfigError, match=message):
+        infinity.Config.from_dict({"aio": section})
+    assert infinity.Config.from_dict({}).aio.checksums is True  # on by default

@@ -836,6 +836,10 @@ uint32_t infinity_aio_crc32c(uint32_t crc, const void *buf, int64_t n, int32_t i
     return impl == 1 ? infinity_sums::crc32c_scalar(crc, buf, len) : infinity_sums::crc32c(crc, buf, len);
 }
 
+void infinity_aio_crc32c_blocks(const void *buf, int64_t count, uint32_t *out) {
+    if (buf && out && count > 0) infinity_sums::crc32c_blocks(buf, static_cast<size_t>(count), out);
+}
+
 int infinity_aio_crc32c_hardware(void) { return infinity_sums::crc32c_hardware(); }
 
 int infinity_aio_inject(uint64_t dev, uint64_t ino, int32_t op, int64_t nth, int64_t count, int32_t fault,

@@ -61,6 +61,9 @@ int64_t infinity_aio_sums_unrecorded(const infinity_aio_sums *s);
 /* CRC32C of `n` bytes continuing `crc` (0 to start). `impl`: 0 the fastest this CPU has,
  * 1 the portable scalar code (a reference for tests). */
 uint32_t infinity_aio_crc32c(uint32_t crc, const void *buf, int64_t n, int32_t impl);
+/* CRC32C of each of `count` whole 4 KiB blocks at `buf` into out[0..count), the way writes
+ * and reads sum them (three blocks interleaved on the SSE4.2 path). */
+void infinity_aio_crc32c_blocks(const void *buf, int64_t count, uint32_t *out);
 /* 1 if CRC32C uses the CPU's SSE4.2 instruction (chosen at run time by CPUID). */
 int infinity_aio_crc32c_hardware(void);
 
