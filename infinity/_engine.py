@@ -579,6 +579,9 @@ class Engine:
         finally:
             self.prefetcher.release_held()
             self.remove_hooks()
+            for store in (self.optimizer.store, self.optimizer.param_store):
+                if store is not None:
+                    store.close()  # Note [closing handles] in aio/_handle.py
             for d in self.swap_dirs.values():
                 d.remove()
 

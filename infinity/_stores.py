@@ -26,6 +26,7 @@ from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 from ._tiers import Tier
 from .aio._checksum import checksummed, sums_of
+from .aio._handle import close_handles
 from .errors import InfinityError, UsageError
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
@@ -120,6 +121,7 @@ class ParamStore:
                                  f"needed (one being gathered, one being read); leave it unset to size it automatically")
             self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool")
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
+            self._all_readers = list(self._readers)  # a reader is out of the list while its read is pending
             self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
             self._kept_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
             self._lock = threading.Lock()  # the step's thread writes while the forward reads
@@ -302,6 +304,11 @@ class ParamStore:
             return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize)}
         return {self.tier.memory: own}
 
+    def close(self) -> None:
+        """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
+        if self.tier is Tier.NVME:
+            close_handles(self._writers + self._all_readers)
+
     def checksums(self) -> dict:
         """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
         sums = sums_of(getattr(self, "path", None))
@@ -423,6 +430,9 @@ class MemoryOptimizerStore:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def checkpoint_loaded(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def grad_bytes(self) -> int:
@@ -769,6 +779,10 @@ class NvmeOptimizerStore:
 
     def nbytes(self) -> dict:
         return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None)
+
+    def close(self) -> None:
+        """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
+        close_handles([self.head_io, self.reader, *self.readers, *self.writers, self.grad_reader, self.grad_writer])
 
     def checksums(self) -> dict:
         """The block sums of each swap file by array name (Note [swap checksums] in aio/_checksum.py)."""

@@ -27,6 +27,7 @@ _BACKENDS = {"auto": 0, "io_uring": URING, "threads": THREADS}
 _ENV_BACKEND = "INFINITY_AIO_BACKEND"
 _MAX_ERRORS = 64
 _WARNED: List[str] = []  # fallback reasons already logged (once per process each)
+_ABANDONED: List["AsyncIO"] = []  # handles closed with requests stuck past their timeout: never freed
 
 
 @dataclass
@@ -367,9 +368,21 @@ class AsyncIO:
     def close(self) -> None:
         """Finishes everything in flight, closes the files and frees the native handle.
 
-        Raises ``AioError`` if requests that nobody waited for failed.
+        Raises ``AioError`` if requests that nobody waited for failed. With a ``timeout``, a
+        request still in flight after it (a hung disk) does not hang the caller: the handle is
+        abandoned instead, with its memory and the tensors of those requests kept alive for
+        good (the kernel may still write into them), and an error is logged.
         """
         if self._closed:
+            return
+        if self.timeout is not None and not lib.infinity_aio_wait_for(self._h, math.ceil(self.timeout * 1000)):
+            with self._lock:
+                self._closed = True
+                stuck = sorted({p.path for p in self._pending.values()})
+            _ABANDONED.append(self)
+            logger.error("aio: %d request(s) on %s still in flight %.3g s after close began; the handle is "
+                         "abandoned (its buffers stay allocated) so that the process can go on",
+                         int(lib.infinity_aio_in_flight(self._h)), stuck, self.timeout)
             return
         try:
             self.wait()
@@ -398,3 +411,16 @@ class AsyncIO:
     def __repr__(self) -> str:
         return (f"AsyncIO(block_size={self.block_size}, queue_depth={self.queue_depth}, "
                 f"threads={self.threads}, direct={self.direct}, backend={self.backend!r})")
+
+
+def close_handles(handles) -> None:
+    """Note [closing handles]: the engine closes its stores' handles when it closes, instead of
+    leaving them to the garbage collector (which a pending exception's frames can delay for
+    good). Each close waits for what is in flight at most its ``timeout`` (``aio.timeout``);
+    past it the handle is abandoned, as a hung disk must not hang the caller. Failures nobody
+    waited for are logged: the run is being torn down, usually by an error already raised."""
+    for h in handles:
+        try:
+            h.close()
+        except Exception as e:  # noqa: BLE001 - teardown goes on
+            logger.error("closing an I/O handle: %s", e)
