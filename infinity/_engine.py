@@ -538,11 +538,17 @@ Note [same gathers on every rank]: raise if the ranks gathered different units
         return out
 
     def close(self) -> None:
-        """Remove hooks and this run's swap files."""
-        self.gate.join()
-        self.prefetcher.release_held()
-        self.remove_hooks()
-        self.swap_dirs.remove()
+        """Remove hooks and this run's swap files (also when the step's error is re-raised:
+        a failed run leaves no swap files behind)."""
+        try:
+            self.gate.join()
+        finally:
+            self.prefetcher.release_held()
+            self.remove_hooks()
+            for store in (self.opt_store, self.param_store):
+                if store is not None:
+                    store.close()  # Note [closing handles] in aio/_handle.py
+            self.swap_dirs.remove()
 
     def model_state_bytes(self) -> dict:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer."""

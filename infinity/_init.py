@@ -35,6 +35,7 @@ changed in between is refused by name instead of being read.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import weakref
@@ -64,6 +65,7 @@ from ._pretrained import PendingTensor, SourceReader, open_lazily
 from ._swap import SwapDir, new_aio
 from ._tiers import Tier
 from .aio import aligned_empty
+from .aio._checksum import checksummed, sums_of
 from .errors import InsufficientResourcesError, StorageError, UsageError
 
 _INPLACE_SUFFIX = "_"
@@ -82,6 +84,7 @@ class InitStore:
         self.used = 0
         self._in_flight = 0
         self._files: Dict[int, tuple] = {}
+        self._names: Dict[int, str] = {}  # NVMe: slot offset -> parameter name, for error messages
         self.swap = None  # NVMe: made by the first chunk written (loaded chunks stay in the checkpoint)
         if tier is Tier.NVME:
             self._swap_args = (nvme_path, rank, aio_cfg)
@@ -128,10 +131,23 @@ class InitStore:
         if self.swap is None:
             nvme_path, rank, aio_cfg = self._swap_args
             self.swap = SwapDir(nvme_path, rank)
-            self.path = self.swap.file("init.swp", 0)
+            # Note [swap checksums] in aio/_checksum.py: the file grows up to the room it was given
+            self.path = checksummed(self.swap.file("init.swp", 0), self.room, aio_cfg.checksums)
+            self._label()
             self.io = new_aio(aio_cfg)
+        self._names[self._offsets[key]] = name
         self.io.pwrite(slot, self.path, self._offsets[key])
         self._in_flight += nbytes
+
+    def _label(self) -> None:
+        sums = sums_of(self.path)
+        if sums is not None:
+            def describe(offset: int) -> str:
+                starts = sorted(self._names)
+                i = bisect.bisect_right(starts, offset) - 1
+                return f"this rank's chunk of parameter {self._names[starts[i]]}" if i >= 0 else ""
+
+            sums.describe, sums.when = describe, lambda: "while building the model under infinity.Init"
 
     def settle(self) -> None:
         """Wait for the writes in flight."""

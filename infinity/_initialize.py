@@ -37,6 +37,7 @@ from ._reduce import GradReducer
 from ._step_gate import StepGate
 from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore
 from ._swap import SwapDirs
+from ._swap_labels import label_swap_files
 from ._telemetry_counters import Counters
 from ._tiers import Tier
 from ._unit import FetchUnit, GatherLedger, UnitContext
@@ -69,6 +70,7 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     engine, sink, gate = _build_engine(model, cfg)
     try:
         optimizer = ZeroOptimizer(engine, cfg, groups, sink=sink, gate=gate)
+        label_swap_files(optimizer)  # what corrupt bytes would have held (Note [swap checksums] in aio/_checksum.py)
     except BaseException:
         forget_engine(model)  # refused (bad groups): the model may be passed again
         raise

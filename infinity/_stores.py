@@ -26,6 +26,8 @@ from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 from ._tiers import Tier
 from .aio import aligned_empty
+from .aio._checksum import checksummed, sums_of
+from .aio._handle import close_handles
 from .errors import InfinityError, UsageError
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
@@ -110,7 +112,8 @@ class ParamStore:
         self.bytes_read = 0
         self.bytes_written = 0
         if tier is Tier.NVME:
-            self.path = swap.file("params.swp", nbytes_of(total, dtype))
+            self.path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
+                                    aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
             self._writers = [new_aio(aio_cfg) for _ in range(WRITE_HANDLES)]  # Note [write ordering]
             self._next_writer = 0
             self._writes: List[tuple] = []  # (start, end, handle) of writes not yet seen to land
@@ -125,6 +128,7 @@ class ParamStore:
                                  f"needed (one being gathered, one being read); leave it unset to size it automatically")
             self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool")
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
+            self._all_readers = list(self._readers)  # a reader is out of the list while its read is pending
             self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
             self._kept_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
             self._lock = threading.Lock()  # the step's thread writes while the forward reads
@@ -307,6 +311,16 @@ class ParamStore:
             return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize)}
         return {self.tier.memory: own}
 
+    def close(self) -> None:
+        """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
+        if self.tier is Tier.NVME:
+            close_handles(self._writers + self._all_readers)
+
+    def checksums(self) -> dict:
+        """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
+        sums = sums_of(getattr(self, "path", None))
+        return {"params": sums} if sums else {}
+
     @staticmethod
     def staging_bytes(buffer_numel: int, buffer_count: int, itemsize: int) -> int:
         """Host memory of the NVMe tier for a plan: the staging pool, the step's kept output
@@ -425,6 +439,9 @@ class MemoryOptimizerStore:
     def checkpoint_loaded(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def grad_bytes(self) -> int:
         """Bytes of gradient buffers held now: accumulating, sealed for an update, spare."""
         return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
@@ -494,7 +511,8 @@ class NvmeOptimizerStore:
         # Note [gradients in host memory]: every gradient shard; None = the swap file (and the head sets)
         self.grad_mem = _zeros_host(total) if grads_in_memory else None
         self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
-        self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in self._swapped}
+        self.paths = {n: checksummed(swap.file(f"{n}.swp", total * 4), total * 4, aio_cfg.checksums)
+                      for n in self._swapped}  # Note [swap checksums] in aio/_checksum.py
         self.head_sets = [{n: aligned_empty(self.chunk, torch.float32) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
@@ -769,11 +787,21 @@ class NvmeOptimizerStore:
     def nbytes(self) -> dict:
         return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None)
 
+    def close(self) -> None:
+        """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
+        close_handles([self.head_io, self.reader, *self.readers, *self.writers, self.grad_reader, self.grad_writer])
+
+    def checksums(self) -> dict:
+        """The block sums of each swap file by array name (Note [swap checksums] in aio/_checksum.py)."""
+        return {n: sums_of(p) for n, p in self.paths.items() if sums_of(p)}
+
     @classmethod
     def bytes_for(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
         """Files and host memory for a plan: the swap files (gradients too unless they stay
         in host memory), the buffer sets, the host cache of the first ``head`` elements (Note
-        [host cache]) and the gradients in host memory (Note [gradients in host memory])."""
+        [host cache]) and the gradients in host memory (Note [gradients in host memory]).
+        Not yet counted: the files' block sums, 1/512 of the swap bytes (BlockSums.bytes_for;
+        Note [swap checksums] in aio/_checksum.py)."""
         swapped = len(_NAMES) - (1 if grads_in_memory else 0)
         return {"nvme": 4 * swapped * total,
                 "host": cls.SETS * 4 * len(_NAMES) * chunk + 4 * swapped * head + (4 * total if grads_in_memory else 0)}

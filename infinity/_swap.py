@@ -174,15 +174,16 @@ def new_aio(cfg, *, backend: Optional[str] = None):
     from .aio import AsyncIO
 
     return AsyncIO(block_size=cfg.block_size, queue_depth=cfg.queue_depth, threads=cfg.threads,
-                   direct=cfg.direct, backend=backend or cfg.backend)
+                   direct=cfg.direct, backend=backend or cfg.backend, timeout=cfg.timeout)
 
 
 def wait_io(handle, what: str) -> None:
-    """Wait for a handle's requests, at most the engine's wait timeout (INFINITY_COMM_TIMEOUT
-    seconds); a timeout raises TimeoutError naming ``what`` and the files still in flight."""
+    """Wait for a handle's requests, at most its ``timeout`` (``aio.timeout``), else the
+    engine's wait timeout (INFINITY_COMM_TIMEOUT seconds); a timeout raises TimeoutError
+    naming ``what`` and the files still in flight."""
     from ._comm import DEFAULT_TIMEOUT_S
 
-    handle.wait(timeout=DEFAULT_TIMEOUT_S, what=what)
+    handle.wait(timeout=handle.timeout if handle.timeout is not None else DEFAULT_TIMEOUT_S, what=what)
 
 
 def nbytes_of(numel: int, dtype: torch.dtype) -> int:

@@ -318,6 +318,10 @@ class AioConfig:
     backend: Optional[Literal["io_uring", "threads"]] = _opt(
         None, "io_uring or threads (portable pread/pwrite); null = io_uring when available")
     direct: bool = _opt(True, "open swap files with O_DIRECT (bypass the page cache)")
+    checksums: bool = _opt(True, "CRC32C of every 4 KiB block written to a swap file, checked on every read "
+                                 "(a mismatch raises CorruptionError); 8 bytes of host memory per block")
+    timeout: Optional[float] = _opt(None, "seconds a wait for swap-file I/O may last before WaitTimeout names the "
+                                          "requests still in flight (a hung disk); null = INFINITY_COMM_TIMEOUT", gt=0)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ import time
 import traceback
 from typing import Any, Callable, List
 
+from .aio._inject import inject as inject_io_fault  # noqa: F401 - fault injection at the I/O layer
+from .aio._inject import io_fault  # noqa: F401
 from .errors import UsageError
 
 

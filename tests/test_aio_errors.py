@@ -225,7 +225,7 @@ def test_build_without_liburing(tmp_path, monkeypatch):
     path = str(tmp_path / "f.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     data = bytearray(os.urandom(MiB + 5))
-    rid = lib.infinity_aio_submit(out[0], 1, -1, fd, ffi.from_buffer(data), len(data), 0)
+    rid = lib.infinity_aio_submit(out[0], 1, -1, fd, ffi.from_buffer(data), len(data), 0, ffi.NULL)
     n_errs, horizon = ffi.new("int32_t *"), ffi.new("int64_t *")
     errs = ffi.new("infinity_aio_error[4]")
     assert rid == 0 and lib.infinity_aio_wait(out[0], errs, 4, n_errs, horizon) == 1

@@ -2,11 +2,13 @@
 
 ``AsyncIO`` queues reads and writes of CPU tensors at byte offsets of files and returns at
 once; ``wait`` collects them. ``aligned_empty`` hands out host memory that O_DIRECT can use
-without copies. When io_uring is unavailable a thread pool of pread/pwrite takes over.
+without copies. Transfers on a swap file's ``SwapPath`` carry block checksums, checked
+on every read (``CorruptionError``; Note [swap checksums] in _checksum.py). When io_uring is
+unavailable a thread pool of pread/pwrite takes over.
 ``python -m infinity.aio.tune --path DIR`` finds the best settings for a disk.
 """
-from ._errors import AioError
+from ._errors import AioError, CorruptionError
 from ._handle import AsyncIO
 from ._memory import aligned_empty
 
-__all__ = ["AsyncIO", "AioError", "aligned_empty"]
+__all__ = ["AsyncIO", "AioError", "CorruptionError", "aligned_empty"]

@@ -19,13 +19,15 @@ import torch
 
 from .._log import logger
 from ..errors import EngineError, UsageError, UsageTypeError, WaitTimeout
-from ._errors import AioError
+from ._checksum import BlockSums, sums_of
+from ._errors import AioError, CorruptionError
 from ._native import READ, THREADS, URING, WRITE, ffi, lib
 
 _BACKENDS = {"auto": 0, "io_uring": URING, "threads": THREADS}
 _ENV_BACKEND = "INFINITY_AIO_BACKEND"
 _MAX_ERRORS = 64
 _WARNED: List[str] = []  # fallback reasons already logged (once per process each)
+_ABANDONED: List["AsyncIO"] = []  # handles closed with requests stuck past their timeout: never freed
 
 
 @dataclass
@@ -45,6 +47,7 @@ class _Pending:
     path: str
     offset: int
     length: int
+    sums: Optional[BlockSums] = None  # kept alive while the request may use it
 
 
 def _resolve_backend(backend: Optional[str]) -> str:
@@ -78,20 +81,25 @@ class AsyncIO:
     O_DIRECT where the file system allows it; ``fsync``: ``wait`` also flushes the files
     written since the previous wait; ``backend``: "io_uring", "threads" or "auto"/None
     (then ``INFINITY_AIO_BACKEND``, default auto: io_uring when it works).
+    ``timeout``: the limit the engine's waits on this handle use (``aio.timeout``); ``wait``
+    itself takes its own.
 
     Files are opened on first use and stay open until ``close``: a file deleted and
     re-created under the same path meanwhile is not seen by this handle. Failing to open a
     file raises ``AioError`` from ``pread``/``pwrite`` at once; failed transfers raise from
-    ``wait``.
+    ``wait``. A ``SwapPath`` (a swap file's path with its block sums) makes every transfer
+    on it record or check checksums (Note [swap checksums] in _checksum.py).
     """
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 32, threads: int = 1,
-                 direct: bool = True, *, fsync: bool = False, backend: Optional[str] = None):
+                 direct: bool = True, *, fsync: bool = False, backend: Optional[str] = None,
+                 timeout: Optional[float] = None):
         self.block_size = _check_int("block_size", block_size, 4096, 1 << 30, 4096)
         self.queue_depth = _check_int("queue_depth", queue_depth, 1, 32768)
         self.threads = _check_int("threads", threads, 1, 256)
         self.direct = bool(direct)
         self.fsync_on_wait = bool(fsync)
+        self.timeout = timeout  # the engine's waits (wait_io in _swap.py): seconds, None = its default
         requested = _resolve_backend(backend)
         out = ffi.new("infinity_aio **")
         why = ffi.new("char[512]")
@@ -164,14 +172,15 @@ class AsyncIO:
     def _submit(self, op: int, tensor, path, offset: int, name: str) -> None:
         ptr, nbytes = self._view(tensor, offset, name)
         what = "read" if op == READ else "write"
+        sums = sums_of(path)
         with self._lock:
             self._check_open()
             f = self._open(path, op == WRITE, what, offset, nbytes)
-            rid = lib.infinity_aio_submit(self._h, op, f.fd_direct, f.fd_buffered,
-                                          ffi.cast("void *", ptr), nbytes, offset)
+            rid = lib.infinity_aio_submit(self._h, op, f.fd_direct, f.fd_buffered, ffi.cast("void *", ptr),
+                                          nbytes, offset, sums.native if sums else ffi.NULL)
             if rid < 0:
                 raise AioError(-rid, f.path, what, offset, nbytes, " (submission refused)")
-            self._pending[rid] = _Pending(tensor, what, f.path, offset, nbytes)
+            self._pending[rid] = _Pending(tensor, what, f.path, offset, nbytes, sums)
             if op == WRITE:
                 self._dirty[f.path] = f
 
@@ -186,15 +195,16 @@ class AsyncIO:
     def _sync(self, op: int, tensor, path, offset: int, name: str) -> int:
         ptr, nbytes = self._view(tensor, offset, name)
         what = "read" if op == READ else "write"
+        sums = sums_of(path)
         with self._lock:
             self._check_open()
             f = self._open(path, op == WRITE, what, offset, nbytes)
         err = ffi.new("infinity_aio_error *")
         rc = lib.infinity_aio_rw(self._h, op, f.fd_direct, f.fd_buffered, ffi.cast("void *", ptr),
-                                 nbytes, offset, err)
+                                 nbytes, offset, sums.native if sums else ffi.NULL, err)
         self._note_fallbacks()
         if rc < 0:
-            raise AioError(-rc, f.path, what, offset, nbytes, self._piece_detail(err, offset, nbytes))
+            raise self._failure(err, _Pending(tensor, what, f.path, offset, nbytes, sums), "")
         if op == WRITE and self.fsync_on_wait:
             os.fsync(f.fd_buffered)
         return nbytes
@@ -265,7 +275,8 @@ class AsyncIO:
         waited = time.monotonic() - start
         stuck = self._stuck(covered)
         if stuck:  # none left means they finished just after the deadline: not a timeout
-            raise WaitTimeout(self._timeout_message(stuck, timeout, waited, what))
+            raise WaitTimeout(self._timeout_message(stuck, timeout, waited, what,
+                                                    int(lib.infinity_aio_ring_error(self._h))))
 
     def _stuck(self, covered) -> List[_Pending]:
         """The requests among ``covered`` (ids) that are still in flight, oldest first."""
@@ -280,7 +291,8 @@ class AsyncIO:
             return [self._pending[i] for i in ids[0:total] if i in covered and i in self._pending]
 
     @staticmethod
-    def _timeout_message(stuck: List[_Pending], timeout: float, waited: float, what: str) -> str:
+    def _timeout_message(stuck: List[_Pending], timeout: float, waited: float, what: str,
+                         ring_error: int = 0) -> str:
         per_file: Dict[str, List[_Pending]] = {}
         for req in stuck:
             per_file.setdefault(req.path, []).append(req)
@@ -291,6 +303,9 @@ class AsyncIO:
         if len(per_file) > 8:
             files.append(f"and {len(per_file) - 8} more file(s)")
         target = f" for {what}" if what else ""
+        if ring_error:
+            target += (f"; entering io_uring has been failing with {_errno.errorcode.get(-ring_error, ring_error)} "
+                       f"({os.strerror(-ring_error)}), retried with pauses")
         return (f"AsyncIO.wait: {len(stuck)} request(s) still in flight after waiting {waited:.3g} s "
                 f"(timeout={timeout:g} s){target}, on {', '.join(files)}. Check for a hung or very slow "
                 f"disk (dmesg for I/O errors, `iostat -x 1` for a device stuck at 100% util), or raise "
@@ -298,13 +313,24 @@ class AsyncIO:
 
     def _error(self, failed, count: int) -> AioError:
         err, req = failed[0]
+        detail = ""
+        if count > 1:
+            path = req.path if req else None
+            others = sorted({p.path for _, p in failed[1:] if p is not None and p.path != path})
+            detail = f"; {count - 1} more request(s) failed" + (f" (also on {others})" if others else "")
+        return self._failure(err, req, detail)
+
+    def _failure(self, err, req: Optional[_Pending], detail: str) -> AioError:
+        """The exception for one failed request: CorruptionError for a checksum mismatch."""
         path, op = (req.path, req.op) if req else ("<unknown file>", "read" if err.op == READ else "write")
         offset, length = (req.offset, req.length) if req else (err.offset, err.length)
-        detail = self._piece_detail(err, offset, length)
-        if count > 1:
-            others = sorted({p.path for _, p in failed[1:] if p is not None and p.path != path})
-            detail += f"; {count - 1} more request(s) failed" + (f" (also on {others})" if others else "")
-        return AioError(err.err, path, op, offset, length, detail)
+        if err.err == _errno.EBADMSG and req is not None and req.sums is not None:
+            sums = req.sums
+            e = CorruptionError(path, op, offset, length, int(err.offset), int(err.length),
+                                sums.describe(int(err.offset)), sums.when())
+            e.strerror += detail
+            return e
+        return AioError(err.err, path, op, offset, length, self._piece_detail(err, offset, length) + detail)
 
     def _note_fallbacks(self) -> None:
         n = lib.infinity_aio_direct_fallbacks(self._h)
@@ -342,9 +368,21 @@ class AsyncIO:
     def close(self) -> None:
         """Finishes everything in flight, closes the files and frees the native handle.
 
-        Raises ``AioError`` if requests that nobody waited for failed.
+        Raises ``AioError`` if requests that nobody waited for failed. With a ``timeout``, a
+        request still in flight after it (a hung disk) does not hang the caller: the handle is
+        abandoned instead, with its memory and the tensors of those requests kept alive for
+        good (the kernel may still write into them), and an error is logged.
         """
         if self._closed:
+            return
+        if self.timeout is not None and not lib.infinity_aio_wait_for(self._h, math.ceil(self.timeout * 1000)):
+            with self._lock:
+                self._closed = True
+                stuck = sorted({p.path for p in self._pending.values()})
+            _ABANDONED.append(self)
+            logger.error("aio: %d request(s) on %s still in flight %.3g s after close began; the handle is "
+                         "abandoned (its buffers stay allocated) so that the process can go on",
+                         int(lib.infinity_aio_in_flight(self._h)), stuck, self.timeout)
             return
         try:
             self.wait()
@@ -373,3 +411,16 @@ class AsyncIO:
     def __repr__(self) -> str:
         return (f"AsyncIO(block_size={self.block_size}, queue_depth={self.queue_depth}, "
                 f"threads={self.threads}, direct={self.direct}, backend={self.backend!r})")
+
+
+def close_handles(handles) -> None:
+    """Note [closing handles]: the engine closes its stores' handles when it closes, instead of
+    leaving them to the garbage collector (which a pending exception's frames can delay for
+    good). Each close waits for what is in flight at most its ``timeout`` (``aio.timeout``);
+    past it the handle is abandoned, as a hung disk must not hang the caller. Failures nobody
+    waited for are logged: the run is being torn down, usually by an error already raised."""
+    for h in handles:
+        try:
+            h.close()
+        except Exception as e:  # noqa: BLE001 - teardown goes on
+            logger.error("closing an I/O handle: %s", e)

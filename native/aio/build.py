@@ -54,17 +54,26 @@ def _relative(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def sanitize_flags() -> list:
+    """``INFINITY_SANITIZE=1``: an ASan + UBSan build (scripts/test_sanitize.sh), never installed."""
+    if os.environ.get("INFINITY_SANITIZE") != "1":
+        return []
+    return ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
+
+
 _URING = have_liburing()
+_EXTRA = sanitize_flags()
 ffibuilder = FFI()
 ffibuilder.cdef(header_declarations())
 ffibuilder.set_source(
     "infinity._aio_cffi",
     '#include "infinity_aio.h"\n',
-    sources=[_relative(os.path.join(HERE, "aio.cpp"))],
+    sources=[_relative(os.path.join(HERE, name)) for name in ("aio.cpp", "sums.cpp")],
     include_dirs=[HERE],
     source_extension=".cpp",
-    extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden"],
+    extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra"] + _EXTRA,
     define_macros=[] if _URING else [("INFINITY_AIO_NO_URING", "1")],
+    extra_link_args=_EXTRA,
     libraries=(["uring"] if _URING else []) + ["stdc++", "pthread"],
 )
 

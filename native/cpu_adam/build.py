@@ -11,6 +11,13 @@ SOURCES = ["bindings.cpp", "dispatch.cpp", "thread_pool.cpp", "adam_scalar.cpp",
 HEADERS = ["cpu_adam.h", "kernel_table.h", "dispatch.h", "thread_pool.h", "adam_avx512_body.h"]
 
 
+def _sanitize() -> list:
+    """``INFINITY_SANITIZE=1``: an ASan + UBSan build (scripts/test_sanitize.sh), never installed."""
+    if os.environ.get("INFINITY_SANITIZE") != "1":
+        return []
+    return ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
+
+
 def extension():
     from pybind11.setup_helpers import Pybind11Extension
 
@@ -23,6 +30,6 @@ def extension():
         depends=[os.path.relpath(os.path.join(HERE, h), root) for h in HEADERS],
         cxx_std=17,
         # GCC 12 warns about the _mm512_undefined_* idiom inside its own intrinsic headers.
-        extra_compile_args=["-O3", "-fno-math-errno", "-Wall", "-Wextra", "-Wno-maybe-uninitialized"],
-        extra_link_args=["-pthread"],
+        extra_compile_args=["-O3", "-fno-math-errno", "-Wall", "-Wextra", "-Wno-maybe-uninitialized"] + _sanitize(),
+        extra_link_args=["-pthread"] + _sanitize(),
     )
