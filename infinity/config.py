@@ -264,6 +264,10 @@ class PrecisionConfig:
     loss_scale_window: int = _opt(1000, "fp16: overflow-free steps before the scale doubles", ge=1)
     hysteresis: int = _opt(2, "fp16: overflows tolerated before the scale halves", ge=1)
     min_loss_scale: float = _opt(1.0, "fp16: the dynamic scale never goes below this", gt=0)
+    on_nonfinite: Literal["error", "skip"] = _opt(
+        "error", "a step whose loss or gradient norm is inf/NaN (bf16, fp32; fp16 overflows are the loss "
+        "scaler's): error stops naming the step, skip leaves parameters and optimizer states untouched, counts it "
+        "and warns")
 
     def __post_init__(self):
         if self.dtype == "auto":  # resolved once, here: everything downstream sees a concrete dtype

@@ -54,7 +54,7 @@ from ._train_data import (
     token_windows,
 )
 from .config import Config
-from .errors import InfinityError, UsageError
+from .errors import InfinityError, NonFiniteError, UsageError
 
 EXIT_BAD_INPUT = 2
 PROBE_BYTES = 64 * 1024 * 1024
@@ -373,6 +373,7 @@ def train_step(run: Run, step: int) -> dict:
     for inputs, targets in run.batches.step(step - 1):
         t = time.perf_counter()
         loss = _loss(model, inputs, targets)
+        opt.note_loss(loss)  # checked with the gradients in step(): Note [non-finite steps] in _optimizer.py
         times["forward_s"] += time.perf_counter() - t
         t = time.perf_counter()
         loss.backward()
@@ -559,6 +560,10 @@ def summary_text(run: Run, per_rank: List[dict]) -> str:
         ("throughput", f"{stats.median('tokens_per_s'):.0f} tokens/s (median step {stats.median('step_s'):.3f} s)"),
         ("communication", f"{fmt_bytes(comm_step)} per step"),
     ]
+    skipped = sum(1 for r in stats.records if r.get("skipped"))
+    if skipped:
+        why = "fp16 overflow" if cfg.precision.dtype == "fp16" else "inf/NaN loss or gradients"
+        head.append(("skipped steps", f"{skipped} of {len(losses)} ({why}; parameters left unchanged)"))
     rss = [r["peak_rss"] for r in per_rank]
     memory = _state_rows(per_rank) + [
         ("peak RSS", f"{fmt_bytes(max(rss))} (max of {len(rss)} rank(s); rank 0 {fmt_bytes(rss[0])})"),
@@ -591,6 +596,7 @@ def finish(run: Run) -> Optional[str]:
     text = summary_text(run, per_rank)
     run.telemetry.event({"event": "summary", "peak_rss_per_rank": [r["peak_rss"] for r in per_rank],
                          "disk_probe": run.disk, "tier_totals": run.stats.tier_totals(),
+                         "skipped_steps": sum(1 for r in run.stats.records if r.get("skipped")),
                          "export": run.export.__dict__ if run.export else None})
     return text
 
@@ -643,6 +649,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, InsufficientResourcesError) as err:  # TrainError, DataError, ConfigError among them
         print(f"infinity.train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except NonFiniteError as err:  # precision.on_nonfinite: error; not bad input, but no traceback either
+        print(f"infinity.train: error: {err}", file=sys.stderr)
+        return 1
     finally:
         if comm.is_distributed():
             if finished:
