@@ -325,6 +325,15 @@ class AioConfig:
 
 
 @dataclass(frozen=True)
+class CommConfig:
+    """Collectives between data-parallel ranks."""
+
+    timeout: Optional[float] = _opt(
+        None, "seconds any collective (and a wait on the overlapped step or on I/O) may take before it fails naming "
+        "what it moved; null = the INFINITY_COMM_TIMEOUT variable, else 600; the key wins over the variable", gt=0)
+
+
+@dataclass(frozen=True)
 class TelemetryConfig:
     """Per-step measurements written as JSON lines."""
 
@@ -390,6 +399,7 @@ class Config:
     gradient_accumulation_steps: int = _opt(1, "micro-batches (backward calls) per optimizer step",
                                             ge=1)
     aio: AioConfig = _opt(AioConfig, "async I/O")
+    comm: CommConfig = _opt(CommConfig, "collectives")
     device_memory_limit: Optional[int] = _opt(
         None, "budget for the engine's device allocations, bytes or a size like '8GB'; null = none",
         gt=0, parse=_parse_bytes, type_doc="int, size string or null")

@@ -451,6 +451,7 @@ def train_loop(run: Run) -> None:
 
 
 def setup(cfg: Config) -> Run:
+    comm.configure(cfg)  # Note [comm timeout] in _comm.py: before the process group is made
     comm.ensure_initialized()
     torch.manual_seed(cfg.seed)
     t = cfg.train
