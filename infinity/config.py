@@ -100,14 +100,34 @@ def _parse_bytes(value: Any) -> Any:
 
 
 def _check_dir(value: str) -> Optional[str]:
-    """An existing path must be a writable directory; a missing one is created by the engine."""
-    if not os.path.exists(value):
+    """An existing path must be a writable directory; a missing one is created by the engine,
+    so its nearest existing ancestor must be a writable directory (not a file, not on a
+    read-only mount: access(2) reports EROFS even to root)."""
+    path = os.path.abspath(value)
+    if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            return (f"{value!r} cannot be created: {parent!r} is a file, not a directory; give a directory on the "
+                    f"NVMe device")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return (f"{value!r} cannot be created: {parent!r} is not writable ({_why_not_writable(parent)}); give a "
+                    f"writable directory")
         return None
-    if not os.path.isdir(value):
+    if not os.path.isdir(path):
         return f"{value!r} exists but is not a directory; give a directory on the NVMe device"
-    if not os.access(value, os.W_OK | os.X_OK):
-        return f"directory {value!r} is not writable by this user; give a writable directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"directory {value!r} is not writable ({_why_not_writable(path)}); give a writable directory"
     return None
+
+
+def _why_not_writable(path: str) -> str:
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "it is on a read-only file system" if read_only else "not by this user"
 
 
 def _check_data_path(value: str) -> Optional[str]:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import sys
 import tempfile
@@ -59,6 +60,7 @@ from .errors import InfinityError, NonFiniteError, UsageError
 EXIT_BAD_INPUT = 2
 PROBE_BYTES = 64 * 1024 * 1024
 PROBE_REPS = 3
+GPT2_POSITIONS = 1024  # GPT-2's position table: the most the gpt2-tiny preset sizes its own to
 
 # Named model presets: fields of transformers.GPT2Config. "gpt2-tiny" matches the byte tokenizer.
 PRESETS: Dict[str, dict] = {
@@ -190,7 +192,7 @@ def _positions(config) -> Optional[int]:
     return None
 
 
-def _check_fits(config, tokenizer, seq_len: int, what: str) -> None:
+def _check_fits(config, tokenizer, seq_len: int, what: str, micro_batch: int = 1) -> None:
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and vocab < tokenizer.vocab_size:
         raise TrainError(f"{what}: vocab_size {vocab} is smaller than the tokenizer's {tokenizer.vocab_size} "
@@ -199,6 +201,36 @@ def _check_fits(config, tokenizer, seq_len: int, what: str) -> None:
     if positions is not None and positions < seq_len:
         raise TrainError(f"{what}: the model takes at most {positions} positions but train.seq_len is "
                          f"{seq_len}; lower train.seq_len or raise n_positions/max_position_embeddings")
+    _check_activations(config, seq_len, micro_batch, what)
+
+
+def activation_bytes(config, seq_len: int, micro_batch: int) -> int:
+    """Bytes of activations one fp32 micro-batch keeps for backward: ZeRO-Infinity's eq. 5
+    (seed 002) without checkpointing, ``bsz·seq·layers·(16·hidden + 2·heads·seq)`` 2-byte
+    elements (doubled for fp32), the ``heads·seq²`` attention scores only where the attention
+    stores them (eager; sdpa/flash kernels do not), plus the logits, their fp32 copy and
+    gradient (3 x bsz·seq·vocab x 4 bytes)."""
+    layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None) or 1
+    hidden = getattr(config, "n_embd", None) or getattr(config, "hidden_size", None) or 0
+    heads = getattr(config, "n_head", None) or getattr(config, "num_attention_heads", None) or 1
+    vocab = getattr(config, "vocab_size", None) or 0
+    scores = 2 * heads * seq_len if getattr(config, "_attn_implementation", None) == "eager" else 0
+    return 2 * micro_batch * seq_len * layers * (16 * hidden + scores) + 12 * micro_batch * seq_len * vocab
+
+
+def _check_activations(config, seq_len: int, micro_batch: int, what: str) -> None:
+    """Refuse, before the model is built, a micro-batch whose activations cannot fit the
+    memory they live in (host memory on a CPU-only run)."""
+    if acc.device().type != "cpu":
+        return  # device memory: the engine's device budget and the estimator speak for it
+    import psutil
+
+    need, have = activation_bytes(config, seq_len, micro_batch), psutil.virtual_memory().available
+    if need > have:
+        raise TrainError(f"{what}: train.seq_len {seq_len} x train.micro_batch_size {micro_batch} needs about "
+                         f"{fmt_bytes(need)} of activations for one micro-batch (estimate) but only "
+                         f"{fmt_bytes(have)} of host memory is available; lower train.seq_len or "
+                         f"train.micro_batch_size (gradient_accumulation_steps keeps the batch)")
 
 
 def _causal_lm_from_config(config, what: str):
@@ -211,7 +243,7 @@ def _causal_lm_from_config(config, what: str):
                          f"use a GPT-style model_type such as gpt2 or llama") from None
 
 
-def build_model(spec_value, seq_len: int, init=None) -> ModelSpec:
+def build_model(spec_value, seq_len: int, init=None, micro_batch: int = 1) -> ModelSpec:
     """A preset name, a dict of HF config fields with model_type, or a local directory (built
     under ``init``, the ``infinity.Init`` in effect, if any)."""
     from transformers import AutoConfig, GPT2Config
@@ -224,19 +256,19 @@ def build_model(spec_value, seq_len: int, init=None) -> ModelSpec:
             config = AutoConfig.for_model(model_type, **fields)
         except (ValueError, KeyError, TypeError) as err:
             raise TrainError(f"train.model: cannot build a {model_type!r} config from {fields}: {err}") from None
-        _check_fits(config, byte_tok, seq_len, "train.model")
+        _check_fits(config, byte_tok, seq_len, "train.model", micro_batch)
         return ModelSpec(_causal_lm_from_config(config, "train.model"), byte_tok, f"{model_type} from config")
     if spec_value in PRESETS:
         fields = dict(PRESETS[spec_value])
-        if spec_value == "gpt2-tiny":
-            fields["n_positions"] = max(256, seq_len)
+        if spec_value == "gpt2-tiny":  # its position table fits the run, up to GPT-2's 1024 (refused above)
+            fields["n_positions"] = min(max(256, seq_len), GPT2_POSITIONS)
         config = GPT2Config(**fields)
-        _check_fits(config, byte_tok, seq_len, f"preset {spec_value}")
+        _check_fits(config, byte_tok, seq_len, f"preset {spec_value}", micro_batch)
         return ModelSpec(_causal_lm_from_config(config, spec_value), byte_tok, f"{spec_value} (preset)")
-    return _model_from_dir(spec_value, seq_len, init)
+    return _model_from_dir(spec_value, seq_len, init, micro_batch)
 
 
-def _model_from_dir(directory: str, seq_len: int, init=None) -> ModelSpec:
+def _model_from_dir(directory: str, seq_len: int, init=None, micro_batch: int = 1) -> ModelSpec:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isdir(directory):
@@ -250,7 +282,7 @@ def _model_from_dir(directory: str, seq_len: int, init=None) -> ModelSpec:
     except Exception as err:  # transformers raises OSError, ValueError, JSON errors...
         raise TrainError(f"model directory {directory!r}: config.json cannot be read: {err}") from None
     tokenizer = load_hf_tokenizer(directory) if has_tokenizer_files(directory) else ByteTokenizer()
-    _check_fits(config, tokenizer, seq_len, f"model directory {directory!r}")
+    _check_fits(config, tokenizer, seq_len, f"model directory {directory!r}", micro_batch)
     weights = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
     if not weights:
         logger.warning("model directory %s has no *.safetensors weights: starting from random weights", directory)
@@ -277,7 +309,7 @@ def build_partitioned(cfg: Config) -> ModelSpec:
 
     t = cfg.train
     with infinity.Init(config=cfg, enabled=cfg.zero.stage == 3) as init:
-        return build_model(t.model, t.seq_len, init if init.enabled else None)
+        return build_model(t.model, t.seq_len, init if init.enabled else None, t.micro_batch_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,10 +507,18 @@ def start(run: Run) -> None:
     run.scheduler = make_scheduler(run.optimizer, cfg, cfg.train.steps, cfg.train.lr_warmup_steps)
     paths = nvme_paths(cfg)
     if run.rank0 and paths:
-        try:
-            run.disk = probe_disk(paths[0], cfg.aio)
-        except Exception as err:  # a failed probe must not stop the training it only annotates
-            logger.warning("disk bandwidth probe of %s failed: %s", paths[0], err)
+        # The probe file lives in this run's directory: removed with it, reclaimed with it after a crash.
+        swap = run.optimizer.engine.swap_dirs.get(paths[0])
+        where = swap.path if swap is not None else paths[0]
+        free = shutil.disk_usage(where).free
+        if free < 2 * PROBE_BYTES:  # a measurement must not fill the disk (the preflight did not count it)
+            logger.warning("disk bandwidth probe of %s skipped: it writes %s and only %s is free", paths[0],
+                           fmt_bytes(PROBE_BYTES), fmt_bytes(free))
+        else:
+            try:
+                run.disk = probe_disk(where, cfg.aio)
+            except Exception as err:  # a failed probe must not stop the training it only annotates
+                logger.warning("disk bandwidth probe of %s failed: %s", paths[0], err)
     out = cfg.train.output_dir
     path = cfg.telemetry.path or (os.path.join(out, "telemetry.jsonl") if out else None)
     tb_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "tensorboard") if path else None
