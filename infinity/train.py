@@ -308,8 +308,55 @@ def build_partitioned(cfg: Config) -> ModelSpec:
     import infinity
 
     t = cfg.train
+    sizes = _fresh_param_sizes(t.model)  # on the meta device, outside Init (which would take them)
     with infinity.Init(config=cfg, enabled=cfg.zero.stage == 3) as init:
+        if sizes is not None:
+            _check_build_room(sizes, init if init.enabled else None, t.model)
         return build_model(t.model, t.seq_len, init if init.enabled else None, t.micro_batch_size)
+
+
+def _fresh_param_sizes(spec_value) -> Optional[List[int]]:
+    """The parameter sizes of a model built from scratch (a preset, a dict, a directory without
+    weights), counted on the meta device; None when it is loaded from weights (the loader
+    checks those before reading: Note [Init preflight] in _init.py) or cannot be built (the
+    build reports why)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+
+    try:
+        if isinstance(spec_value, dict):
+            fields = dict(spec_value)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        elif spec_value in PRESETS:
+            config = GPT2Config(**PRESETS[spec_value])
+        elif any(f.endswith(".safetensors") for f in os.listdir(spec_value)):
+            return None
+        else:
+            config = AutoConfig.from_pretrained(spec_value, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return [p.numel() for p in model.parameters()]
+    except Exception:  # noqa: BLE001 - whatever it is, build_model names it
+        return None
+
+
+def _check_build_room(sizes: List[int], init, what) -> None:
+    """Refuse a model whose build would not fit before a single parameter exists: under Init
+    this rank's fp32 chunks against Init's room on its tier, else the whole fp32 model
+    against the available host memory."""
+    import psutil
+
+    n = sum(sizes)
+    label = f"train.model ({n:,} parameters, counted before building)"
+    if init is not None:
+        world = comm.world_size()
+        init.store.check_room(sum(init.store.slot_bytes(-(-k // world), torch.float32) for k in sizes), label)
+        return
+    need, have = 4 * n, psutil.virtual_memory().available
+    if need > have:
+        raise InsufficientResourcesError(
+            f"{label}: building it in fp32 needs {fmt_bytes(need)} of host memory, {fmt_bytes(have)} available; "
+            f"use ZeRO stage 3 (zero.stage: 3), which builds each rank's part only, with "
+            f"zero.offload_param.device: nvme, or a smaller model")
 
 
 # ---------------------------------------------------------------------------------------------

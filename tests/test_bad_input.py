@@ -5,6 +5,7 @@ _train_data.py), a seq_len the model cannot take or whose activations cannot fit
 and a preflight whose figures show the shortfall."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -123,3 +124,26 @@ def test_no_traceback_from_the_command(tmp_path):
                            "--nvme-path", str(tmp_path / "plain" / "swap")], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == train.EXIT_BAD_INPUT and "Traceback" not in proc.stderr, proc.stderr
+
+
+HUGE = {"model_type": "gpt2", "n_layer": 24, "n_embd": 16384, "n_head": 64, "vocab_size": 258, "n_positions": 64}
+
+
+@pytest.mark.parametrize("stage, offload, where", [(1, "cpu", "host memory"), (3, "cpu", "host memory"),
+                                                    (3, "nvme", "disk under")])
+def test_a_model_too_big_to_build_is_refused_before_building(capsys, tmp_path, stage, offload, where):
+    """~77B parameters (308 GB in fp32): counted on the meta device and refused with the
+    numbers before a parameter exists, on every path of the train job; peak RSS stays small."""
+    from infinity.testing import peak_rss, reset_peak_rss
+
+    if offload == "nvme" and os.geteuid() != 0:
+        pytest.skip("a small disk for nvme_path is a tmpfs mount, which needs root")
+    nvme = tmp_path / "nvme"
+    with (mounted("tmpfs", nvme, "size=64m") if offload == "nvme" else contextlib.nullcontext()):
+        reset_peak_rss()
+        before = peak_rss()
+        err = _fails(capsys, ["--config", _config(tmp_path, model=HUGE, seq_len=32), "--stage", str(stage),
+                              "--offload", offload, "--nvme-path", str(nvme)])
+        assert "counted before building" in err and where in err
+        assert peak_rss() - before < 200 << 20, f"peak RSS rose by {(peak_rss() - before) >> 20} MiB"
+        assert not nvme.exists() or not any(nvme.rglob("*.swp"))
