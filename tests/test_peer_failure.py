@@ -93,3 +93,18 @@ def test_a_hung_peer_ends_at_the_configured_timeout(stage):
     assert report["step"] == 2
     assert "timed out after 3s (comm.timeout)" in report["message"], report
     assert 2.5 < report["after_s"] < 20, report
+
+
+def test_the_config_key_wins_over_the_variable(monkeypatch):
+    from infinity import _comm
+    from infinity.config import Config
+
+    monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 600.0)  # restored after the test: the setting is per process
+    monkeypatch.setattr(_comm, "_TIMEOUT_SOURCE", "INFINITY_COMM_TIMEOUT")
+    _comm.configure(Config())  # no key: the variable's value stays
+    assert _comm.timeout_s() == 600.0
+    _comm.configure(Config.from_dict({"comm": {"timeout": 7}}))
+    assert _comm.timeout_s() == 7.0 and _comm._TIMEOUT_SOURCE == "comm.timeout"
+    monkeypatch.setenv("INFINITY_COMM_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="INFINITY_COMM_TIMEOUT='soon'"):
+        _comm._env_timeout()
