@@ -555,8 +555,7 @@ def start(run: Run) -> None:
     paths = nvme_paths(cfg)
     if run.rank0 and paths:
         # The probe file lives in this run's directory: removed with it, reclaimed with it after a crash.
-        swap = run.optimizer.engine.swap_dirs.get(paths[0])
-        where = swap.path if swap is not None else paths[0]
+        where = run.optimizer.engine.swap_dirs.under(paths[0]).path
         free = shutil.disk_usage(where).free
         if free < 2 * PROBE_BYTES:  # a measurement must not fill the disk (the preflight did not count it)
             logger.warning("disk bandwidth probe of %s skipped: it writes %s and only %s is free", paths[0],
