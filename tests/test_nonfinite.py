@@ -214,3 +214,27 @@ def test_fp16_keeps_its_loss_scaler(tmp_path):
         assert opt.skipped and opt.scaler.skipped_steps == 1 and opt.nonfinite_skipped == 0
     finally:
         opt.engine.close()
+
+
+def _diverging_job(tmp_path, mode: str) -> list:
+    """A train-job config whose first step blows the weights up (lr 1e30): every later loss is inf/NaN."""
+    import json
+
+    cfg = {"zero": {"stage": 3}, "precision": {"dtype": "fp32", "on_nonfinite": mode},
+           "optimizer": {"lr": 1e30}, "gradient_clipping": 0.0,
+           "train": {"model": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 258,
+                               "n_positions": 32}, "steps": 3, "seq_len": 16, "micro_batch_size": 2, "save": False}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    return ["--config", str(path)]
+
+
+def test_train_job_stops_with_a_message_or_counts_the_skips(tmp_path, capsys):
+    from infinity import train
+
+    assert train.main(_diverging_job(tmp_path, "error")) == 1
+    err = capsys.readouterr().err
+    assert "infinity.train: error: rank 0: step 2: inf or NaN in the loss" in err and "Traceback" not in err
+    assert train.main(_diverging_job(tmp_path, "skip")) == 0
+    out = capsys.readouterr().out
+    assert "skipped steps" in out and "2 of 3 (inf/NaN loss or gradients" in out
