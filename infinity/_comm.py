@@ -27,7 +27,39 @@ from . import _accelerator as acc
 from ._log import logger
 from .errors import InfinityError, UsageError
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("INFINITY_COMM_TIMEOUT", "600"))
+
+def _env_timeout() -> float:
+    text = os.environ.get("INFINITY_COMM_TIMEOUT", "600")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"INFINITY_COMM_TIMEOUT={text!r} is not a number of seconds > 0; unset it or set e.g. 600 "
+                         f"(or the config key comm.timeout, which wins over the variable)")
+    return value
+
+
+# Note [comm timeout]: every collective, every wait on the overlapped step and on NVMe I/O
+# fails after this many seconds, naming what it waited for. The config key ``comm.timeout``
+# wins over the INFINITY_COMM_TIMEOUT variable (a config is the run's record; the variable is
+# the fallback for code without one); ``configure`` sets it per process when a config is
+# used (initialize, Init, the train job). It also bounds the process group that infinity
+# creates itself, so a sync collective on it cannot outwait it either.
+DEFAULT_TIMEOUT_S = _env_timeout()
+_TIMEOUT_SOURCE = "INFINITY_COMM_TIMEOUT"
+
+
+def configure(cfg) -> None:
+    """Take ``comm.timeout`` from ``cfg`` when it sets one: Note [comm timeout]."""
+    global DEFAULT_TIMEOUT_S, _TIMEOUT_SOURCE
+    value = getattr(getattr(cfg, "comm", None), "timeout", None)
+    if value is not None:
+        DEFAULT_TIMEOUT_S, _TIMEOUT_SOURCE = float(value), "comm.timeout"
+
+
+def timeout_s() -> float:
+    return DEFAULT_TIMEOUT_S
 
 
 class CommTimeout(InfinityError, RuntimeError):
@@ -43,7 +75,7 @@ def ensure_initialized() -> None:
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         backend = acc.comm_backend()
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
         logger.info("initialized torch.distributed (%s), world size %d", backend, dist.get_world_size())
 
 
@@ -101,17 +133,17 @@ class CommHandle:
     work: Optional[object]
     what: str
 
-    def wait(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def wait(self, timeout_s: Optional[float] = None) -> None:
         if self.work is None:
             return
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         start = time.monotonic()
         try:
             ok = self.work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            raise CommTimeout(failure_message(self.what, e, time.monotonic() - start, timeout_s)) from e
+            raise CommTimeout(failure_message(self.what, e, time.monotonic() - start, timeout_s)) from None
         if ok is False:
-            raise CommTimeout(f"rank {rank()}: {self.what} did not finish within {timeout_s:.0f}s "
-                              f"(INFINITY_COMM_TIMEOUT); a peer is hung or far behind: check the other ranks' logs")
+            raise CommTimeout(_timed_out(self.what, timeout_s, "check the other ranks' logs"))
         self.work = None
 
     def done(self) -> bool:
@@ -121,16 +153,38 @@ class CommHandle:
 _PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe", "connection closed by peer", "EOF")
 
 
+def _peer() -> str:
+    """The peer a failed collective lost: named when there is only one other rank (gloo's
+    error gives the peer's address, not its rank)."""
+    if world_size() == 2:
+        return f"rank {1 - rank()}"
+    return "a peer"
+
+
+def _timed_out(what: str, timeout_s: float, tail: str) -> str:
+    return (f"rank {rank()}: {what} timed out after {timeout_s:g}s ({_TIMEOUT_SOURCE}); a peer is hung or far "
+            f"behind: {tail}")
+
+
 def failure_message(what: str, error: BaseException, waited_s: float, timeout_s: float) -> str:
     """What a failed collective tells the user: a peer that died is not a timeout."""
-    text = str(error)
+    text = str(error).strip()
     if any(marker.lower() in text.lower() for marker in _PEER_GONE):
-        return (f"rank {rank()}: {what} failed after {waited_s:.1f}s: a peer closed its connection (its process "
-                f"exited or was killed); the error that stopped it is in that rank's log. ({text.strip()})")
+        return (f"rank {rank()}: {what} failed after {waited_s:.1f}s: {_peer()} died (the peer closed its connection: "
+                f"its process exited or was killed); the error that stopped it is in that rank's log. ({text})")
     if waited_s < timeout_s * 0.9:
-        return f"rank {rank()}: {what} failed after {waited_s:.1f}s: {text.strip()}"
-    return (f"rank {rank()}: {what} timed out after {timeout_s:.0f}s (INFINITY_COMM_TIMEOUT); a peer is hung or far "
-            f"behind: {text.strip()}")
+        return f"rank {rank()}: {what} failed after {waited_s:.1f}s: {text}"
+    return _timed_out(what, timeout_s, text)
+
+
+def _run(what: str, launch) -> None:
+    """Run a collective issued with ``async_op=True`` and wait for it at most the timeout,
+    so a dead peer and a hung one both end in an error naming ``what``."""
+    try:
+        work = launch()
+    except RuntimeError as e:  # gloo may fail at launch when the peer is already gone
+        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+    CommHandle(work, what).wait()
 
 
 # ---------------------------------------------------------------- collectives
@@ -146,8 +200,14 @@ def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *
         if out.data_ptr() != shard.data_ptr():  # one rank may gather in place
             out.copy_(shard)
         return CommHandle(None, what)
-    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
-    return CommHandle(work if async_op else None, what)
+    if not async_op:
+        _run(what, lambda: dist.all_gather_into_tensor(out, shard, group=group, async_op=True))
+        return CommHandle(None, what)
+    try:
+        work = dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+    except RuntimeError as e:
+        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+    return CommHandle(work, what)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, async_op: bool = True,
@@ -160,32 +220,44 @@ def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, 
         if out.data_ptr() != full.data_ptr():  # one rank may reduce in place
             out.copy_(full)
         return CommHandle(None, what)
-    work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return CommHandle(work if async_op else None, what)
+    if not async_op:
+        _run(what, lambda: dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        return CommHandle(None, what)
+    try:
+        work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    except RuntimeError as e:
+        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+    return CommHandle(work, what)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None, *, what: str = "all-reduce") -> torch.Tensor:
     """In-place all-reduce (sum or max); synchronous. Small tensors only (norms, flags)."""
     if is_distributed():
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(t, op=red, group=group)
+        _run(what, lambda: dist.all_reduce(t, op=red, group=group, async_op=True))
     return t
 
 
-def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
+def broadcast(t: torch.Tensor, src: int, group=None, *, what: str = "broadcast") -> torch.Tensor:
     if is_distributed():
-        dist.broadcast(t, src=src, group=group)
+        _run(what, lambda: dist.broadcast(t, src=src, group=group, async_op=True))
     return t
 
 
-def barrier(group=None) -> None:
+def barrier(group=None, *, what: str = "barrier") -> None:
     if is_distributed():
-        dist.barrier(group=group)
+        _run(what, lambda: dist.barrier(group=group, async_op=True))
 
 
-def all_gather_object(obj, group=None) -> list:
+def all_gather_object(obj, group=None, *, what: str = "all-gather of objects") -> list:
+    """torch's all_gather_object has no async form: its waits are bounded by the process
+    group's timeout (infinity's own group: comm.timeout); failures are named here."""
     if not is_distributed():
         return [obj]
     out = [None] * world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    start = time.monotonic()
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as e:
+        raise CommTimeout(failure_message(what, e, time.monotonic() - start, DEFAULT_TIMEOUT_S)) from None
     return out

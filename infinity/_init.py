@@ -378,6 +378,7 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
+        comm.configure(self.cfg)  # Note [comm timeout] in _comm.py
         comm.ensure_initialized()
         self.rank, self.world_size = comm.rank(), comm.world_size()
         off = self.cfg.zero.offload_param

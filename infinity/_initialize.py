@@ -61,6 +61,7 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     if engine_of(model) is not None:
         raise EngineError("this model was already passed to infinity.initialize; call it once per model")
     cfg = Config.coerce(config)
+    comm.configure(cfg)  # Note [comm timeout] in _comm.py
     comm.ensure_initialized()
     tiling = cfg.zero.tiling
     replaced = tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)

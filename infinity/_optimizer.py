@@ -7,6 +7,20 @@ Adam on the flat shards (the native CPU Adam when the shards are CPU-resident, e
 math in torch) over the parameters that got a gradient, each with its group's
 hyperparameters and its own step count (Note [update plan] in _param_groups.py), and writes
 the updated low-precision values back to the parameters.
+
+Note [non-finite steps]: no step trains on inf/NaN. The check costs nothing extra: the
+stores fold finiteness into the squared norm they compute anyway for clipping (one pass
+over the gradient shards, fused with their accumulation on NVMe), the loss flag
+(``note_loss``, a device-side ``isfinite`` with no synchronisation; ``step(closure)`` notes
+the closure's loss) rides in the same all-reduce as the norm, so every rank sees the same
+verdict and skips or raises together. fp16 keeps its loss scaler: an overflow backs the scale
+off and skips the step. In bf16/fp32 ``precision.on_nonfinite`` decides: ``error`` raises
+NonFiniteError naming the step (``step()`` calls so far) and, when the gradients are in
+memory, the first parameter whose shard is bad; ``skip`` drops the gradients and leaves
+parameters, Adam moments and step counts untouched, like GradScaler skipping
+``optimizer.step()``: the bias correction of the next applied step is as if the skipped
+step had never happened. A non-finite loss whose gradients are finite (a constant inf term)
+is caught only through a noted loss.
 """
 from __future__ import annotations
 
@@ -22,7 +36,7 @@ from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_para
 from ._step_gate import StepGate
 from ._stores import Chunk, MemoryOptimizerStore, state_bytes
 from ._tiers import Tier
-from .errors import EngineError, NotSupportedError, UsageError
+from .errors import EngineError, NonFiniteError, NotSupportedError, UsageError
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -90,7 +104,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier is not Tier.DEVICE else None
         self.last_grad_norm: Optional[float] = None
         self.skipped = False
-        self._step = 0
+        self._step = 0  # steps applied (skipped ones excluded, as GradScaler skips optimizer.step)
+        self._calls = 0  # step() calls, skipped ones included: the step named by errors
+        self.nonfinite_skipped = 0  # steps skipped for inf/NaN under precision.on_nonfinite: skip
+        self._loss_ok: Optional[torch.Tensor] = None  # all losses noted since the last step were finite
 
     @property
     def grad_scale(self) -> float:
@@ -134,18 +151,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.reducer.finish()
         with engine.counters.blocked("grad_offload"):
             self.store.finalize_grads()
-        sq, finite = self.store.grad_stats()
-        stats = torch.cat([torch.tensor([sq, 0.0 if finite else 1.0], dtype=torch.float64), self.sink.got_grad])
-        comm.all_reduce(stats, "sum")  # the norm, overflow and which parameters got a gradient, in one collective
+        self._calls += 1
+        if loss is not None:
+            self.note_loss(loss)
+        sq, finite = self.store.grad_stats()  # Note [non-finite steps]
+        bad_loss = 0.0 if self._loss_ok is None or bool(self._loss_ok) else 1.0
+        self._loss_ok = None
+        head = torch.tensor([sq, 0.0 if finite else 1.0, bad_loss], dtype=torch.float64)
+        stats = torch.cat([head, self.sink.got_grad])
+        # the norm, non-finite flags and which parameters got a gradient, in one collective
+        comm.all_reduce(stats, "sum", what=f"gradient norm of step {self._calls}")
         self.sink.got_grad.zero_()  # the step consumes this backward's gradients (the store's are sealed below)
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        nonfinite = bool(stats[1].item() > 0 or stats[2].item() > 0)
         if self.scaler is not None:
-            overflow = bool(stats[1].item() > 0)
-            self.scaler.update(overflow)
-            if overflow:
-                self.skipped = True
-                self._finish_step()
-                return loss
+            self.scaler.update(nonfinite)  # fp16: an overflow backs the loss scale off, as always
+        elif nonfinite:
+            self._on_nonfinite(grads_bad=not finite, loss_bad=bool(bad_loss), any_grad_bad=stats[1].item() > 0)
+        if nonfinite:
+            self.skipped = True
+            self._finish_step()
+            return loss
         self.skipped = False
         self.last_grad_norm = math.sqrt(stats[0].item()) * inv_scale
         coef = inv_scale
@@ -157,7 +183,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if coef != 1.0:
             self.store.scale_grads(coef)
         self._step += 1
-        plan = self.steps.advance(stats[2:], self.param_groups, self.adamw)  # Note [update plan]
+        plan = self.steps.advance(stats[3:], self.param_groups, self.adamw)  # Note [update plan]
         out_flat = None  # stages 1-2: the updated compute-dtype shards, gathered after the update
         if not engine.policy.partition_params:
             in_memory_fp32 = engine.dtype == torch.float32 and isinstance(self.store, MemoryOptimizerStore)
@@ -176,16 +202,61 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._finish_step()
         return loss
 
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Have the next ``step()`` check ``loss`` (and any other noted since the last step)
+        for inf/NaN along with the gradients: Note [non-finite steps]. No synchronisation
+        here; ``step`` reads the flag with the norm it reads anyway."""
+        ok = torch.isfinite(loss.detach()).all()
+        self._loss_ok = ok if self._loss_ok is None else self._loss_ok & ok
+
+    def _on_nonfinite(self, *, grads_bad: bool, loss_bad: bool, any_grad_bad: bool) -> None:
+        """Note [non-finite steps]: bf16/fp32 (fp16 has its loss scaler) with an inf/NaN loss
+        or gradient: raise, or skip the step (the caller leaves parameters and states as they
+        are) with a warning and a count."""
+        what = " and ".join(w for w, bad in (("the loss", loss_bad), ("the gradients", any_grad_bad)) if bad)
+        where = self._nonfinite_parameter() if grads_bad else None
+        at = (f"; first in this rank's shard of {where}" if where else
+              "; in another rank's gradient shard" if any_grad_bad and not grads_bad else "")
+        rank = self.engine.rank
+        if self.cfg.precision.on_nonfinite == "error":
+            raise NonFiniteError(
+                f"rank {rank}: step {self._calls}: inf or NaN in {what}{at} ({self.engine.dtype}); nothing was "
+                f"updated. Look for bad values in that step's batch or a diverging run (lower optimizer.lr, set "
+                f"gradient_clipping), or set precision.on_nonfinite: skip to skip such steps")
+        self.nonfinite_skipped += 1
+        logger.warning("rank %d: step %d skipped: inf or NaN in %s%s (%d skipped so far; "
+                       "precision.on_nonfinite: skip)", rank, self._calls, what, at, self.nonfinite_skipped)
+
+    def _nonfinite_parameter(self) -> Optional[str]:
+        """The first parameter whose gradient shard on this rank holds inf/NaN, when the
+        gradients are in memory (only on this error path: one more pass over them)."""
+        flat = getattr(self.store, "grad", None)
+        if flat is None:
+            flat = getattr(self.store, "grad_mem", None)
+        if not isinstance(flat, torch.Tensor):
+            return None  # streamed from NVMe: the step's number is named, not the parameter
+        for unit in self.engine.units:
+            if not unit.trainable:
+                continue
+            shard = flat[unit.opt_offset : unit.opt_offset + unit.shard_numel]
+            if bool(torch.isfinite(shard).all()):
+                continue
+            for info in unit.infos:
+                if not bool(torch.isfinite(shard[info.shard_offset : info.shard_offset + info.chunk]).all()):
+                    return info.name
+        return None
+
     # ------------------------------------------------------------ overlapped step
 
     def _launch_step(self, plan: Plan) -> None:
         """Note [overlapped step]: with the optimizer states on NVMe, or the parameters on NVMe
         and the optimizer states in host memory, the step is bound by its reads and writes
         rather than by its arithmetic, so it runs on a background thread, chunk by chunk in
-        flat (= unit) order, while the next forward and backward run. ``_updated_upto`` is the flat offset below which every
-        shard is updated (its write to the parameter tier may still be in flight: a fetch
-        that reads the tier waits for the writes first); a unit is fetched only once its range is below it
-        (``wait_updated``), so no computation ever sees a stale parameter. The next backward
+        flat (= unit) order, while the next forward and backward run. The step gate's published
+        offset (Note [step gate] in _step_gate.py) is the flat offset below which every shard
+        is updated (its write to the parameter tier may still be in flight: a fetch that reads
+        the tier waits for the writes first); a unit is fetched only once its range is below it
+        (``StepGate.wait``), so no computation ever sees a stale parameter. The next backward
         needs no wait either: it writes the gradients of a unit only after computing with
         that unit, which was fetched, hence updated, hence its gradient range (whole chunks)
         already read by the step. A second step, GatheredParameters edits, reading master

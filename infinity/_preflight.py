@@ -83,7 +83,7 @@ def preflight(placement: "Placement", cfg) -> dict:
     avail = psutil.virtual_memory().available
     if host_total * ranks > avail:
         problems.append(
-            f"host memory: {ranks} rank(s) x {host_total / GiB:.2f} GiB needed, {avail / GiB:.2f} GiB available; "
+            f"host memory: {ranks} rank(s) x {_amounts(host_total, avail, ranks)} available; "
             f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
             f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, keep gradients on "
             f"NVMe (zero.offload_optimizer.gradients: nvme), or run fewer ranks per node")
@@ -94,11 +94,21 @@ def preflight(placement: "Placement", cfg) -> dict:
             note = (f"; {len(others)} other run director{'y' if len(others) == 1 else 'ies'} there "
                     f"({', '.join(others[:3])}) belong to live runs or other hosts") if others else ""
             problems.append(
-                f"disk under {path}: {ranks} rank(s) x {nbytes / GiB:.2f} GiB of swap files needed, "
-                f"{free / GiB:.2f} GiB free{note}; point nvme_path at a larger disk or free space")
+                f"disk under {path}: {ranks} rank(s) x {_amounts(nbytes, free, ranks, 'of swap files ')} free{note}; "
+                f"point nvme_path at a larger disk or free space")
     if problems:
         raise InsufficientResourcesError("this placement does not fit on this machine:\n  - " + "\n  - ".join(problems))
     return need
+
+
+def _amounts(need: int, have: int, ranks: int, what: str = "") -> str:
+    """"<need> <what>needed, <have>" in a unit and with digits that show the shortfall: MiB
+    below a GiB, and exact bytes when the rounded figures would read the same."""
+    unit, name = (GiB, "GiB") if max(need * ranks, have) >= GiB else (float(1 << 20), "MiB")
+    a, b = f"{need / unit:.2f} {name}", f"{have / unit:.2f} {name}"
+    if f"{need * ranks / unit:.2f}" == f"{have / unit:.2f}":
+        a, b = f"{need:,} bytes", f"{have:,} bytes"
+    return f"{a} {what}needed, {b}"
 
 
 def engine_device_is_host() -> bool:

@@ -5,13 +5,20 @@ with a fresh random run id, so a second run on the same ``nvme_path`` never read
 of a first (crashed or concurrent) one. The directory is removed when the engine is garbage
 collected or the interpreter exits normally. A crashed run (``kill -9``, a power loss) leaves
 it behind: each rank directory therefore holds an ``owner`` file (host, pid, process start
-time), and the next run that uses the ``nvme_path`` removes the run directories whose every
-owner on this host is gone (``reclaim_stale``), before its preflight counts the free space,
-and says what it removed. Directories of live processes, or of other hosts sharing the disk,
-are left alone.
+time) on which its process holds an exclusive flock for as long as it lives (the kernel drops
+it when the process dies, however it dies), and the next run that uses the ``nvme_path``
+removes the run directories whose every owner on this host is gone (``reclaim_stale``),
+before its preflight counts the free space, and says what it removed and how much. Gone
+means: the owner file's lock can be taken (a pid reused by another process does not fool
+it), or, for a directory of an older layout without the lock, the pid is gone. The owner
+file is written and locked under a temporary name and renamed into place, so a reclaimer
+never sees an owner file that is not yet locked. Directories of live processes, or of other
+hosts sharing the disk (whose locks this host cannot see), are left alone. The train job's
+disk probe writes inside its run directory, so it goes with it.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -29,15 +36,18 @@ class SwapDir:
         if not nvme_path:
             raise UsageError("NVMe offload needs nvme_path: set zero.offload_param.nvme_path / "
                              "zero.offload_optimizer.nvme_path to a directory on a fast local disk")
-        os.makedirs(nvme_path, exist_ok=True)
         self.rank = rank
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.path = os.path.join(os.path.abspath(nvme_path), f"infinity-{self.run_id}", f"rank{rank}")
-        reclaim_stale(nvme_path)
-        os.makedirs(self.path, exist_ok=False)
-        with open(os.path.join(self.path, OWNER), "w") as f:
-            f.write(_owner_line(os.getpid()))
-        self._finalizer = weakref.finalize(self, _remove, os.path.dirname(self.path), self.path)
+        try:
+            os.makedirs(nvme_path, exist_ok=True)
+            reclaim_stale(nvme_path)
+            os.makedirs(self.path, exist_ok=False)
+            lock_fd = _write_owner(self.path)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create the swap directory {self.path}: {e.strerror} "
+                                        f"({e.filename}); give a writable directory as nvme_path") from None
+        self._finalizer = weakref.finalize(self, _remove, os.path.dirname(self.path), self.path, lock_fd)
 
     def file(self, name: str, nbytes: int) -> str:
         """Create (preallocated to ``nbytes``) and return the path of a swap file."""
@@ -78,8 +88,21 @@ class SwapDirs:
             d.remove()
 
 
-def _remove(run_dir: str, rank_dir: str) -> None:
+def _write_owner(rank_dir: str) -> int:
+    """Note [swap directories]: the owner file, locked before it appears under its name;
+    returns the descriptor that holds the lock (closed when the directory is removed)."""
+    tmp = os.path.join(rank_dir, OWNER + ".tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, _owner_line(os.getpid()).encode())
+    os.rename(tmp, os.path.join(rank_dir, OWNER))
+    return fd
+
+
+def _remove(run_dir: str, rank_dir: str, lock_fd: int = -1) -> None:
     shutil.rmtree(rank_dir, ignore_errors=True)
+    if lock_fd >= 0:
+        os.close(lock_fd)  # after the removal: no reclaimer takes a directory still being removed
     try:
         os.rmdir(run_dir)  # the last rank out removes the run directory
     except OSError:
@@ -107,14 +130,30 @@ def _owner_gone(rank_dir: str) -> bool:
     """The process that owned ``rank_dir`` ran on this host and is gone (a recycled pid does
     not count as alive: its start time differs)."""
     try:
-        with open(os.path.join(rank_dir, OWNER)) as f:
-            host, pid, started = f.read().split()
-    except (OSError, ValueError):
+        fd = os.open(os.path.join(rank_dir, OWNER), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return False  # not ours to judge (older layout, or being created right now)
-    if host != socket.gethostname() or not os.path.exists("/proc/self/stat"):
-        return False  # another host's, or no way to tell here
-    now = _start_time(int(pid))
-    return now is None or (started != "None" and now != started)
+    try:
+        try:
+            host, pid, started = os.read(fd, 4096).decode().split()
+        except (OSError, ValueError, UnicodeDecodeError):
+            return False
+        if host != socket.gethostname():
+            return False  # another host's: its lock is not visible from here
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its owner holds the lock: alive
+        except OSError:
+            pass  # no flock on this file system: judge by the pid
+        else:
+            return True  # nobody holds the lock: the owner is gone
+        if not os.path.exists("/proc/self/stat"):
+            return False  # no way to tell here
+        now = _start_time(int(pid))
+        return now is None or (started != "None" and now != started)
+    finally:
+        os.close(fd)
 
 
 def _size(path: str) -> int:
@@ -154,9 +193,10 @@ def reclaim_stale(nvme_path: str) -> list:
                 except OSError:
                     pass
     if removed:
-        logger.warning("removed %d swap director%s and probe files left under %s by crashed runs (%.2f GiB): %s",
-                       len(removed), "y" if len(removed) == 1 else "ies", nvme_path,
-                       sum(n for _, n in removed) / (1 << 30), ", ".join(os.path.basename(p) for p, _ in removed))
+        total = sum(n for _, n in removed)
+        logger.warning("reclaimed %.1f MiB (%d bytes) under %s left by crashed runs: removed %d swap director%s and "
+                       "probe files (%s)", total / (1 << 20), total, nvme_path, len(removed),
+                       "y" if len(removed) == 1 else "ies", ", ".join(os.path.basename(p) for p, _ in removed))
     return removed
 
 

@@ -93,14 +93,45 @@ def read_texts(path: str) -> List[str]:
     if not path.endswith(".txt"):
         raise DataError(f"data file {path!r}: unknown extension; use .txt (plain text) or .jsonl "
                         f"(one {{\"text\": ...}} object a line)")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return [f.read()]
+    with open(path, "rb") as f:
+        return [_decode_text(path, f.read())]
+
+
+# Note [binary data]: a .txt file that is not text (a model file, an archive, random bytes)
+# would train on garbage bytes. Each byte that is not UTF-8, or is NUL, counts as undecodable:
+# above BINARY_FRACTION of the file it is refused with the fraction; below, the bytes are
+# replaced (U+FFFD) and a warning gives the fraction. A .jsonl line that is not UTF-8 is
+# refused naming the line: JSON has no such thing as an undecodable line.
+BINARY_FRACTION = 0.01
+
+
+def _decode_text(path: str, data: bytes) -> str:
+    from ._log import logger
+
+    text = data.decode("utf-8", errors="surrogateescape")  # each bad byte becomes one lone surrogate
+    bad = sum(1 for ch in text if "\udc80" <= ch <= "\udcff") + text.count("\x00")
+    if not bad:
+        return text
+    fraction = bad / max(1, len(data))
+    if fraction > BINARY_FRACTION:
+        raise DataError(f"data file {path!r} does not look like text: {bad} of its {len(data)} bytes "
+                        f"({fraction:.1%}) are not UTF-8 or are NUL; give a UTF-8 .txt file (or a .jsonl of "
+                        f"{{\"text\": ...}} lines)")
+    logger.warning("data file %s: %d of its %d bytes (%.3f%%) are not UTF-8 or are NUL; they are replaced by "
+                   "U+FFFD and trained on as such", path, bad, len(data), 100 * fraction)
+    return text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace").replace("\x00", "\ufffd")
 
 
 def _read_jsonl(path: str) -> List[str]:
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                f"{err.start + 1}); a .jsonl file holds one {{\"text\": ...}} object of UTF-8 "
+                                f"text a line") from None
             if not line.strip():
                 continue
             try:

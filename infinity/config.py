@@ -100,14 +100,34 @@ def _parse_bytes(value: Any) -> Any:
 
 
 def _check_dir(value: str) -> Optional[str]:
-    """An existing path must be a writable directory; a missing one is created by the engine."""
-    if not os.path.exists(value):
+    """An existing path must be a writable directory; a missing one is created by the engine,
+    so its nearest existing ancestor must be a writable directory (not a file, not on a
+    read-only mount: access(2) reports EROFS even to root)."""
+    path = os.path.abspath(value)
+    if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            return (f"{value!r} cannot be created: {parent!r} is a file, not a directory; give a directory on the "
+                    f"NVMe device")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return (f"{value!r} cannot be created: {parent!r} is not writable ({_why_not_writable(parent)}); give a "
+                    f"writable directory")
         return None
-    if not os.path.isdir(value):
+    if not os.path.isdir(path):
         return f"{value!r} exists but is not a directory; give a directory on the NVMe device"
-    if not os.access(value, os.W_OK | os.X_OK):
-        return f"directory {value!r} is not writable by this user; give a writable directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"directory {value!r} is not writable ({_why_not_writable(path)}); give a writable directory"
     return None
+
+
+def _why_not_writable(path: str) -> str:
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "it is on a read-only file system" if read_only else "not by this user"
 
 
 def _check_data_path(value: str) -> Optional[str]:
@@ -264,6 +284,10 @@ class PrecisionConfig:
     loss_scale_window: int = _opt(1000, "fp16: overflow-free steps before the scale doubles", ge=1)
     hysteresis: int = _opt(2, "fp16: overflows tolerated before the scale halves", ge=1)
     min_loss_scale: float = _opt(1.0, "fp16: the dynamic scale never goes below this", gt=0)
+    on_nonfinite: Literal["error", "skip"] = _opt(
+        "error", "a step whose loss or gradient norm is inf/NaN (bf16, fp32; fp16 overflows are the loss "
+        "scaler's): error stops naming the step, skip leaves parameters and optimizer states untouched, counts it "
+        "and warns")
 
     def __post_init__(self):
         if self.dtype == "auto":  # resolved once, here: everything downstream sees a concrete dtype
@@ -322,6 +346,15 @@ class AioConfig:
                                  "(a mismatch raises CorruptionError); 8 bytes of host memory per block")
     timeout: Optional[float] = _opt(None, "seconds a wait for swap-file I/O may last before WaitTimeout names the "
                                           "requests still in flight (a hung disk); null = INFINITY_COMM_TIMEOUT", gt=0)
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """Collectives between data-parallel ranks."""
+
+    timeout: Optional[float] = _opt(
+        None, "seconds any collective (and a wait on the overlapped step or on I/O) may take before it fails naming "
+        "what it moved; null = the INFINITY_COMM_TIMEOUT variable, else 600; the key wins over the variable", gt=0)
 
 
 @dataclass(frozen=True)
@@ -390,6 +423,7 @@ class Config:
     gradient_accumulation_steps: int = _opt(1, "micro-batches (backward calls) per optimizer step",
                                             ge=1)
     aio: AioConfig = _opt(AioConfig, "async I/O")
+    comm: CommConfig = _opt(CommConfig, "collectives")
     device_memory_limit: Optional[int] = _opt(
         None, "budget for the engine's device allocations, bytes or a size like '8GB'; null = none",
         gt=0, parse=_parse_bytes, type_doc="int, size string or null")

@@ -54,3 +54,7 @@ class NativeLibraryMissing(InfinityError, ImportError):
 
 class NotSupportedError(InfinityError, NotImplementedError):
     """A torch API that infinity cannot honour faithfully; the message says what to use."""
+
+
+class NonFiniteError(InfinityError, FloatingPointError):
+    """A step's loss or gradients are inf/NaN (``precision.on_nonfinite: error``)."""

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import sys
 import tempfile
@@ -54,11 +55,12 @@ from ._train_data import (
     token_windows,
 )
 from .config import Config
-from .errors import InfinityError, UsageError
+from .errors import InfinityError, NonFiniteError, UsageError
 
 EXIT_BAD_INPUT = 2
 PROBE_BYTES = 64 * 1024 * 1024
 PROBE_REPS = 3
+GPT2_POSITIONS = 1024  # GPT-2's position table: the most the gpt2-tiny preset sizes its own to
 
 # Named model presets: fields of transformers.GPT2Config. "gpt2-tiny" matches the byte tokenizer.
 PRESETS: Dict[str, dict] = {
@@ -190,7 +192,7 @@ def _positions(config) -> Optional[int]:
     return None
 
 
-def _check_fits(config, tokenizer, seq_len: int, what: str) -> None:
+def _check_fits(config, tokenizer, seq_len: int, what: str, micro_batch: int = 1) -> None:
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and vocab < tokenizer.vocab_size:
         raise TrainError(f"{what}: vocab_size {vocab} is smaller than the tokenizer's {tokenizer.vocab_size} "
@@ -199,6 +201,36 @@ def _check_fits(config, tokenizer, seq_len: int, what: str) -> None:
     if positions is not None and positions < seq_len:
         raise TrainError(f"{what}: the model takes at most {positions} positions but train.seq_len is "
                          f"{seq_len}; lower train.seq_len or raise n_positions/max_position_embeddings")
+    _check_activations(config, seq_len, micro_batch, what)
+
+
+def activation_bytes(config, seq_len: int, micro_batch: int) -> int:
+    """Bytes of activations one fp32 micro-batch keeps for backward: ZeRO-Infinity's eq. 5
+    (seed 002) without checkpointing, ``bsz·seq·layers·(16·hidden + 2·heads·seq)`` 2-byte
+    elements (doubled for fp32), the ``heads·seq²`` attention scores only where the attention
+    stores them (eager; sdpa/flash kernels do not), plus the logits, their fp32 copy and
+    gradient (3 x bsz·seq·vocab x 4 bytes)."""
+    layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", None) or 1
+    hidden = getattr(config, "n_embd", None) or getattr(config, "hidden_size", None) or 0
+    heads = getattr(config, "n_head", None) or getattr(config, "num_attention_heads", None) or 1
+    vocab = getattr(config, "vocab_size", None) or 0
+    scores = 2 * heads * seq_len if getattr(config, "_attn_implementation", None) == "eager" else 0
+    return 2 * micro_batch * seq_len * layers * (16 * hidden + scores) + 12 * micro_batch * seq_len * vocab
+
+
+def _check_activations(config, seq_len: int, micro_batch: int, what: str) -> None:
+    """Refuse, before the model is built, a micro-batch whose activations cannot fit the
+    memory they live in (host memory on a CPU-only run)."""
+    if acc.device().type != "cpu":
+        return  # device memory: the engine's device budget and the estimator speak for it
+    import psutil
+
+    need, have = activation_bytes(config, seq_len, micro_batch), psutil.virtual_memory().available
+    if need > have:
+        raise TrainError(f"{what}: train.seq_len {seq_len} x train.micro_batch_size {micro_batch} needs about "
+                         f"{fmt_bytes(need)} of activations for one micro-batch (estimate) but only "
+                         f"{fmt_bytes(have)} of host memory is available; lower train.seq_len or "
+                         f"train.micro_batch_size (gradient_accumulation_steps keeps the batch)")
 
 
 def _causal_lm_from_config(config, what: str):
@@ -211,7 +243,7 @@ def _causal_lm_from_config(config, what: str):
                          f"use a GPT-style model_type such as gpt2 or llama") from None
 
 
-def build_model(spec_value, seq_len: int, init=None) -> ModelSpec:
+def build_model(spec_value, seq_len: int, init=None, micro_batch: int = 1) -> ModelSpec:
     """A preset name, a dict of HF config fields with model_type, or a local directory (built
     under ``init``, the ``infinity.Init`` in effect, if any)."""
     from transformers import AutoConfig, GPT2Config
@@ -224,19 +256,19 @@ def build_model(spec_value, seq_len: int, init=None) -> ModelSpec:
             config = AutoConfig.for_model(model_type, **fields)
         except (ValueError, KeyError, TypeError) as err:
             raise TrainError(f"train.model: cannot build a {model_type!r} config from {fields}: {err}") from None
-        _check_fits(config, byte_tok, seq_len, "train.model")
+        _check_fits(config, byte_tok, seq_len, "train.model", micro_batch)
         return ModelSpec(_causal_lm_from_config(config, "train.model"), byte_tok, f"{model_type} from config")
     if spec_value in PRESETS:
         fields = dict(PRESETS[spec_value])
-        if spec_value == "gpt2-tiny":
-            fields["n_positions"] = max(256, seq_len)
+        if spec_value == "gpt2-tiny":  # its position table fits the run, up to GPT-2's 1024 (refused above)
+            fields["n_positions"] = min(max(256, seq_len), GPT2_POSITIONS)
         config = GPT2Config(**fields)
-        _check_fits(config, byte_tok, seq_len, f"preset {spec_value}")
+        _check_fits(config, byte_tok, seq_len, f"preset {spec_value}", micro_batch)
         return ModelSpec(_causal_lm_from_config(config, spec_value), byte_tok, f"{spec_value} (preset)")
-    return _model_from_dir(spec_value, seq_len, init)
+    return _model_from_dir(spec_value, seq_len, init, micro_batch)
 
 
-def _model_from_dir(directory: str, seq_len: int, init=None) -> ModelSpec:
+def _model_from_dir(directory: str, seq_len: int, init=None, micro_batch: int = 1) -> ModelSpec:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isdir(directory):
@@ -250,7 +282,7 @@ def _model_from_dir(directory: str, seq_len: int, init=None) -> ModelSpec:
     except Exception as err:  # transformers raises OSError, ValueError, JSON errors...
         raise TrainError(f"model directory {directory!r}: config.json cannot be read: {err}") from None
     tokenizer = load_hf_tokenizer(directory) if has_tokenizer_files(directory) else ByteTokenizer()
-    _check_fits(config, tokenizer, seq_len, f"model directory {directory!r}")
+    _check_fits(config, tokenizer, seq_len, f"model directory {directory!r}", micro_batch)
     weights = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
     if not weights:
         logger.warning("model directory %s has no *.safetensors weights: starting from random weights", directory)
@@ -276,8 +308,55 @@ def build_partitioned(cfg: Config) -> ModelSpec:
     import infinity
 
     t = cfg.train
+    sizes = _fresh_param_sizes(t.model)  # on the meta device, outside Init (which would take them)
     with infinity.Init(config=cfg, enabled=cfg.zero.stage == 3) as init:
-        return build_model(t.model, t.seq_len, init if init.enabled else None)
+        if sizes is not None:
+            _check_build_room(sizes, init if init.enabled else None, t.model)
+        return build_model(t.model, t.seq_len, init if init.enabled else None, t.micro_batch_size)
+
+
+def _fresh_param_sizes(spec_value) -> Optional[List[int]]:
+    """The parameter sizes of a model built from scratch (a preset, a dict, a directory without
+    weights), counted on the meta device; None when it is loaded from weights (the loader
+    checks those before reading: Note [Init preflight] in _init.py) or cannot be built (the
+    build reports why)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+
+    try:
+        if isinstance(spec_value, dict):
+            fields = dict(spec_value)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        elif spec_value in PRESETS:
+            config = GPT2Config(**PRESETS[spec_value])
+        elif any(f.endswith(".safetensors") for f in os.listdir(spec_value)):
+            return None
+        else:
+            config = AutoConfig.from_pretrained(spec_value, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return [p.numel() for p in model.parameters()]
+    except Exception:  # noqa: BLE001 - whatever it is, build_model names it
+        return None
+
+
+def _check_build_room(sizes: List[int], init, what) -> None:
+    """Refuse a model whose build would not fit before a single parameter exists: under Init
+    this rank's fp32 chunks against Init's room on its tier, else the whole fp32 model
+    against the available host memory."""
+    import psutil
+
+    n = sum(sizes)
+    label = f"train.model ({n:,} parameters, counted before building)"
+    if init is not None:
+        world = comm.world_size()
+        init.store.check_room(sum(init.store.slot_bytes(-(-k // world), torch.float32) for k in sizes), label)
+        return
+    need, have = 4 * n, psutil.virtual_memory().available
+    if need > have:
+        raise InsufficientResourcesError(
+            f"{label}: building it in fp32 needs {fmt_bytes(need)} of host memory, {fmt_bytes(have)} available; "
+            f"use ZeRO stage 3 (zero.stage: 3), which builds each rank's part only, with "
+            f"zero.offload_param.device: nvme, or a smaller model")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +452,7 @@ def train_step(run: Run, step: int) -> dict:
     for inputs, targets in run.batches.step(step - 1):
         t = time.perf_counter()
         loss = _loss(model, inputs, targets)
+        opt.note_loss(loss)  # checked with the gradients in step(): Note [non-finite steps] in _optimizer.py
         times["forward_s"] += time.perf_counter() - t
         t = time.perf_counter()
         loss.backward()
@@ -450,6 +530,7 @@ def train_loop(run: Run) -> None:
 
 
 def setup(cfg: Config) -> Run:
+    comm.configure(cfg)  # Note [comm timeout] in _comm.py: before the process group is made
     comm.ensure_initialized()
     torch.manual_seed(cfg.seed)
     t = cfg.train
@@ -473,10 +554,17 @@ def start(run: Run) -> None:
     run.scheduler = make_scheduler(run.optimizer, cfg, cfg.train.steps, cfg.train.lr_warmup_steps)
     paths = nvme_paths(cfg)
     if run.rank0 and paths:
-        try:
-            run.disk = probe_disk(paths[0], cfg.aio)
-        except Exception as err:  # a failed probe must not stop the training it only annotates
-            logger.warning("disk bandwidth probe of %s failed: %s", paths[0], err)
+        # The probe file lives in this run's directory: removed with it, reclaimed with it after a crash.
+        where = run.optimizer.engine.swap_dirs.under(paths[0]).path
+        free = shutil.disk_usage(where).free
+        if free < 2 * PROBE_BYTES:  # a measurement must not fill the disk (the preflight did not count it)
+            logger.warning("disk bandwidth probe of %s skipped: it writes %s and only %s is free", paths[0],
+                           fmt_bytes(PROBE_BYTES), fmt_bytes(free))
+        else:
+            try:
+                run.disk = probe_disk(where, cfg.aio)
+            except Exception as err:  # a failed probe must not stop the training it only annotates
+                logger.warning("disk bandwidth probe of %s failed: %s", paths[0], err)
     out = cfg.train.output_dir
     path = cfg.telemetry.path or (os.path.join(out, "telemetry.jsonl") if out else None)
     tb_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "tensorboard") if path else None
@@ -559,6 +647,10 @@ def summary_text(run: Run, per_rank: List[dict]) -> str:
         ("throughput", f"{stats.median('tokens_per_s'):.0f} tokens/s (median step {stats.median('step_s'):.3f} s)"),
         ("communication", f"{fmt_bytes(comm_step)} per step"),
     ]
+    skipped = sum(1 for r in stats.records if r.get("skipped"))
+    if skipped:
+        why = "fp16 overflow" if cfg.precision.dtype == "fp16" else "inf/NaN loss or gradients"
+        head.append(("skipped steps", f"{skipped} of {len(losses)} ({why}; parameters left unchanged)"))
     rss = [r["peak_rss"] for r in per_rank]
     memory = _state_rows(per_rank) + [
         ("peak RSS", f"{fmt_bytes(max(rss))} (max of {len(rss)} rank(s); rank 0 {fmt_bytes(rss[0])})"),
@@ -591,6 +683,7 @@ def finish(run: Run) -> Optional[str]:
     text = summary_text(run, per_rank)
     run.telemetry.event({"event": "summary", "peak_rss_per_rank": [r["peak_rss"] for r in per_rank],
                          "disk_probe": run.disk, "tier_totals": run.stats.tier_totals(),
+                         "skipped_steps": sum(1 for r in run.stats.records if r.get("skipped")),
                          "export": run.export.__dict__ if run.export else None})
     return text
 
@@ -643,6 +736,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, InsufficientResourcesError) as err:  # TrainError, DataError, ConfigError among them
         print(f"infinity.train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except NonFiniteError as err:  # precision.on_nonfinite: error; not bad input, but no traceback either
+        print(f"infinity.train: error: {err}", file=sys.stderr)
+        return 1
     finally:
         if comm.is_distributed():
             if finished:

@@ -248,8 +248,9 @@ class InfinityTrainer(Trainer):
             self._created_lr_scheduler = True
         else:
             super().create_scheduler(num_training_steps, optimizer)
-        fp16 = cfg is not None and cfg.precision.dtype == "fp16"  # only an fp16 step can be skipped
-        if fp16 and self.optimizer is not None and not isinstance(self.lr_scheduler, _SkipOnOverflow):
+        # an fp16 overflow, or an inf/NaN step under precision.on_nonfinite: skip (Note [non-finite steps])
+        can_skip = cfg is not None and (cfg.precision.dtype == "fp16" or cfg.precision.on_nonfinite == "skip")
+        if can_skip and self.optimizer is not None and not isinstance(self.lr_scheduler, _SkipOnOverflow):
             self.lr_scheduler = _SkipOnOverflow(self.lr_scheduler, self.optimizer)
         return self.lr_scheduler
 
@@ -280,6 +281,12 @@ class InfinityTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model, train_dataloader
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        if self.optimizer is not None:  # checked with the gradients: Note [non-finite steps] in _optimizer.py
+            self.optimizer.note_loss(loss)
+        return loss
 
     def _clip_grad_norm(self, model):
         return None  # infinity clips inside optimizer.step() (gradient_clipping = max_grad_norm)
