@@ -70,17 +70,18 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
-def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def host_empty(numel: int, dtype: torch.dtype, what: str = "other") -> torch.Tensor:
     """A host tensor ready for DMA and O_DIRECT: pinned on CUDA machines; otherwise 2 MiB
     aligned and advised for transparent huge pages (physically contiguous buffers let the
-    disk merge O_DIRECT requests: DESIGN.md §7), from native/aio's allocator."""
+    disk merge O_DIRECT requests: DESIGN.md §7), from native/aio's allocator, counted under
+    ``what`` (Note [host memory ledger] in aio/_memory.py)."""
     if numel < 0:
         raise UsageError(f"host_empty: numel must be >= 0, got {numel}")
     if has_cuda():
         return pinned_empty(numel, dtype)
     from .aio import aligned_empty  # lazy: aio imports this module
 
-    return aligned_empty(numel, dtype)
+    return aligned_empty(numel, dtype, what=what)
 
 
 def to_device(t: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,7 @@ later forwards and reads saw the values from before the step.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import weakref
@@ -76,6 +77,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
+from ._memory import GATHERED, host_account
 from ._param import (
     ParameterNotAvailableError,
     info_of,
@@ -553,6 +555,7 @@ class Engine:
         last = self._telemetry_totals
         out.update({k: v - last.get(k, 0) for k, v in totals.items()})
         out["peak_live_parameters"] = self.peak_live_elems
+        out["host_memory"] = host_account(getattr(opt, "memory_plan", {}).get("categories"))  # Note [one memory model]
         if reset:
             self.counters.reset()
             self._telemetry_totals = totals
@@ -605,7 +608,8 @@ def gathered_recycler(units: List[FetchUnit]) -> Optional[Recycler]:
     if acc.has_cuda():
         return None
     biggest = max((u.full_nbytes for u in units), default=0)
-    return Recycler(GATHERED_REUSE * biggest, acc.host_empty)  # aligned: one rank reads shards from NVMe into them
+    # aligned: one rank reads shards from NVMe into them
+    return Recycler(GATHERED_REUSE * biggest, functools.partial(acc.host_empty, what=GATHERED))
 
 
 def _needs_grad(x) -> bool:

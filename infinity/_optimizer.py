@@ -91,7 +91,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.opt_tier is Tier.NVME or (self.param_tier is Tier.NVME and states_in_host))
         self.grads_in_memory = self.opt_tier is Tier.NVME and gradients_in_host(
             engine.cfg.zero.offload_optimizer.gradients, total)  # Note [gradients in host memory] in _stores.py
-        preflight(engine, self)
+        self.memory_plan = preflight(engine, self)  # Note [one memory model] in _memory.py
         engine.swap_dirs = {}
         self.store = self._make_store(total)
         for unit in engine.units:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import psutil
 
 from . import _comm as comm
-from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore, chunk_elems, head_elems
+from ._memory import OPT_FILES, PARAM_FILES, store_plan
+from ._stores import chunk_elems, head_elems
 from ._swap import reclaim_stale, stale_elsewhere
-from ._tiers import Tier
 from .errors import InsufficientResourcesError
 
 if TYPE_CHECKING:
@@ -28,32 +28,26 @@ GiB = float(1 << 30)
 
 
 def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
-    """Bytes per tier this rank will hold, and per nvme_path on disk."""
-    esize = engine.itemsize
-    n = opt.total
-    need = {"device": 0, "host": 0, "nvme": {}}
+    """Bytes per tier this rank will hold, and per nvme_path on disk, from the one memory model
+    (Note [one memory model] in _memory.py); ``categories`` says what they are."""
     z = engine.cfg.zero
-    if opt.opt_tier is Tier.NVME:
-        path = z.offload_optimizer.nvme_path
-        chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
-        head = head_elems(z.offload_optimizer.host_cache, opt.unit_ranges, chunk, n)  # Note [host cache]
-        store = NvmeOptimizerStore.bytes_for(n, chunk, head, opt.grads_in_memory)
-        need["nvme"][path] = need["nvme"].get(path, 0) + store["nvme"]
-        need["host"] += store["host"]
-    else:
-        need[opt.opt_tier.memory] += MemoryOptimizerStore.bytes_for(n, opt.overlap)
-    if engine.policy.partition_params:
-        param_bytes = opt.layout.param_total * esize  # every unit; the optimizer space holds trainable ones
-        if opt.param_tier is Tier.NVME:
-            path = z.offload_param.nvme_path
-            need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
-            biggest = max((u.shard_numel for u in engine.units), default=0)
-            need["host"] += ParamStore.staging_bytes(max(z.offload_param.buffer_size or 0, biggest),
-                                                     staging_buffers(z), esize)
-        elif not opt.params_are_master:
-            need[opt.param_tier.memory] += param_bytes
-        if engine.gathered is not None:  # gathered buffers kept for reuse (Note [recycled host memory])
-            need["device"] += engine.gathered.capacity
+    n = opt.total
+    chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
+    partitioned = engine.policy.partition_params
+    biggest = max((u.shard_numel for u in engine.units), default=0)
+    cats = store_plan(
+        opt_tier=opt.opt_tier, param_tier=opt.param_tier if partitioned else None, opt_total=n,
+        param_total=opt.layout.param_total, itemsize=engine.itemsize, overlapped=opt.overlap,
+        lazy_grad=not engine.policy.reduce_in_backward, chunk=chunk,
+        head=head_elems(z.offload_optimizer.host_cache, opt.unit_ranges, chunk, n),  # Note [host cache]
+        grads_in_memory=opt.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, biggest),
+        staging_count=staging_buffers(z), params_are_master=opt.params_are_master,
+        gathered_bytes=engine.gathered.capacity if engine.gathered is not None else 0)
+    need = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
+            "categories": cats}
+    for cat, path in ((OPT_FILES, z.offload_optimizer.nvme_path), (PARAM_FILES, z.offload_param.nvme_path)):
+        if cats["nvme"].get(cat):
+            need["nvme"][path] = need["nvme"].get(path, 0) + cats["nvme"][cat]
     return need
 
 

@@ -14,6 +14,7 @@ flat space lands in the parameter store piece by piece, one shift per unit, with
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,18 @@ from typing import Callable, List, Optional
 import torch
 
 from . import _accelerator as acc
+from ._memory import (
+    GRADIENTS,
+    OPT_BUFFERS,
+    OPT_FILES,
+    OPT_HOST_CACHE,
+    OPT_STATES,
+    PARAM_FILES,
+    PARAM_HANDOFF,
+    PARAM_SHARDS,
+    PARAM_STAGING,
+    totals,
+)
 from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 from ._tiers import Tier
@@ -43,8 +56,9 @@ class PoolExhausted(InfinityError, RuntimeError):
 class HostPool:
     """A fixed set of equal, aligned host buffers reused for every staged transfer."""
 
-    def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str):
+    def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str, category: str = "other"):
         self.numel, self.count, self.dtype, self.what = numel, count, dtype, what
+        self.category = category  # Note [host memory ledger] in aio/_memory.py
         self._free: List[torch.Tensor] = []
         self._made = 0  # buffers are allocated on first need (a one-rank CPU run reads elsewhere)
         self._cond = threading.Condition()
@@ -60,7 +74,7 @@ class HostPool:
         with self._cond:
             if not self._free and self._made < self.count:
                 self._made += 1
-                return acc.host_empty(self.numel, self.dtype)
+                return acc.host_empty(self.numel, self.dtype, self.category)
             if not block and not self._free:
                 return None
             if not self._cond.wait_for(lambda: self._free, timeout):
@@ -116,7 +130,7 @@ class ParamStore:
             if count < 2:
                 raise UsageError(f"zero.offload_param.buffer_count={buffer_count}: at least 2 staging buffers are "
                                  f"needed (one being gathered, one being read); leave it unset to size it automatically")
-            self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool")
+            self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool", PARAM_STAGING)
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
             self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
             self._kept_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
@@ -124,11 +138,11 @@ class ParamStore:
             self._spans = [(a, a + n) for a, n in slots or []]  # each trainable unit's slot (Note [frozen parameters])
             self._span_starts = [a for a, _ in self._spans]
             self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
-            self._outputs = Recycler(self._kept_cap, acc.host_empty)
+            self._outputs = Recycler(self._kept_cap, functools.partial(acc.host_empty, what=PARAM_HANDOFF))
         elif alias is not None:
             self.flat = alias
         elif tier is Tier.CPU:
-            self.flat = acc.host_empty(total, dtype)
+            self.flat = acc.host_empty(total, dtype, PARAM_SHARDS)
         else:
             self.flat = torch.empty(total, dtype=dtype, device=acc.device())
 
@@ -295,16 +309,20 @@ class ParamStore:
         return buf
 
     def nbytes(self) -> dict:
-        own = nbytes_of(self.total, self.dtype)
-        if self.tier is Tier.NVME:
-            return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize)}
-        return {self.tier.memory: own}
+        pool = self.pool or HostPool(0, 0, self.dtype, "")
+        return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, pool.count))
 
     @staticmethod
-    def staging_bytes(buffer_numel: int, buffer_count: int, itemsize: int) -> int:
-        """Host memory of the NVMe tier for a plan: the staging pool, the step's kept output
-        and the recycled output tensors (Note [hand-off]), each HANDOFF_BUFFERS buffers' worth."""
-        return (buffer_count + 2 * HANDOFF_BUFFERS) * buffer_numel * itemsize
+    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory.py): the shards on their tier;
+        on NVMe also the staging pool, and the step's output tensors (Note [hand-off]): those
+        kept or recycled (HANDOFF_BUFFERS buffers' worth) and as many again filling or still
+        read by a forward that took them."""
+        own = total * itemsize
+        if tier is Tier.NVME:
+            return {"nvme": {PARAM_FILES: own}, "host": {PARAM_STAGING: buffer_count * buffer_numel * itemsize,
+                                                         PARAM_HANDOFF: 2 * HANDOFF_BUFFERS * buffer_numel * itemsize}}
+        return {tier.memory: {PARAM_SHARDS: own}}
 
 
 # ------------------------------------------------------------------------ optimizer
@@ -335,8 +353,8 @@ class MemoryOptimizerStore:
     def __init__(self, tier: Tier, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
         tier = Tier.of(tier)
-        self._alloc = (lambda: _zeros_host(total)) if tier is Tier.CPU else (
-            lambda: torch.zeros(total, dtype=torch.float32, device=acc.device()))
+        self._alloc = (lambda what=OPT_STATES: _zeros_host(total, what)) if tier is Tier.CPU else (
+            lambda what=None: torch.zeros(total, dtype=torch.float32, device=acc.device()))
         self.tier = tier
         self.total = total
         self.lazy_grad = lazy_grad  # stage 1: a gradient shard exists only during the step
@@ -344,7 +362,7 @@ class MemoryOptimizerStore:
         self.pieces = _unit_pieces(ranges or [], total, chunk_elems(chunk, total)) if overlapped else []
         self.head = self.pieces[0][1] if self.pieces else 0
         self.master = self._alloc()
-        self.grad = None if lazy_grad else self._alloc()
+        self.grad = None if lazy_grad else self._alloc(GRADIENTS)
         self._sealed: Optional[torch.Tensor] = None  # the gradients an overlapped update reads
         self._spare: Optional[torch.Tensor] = None  # a zeroed buffer the last update gave back
         self.exp_avg = self._alloc()
@@ -355,7 +373,7 @@ class MemoryOptimizerStore:
 
     def _grad_buffer(self) -> torch.Tensor:
         if self.grad is None:
-            self.grad, self._spare = (self._spare if self._spare is not None else self._alloc()), None
+            self.grad, self._spare = (self._spare if self._spare is not None else self._alloc(GRADIENTS)), None
         return self.grad
 
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
@@ -423,18 +441,19 @@ class MemoryOptimizerStore:
         return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
 
     def nbytes(self) -> dict:
-        return {self.tier.memory: self.bytes_for(self.total, self.overlapped)}
+        return totals(self.plan(self.tier, self.total, self.overlapped, self.lazy_grad))
 
     @staticmethod
-    def bytes_for(total: int, overlapped: bool) -> int:
-        """Master weights, moments and gradients; an overlapped step's sealed gradients beside
-        the accumulating ones, and for a moment the spare it gives back when the next
-        backward has already started a new buffer."""
-        return (6 if overlapped else 4) * 4 * total
+    def plan(tier: Tier, total: int, overlapped: bool, lazy_grad: bool = False) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory.py): master weights, moments
+        and gradients; an overlapped step's sealed gradients beside the accumulating ones,
+        and for a moment the spare it gives back when the next backward has already started
+        a new buffer. (Stage 1's lazy gradient exists during the step only, but then whole.)"""
+        return {tier.memory: {OPT_STATES: 3 * 4 * total, GRADIENTS: (3 if overlapped else 1) * 4 * total}}
 
 
-def _zeros_host(n: int) -> torch.Tensor:
-    t = acc.host_empty(n, torch.float32)
+def _zeros_host(n: int, what: str) -> torch.Tensor:
+    t = acc.host_empty(n, torch.float32, what)
     t.zero_()
     return t
 
@@ -485,10 +504,10 @@ class NvmeOptimizerStore:
         self.chunk = chunk_elems(chunk, total)
         self.head = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]
         # Note [gradients in host memory]: every gradient shard; None = the swap file (and the head sets)
-        self.grad_mem = _zeros_host(total) if grads_in_memory else None
+        self.grad_mem = _zeros_host(total, GRADIENTS) if grads_in_memory else None
         self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
         self.paths = {n: swap.file(f"{n}.swp", total * 4) for n in self._swapped}
-        self.head_sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in self._swapped}
+        self.head_sets = [{n: acc.host_empty(self.chunk, torch.float32, OPT_HOST_CACHE) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
             if "grad" in hs:
@@ -501,7 +520,7 @@ class NvmeOptimizerStore:
         self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
         self.grad_reader = new_aio(aio_cfg)
         self.grad_writer = new_aio(aio_cfg)
-        self.sets = [{n: acc.host_empty(self.chunk, torch.float32) for n in _NAMES} for _ in range(self.SETS)]
+        self.sets = [{n: acc.host_empty(self.chunk, torch.float32, OPT_BUFFERS) for n in _NAMES} for _ in range(self.SETS)]
         self.accumulation_steps = accumulation_steps
         self.rank = swap.rank
         self._written: set = set()  # offsets of gradient ranges written since the last step
@@ -760,16 +779,18 @@ class NvmeOptimizerStore:
             self._read(self.readers[s], name, off, self.sets[s][name][:n])
 
     def nbytes(self) -> dict:
-        return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None)
+        return totals(self.plan(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None))
 
     @classmethod
-    def bytes_for(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
-        """Files and host memory for a plan: the swap files (gradients too unless they stay
-        in host memory), the buffer sets, the host cache of the first ``head`` elements (Note
-        [host cache]) and the gradients in host memory (Note [gradients in host memory])."""
+    def plan(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory.py): the swap files (gradients
+        too unless they stay in host memory), the buffer sets, the host cache of the first
+        ``head`` elements (Note [host cache]) and the gradients in host memory (Note
+        [gradients in host memory])."""
         swapped = len(_NAMES) - (1 if grads_in_memory else 0)
-        return {"nvme": 4 * swapped * total,
-                "host": cls.SETS * 4 * len(_NAMES) * chunk + 4 * swapped * head + (4 * total if grads_in_memory else 0)}
+        return {"nvme": {OPT_FILES: 4 * swapped * total},
+                "host": {OPT_BUFFERS: cls.SETS * 4 * len(_NAMES) * chunk, OPT_HOST_CACHE: 4 * swapped * head,
+                         GRADIENTS: 4 * total if grads_in_memory else 0}}
 
 
 def _unit_pieces(ranges: List[tuple], total: int, target: int) -> List[tuple]:
