@@ -76,7 +76,7 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
         plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
     if param_tier is not None:
         if not params_are_master:
-            plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count))
+            plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count, chunk))
         plans.append({"device": {GATHERED: gathered_bytes}})
     return merge(*plans)
 

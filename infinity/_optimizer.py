@@ -22,7 +22,7 @@ from ._layout import Layout
 from ._log import logger
 from ._loss_scale import LossScaler
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
-from ._preflight import gradients_in_host, preflight, staging_buffers
+from ._preflight import direct_reads, gradients_in_host, preflight, staging_buffers
 from ._reduce import GradReducer
 from ._stores import (
     ALIGN_ELEMS,
@@ -30,6 +30,7 @@ from ._stores import (
     MemoryOptimizerStore,
     NvmeOptimizerStore,
     ParamStore,
+    chunk_elems,
 )
 from ._swap import SwapDir
 from ._tiers import Tier
@@ -149,7 +150,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                           max_unit=max((u.shard_numel for u in self.engine.units), default=0),
                           buffer_size=z.offload_param.buffer_size,
                           buffer_count=staging_buffers(z),
-                          slots=self.layout.param_slots())
+                          slots=self.layout.param_slots(), direct_reads=direct_reads(self.engine),
+                          update_chunk=chunk_elems(z.offload_optimizer.chunk_size, self.total))
 
     @property
     def params_are_master(self) -> bool:

@@ -41,7 +41,7 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
         lazy_grad=not engine.policy.reduce_in_backward, chunk=chunk,
         head=head_elems(z.offload_optimizer.host_cache, opt.unit_ranges, chunk, n),  # Note [host cache]
         grads_in_memory=opt.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, biggest),
-        staging_count=staging_buffers(z), params_are_master=opt.params_are_master,
+        staging_count=0 if direct_reads(engine) else staging_buffers(z), params_are_master=opt.params_are_master,
         gathered_bytes=engine.gathered.capacity if engine.gathered is not None else 0)
     need = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
             "categories": cats}
@@ -54,6 +54,12 @@ def plan(engine: "Engine", opt: "ZeroOptimizer") -> dict:
 def staging_buffers(z) -> int:
     """Staging buffers of the NVMe parameter tier (``zero.offload_param.buffer_count``)."""
     return z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2)
+
+
+def direct_reads(engine: "Engine") -> bool:
+    """One rank without an accelerator reads parameter shards straight into gathered buffers
+    (FetchUnit._direct_read_buffer): the NVMe tier's staging pool is never filled."""
+    return engine.world_size == 1 and engine.gathered is not None
 
 
 def ranks_here() -> int:

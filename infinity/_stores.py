@@ -109,8 +109,11 @@ class ParamStore:
 
     def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
-                 buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None):
+                 buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
+                 update_chunk: int = 0):
         tier = Tier.of(tier)
+        self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
+        self.direct_reads = direct_reads  # reads land in the caller's buffers: the pool stays empty (Note [one memory model])
         self.tier, self.dtype, self.total = tier, dtype, total
         self.flat: Optional[torch.Tensor] = None
         self.pool: Optional[HostPool] = None
@@ -170,6 +173,7 @@ class ParamStore:
         with self._lock:
             handle = self._writers[self._next_writer]
             self._next_writer = (self._next_writer + 1) % len(self._writers)
+            self._reap(handle)
             handle.pwrite(values, self.path, offset * values.element_size())
             self._writes.append((offset, end, handle))
             self.bytes_written += values.numel() * values.element_size()
@@ -178,6 +182,17 @@ class ParamStore:
                 self._kept.append((offset, values))
                 while sum(t.numel() for _, t in self._kept) * values.element_size() > self._kept_cap:
                     self._kept.pop(0)
+
+    def _reap(self, handle) -> None:
+        """Collect ``handle``'s earlier writes before it takes another (holding ``_lock``;
+        they were submitted WRITE_HANDLES writes ago, so have mostly landed): a handle keeps
+        the tensors it wrote alive until collected, and the step's output tensors would
+        otherwise stay mapped, up to the whole parameter space of them, until some read
+        waited for them. So at most WRITE_HANDLES written outputs are uncollected (Note [one
+        memory model] in _memory.py)."""
+        if any(h is handle for _, _, h in self._writes):
+            wait_io(handle, f"parameter shard writes on rank {self._rank}")
+            self._writes = [w for w in self._writes if w[2] is not handle]
 
     def _spans_in(self, offset: int, end: int):
         """The unit spans [a, b) overlapping [offset, end)."""
@@ -310,19 +325,29 @@ class ParamStore:
 
     def nbytes(self) -> dict:
         pool = self.pool or HostPool(0, 0, self.dtype, "")
-        return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, pool.count))
+        return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
+                                self.update_chunk))
 
     @staticmethod
-    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int) -> dict:
+    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory.py): the shards on their tier;
-        on NVMe also the staging pool, and the step's output tensors (Note [hand-off]): those
-        kept or recycled (HANDOFF_BUFFERS buffers' worth) and as many again filling or still
-        read by a forward that took them."""
+        on NVMe also the staging pool, and the step's output tensors (``handoff_bound``)."""
         own = total * itemsize
         if tier is Tier.NVME:
             return {"nvme": {PARAM_FILES: own}, "host": {PARAM_STAGING: buffer_count * buffer_numel * itemsize,
-                                                         PARAM_HANDOFF: 2 * HANDOFF_BUFFERS * buffer_numel * itemsize}}
+                                                         PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
         return {tier.memory: {PARAM_SHARDS: own}}
+
+
+def handoff_bound(total: int, buffer_numel: int, chunk: int) -> int:
+    """Elements of the step's output tensors alive at once (Note [hand-off]): those the
+    recycler holds, kept ones among them (HANDOFF_BUFFERS buffers' worth), those written and
+    not yet collected (WRITE_HANDLES units: ``_reap``), those filling (the units of one
+    update chunk, and one unit at each end), and as many again as a forward may still read
+    after taking them. A cap, not a typical figure: a model whose units are all small holds
+    about its whole parameter space of them (``total``), a large one less."""
+    slot = _round_up(buffer_numel, ALIGN_ELEMS)  # an output tensor spans a unit's slot, padding included
+    return (2 * HANDOFF_BUFFERS + WRITE_HANDLES + 2) * slot + chunk
 
 
 # ------------------------------------------------------------------------ optimizer
