@@ -19,7 +19,7 @@ bottleneck, from the same numbers the engine uses:
   rate; the optimizer's Adam over the trainable shard at the measured elements/s; the NVMe
   bytes a step moves, counted as the stores move them (parameters: backward re-reads every
   unit and the step writes every shard, while the forward takes the step's hand-off; the
-  optimizer: master weights and moments past the host cache read and written; gradients
+  optimizer: master weights and moments read past the host cache and all written; gradients
   written and read unless in host memory) at the measured read and write bandwidths. With an
   accelerator the three overlap and the slowest is the bottleneck; without one (the device
   is the CPU) compute and Adam share the cores, so they add, and disk time beyond them shows.
@@ -196,7 +196,7 @@ def nvme_bytes(run: Run) -> dict:
     if run.optimizer_tier == "nvme":
         states = 3 * 4 * (total - head)
         read += states
-        write += states
+        write += states + 3 * 4 * head  # the host cache is write-through (Note [host cache])
         if not gim:
             read += 4 * (total - head)
             write += 4 * (total - head)

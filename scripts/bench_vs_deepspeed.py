@@ -118,8 +118,10 @@ def make_trainer(kind: str, nvme: str, micro_batch: int):
 
         deepspeed.init_distributed(dist_backend="gloo")
         cfg = ds_config(kind, nvme, micro_batch)
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = build_gpt()
+        # Built whole, then partitioned by deepspeed.initialize: deepspeed.zero.Init fails on torch
+        # 2.13 ("TypeError: Signature mismatch between ...new_tensor and tensor_pynew": it replaces
+        # torch.Tensor.__new__, whose signature torch now checks). A 124M model fits either way.
+        model = build_gpt()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
         def step(ids):
