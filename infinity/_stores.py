@@ -173,7 +173,8 @@ class ParamStore:
         with self._lock:
             handle = self._writers[self._next_writer]
             self._next_writer = (self._next_writer + 1) % len(self._writers)
-            self._reap(handle)
+        self._reap(handle)  # outside the lock: a fetch must not wait for this write's predecessor
+        with self._lock:
             handle.pwrite(values, self.path, offset * values.element_size())
             self._writes.append((offset, end, handle))
             self.bytes_written += values.numel() * values.element_size()
@@ -184,15 +185,20 @@ class ParamStore:
                     self._kept.pop(0)
 
     def _reap(self, handle) -> None:
-        """Collect ``handle``'s earlier writes before it takes another (holding ``_lock``;
-        they were submitted WRITE_HANDLES writes ago, so have mostly landed): a handle keeps
-        the tensors it wrote alive until collected, and the step's output tensors would
-        otherwise stay mapped, up to the whole parameter space of them, until some read
-        waited for them. So at most WRITE_HANDLES written outputs are uncollected (Note [one
-        memory model] in _memory.py)."""
-        if any(h is handle for _, _, h in self._writes):
+        """Collect ``handle``'s earlier writes before it takes another (they were submitted
+        WRITE_HANDLES writes ago, so have mostly landed): a handle keeps the tensors it wrote
+        alive until collected, and the step's output tensors would otherwise stay mapped, up
+        to the whole parameter space of them, until some read waited for them. So at most
+        WRITE_HANDLES written outputs are uncollected (Note [one memory model] in _memory.py).
+        Only the step's thread writes; a read waiting on the same handle meanwhile is fine
+        (``_writes_landed`` drops only the writes it saw)."""
+        with self._lock:
+            mine = [w for w in self._writes if w[2] is handle]
+        if mine:
             wait_io(handle, f"parameter shard writes on rank {self._rank}")
-            self._writes = [w for w in self._writes if w[2] is not handle]
+            done = {id(w) for w in mine}
+            with self._lock:
+                self._writes = [w for w in self._writes if id(w) not in done]
 
     def _spans_in(self, offset: int, end: int):
         """The unit spans [a, b) overlapping [offset, end)."""
