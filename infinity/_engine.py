@@ -89,6 +89,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from . import _accelerator as acc
 from . import _comm as comm
 from ._loss_scale import scale_outputs
+from ._memory import host_account
 from ._param import info_of, make_partitioned, raw_data, set_data
 from ._phase import Frame, ModuleState, Phase, tensors_in
 from ._stores import state_bytes
@@ -153,6 +154,7 @@ class EngineParts:
     reducer: "GradReducer"
     scaler: Optional["LossScaler"]  # fp16 only
     swap_dirs: "SwapDirs"
+    memory_plan: dict  # the preflight's plan, by tier and category (Note [one memory model] in _memory.py)
     activation_offload: Optional["ActivationOffloader"] = None  # activation_checkpointing.offload: cpu
 
 
@@ -185,6 +187,7 @@ class Engine:
         self.reducer = parts.reducer
         self.scaler = parts.scaler
         self.swap_dirs = parts.swap_dirs
+        self.memory_plan = parts.memory_plan
         self.activation_offload = parts.activation_offload  # Note [which tensors are offloaded] in _activation_offload.py
         self._bwd_holds: Dict[ModuleState, set] = {}  # units and input tokens a module's backward waits for
         self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
@@ -519,6 +522,7 @@ Note [same gathers on every rank]: raise if the ranks gathered different units
         last = self._telemetry_totals
         out.update({k: v - last.get(k, 0) for k, v in totals.items()})
         out["peak_live_parameters"] = self.peak_live_elems
+        out["host_memory"] = host_account(self.memory_plan.get("categories"))  # Note [one memory model]
         if reset:
             self.counters.reset()
             self._telemetry_totals = totals

@@ -386,6 +386,7 @@ class Placement:
     fits_device: bool
     fits_host: bool
     fits_nvme: bool
+    host_plan: dict = field(default_factory=dict)  # per node: the NVMe tiers' host buffers by category
 
     @property
     def fits(self) -> bool:
@@ -561,35 +562,42 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, t
     device = (tiers[Tier.DEVICE] + working[stage] + terms.activation_checkpoints
               + terms.activation_working)
     staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw)
-    host = per_node * (tiers[Tier.CPU] + staging)
+    host = per_node * (tiers[Tier.CPU] + sum(staging.values()))
     nvme = per_node * tiers[Tier.NVME]
     if hw.device_is_host:     # one memory holds both tiers
         fits_device = fits_host = device * per_node + host <= hw.cpu_mem
     else:
         fits_device, fits_host = device <= hw.gpu_mem, host <= hw.cpu_mem
     return Placement(stage, ptier, otier, device_bytes=device, host_bytes=host, nvme_bytes=nvme,
-                     fits_device=fits_device, fits_host=fits_host, fits_nvme=nvme <= hw.nvme)
+                     fits_device=fits_device, fits_host=fits_host, fits_nvme=nvme <= hw.nvme,
+                     host_plan={k: per_node * v for k, v in staging.items()})
 
 
-def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw) -> int:
-    """Host buffers of the NVMe tiers per GPU, from the stores' own formulas with the
-    config's defaults (one memory model: the preflight checks the same bytes)."""
-    from ._preflight import staging_buffers
-    from ._stores import NvmeOptimizerStore, ParamStore, chunk_elems, head_elems
+def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw) -> dict:
+    """Host buffers of the NVMe tiers per GPU by category: the stores' own plan (Note [one
+    memory model] in _memory.py) for a layout made from the shape, with the config's defaults
+    (the preflight of a real run checks the same bytes)."""
+    from ._memory import GRADIENTS, OPT_STATES, PARAM_SHARDS
+    from ._preflight import staging_buffers, store_plan
+    from ._stores import chunk_elems, head_elems
     from .config import Config
 
+    if Tier.NVME not in (ptier, otier):
+        return {}
     z = Config().zero
-    out = 0
-    if ptier is Tier.NVME:
-        largest = math.ceil(shape.largest_operator_numel / hw.ranks)
-        out += ParamStore.staging_bytes(largest, staging_buffers(z), prec.param)
-    if otier is Tier.NVME:
-        chunk = chunk_elems(z.offload_optimizer.chunk_size, tshard)
-        first = math.ceil((shape.vocab * shape.hidden if shape.vocab else shape.largest_operator_numel) / hw.ranks)
-        head = head_elems(z.offload_optimizer.host_cache, [(0, first)], chunk, tshard)  # the first unit, cached
-        grads_in_host = stage > 1 and 4 * tshard * hw.gpus_per_node <= hw.cpu_mem // 4  # the "auto" rule
-        out += NvmeOptimizerStore.bytes_for(tshard, chunk, head, grads_in_host)["host"]
-    return out
+    largest = math.ceil(shape.largest_operator_numel / hw.ranks)
+    chunk = chunk_elems(z.offload_optimizer.chunk_size, tshard)
+    first = math.ceil((shape.vocab * shape.hidden if shape.vocab else shape.largest_operator_numel) / hw.ranks)
+    head = head_elems(z.offload_optimizer.host_cache, [(0, first)], chunk, tshard)  # the first unit, cached
+    grads_in_host = stage > 1 and 4 * tshard * hw.gpus_per_node <= hw.cpu_mem // 4  # the "auto" rule
+    plan = store_plan(opt_tier=otier, param_tier=ptier if ptier is Tier.NVME else None, opt_total=tshard,
+                      param_total=tshard, itemsize=prec.param, overlapped=False, lazy_grad=False, chunk=chunk, head=head,
+                      grads_in_memory=grads_in_host, staging_numel=largest, staging_count=staging_buffers(z),
+                      params_are_master=False, gathered_bytes=0)["host"]
+    if otier is not Tier.NVME:  # the memory tier's states are the paper's terms (_placement), not buffers
+        plan = {k: v for k, v in plan.items() if k not in (OPT_STATES, GRADIENTS)}
+    plan.pop(PARAM_SHARDS, None)
+    return plan
 
 
 def _positive_int(value: Any, what: str, allow_none: bool = True) -> Optional[int]:
@@ -757,7 +765,33 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--tiling-factor", type=int, default=1,
                      help="the largest operator split into this many tiles (zero.tiling)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    st = p.add_argument_group("step time and host memory of one run (stage 3; Note [run model] in _runmodel.py)")
+    st.add_argument("--step-time", action="store_true", help="predict the step time, its bottleneck and peak RSS")
+    st.add_argument("--offload", default="nvme,nvme", help="parameter tier,optimizer tier: none|cpu|nvme (nvme,nvme)")
+    st.add_argument("--rates", default="measured", choices=("measured", "dgx2", "h100"),
+                    help="FLOP rate, NVMe and Adam bandwidths: measured here (under --nvme-path), the paper's "
+                         "DGX-2, or an 8xH100 node with NVMe RAID")
     return p
+
+
+def _step_report(est: Estimate, args) -> str:
+    from . import _runmodel as rm
+
+    tiers = [t.strip() for t in args.offload.split(",")]
+    if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
+        raise EstimateError(f"offload: {args.offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
+    tiers = ["device" if t == "none" else t for t in tiers]
+    hw = est.hardware
+    s = est.shape
+    run = rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab or 0,
+                 micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name, param_tier=tiers[0],
+                 optimizer_tier=tiers[1], ranks=hw.ranks, device_is_host=hw.device_is_host,
+                 ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 else 0)
+    rates = {"dgx2": rm.DGX2, "h100": rm.H100_RAID}.get(args.rates)
+    if rates is None:
+        rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if "nvme" in tiers else None),
+                                 hidden=s.hidden, tokens=min(est.micro_batch * est.seq_len, 4096))
+    return rm.describe(run, rates)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -773,5 +807,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except EstimateError as exc:
         parser.error(str(exc))     # exits 2 with the usage and the message
     text = json.dumps(est.to_dict(), indent=2) if args.json else _report(est)
+    if args.step_time:
+        try:
+            text = _step_report(est, args)
+        except EstimateError as exc:
+            parser.error(str(exc))
     sys.stdout.write(text + "\n")
     return 0

@@ -15,6 +15,7 @@ step gate (Note [step gate] in _step_gate.py), which the units consult before re
 """
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 import torch
@@ -26,6 +27,7 @@ from ._activation_offload import ActivationOffloader
 from ._engine import DTYPES, Engine, EngineParts, StagePolicy, check_same_model_on_all_ranks, engine_of, forget_engine
 from ._log import logger
 from ._loss_scale import LossScaler
+from ._memory import GATHERED
 from ._optimizer import GradSink, ZeroOptimizer
 from ._param_groups import resolve_groups
 from ._phase import Calls
@@ -35,7 +37,7 @@ from ._preflight import preflight, staging_buffers
 from ._recycle import Recycler
 from ._reduce import GradReducer
 from ._step_gate import StepGate
-from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore
+from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore, chunk_elems
 from ._swap import SwapDirs
 from ._swap_labels import label_swap_files
 from ._telemetry_counters import Counters
@@ -95,7 +97,7 @@ def _build_engine(model: nn.Module, cfg):
     placement = Placement.of(cfg, policy.partition_params, dtype, specs, world)
     if policy.partition_params:  # Note [operator working memory] in tiling.py: refused before anything is allocated
         check_working_memory([(s.module_name, s.shard_numel * world) for s in specs], placement.itemsize, cfg)
-    preflight(placement, cfg)
+    memory_plan = preflight(placement, cfg)  # Note [one memory model] in _memory.py
     swap_dirs = SwapDirs(rank)
     try:
         opt_store = _optimizer_store(placement, cfg, swap_dirs, policy)
@@ -104,7 +106,7 @@ def _build_engine(model: nn.Module, cfg):
         gate = StepGate(rank, counters.blocked)
         prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, ledger=ledger,
                                 counters=counters)
-        recycler = Recycler(placement.gathered_reuse_bytes, aligned_empty) \
+        recycler = Recycler(placement.gathered_reuse_bytes, functools.partial(aligned_empty, what=GATHERED)) \
             if policy.partition_params and not acc.has_cuda() else None  # Note [recycled host memory] in _recycle.py
         ctx = UnitContext(
             world_size=world, rank=rank, dtype=dtype, itemsize=placement.itemsize,
@@ -125,7 +127,8 @@ def _build_engine(model: nn.Module, cfg):
                               on_add=sink.note)
         scaler = _loss_scaler(cfg.precision) if dtype == torch.float16 else None
         offload = ActivationOffloader() if cfg.activation_checkpointing.offload == "cpu" else None
-        parts = EngineParts(placement, ctx, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs, offload)
+        parts = EngineParts(placement, ctx, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs, memory_plan,
+                            offload)
         return Engine(model, cfg, parts), sink, gate
     except BaseException:
         swap_dirs.remove()
@@ -149,7 +152,8 @@ def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store) -> P
     return ParamStore(placement.param_tier, placement.dtype, placement.layout.param_total,
                       swap=swap_dirs.under(z.offload_param.nvme_path) if placement.param_tier is Tier.NVME else None,
                       aio_cfg=cfg.aio, alias=opt_store.master if placement.params_are_master else None,
-                      max_unit=placement.layout.max_shard,
+                      max_unit=placement.layout.max_shard, direct_reads=placement.direct_reads,
+                      update_chunk=chunk_elems(z.offload_optimizer.chunk_size, placement.layout.opt_total),
                       buffer_size=z.offload_param.buffer_size, buffer_count=staging_buffers(z),
                       slots=placement.layout.param_slots())
 

@@ -30,6 +30,7 @@ class Placement:
     grads_in_memory: bool  # Note [gradients in host memory] in _stores.py
     params_are_master: bool  # fp32 on one resident tier: the master weights are the parameter shards
     gathered_reuse_bytes: int  # recycled gathered buffers (Note [recycled host memory] in _recycle.py)
+    direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
 
     @classmethod
     def of(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int) -> "Placement":
@@ -46,8 +47,9 @@ class Placement:
         itemsize = torch.empty((), dtype=dtype).element_size()
         reuse = GATHERED_REUSE * layout.max_shard * world_size * itemsize \
             if partition_params and not acc.has_cuda() else 0  # a CUDA caching allocator already reuses memory
+        direct = partition_params and world_size == 1 and not acc.has_cuda()  # FetchUnit._direct_read_buffer
         return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, params_are_master,
-                   reuse)
+                   reuse, direct)
 
     @property
     def itemsize(self) -> int:

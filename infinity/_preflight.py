@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from . import _comm as comm
+from ._memory import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
 from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore, chunk_elems, head_elems
 from ._swap import reclaim_stale, stale_elsewhere
 from ._tiers import Tier
@@ -26,32 +27,43 @@ if TYPE_CHECKING:
 GiB = float(1 << 30)
 
 
+def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsize: int, overlapped: bool,
+               lazy_grad: bool, chunk: int, head: int, grads_in_memory: bool, staging_numel: int,
+               staging_count: int, params_are_master: bool, gathered_bytes: int) -> Plan:
+    """The bytes of every store for a plan (Note [one memory model]). ``param_tier`` is None
+    when parameters stay whole (stages 1-2); ``gathered_bytes`` is the gathered recycler's
+    capacity (0 with an accelerator, whose caching allocator reuses device memory)."""
+    if opt_tier is Tier.NVME:
+        plans = [NvmeOptimizerStore.plan(opt_total, chunk, head, grads_in_memory)]
+    else:
+        plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
+    if param_tier is not None:
+        if not params_are_master:
+            plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count, chunk))
+        plans.append({"device": {GATHERED: gathered_bytes}})
+    return merge(*plans)
+
+
 def plan(placement: "Placement", cfg) -> dict:
-    """Bytes per tier this rank will hold, and per nvme_path on disk."""
-    esize = placement.itemsize
+    """Bytes per tier this rank will hold, and per nvme_path on disk, from the one memory model
+    (Note [one memory model] in _memory.py); ``categories`` says what they are."""
+    z = cfg.zero
     layout = placement.layout
     n = layout.opt_total
-    need = {"device": 0, "host": 0, "nvme": {}}
-    z = cfg.zero
-    if placement.opt_tier is Tier.NVME:
-        path = z.offload_optimizer.nvme_path
-        chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
-        head = head_elems(z.offload_optimizer.host_cache, list(layout.opt_ranges), chunk, n)  # Note [host cache]
-        store = NvmeOptimizerStore.bytes_for(n, chunk, head, placement.grads_in_memory)
-        need["nvme"][path] = need["nvme"].get(path, 0) + store["nvme"]
-        need["host"] += store["host"]
-    else:
-        need[placement.opt_tier.memory] += MemoryOptimizerStore.bytes_for(n, placement.overlap)
-    if placement.partition_params:
-        param_bytes = layout.param_total * esize  # every unit; the optimizer space holds trainable ones
-        if placement.param_tier is Tier.NVME:
-            path = z.offload_param.nvme_path
-            need["nvme"][path] = need["nvme"].get(path, 0) + param_bytes
-            need["host"] += ParamStore.staging_bytes(max(z.offload_param.buffer_size or 0, layout.max_shard),
-                                                     staging_buffers(z), esize)
-        elif not placement.params_are_master:
-            need[placement.param_tier.memory] += param_bytes
-        need["device"] += placement.gathered_reuse_bytes  # gathered buffers kept for reuse (Note [recycled host memory])
+    chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
+    cats = store_plan(
+        opt_tier=placement.opt_tier, param_tier=placement.param_tier if placement.partition_params else None,
+        opt_total=n, param_total=layout.param_total, itemsize=placement.itemsize, overlapped=placement.overlap,
+        lazy_grad=z.stage < 2, chunk=chunk,
+        head=head_elems(z.offload_optimizer.host_cache, list(layout.opt_ranges), chunk, n),  # Note [host cache]
+        grads_in_memory=placement.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, layout.max_shard),
+        staging_count=0 if placement.direct_reads else staging_buffers(z),
+        params_are_master=placement.params_are_master, gathered_bytes=placement.gathered_reuse_bytes)
+    need = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
+            "categories": cats}
+    for cat, path in ((OPT_FILES, z.offload_optimizer.nvme_path), (PARAM_FILES, z.offload_param.nvme_path)):
+        if cats["nvme"].get(cat):
+            need["nvme"][path] = need["nvme"].get(path, 0) + cats["nvme"][cat]
     return need
 
 

@@ -14,6 +14,7 @@ flat space lands in the parameter store piece by piece, one shift per unit, with
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,18 @@ from typing import Callable, List, Optional
 import torch
 
 from . import _accelerator as acc
+from ._memory import (
+    GRADIENTS,
+    OPT_BUFFERS,
+    OPT_FILES,
+    OPT_HOST_CACHE,
+    OPT_STATES,
+    PARAM_FILES,
+    PARAM_HANDOFF,
+    PARAM_SHARDS,
+    PARAM_STAGING,
+    totals,
+)
 from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 from ._tiers import Tier
@@ -46,8 +59,9 @@ class PoolExhausted(InfinityError, RuntimeError):
 class HostPool:
     """A fixed set of equal, aligned host buffers reused for every staged transfer."""
 
-    def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str):
+    def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str, category: str = "other"):
         self.numel, self.count, self.dtype, self.what = numel, count, dtype, what
+        self.category = category  # Note [host memory ledger] in aio/_memory.py
         self._free: List[torch.Tensor] = []
         self._made = 0  # buffers are allocated on first need (a one-rank CPU run reads elsewhere)
         self._cond = threading.Condition()
@@ -63,7 +77,7 @@ class HostPool:
         with self._cond:
             if not self._free and self._made < self.count:
                 self._made += 1
-                return aligned_empty(self.numel, self.dtype)
+                return aligned_empty(self.numel, self.dtype, what=self.category)
             if not block and not self._free:
                 return None
             if not self._cond.wait_for(lambda: self._free, timeout):
@@ -104,8 +118,11 @@ class ParamStore:
 
     def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
-                 buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None):
+                 buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
+                 update_chunk: int = 0):
         tier = Tier.of(tier)
+        self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
+        self.direct_reads = direct_reads  # reads land in the caller's buffers: the pool stays empty (Note [one memory model])
         self.tier, self.dtype, self.total = tier, dtype, total
         self.flat: Optional[torch.Tensor] = None
         self.pool: Optional[HostPool] = None
@@ -126,7 +143,7 @@ class ParamStore:
             if count < 2:
                 raise UsageError(f"zero.offload_param.buffer_count={buffer_count}: at least 2 staging buffers are "
                                  f"needed (one being gathered, one being read); leave it unset to size it automatically")
-            self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool")
+            self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool", PARAM_STAGING)
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
             self._all_readers = list(self._readers)  # a reader is out of the list while its read is pending
             self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
@@ -135,11 +152,11 @@ class ParamStore:
             self._spans = [(a, a + n) for a, n in slots or []]  # each trainable unit's slot (Note [frozen parameters])
             self._span_starts = [a for a, _ in self._spans]
             self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
-            self._outputs = Recycler(self._kept_cap, aligned_empty)
+            self._outputs = Recycler(self._kept_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
         elif alias is not None:
             self.flat = alias
         elif tier is Tier.CPU:
-            self.flat = aligned_empty(total, dtype)
+            self.flat = aligned_empty(total, dtype, what=PARAM_SHARDS)
         else:
             self.flat = torch.empty(total, dtype=dtype, device=acc.device())
 
@@ -167,6 +184,8 @@ class ParamStore:
         with self._lock:
             handle = self._writers[self._next_writer]
             self._next_writer = (self._next_writer + 1) % len(self._writers)
+        self._reap(handle)  # outside the lock: a fetch must not wait for this write's predecessor
+        with self._lock:
             handle.pwrite(values, self.path, offset * values.element_size())
             self._writes.append((offset, end, handle))
             self.bytes_written += values.numel() * values.element_size()
@@ -175,6 +194,22 @@ class ParamStore:
                 self._kept.append((offset, values))
                 while sum(t.numel() for _, t in self._kept) * values.element_size() > self._kept_cap:
                     self._kept.pop(0)
+
+    def _reap(self, handle) -> None:
+        """Collect ``handle``'s earlier writes before it takes another (they were submitted
+        WRITE_HANDLES writes ago, so have mostly landed): a handle keeps the tensors it wrote
+        alive until collected, and the step's output tensors would otherwise stay mapped, up
+        to the whole parameter space of them, until some read waited for them. So at most
+        WRITE_HANDLES written outputs are uncollected (Note [one memory model] in _memory.py).
+        Only the step's thread writes; a read waiting on the same handle meanwhile is fine
+        (``_writes_landed`` drops only the writes it saw)."""
+        with self._lock:
+            mine = [w for w in self._writes if w[2] is handle]
+        if mine:
+            wait_io(handle, f"parameter shard writes on rank {self._rank}")
+            done = {id(w) for w in mine}
+            with self._lock:
+                self._writes = [w for w in self._writes if id(w) not in done]
 
     def _spans_in(self, offset: int, end: int):
         """The unit spans [a, b) overlapping [offset, end)."""
@@ -306,10 +341,9 @@ class ParamStore:
         return buf
 
     def nbytes(self) -> dict:
-        own = nbytes_of(self.total, self.dtype)
-        if self.tier is Tier.NVME:
-            return {"nvme": own, "host": self.staging_bytes(self.pool.numel, self.pool.count, self.itemsize)}
-        return {self.tier.memory: own}
+        pool = self.pool or HostPool(0, 0, self.dtype, "")
+        return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
+                                self.update_chunk))
 
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
@@ -322,10 +356,25 @@ class ParamStore:
         return {"params": sums} if sums else {}
 
     @staticmethod
-    def staging_bytes(buffer_numel: int, buffer_count: int, itemsize: int) -> int:
-        """Host memory of the NVMe tier for a plan: the staging pool, the step's kept output
-        and the recycled output tensors (Note [hand-off]), each HANDOFF_BUFFERS buffers' worth."""
-        return (buffer_count + 2 * HANDOFF_BUFFERS) * buffer_numel * itemsize
+    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory.py): the shards on their tier;
+        on NVMe also the staging pool, and the step's output tensors (``handoff_bound``)."""
+        own = total * itemsize
+        if tier is Tier.NVME:
+            return {"nvme": {PARAM_FILES: own}, "host": {PARAM_STAGING: buffer_count * buffer_numel * itemsize,
+                                                         PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
+        return {tier.memory: {PARAM_SHARDS: own}}
+
+
+def handoff_bound(total: int, buffer_numel: int, chunk: int) -> int:
+    """Elements of the step's output tensors alive at once (Note [hand-off]): those the
+    recycler holds, kept ones among them (HANDOFF_BUFFERS buffers' worth), those written and
+    not yet collected (WRITE_HANDLES units: ``_reap``), those filling (the units of one
+    update chunk, and one unit at each end), and as many again as a forward may still read
+    after taking them. A cap, not a typical figure: a model whose units are all small holds
+    about its whole parameter space of them (``total``), a large one less."""
+    slot = _round_up(buffer_numel, ALIGN_ELEMS)  # an output tensor spans a unit's slot, padding included
+    return (2 * HANDOFF_BUFFERS + WRITE_HANDLES + 2) * slot + chunk
 
 
 # ------------------------------------------------------------------------ optimizer
@@ -356,8 +405,8 @@ class MemoryOptimizerStore:
     def __init__(self, tier: Tier, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
         tier = Tier.of(tier)
-        self._alloc = (lambda: _zeros_host(total)) if tier is Tier.CPU else (
-            lambda: torch.zeros(total, dtype=torch.float32, device=acc.device()))
+        self._alloc = (lambda what=OPT_STATES: _zeros_host(total, what)) if tier is Tier.CPU else (
+            lambda what=None: torch.zeros(total, dtype=torch.float32, device=acc.device()))
         self.tier = tier
         self.total = total
         self.lazy_grad = lazy_grad  # stage 1: a gradient shard exists only during the step
@@ -365,7 +414,7 @@ class MemoryOptimizerStore:
         self.pieces = _unit_pieces(ranges or [], total, chunk_elems(chunk, total)) if overlapped else []
         self.head = self.pieces[0][1] if self.pieces else 0
         self.master = self._alloc()
-        self.grad = None if lazy_grad else self._alloc()
+        self.grad = None if lazy_grad else self._alloc(GRADIENTS)
         self._sealed: Optional[torch.Tensor] = None  # the gradients an overlapped update reads
         self._spare: Optional[torch.Tensor] = None  # a zeroed buffer the last update gave back
         self.exp_avg = self._alloc()
@@ -376,7 +425,7 @@ class MemoryOptimizerStore:
 
     def _grad_buffer(self) -> torch.Tensor:
         if self.grad is None:
-            self.grad, self._spare = (self._spare if self._spare is not None else self._alloc()), None
+            self.grad, self._spare = (self._spare if self._spare is not None else self._alloc(GRADIENTS)), None
         return self.grad
 
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
@@ -447,18 +496,19 @@ class MemoryOptimizerStore:
         return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
 
     def nbytes(self) -> dict:
-        return {self.tier.memory: self.bytes_for(self.total, self.overlapped)}
+        return totals(self.plan(self.tier, self.total, self.overlapped, self.lazy_grad))
 
     @staticmethod
-    def bytes_for(total: int, overlapped: bool) -> int:
-        """Master weights, moments and gradients; an overlapped step's sealed gradients beside
-        the accumulating ones, and for a moment the spare it gives back when the next
-        backward has already started a new buffer."""
-        return (6 if overlapped else 4) * 4 * total
+    def plan(tier: Tier, total: int, overlapped: bool, lazy_grad: bool = False) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory.py): master weights, moments
+        and gradients; an overlapped step's sealed gradients beside the accumulating ones,
+        and for a moment the spare it gives back when the next backward has already started
+        a new buffer. (Stage 1's lazy gradient exists during the step only, but then whole.)"""
+        return {tier.memory: {OPT_STATES: 3 * 4 * total, GRADIENTS: (3 if overlapped else 1) * 4 * total}}
 
 
-def _zeros_host(n: int) -> torch.Tensor:
-    t = aligned_empty(n, torch.float32)
+def _zeros_host(n: int, what: str) -> torch.Tensor:
+    t = aligned_empty(n, torch.float32, what=what)
     t.zero_()
     return t
 
@@ -509,11 +559,11 @@ class NvmeOptimizerStore:
         self.chunk = chunk_elems(chunk, total)
         self.head = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]
         # Note [gradients in host memory]: every gradient shard; None = the swap file (and the head sets)
-        self.grad_mem = _zeros_host(total) if grads_in_memory else None
+        self.grad_mem = _zeros_host(total, GRADIENTS) if grads_in_memory else None
         self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
         self.paths = {n: checksummed(swap.file(f"{n}.swp", total * 4), total * 4, aio_cfg.checksums)
                       for n in self._swapped}  # Note [swap checksums] in aio/_checksum.py
-        self.head_sets = [{n: aligned_empty(self.chunk, torch.float32) for n in self._swapped}
+        self.head_sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_HOST_CACHE) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
             if "grad" in hs:
@@ -526,7 +576,7 @@ class NvmeOptimizerStore:
         self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
         self.grad_reader = new_aio(aio_cfg)
         self.grad_writer = new_aio(aio_cfg)
-        self.sets = [{n: aligned_empty(self.chunk, torch.float32) for n in _NAMES} for _ in range(self.SETS)]
+        self.sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_BUFFERS) for n in _NAMES} for _ in range(self.SETS)]
         self.accumulation_steps = accumulation_steps
         self.rank = swap.rank
         self._written: set = set()  # offsets of gradient ranges written since the last step
@@ -785,7 +835,7 @@ class NvmeOptimizerStore:
             self._read(self.readers[s], name, off, self.sets[s][name][:n])
 
     def nbytes(self) -> dict:
-        return self.bytes_for(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None)
+        return totals(self.plan(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None))
 
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
@@ -796,15 +846,16 @@ class NvmeOptimizerStore:
         return {n: sums_of(p) for n, p in self.paths.items() if sums_of(p)}
 
     @classmethod
-    def bytes_for(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
-        """Files and host memory for a plan: the swap files (gradients too unless they stay
-        in host memory), the buffer sets, the host cache of the first ``head`` elements (Note
-        [host cache]) and the gradients in host memory (Note [gradients in host memory]).
-        Not yet counted: the files' block sums, 1/512 of the swap bytes (BlockSums.bytes_for;
-        Note [swap checksums] in aio/_checksum.py)."""
+    def plan(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory.py): the swap files (gradients
+        too unless they stay in host memory), the buffer sets, the host cache of the first
+        ``head`` elements (Note [host cache]) and the gradients in host memory (Note
+        [gradients in host memory]). Not yet counted: the files' block sums, 1/512 of the swap
+        bytes (BlockSums.bytes_for; Note [swap checksums] in aio/_checksum.py)."""
         swapped = len(_NAMES) - (1 if grads_in_memory else 0)
-        return {"nvme": 4 * swapped * total,
-                "host": cls.SETS * 4 * len(_NAMES) * chunk + 4 * swapped * head + (4 * total if grads_in_memory else 0)}
+        return {"nvme": {OPT_FILES: 4 * swapped * total},
+                "host": {OPT_BUFFERS: cls.SETS * 4 * len(_NAMES) * chunk, OPT_HOST_CACHE: 4 * swapped * head,
+                         GRADIENTS: 4 * total if grads_in_memory else 0}}
 
 
 def _unit_pieces(ranges: List[tuple], total: int, target: int) -> List[tuple]:

@@ -12,12 +12,12 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS = {
     "runtime": ["errors", "_log", "_accelerator", "_comm", "_telemetry_counters", "_telemetry", "_tiers", "_recycle",
                 "config", "_deepspeed_config", "_schedule", "aio", "optim", "_aio_cffi", "_cpu_adam"],
-    "offload": ["_layout", "_swap", "_stores", "_preflight", "_placement"],
+    "offload": ["_memory", "_layout", "_swap", "_stores", "_preflight", "_placement"],
     "zero": ["_param", "_pretrained", "_init", "_unit", "_phase", "_step_gate", "_prefetch", "_reduce", "_loss_scale",
              "_param_groups", "_optimizer", "tiling", "_activation_offload", "_engine", "_gathered", "_swap_labels",
              "_initialize"],
     "apps": ["__init__", "train", "_train_data", "estimate", "_estimate", "export", "_safetensors_export", "_checkpoint",
-             "testing", "integrations"],
+             "testing", "integrations", "_runmodel"],
 }
 # Deferred (function-level) imports that close a cycle on purpose, each with its reason.
 DEFERRED_OK = {

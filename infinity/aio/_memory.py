@@ -7,6 +7,9 @@ transparent huge pages in ``madvise`` mode the memory must be advised, and 2 MiB
 each huge page lines up with the buffer. Where THP is off the memory is still page-aligned,
 which is all O_DIRECT needs.
 """
+import threading
+from collections import defaultdict
+
 import torch
 
 from .. import _accelerator as acc
@@ -28,24 +31,71 @@ def _thp_mode() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
 
 
+class HostLedger:
+    """Note [host memory ledger]: bytes of aligned host memory mapped now and at their peak,
+    by the category the caller named (``aligned_empty(..., what=)``). The count is kept where
+    the memory is mapped and unmapped, so it is what the process really holds, not what a
+    formula expects: the memory model (_memory.py) is tested against it, and the telemetry
+    reports it beside the resident set. A mapping counts from its allocation to the moment
+    its last tensor goes (its unmap)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # a mapping may be freed by a collection inside ``add``
+        self.live = defaultdict(int)
+        self.peak = defaultdict(int)
+        self.peak_total = 0
+
+    def add(self, what: str, nbytes: int) -> None:
+        with self._lock:
+            self.live[what] += nbytes
+            self.peak[what] = max(self.peak[what], self.live[what])
+            self.peak_total = max(self.peak_total, sum(self.live.values()))
+
+    def sub(self, what: str, nbytes: int) -> None:
+        with self._lock:
+            self.live[what] -= nbytes
+
+    def snapshot(self) -> dict:
+        """``{"live": {category: bytes}, "peak": {...}, "peak_total": bytes}``."""
+        with self._lock:
+            return {"live": {k: v for k, v in self.live.items() if v}, "peak": dict(self.peak),
+                    "peak_total": self.peak_total}
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = defaultdict(int, self.live)
+            self.peak_total = sum(self.live.values())
+
+
+ledger = HostLedger()
+
+
 class _Mapping:
     """Owns one mapping from ``infinity_aio_alloc``; unmapped when the last tensor goes."""
 
-    def __init__(self, nbytes: int, hugepage: bool):
+    def __init__(self, nbytes: int, hugepage: bool, what: str = "other"):
         huge = ffi.new("int32_t *")
         ptr = lib.infinity_aio_alloc(nbytes, 1 if hugepage else 0, huge)
         if ptr == ffi.NULL:
             raise OutOfMemory(f"aligned_empty: could not map {nbytes} bytes of host memory")
         self.nbytes, self.hugepage, self.huge = nbytes, hugepage, bool(huge[0])
-        self._ptr = ffi.gc(ptr, lambda p: lib.infinity_aio_free(p, nbytes, 1 if hugepage else 0))
+        ledger.add(what, nbytes)
+
+        def free(p):
+            lib.infinity_aio_free(p, nbytes, 1 if hugepage else 0)
+            ledger.sub(what, nbytes)
+
+        self._ptr = ffi.gc(ptr, free)
         self.buffer = ffi.buffer(self._ptr, nbytes)
 
 
-def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: bool = True) -> torch.Tensor:
+def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: bool = True,
+                  what: str = "other") -> torch.Tensor:
     """A flat uninitialized CPU tensor on memory ready for O_DIRECT.
 
     2 MiB-aligned and advised for transparent huge pages (``hugepage=True``), else 4 KiB
     aligned. On CUDA machines the memory is pinned (page-locked) by torch's host allocator.
+    ``what`` names the memory's category in the ledger (Note [host memory ledger]).
     """
     if not isinstance(dtype, torch.dtype):
         raise UsageTypeError(f"aligned_empty: dtype must be a torch.dtype, got {dtype!r}")
@@ -58,7 +108,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
     nbytes = numel * itemsize
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    mapping = _Mapping(nbytes, hugepage)
+    mapping = _Mapping(nbytes, hugepage, what)
     if hugepage and not _HUGE_WARNED and (not mapping.huge or _thp_mode() == "never"):
         _HUGE_WARNED.append(True)
         logger.info("aligned_empty: transparent huge pages are off (%s); using 4 KiB pages, "

@@ -1,0 +1,245 @@
+"""Know before you run: the host memory and the step time of one run, from the engine's own bytes.
+
+Note [run model]: for a model shape, a batch and a stage-3 placement on one node, this
+predicts (1) the peak resident set of a rank and (2) the time of a training step and its
+bottleneck, from the same numbers the engine uses:
+
+- Host memory: the stores' plan (Note [one memory model] in _memory.py, the very function
+  the preflight calls, with a layout made from the shape), the gathered buffers of the
+  prefetch window and the largest unit's full gradient (002 eq. 4, MSWM), the activations
+  and a baseline (interpreter, torch, transformers: ``BASELINE``). Activations without
+  checkpointing, measured for Hugging Face GPT-2 blocks in fp32 (``scripts/check_run_model.py``
+  prints the fit): at the peak of backward about ``ACT_PER_LAYER``·hd bytes per token and
+  layer (forward saves ~22·hd floats; backward's transients add the rest) and
+  ``ACT_LOGITS``·vocab for the logits, their log-softmax and their gradients; with
+  checkpointing, 002 eq. 3 + eq. 5. The hand-off outputs count as the parameter space or their
+  cap, whichever is smaller (their typical figure, not the preflight's cap).
+- Step time (002 §4): compute 6·Ψ·tokens + 12·nl·bsz·seq²·hd FLOPs per rank (8 and 16 with
+  activation checkpointing: the forward runs twice) at the measured FLOP
+  rate; the optimizer's Adam over the trainable shard at the measured elements/s; the NVMe
+  bytes a step moves, counted as the stores move them (parameters: backward re-reads every
+  unit and the step writes every shard, while the forward takes the step's hand-off; the
+  optimizer: master weights and moments read past the host cache and all written; gradients
+  written and read unless in host memory) at the measured read and write bandwidths. With an
+  accelerator the three overlap and the slowest is the bottleneck; without one (the device
+  is the CPU) compute and Adam share the cores, so they add, and disk time beyond them shows.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+BASELINE = 450 << 20  # bytes: python + torch + transformers + the model's objects, measured on CPU hosts
+ACT_PER_LAYER = 28 * 4  # bytes per token per layer per hidden unit, fp32 (Note [run model])
+ACT_LOGITS = 1.6 * 4  # bytes per token per vocabulary entry, fp32 (Note [run model])
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per rank: FLOP/s of the device, NVMe read / write bytes/s of its share of the node's
+    drives, Adam elements/s of its share of the host's cores."""
+
+    flops: float
+    nvme_read: float
+    nvme_write: float
+    adam: float
+    name: str = "measured"
+
+    @classmethod
+    def measure(cls, nvme_path: Optional[str], hidden: int = 768, tokens: int = 1024) -> "Rates":
+        """This machine, now: a matmul of the model's MLP shape, the native Adam over 8M
+        elements, and O_DIRECT reads and writes of 256 MiB under ``nvme_path``."""
+        import torch
+
+        a, b = torch.randn(tokens, hidden), torch.randn(hidden, 4 * hidden)
+        flops = max(_rate(lambda: a @ b) for _ in range(3)) * 2 * tokens * hidden * 4 * hidden
+        adam = _adam_rate()
+        read = write = float("inf")
+        if nvme_path:
+            from .config import AioConfig
+            from .train import probe_disk
+
+            bw = probe_disk(nvme_path, AioConfig(), 256 << 20)
+            read, write = bw["read"], bw["write"]
+        return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam)
+
+
+def _rate(fn, reps: int = 3) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return reps / (time.perf_counter() - t)
+
+
+def _adam_rate(n: int = 8 << 20) -> float:
+    import torch
+
+    from ._optimizer import _native_adam, torch_adam_step
+
+    step = _native_adam() or torch_adam_step
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    hyper = dict(step=1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True)
+    return n * _rate(lambda: step(p, g, m, v, **hyper))
+
+
+# Projections (per GPU). DGX-2 as ZeRO-Infinity measured it (002 §5-6, Fig. 2b and 5c): 16 V100
+# at ~70 TFLOP/s peak, of which large models reached 25-50; 28 TB of NVMe read at ~25 GB/s
+# and written at ~25 GB/s per node (1.6 GB/s per GPU); CPU Adam at ~1e9 elements/s per node share.
+DGX2 = Rates(flops=50e12, nvme_read=25e9 / 16, nvme_write=25e9 / 16, adam=1e9 / 16 * 4, name="DGX-2 (002)")
+# 8 x H100 SXM (~400 TFLOP/s dense bf16 reached of 989), 8 x PCIe 5 NVMe in RAID 0 (~13 GB/s
+# read, ~10 GB/s write each, ~100 / 80 GB/s together), 2 x 56-core host for CPU Adam.
+H100_RAID = Rates(flops=400e12, nvme_read=100e9 / 8, nvme_write=80e9 / 8, adam=2e10 / 8, name="8xH100 + NVMe RAID")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One stage-3 run per rank: model shape, batch, dtype, where the states live."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    micro_batch: int
+    seq_len: int
+    dtype: str = "fp32"
+    param_tier: str = "nvme"
+    optimizer_tier: str = "nvme"
+    ranks: int = 1
+    device_is_host: bool = True
+    ckpt_interval: int = 0  # 0: no activation checkpointing
+    host_mem: int = 0  # bytes of host memory per node, for the gradients' "auto" rule; 0: this machine's
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def _layout(run: Run):
+    """The numbers a real layout would give the store plan: shard sizes, the largest unit
+    (the embedding of a GPT, or the MLP's 4·hd² matrix), the chunk, the host cache."""
+    from ._placement import gradients_in_host
+    from ._stores import ALIGN_ELEMS, _round_up, chunk_elems, head_elems
+    from .config import Config
+
+    z = Config().zero
+    largest = max(run.vocab * run.hidden, 4 * run.hidden * run.hidden)
+    shard = math.ceil(run.params / run.ranks)
+    total = _round_up(shard, ALIGN_ELEMS)
+    max_shard = math.ceil(largest / run.ranks)
+    chunk = chunk_elems(z.offload_optimizer.chunk_size, total)
+    head = head_elems(z.offload_optimizer.host_cache, [(0, max_shard)], chunk, total)
+    if run.host_mem:  # the rule of gradients_in_host, for another machine
+        grads_in_memory = run.optimizer_tier == "nvme" and 4 * total * run.ranks <= run.host_mem // 4
+    else:
+        grads_in_memory = run.optimizer_tier == "nvme" and gradients_in_host("auto", total)
+    return z, total, largest, max_shard, chunk, head, grads_in_memory
+
+
+def host_memory(run: Run) -> dict:
+    """Bytes of a rank's peak resident set by category (Note [run model])."""
+    from ._memory import PARAM_HANDOFF
+    from ._placement import GATHERED_REUSE
+    from ._preflight import staging_buffers, store_plan
+    from ._tiers import Tier
+
+    z, total, largest, max_shard, chunk, head, gim = _layout(run)
+    isz = run.itemsize
+    direct = run.ranks == 1 and run.device_is_host
+    fp32_master = run.dtype == "fp32" and run.param_tier == run.optimizer_tier and run.param_tier != "nvme"
+    plan = store_plan(opt_tier=Tier(run.optimizer_tier), param_tier=Tier(run.param_tier), opt_total=total,
+                      param_total=total, itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme",
+                      lazy_grad=False, chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
+                      staging_count=0 if direct else staging_buffers(z), params_are_master=fp32_master,
+                      gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0)
+    out = dict(plan["host"])
+    if PARAM_HANDOFF in out:
+        out[PARAM_HANDOFF] = min(out[PARAM_HANDOFF], total * isz)  # typical: at most the parameter space
+    device = dict(plan["device"])
+    # The largest unit's full gradient (heap), and gathered units beyond what the recycler keeps:
+    # the largest unit and the prefetch window of block matrices (4·hd² each).
+    window = (largest + (z.prefetch.depth + 1) * 4 * run.hidden**2) * isz
+    device["working"] = largest * isz + max(0, window - device.get("gathered", 0))
+    device["activations"] = activation_bytes(run)
+    if run.device_is_host:
+        out.update({f"device_{k}": v for k, v in device.items()})
+    out["baseline"] = BASELINE
+    return out
+
+
+def activation_bytes(run: Run) -> int:
+    """Activations at the peak of backward, per rank (Note [run model])."""
+    scale = run.itemsize / 4
+    logits = ACT_LOGITS * run.vocab * run.tokens * scale
+    if run.ckpt_interval:  # 002 eq. 3 (the checkpoints) and eq. 5 (one interval recomputed), 2-byte figures
+        ckpt = 2 * run.tokens * run.hidden * math.ceil(run.layers / run.ckpt_interval)
+        awm = run.tokens * run.ckpt_interval * (16 * run.hidden + 2 * run.heads * run.seq_len)
+        return int((ckpt + awm) * run.itemsize / 2 + logits)
+    return int(run.tokens * scale * ACT_PER_LAYER * run.layers * run.hidden + logits)
+
+
+def nvme_bytes(run: Run) -> dict:
+    """NVMe bytes a rank moves per step, as its stores move them (Note [run model])."""
+    _, total, _, _, _, head, gim = _layout(run)
+    read = write = 0
+    if run.param_tier == "nvme":
+        read += total * run.itemsize  # backward re-reads; the forward takes the step's hand-off
+        write += total * run.itemsize
+    if run.optimizer_tier == "nvme":
+        states = 3 * 4 * (total - head)
+        read += states
+        write += states + 3 * 4 * head  # the host cache is write-through (Note [host cache])
+        if not gim:
+            read += 4 * (total - head)
+            write += 4 * (total - head)
+    return {"read": read, "write": write}
+
+
+def step_time(run: Run, rates: Rates) -> dict:
+    """Seconds per step: each term, the prediction and the bottleneck (Note [run model])."""
+    passes = 8 if run.ckpt_interval else 6  # forward, backward (2x), and the forward again under checkpointing (002 §4)
+    flops = passes * run.params * run.tokens + 2 * passes * run.layers * run.micro_batch * run.seq_len**2 * run.hidden
+    io = nvme_bytes(run)
+    terms = {"compute": flops / rates.flops, "adam": math.ceil(run.params / run.ranks) / rates.adam,
+             "nvme_read": io["read"] / rates.nvme_read, "nvme_write": io["write"] / rates.nvme_write}
+    disk = terms["nvme_read"] + terms["nvme_write"]  # one device: reads and writes share it
+    if run.device_is_host:
+        cpu = terms["compute"] + terms["adam"]
+        predicted = max(cpu, disk)
+        bottleneck = "compute" if terms["compute"] >= max(terms["adam"], disk) else (
+            "adam" if terms["adam"] >= disk else "nvme")
+    else:
+        predicted = max(terms["compute"], terms["adam"], disk)
+        bottleneck = max((("compute", terms["compute"]), ("adam", terms["adam"]), ("nvme", disk)), key=lambda x: x[1])[0]
+    return {**terms, "flops": flops, "nvme_bytes": io, "predicted": predicted, "bottleneck": bottleneck,
+            "tokens_per_s": run.tokens * run.ranks / predicted, "tflops_per_rank": flops / predicted / 1e12}
+
+
+def describe(run: Run, rates: Rates) -> str:
+    mem = host_memory(run)
+    st = step_time(run, rates)
+    lines = [f"run: {run.params / 1e6:.0f}M parameters, {run.micro_batch} x {run.seq_len} tokens per rank, {run.dtype}, "
+             f"params on {run.param_tier}, optimizer on {run.optimizer_tier}, {run.ranks} rank(s)",
+             f"rates ({rates.name}): {rates.flops / 1e9:.0f} GFLOP/s, NVMe read {rates.nvme_read / 1e9:.2f} GB/s, "
+             f"write {rates.nvme_write / 1e9:.2f} GB/s, Adam {rates.adam / 1e6:.0f} M elements/s",
+             f"predicted step: {st['predicted']:.2f} s ({st['tokens_per_s']:.0f} tokens/s, {st['tflops_per_rank']:.2f} "
+             f"TFLOP/s per rank), bottleneck: {st['bottleneck']} "
+             f"(compute {st['compute']:.2f} s, adam {st['adam']:.2f} s, NVMe read {st['nvme_read']:.2f} s of "
+             f"{st['nvme_bytes']['read'] / GiB:.2f} GiB, write {st['nvme_write']:.2f} s of "
+             f"{st['nvme_bytes']['write'] / GiB:.2f} GiB)"]
+    if run.device_is_host:
+        lines.append(f"predicted peak RSS per rank: {sum(mem.values()) / GiB:.2f} GiB ("
+                     + ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(mem.items(), key=lambda kv: -kv[1]) if v) + ")")
+    return "\n".join(lines)
+
+
+def to_dict(run: Run, rates: Rates) -> dict:
+    return {"run": asdict(run), "rates": asdict(rates), "host_memory": host_memory(run), "step": step_time(run, rates)}

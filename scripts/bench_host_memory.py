@@ -1,0 +1,143 @@
+"""Where host memory goes: GPT-2 124M, fp32, 4 x 256 tokens, everything on NVMe, against plain PyTorch.
+
+Each contender runs in its own process (its peak RSS is its own), rounds alternate plain and
+infinity, and every step is timed. For infinity the engine's account (Note [one memory model]
+in infinity/_memory.py) is printed at the peak of each phase: the engine's buffers by
+category as mapped, the C heap in use (activations, autograd's gradients, temporaries) and
+retained, the rest of the resident set; and the plan's figures beside them.
+
+    python scripts/bench_host_memory.py [--rounds 2] [--steps 3] [--micro-batch 4 --seq-len 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+
+GiB, MiB = 2**30, 2**20
+VOCAB = 50257
+
+
+def build_gpt(layers: int, hidden: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=hidden // 64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return GPT2LMHeadModel(cfg)
+
+
+def nvme_config(path: str) -> dict:
+    return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
+                     "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+            "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    import infinity
+    from infinity._memory import host_account
+    from infinity.testing import peak_rss, rss_now
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    out = {"base_rss": rss_now(), "steps": [], "accounts": {}}
+    if spec["kind"] == "plain":
+        model = build_gpt(spec["layers"], spec["hidden"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        cfg = nvme_config(spec["nvme_path"])
+        with infinity.Init(config=cfg):
+            model = build_gpt(spec["layers"], spec["hidden"])
+        model, opt = infinity.initialize(model, cfg)
+        out["plan"] = opt.memory_plan["categories"]
+    out["setup_rss"] = rss_now()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(spec["warmup"] + spec["steps"]):
+        ids = torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        if spec["kind"] != "plain" and i == spec["warmup"]:
+            out["accounts"]["after_forward"] = host_account()
+        loss.backward()
+        if spec["kind"] == "plain":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out["steps"].append(time.perf_counter() - t0)
+        if spec["kind"] != "plain" and i == spec["warmup"]:
+            out["accounts"]["after_step"] = host_account()
+    if spec["kind"] != "plain":
+        opt.wait_step()
+        out["accounts"]["end"] = host_account()
+        out["telemetry_keys"] = sorted(opt.engine.telemetry()["host_memory"])
+        opt.engine.close()
+    out["peak_rss"] = peak_rss()
+    return out
+
+
+def spawn(spec: dict, timeout: float) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec['kind']} failed with exit code {proc.returncode} (its stderr is above)")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def show_account(name: str, acct: dict) -> None:
+    mapped = " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(acct["mapped"].items()))
+    print(f"  {name:14s} rss {acct['rss'] / MiB:6.0f} MiB | engine buffers (MiB): {mapped or '-'} | "
+          f"heap in use {acct.get('heap_in_use', 0) / MiB:.0f}, retained {acct.get('heap_retained', 0) / MiB:.0f} | "
+          f"other {acct['other'] / MiB:.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--nvme-path", default=tempfile.gettempdir())
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    base = dict(layers=args.layers, hidden=args.hidden, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                steps=args.steps, warmup=args.warmup, nvme_path=args.nvme_path)
+    runs = {"plain": [], "nvme": []}
+    for r in range(args.rounds):
+        for kind in runs:
+            res = spawn({**base, "kind": kind}, 3600)
+            runs[kind].append(res)
+            print(f"round {r} {kind:5s}: peak RSS {res['peak_rss'] / GiB:.2f} GiB, "
+                  f"step {statistics.median(res['steps'][args.warmup:]):.2f} s", flush=True)
+    med = {k: {"peak": statistics.median(x["peak_rss"] for x in v),
+               "step": statistics.median(s for x in v for s in x["steps"][args.warmup:])} for k, v in runs.items()}
+    print(f"\nGPT-2 {args.layers}x{args.hidden}, fp32, {args.micro_batch} x {args.seq_len} tokens, "
+          f"medians of {args.rounds} round(s):")
+    for k, m in med.items():
+        print(f"  {k:5s} peak RSS {m['peak'] / GiB:.2f} GiB   step {m['step']:.2f} s")
+    print(f"  ratio nvme/plain: peak RSS {med['nvme']['peak'] / med['plain']['peak']:.2f}x, "
+          f"step time {med['nvme']['step'] / med['plain']['step']:.2f}x")
+    last = runs["nvme"][-1]
+    print("\ninfinity's host memory by category (last round):")
+    for name, acct in last["accounts"].items():
+        show_account(name, acct)
+    print("  planned (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(last["plan"]["host"].items())))
+    peaks = last["accounts"]["end"]["mapped_peak"]
+    print("  mapped peaks (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(peaks.items())))
+
+
+if __name__ == "__main__":
+    main()

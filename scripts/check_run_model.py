@@ -1,0 +1,128 @@
+"""Know before you run, checked: the run model's predictions (Note [run model] in infinity/_runmodel.py)
+against measured runs, in one run of this script.
+
+For each model (tiny 2 x 256, GPT-2 124M, and with --big a 1B GPT) and each placement (cpu: parameters
+and optimizer in host memory; nvme: both on NVMe), stage 3, fp32, one rank on the CPU, a child process
+trains --steps steps after a warm-up and reports its peak RSS (VmHWM), its median step time and the
+NVMe bytes its stores moved per step; the parent measures this machine's rates (FLOP/s at the
+model's MLP shape, native Adam elements/s, O_DIRECT bandwidth under --nvme-path) beside them and
+prints predicted vs measured with the ratio. The targets: peak RSS within 20%, step time within 25%.
+Timings are only meaningful on an idle machine; the load average is printed.
+
+    python scripts/check_run_model.py [--models tiny,124m] [--big] [--steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+
+GiB = 2**30
+VOCAB = 50257
+MODELS = {"tiny": (2, 256, 4, 128), "124m": (12, 768, 4, 256), "1b": (18, 2048, 1, 256)}  # layers, hidden, batch, seq
+
+
+def build_gpt(layers: int, hidden: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=hidden // 64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return GPT2LMHeadModel(cfg)
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    import infinity
+    from infinity.testing import peak_rss
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    tier = spec["tier"]
+    cfg = {"zero": {"stage": 3, "offload_param": {"device": tier, "nvme_path": spec["nvme"]},
+                    "offload_optimizer": {"device": tier, "nvme_path": spec["nvme"]}},
+           "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}}
+    with infinity.Init(config=cfg):
+        model = build_gpt(spec["layers"], spec["hidden"])
+    model, opt = infinity.initialize(model, cfg)
+    gen = torch.Generator().manual_seed(1)
+    times, moved = [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        ids = torch.randint(VOCAB, (spec["batch"], spec["seq"]), generator=gen)
+        t = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i == spec["warmup"] + spec["steps"] - 1:
+            opt.wait_step()
+        tel = opt.engine.telemetry()
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t)
+            moved.append({d: sum(v for k, v in tel.items() if k.startswith("nvme_") and k.endswith(f"_{d}_bytes"))
+                          for d in ("read", "write")})
+    out = {"params": sum(p.numel() for p in model.parameters()), "step": statistics.median(times),
+           "read": statistics.median(m["read"] for m in moved), "write": statistics.median(m["write"] for m in moved),
+           "peak_rss": peak_rss()}
+    opt.engine.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,124m")
+    ap.add_argument("--big", action="store_true", help="also the 1B model")
+    ap.add_argument("--tiers", default="cpu,nvme")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--nvme-path", default=tempfile.gettempdir())
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    from infinity import _runmodel as rm
+
+    models = args.models.split(",") + (["1b"] if args.big else [])
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    rows = []
+    for name in models:
+        layers, hidden, batch, seq = MODELS[name]
+        rates = rm.Rates.measure(args.nvme_path, hidden=hidden, tokens=batch * seq)
+        for tier in args.tiers.split(","):
+            nvme = tempfile.mkdtemp(prefix="runmodel_", dir=args.nvme_path)
+            spec = dict(layers=layers, hidden=hidden, batch=batch, seq=seq, tier=tier, nvme=nvme,
+                        steps=args.steps, warmup=args.warmup)
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
+                                  text=True, timeout=7200)
+            subprocess.run(["rm", "-rf", nvme])
+            if proc.returncode != 0:
+                print(f"{name} {tier}: child failed ({proc.returncode}); its stderr is above")
+                continue
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            run = rm.Run(params=got["params"], layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB,
+                         micro_batch=batch, seq_len=seq, param_tier=tier, optimizer_tier=tier)
+            mem = sum(rm.host_memory(run).values())
+            st = rm.step_time(run, rates)
+            rows.append((name, tier, st["predicted"], got["step"], st["bottleneck"], mem, got["peak_rss"],
+                         st["nvme_bytes"], got))
+            print(f"{name:5s} {tier:4s} step predicted {st['predicted']:7.2f} s measured {got['step']:7.2f} s "
+                  f"({got['step'] / st['predicted']:.2f}x, bottleneck {st['bottleneck']}) | peak RSS predicted "
+                  f"{mem / GiB:5.2f} GiB measured {got['peak_rss'] / GiB:5.2f} GiB ({got['peak_rss'] / mem:.2f}x) | "
+                  f"NVMe read {st['nvme_bytes']['read'] / GiB:.2f}/{got['read'] / GiB:.2f} GiB, write "
+                  f"{st['nvme_bytes']['write'] / GiB:.2f}/{got['write'] / GiB:.2f} GiB (predicted/measured) | "
+                  f"rates {rates.flops / 1e9:.0f} GFLOP/s, Adam {rates.adam / 1e6:.0f} M/s, "
+                  f"disk r/w {rates.nvme_read / 1e9:.2f}/{rates.nvme_write / 1e9:.2f} GB/s", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    bad = [r for r in rows if not (0.8 <= r[6] / r[5] <= 1.2 and 0.75 <= r[3] / r[2] <= 1.25)]
+    print(f"{len(rows) - len(bad)} of {len(rows)} within the targets (RSS 20%, step time 25%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""One memory model (Note [one memory model] in infinity/_memory.py): the bytes the plan states
+before anything is allocated are the bytes the stores then really map, category by category,
+as counted where the memory is mapped and unmapped (Note [host memory ledger] in
+infinity/aio/_memory.py), over a real run with real swap files; the telemetry reports the same
+account; and infinity.estimate reads the same store formulas."""
+import pytest
+import torch
+from _configs import zero_config
+from _models import build, train_losses
+
+import infinity
+from infinity._memory import GATHERED, host_account
+from infinity._preflight import plan
+from infinity.aio._memory import ledger
+
+# Fixed once allocated: the plan is exact. Bounded caches and pools: the plan is their cap.
+EXACT = {"param_shards", "optimizer_states", "optimizer_buffers", "optimizer_cache"}
+CAPPED = {"param_staging", "param_handoff"}
+
+
+def _measured_run(tmp_path, cfg, steps=3):
+    """(plan, measured peak bytes per category of this run's own mappings, the engine)."""
+    before = dict(ledger.snapshot()["live"])
+    ledger.reset_peak()
+    model, opt = infinity.initialize(build("gpt2"), cfg)
+    need = plan(opt.placement, opt.cfg)
+    train_losses(model, opt, "gpt2", steps)
+    opt.wait_step()
+    peaks = ledger.snapshot()["peak"]
+    measured = {k: v - before.get(k, 0) for k, v in peaks.items() if v - before.get(k, 0) > 0}
+    return need, measured, model, opt
+
+
+@pytest.mark.parametrize("param,optim,dtype,gradients", [
+    ("nvme", "nvme", "fp32", "cpu"), ("nvme", "nvme", "fp32", "nvme"), ("nvme", "cpu", "bf16", None),
+    ("cpu", "cpu", "bf16", None), ("cpu", "nvme", "fp32", "cpu"),
+])
+def test_plan_equals_the_bytes_the_stores_map(tmp_path, param, optim, dtype, gradients):
+    extra = {"gradients": gradients} if gradients else None
+    cfg = zero_config(3, param=param, optim=optim, nvme=str(tmp_path), dtype=dtype, chunk=2048, optim_extra=extra)
+    need, measured, model, opt = _measured_run(tmp_path, cfg)
+    host = need["categories"]["host"]
+    for cat in EXACT | ({"gradients"} if optim == "nvme" else set()):
+        assert measured.get(cat, 0) == host.get(cat, 0), (cat, measured, host)
+    # An overlapped step's gradient buffers (accumulating, sealed, spare): how many exist at
+    # once depends on whether the next backward starts before the update ends; the plan is the cap.
+    for cat in CAPPED | ({"gradients"} if optim != "nvme" else set()):
+        assert measured.get(cat, 0) <= host.get(cat, 0), (cat, measured, host)
+    assert measured.get(cat, 0) or not host.get(cat, 0) or cat == "param_staging"  # a cap that is used
+    # Gathered buffers: the recycler keeps at most its capacity; those in use besides are the
+    # persistent units' and the prefetch window's (at most depth + 2 of the largest unit).
+    units = opt.engine.units
+    window = (3 + 2) * max(u.full_nbytes for u in units) + sum(u.full_nbytes for u in units if u.persistent)
+    assert need["categories"]["device"][GATHERED] == opt.engine.gathered.capacity
+    assert measured.get(GATHERED, 0) <= opt.engine.gathered.capacity + window
+    # One rank without an accelerator reads shards straight into gathered buffers: no staging pool.
+    assert measured.get("param_staging", 0) == host.get("param_staging", 0) == 0
+    assert sum(opt.engine.tier_bytes().values()) == need["device"] + need["host"] + sum(need["nvme"].values())
+    opt.engine.close()
+
+
+def test_telemetry_reports_the_host_account(tmp_path):
+    cfg = zero_config(3, param="nvme", optim="nvme", nvme=str(tmp_path), chunk=2048)
+    model, opt = infinity.initialize(build("gpt2"), cfg)
+    train_losses(model, opt, "gpt2", 2)
+    opt.wait_step()
+    acct = opt.engine.telemetry()["host_memory"]
+    assert acct["planned"] == {t: c for t, c in opt.engine.memory_plan["categories"].items() if c}
+    for cat in ("optimizer_buffers", "optimizer_cache"):
+        assert acct["mapped"][cat] >= acct["planned"]["host"][cat]  # this engine's, and any other alive
+    assert acct["rss"] > sum(acct["mapped"].values())
+    assert acct["peak_rss"] >= acct["rss"]
+    opt.engine.close()
+
+
+def test_account_without_a_plan_counts_a_new_mapping():
+    from infinity.aio import aligned_empty
+
+    before = host_account()["mapped"].get("probe", 0)
+    t = aligned_empty(1 << 20, torch.float32, what="probe")
+    assert host_account()["mapped"]["probe"] - before == 4 << 20
+    del t
+    assert host_account()["mapped"].get("probe", 0) == before
+
+
+def test_estimate_reads_the_store_plan():
+    """The estimator's host bytes of an NVMe placement are the stores' plan for a layout made
+    from the model's shape (same chunk, host cache and staging rules as a run)."""
+    from infinity._estimate import estimate
+
+    est = estimate(layers=2, hidden=512, heads=8, gpus=1, cpu_mem="64GB", gpu_mem="64GB", nvme="1TB", dtype="fp32")
+    p = next(p for p in est.placements if (p.stage, p.param_tier.value, p.optimizer_tier.value) == (3, "nvme", "nvme"))
+    assert p.host_bytes == sum(p.host_plan.values())
+    assert set(p.host_plan) >= {"optimizer_buffers", "param_handoff"}
+
+
+def test_run_model_counts_the_bytes_a_step_moves(tmp_path):
+    """The run model's NVMe bytes per step (Note [run model]) are the stores' counters of a real
+    steady-state step, within what the hand-off saves or misses (a few units)."""
+    from _models import VOCAB
+
+    from infinity import _runmodel as rm
+
+    cfg = zero_config(3, param="nvme", optim="nvme", nvme=str(tmp_path))  # default chunk and host cache, as the model
+    model, opt = infinity.initialize(build("gpt2"), cfg)
+    train_losses(model, opt, "gpt2", 2)
+    opt.wait_step()
+    opt.engine.telemetry()
+    train_losses(model, opt, "gpt2", 1)
+    opt.wait_step()
+    tel = opt.engine.telemetry()
+    written = tel["nvme_optimizer_write_bytes"] + tel["nvme_params_write_bytes"]
+    run = rm.Run(params=opt.total, layers=2, hidden=32, heads=2, vocab=VOCAB, micro_batch=1, seq_len=12)
+    predicted = rm.nvme_bytes(run)
+    assert tel["nvme_params_write_bytes"] == 4 * opt.layout.param_total
+    assert abs(written - predicted["write"]) <= 4 * opt.total // 4, (written, predicted)
+    opt.engine.close()
