@@ -58,3 +58,12 @@ class NotSupportedError(InfinityError, NotImplementedError):
 
 class NonFiniteError(InfinityError, FloatingPointError):
     """A step's loss or gradients are inf/NaN (``precision.on_nonfinite: error``)."""
+
+
+class TiledWeightError(InfinityError, AttributeError):
+    """The whole ``weight`` of a tiled module was asked for; it exists only as tiles (an
+    AttributeError, so ``hasattr`` and ``getattr(m, "weight", None)`` keep working)."""
+
+
+class TokenIdError(InfinityError, IndexError):
+    """A token id outside a tiled embedding's vocabulary (an IndexError, like nn.Embedding's)."""

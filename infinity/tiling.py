@@ -36,7 +36,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from .errors import UsageError
+from .errors import TiledWeightError, TokenIdError, UsageError
 
 _NO_WHOLE = ("{cls} holds its {name} as tiles, not one tensor (zero.tiling): read state_dict()['{name}'] "
              "(inside infinity.GatheredParameters in stage 3), or leave this module untiled (zero.tiling.min_params)")
@@ -99,7 +99,7 @@ class TiledLinear(nn.Module):
 
     def __getattr__(self, name: str):
         if name in ("weight", "bias"):
-            raise AttributeError(_NO_WHOLE.format(cls=type(self).__name__, name=name))
+            raise TiledWeightError(_NO_WHOLE.format(cls=type(self).__name__, name=name))
         return super().__getattr__(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,7 +238,7 @@ class TiledEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(f"TiledEmbedding: token ids must be in [0, {self.num_embeddings}), got "
+            raise TokenIdError(f"TiledEmbedding: token ids must be in [0, {self.num_embeddings}), got "
                              f"[{int(ids.min())}, {int(ids.max())}]")
         out = None
         for (lo, hi), tile in zip(self.bounds, self.tiles):
@@ -271,7 +271,7 @@ class TiledEmbedding(nn.Module):
 
     def __getattr__(self, name: str):
         if name == "weight":
-            raise AttributeError(_NO_WHOLE.format(cls=type(self).__name__, name=name))
+            raise TiledWeightError(_NO_WHOLE.format(cls=type(self).__name__, name=name))
         return super().__getattr__(name)
 
 
