@@ -54,7 +54,9 @@ same units again, which only counts a reference. In backward every submodule hol
 block's units until all the block's gradients are in, then the unit is reduced at once.
 GPT-2 124M: 15 all-gathers per forward instead of about 75. Working memory is bounded by the
 largest unit (a block, or a tile where tiling applies). ``group: module`` gives one unit per
-module.
+module. Stages 1-2 group the same way: their units set the reduce-scatter granularity and the
+flat layout of the optimizer's space, so every stage sums the global gradient norm in the same
+order and clips with the same bits.
 
 Note [same gathers on every rank]: an all-gather is a collective, so in stage 3 every rank
 must gather the same units in the same order. When ranks run different modules (an expert
@@ -426,7 +428,9 @@ same units again, which only counts a reference. In backward every submodule hol
 block's units until all the block's gradients are in, then the unit is reduced at once.
 GPT-2 124M: 15 all-gathers per forward instead of about 75. Working memory is bounded by the
 largest unit (a block, or a tile where tiling applies). ``group: module`` gives one unit per
-module.
+module. Stages 1-2 group the same way: their units set the reduce-scatter granularity and the
+flat layout of the optimizer's space, so every stage sums the global gradient norm in the same
+order and clips with the same bits.
 
 Note [same gathers on every rank]: raise if the ranks gathered different units
         since the last check."""

@@ -92,7 +92,7 @@ def _build_engine(model: nn.Module, cfg):
     policy = StagePolicy.of(cfg.zero.stage)
     world, rank = comm.world_size(), comm.rank()
     dtype = DTYPES[cfg.precision.dtype]
-    blocks = block_modules(model, cfg.zero.fetch_units) if policy.partition_params else []
+    blocks = block_modules(model, cfg.zero.fetch_units)  # every stage: the same units, the same flat layout
     specs, uses = plan_units(model, world, blocks)  # Note [fetch unit grouping] in _engine.py
     placement = Placement.of(cfg, policy.partition_params, dtype, specs, world)
     if policy.partition_params:  # Note [operator working memory] in tiling.py: refused before anything is allocated

@@ -224,7 +224,7 @@ class PrefetchConfig:
 
 @dataclass(frozen=True)
 class FetchUnitsConfig:
-    """How stage 3 groups parameters into fetch units: one all-gather and one reduce-scatter each."""
+    """How parameters are grouped into fetch units: one all-gather (stage 3) and one reduce-scatter each."""
 
     group: Literal["block", "module"] = _opt(
         "block", "block: one unit per repeated block (each child of an nn.ModuleList, and each module of a class in "
@@ -251,7 +251,7 @@ class ZeroConfig:
     offload_optimizer: OptimizerOffloadConfig = _opt(OptimizerOffloadConfig, "optimizer offload")
     reduce_bucket_size: int = _opt(50_000_000, "elements per gradient reduce-scatter bucket", gt=0)
     prefetch: PrefetchConfig = _opt(PrefetchConfig, "prefetcher")
-    fetch_units: FetchUnitsConfig = _opt(FetchUnitsConfig, "grouping of parameters into fetch units (stage 3)")
+    fetch_units: FetchUnitsConfig = _opt(FetchUnitsConfig, "grouping of parameters into fetch units")
     tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
 
     def _cross_check(self, prefix: str) -> list:
