@@ -552,6 +552,8 @@ Note [same gathers on every rank]: raise if the ranks gathered different units
             self.gate.join()
         finally:
             self.prefetcher.release_held()
+            for unit in self.units:
+                unit.refresh()  # gathered copies (persistent units) freed: their device bytes leave the budget
             self.remove_hooks()
             for store in (self.opt_store, self.param_store):
                 if store is not None:

@@ -16,6 +16,7 @@ step gate (Note [step gate] in _step_gate.py), which the units consult before re
 from __future__ import annotations
 
 import functools
+import gc
 from typing import Tuple
 
 import torch
@@ -69,6 +70,8 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     replaced = tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
     groups = resolve_groups(list(model.named_parameters()), retarget_groups(param_groups, replaced))  # refused early
     check_same_model_on_all_ranks(model)
+    if cfg.device_memory_limit is not None and acc.budget.stats().allocated:
+        gc.collect()  # models dropped without close() release their gathered bytes when collected (GatherLedger)
     acc.budget.set_limit(cfg.device_memory_limit)
     engine, sink, gate = _build_engine(model, cfg)
     try:

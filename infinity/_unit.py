@@ -14,6 +14,7 @@ parameters] in _optimizer.py).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
@@ -62,6 +63,19 @@ class GatherLedger:
         self.live = 0
         self.peak = 0
         self.sequence: List[int] = []
+        # Device bytes this engine's gathered parameters hold in the budget. Released when the
+        # engine is collected too: a model dropped without close() must not keep its charge in
+        # the process-wide budget and make a later engine's fit fail.
+        self._charged = [0]
+        weakref.finalize(self, _release_charged, self._charged)
+
+    def charge(self, nbytes: int, what: str) -> None:
+        acc.budget.charge(nbytes, what)
+        self._charged[0] += nbytes
+
+    def uncharge(self, nbytes: int) -> None:
+        acc.budget.release(nbytes)
+        self._charged[0] -= nbytes
 
     def gathered(self, unit: "FetchUnit") -> None:
         self.live += unit.full_numel
@@ -75,6 +89,12 @@ class GatherLedger:
     def take_sequence(self) -> List[int]:
         seq, self.sequence = self.sequence, []
         return seq
+
+
+def _release_charged(cell: List[int]) -> None:
+    if cell[0]:
+        acc.budget.release(cell[0])
+        cell[0] = 0
 
 
 @dataclass(frozen=True)
@@ -327,7 +347,7 @@ class FetchUnit:
         if gathered is not None:
             if gathered.recycled is not None:  # reused once nothing else (say, autograd) still holds a view of it
                 self.ctx.gathered.give(gathered.recycled)
-            acc.budget.release(gathered.charged)
+            self.ctx.ledger.uncharge(gathered.charged)
             self.ctx.ledger.freed(self)
 
     def abandon(self) -> None:
@@ -440,7 +460,7 @@ class FetchUnit:
         # read straight into a gathered buffer.
         in_place = self.world_size == 1 and (st.pool_buffer is None or st.copied)
         if not in_place or st.copied or st.handoff is not None or st.direct is not None:
-            acc.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
+            self.ctx.ledger.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             gathered.charged = nbytes
         self.ctx.ledger.gathered(self)
         self.ctx.counters.bytes["all_gather"] += nbytes
