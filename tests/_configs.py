@@ -28,3 +28,12 @@ def zero_config(stage, *, param=None, optim=None, nvme=None, dtype="fp32", preci
     if accumulation is not None:
         cfg["gradient_accumulation_steps"] = accumulation
     return cfg
+
+
+def streamed_nvme_config(nvme, **aio) -> dict:
+    """Stage 3 with everything on NVMe and every optimizer range streamed from disk (no host
+    cache, gradients in a swap file): each swap file is read back every step; ``aio`` keys."""
+    cfg = zero_config(3, param="nvme", optim="nvme", nvme=nvme, chunk=4096,
+                      optim_extra={"host_cache": 0, "gradients": "nvme"})
+    cfg["aio"] = dict(aio)
+    return cfg

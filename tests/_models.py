@@ -97,6 +97,18 @@ def batches(steps, global_batch=6, seq=12, seed=1, distinct=2):
     return [pool[i % distinct] for i in range(steps)]
 
 
+def train_into(model, opt, steps, losses):
+    """GPT-2 steps on one rank, each loss appended before its backward and step, so a step
+    that raises leaves the losses up to it behind; then the overlapped step is joined."""
+    for ids in batches(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_step()
+
+
 def train_losses(model, opt, kind, steps):
     """Train ``steps`` steps on each rank's slice of the global batches; return the global
     mean loss of every step (what a single process on the whole batch reports)."""

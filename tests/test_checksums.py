@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
-from _configs import zero_config
-from _models import batches, gpt2
+from _configs import streamed_nvme_config
+from _models import gpt2, train_into
 
 import infinity
 from infinity.aio import AsyncIO, CorruptionError
@@ -183,20 +183,7 @@ def test_the_table_costs_8_bytes_per_block_written(tmp_path, handle):
 
 
 def _config(nvme, checksums=True):
-    cfg = zero_config(3, param="nvme", optim="nvme", nvme=nvme, chunk=4096,
-                      optim_extra={"host_cache": 0, "gradients": "nvme"})
-    cfg["aio"] = {"checksums": checksums}
-    return cfg
-
-
-def _train(model, opt, steps, losses):
-    for ids in batches(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    opt.wait_step()
+    return streamed_nvme_config(nvme, checksums=checksums)
 
 
 def _target(opt, kind):
@@ -221,11 +208,11 @@ def _close(opt):
 def test_corrupt_swap_file_stops_training_with_a_named_error(tmp_path, kind, how):
     model, opt = infinity.initialize(gpt2(), _config(str(tmp_path)))
     losses = []
-    _train(model, opt, 2, losses)
+    train_into(model, opt, 2, losses)
     path, offset = _target(opt, kind)
     block = corrupt(path, offset, how, seed=3)
     with pytest.raises(CorruptionError) as e:
-        _train(model, opt, 3, losses)
+        train_into(model, opt, 3, losses)
     msg = str(e.value)
     assert f"{os.path.basename(path)}' at byte offset {block} " in msg, msg
     assert "fetch unit" in msg and "rank 0" in msg and "optimizer step" in msg, msg
@@ -240,10 +227,10 @@ def test_corrupt_gradient_write_is_caught_by_the_step(tmp_path):
     write, by the I/O layer's fault injection) is caught when the step reads it."""
     model, opt = infinity.initialize(gpt2(), _config(str(tmp_path)))
     losses = []
-    _train(model, opt, 1, losses)
+    train_into(model, opt, 1, losses)
     with io_fault(opt.store.paths["grad"], "write", "flip", nth=2, arg=BLOCK + 5) as rule:
         with pytest.raises(CorruptionError, match=r"grad\.swp' at byte offset \d+ .*optimizer state 'grad'"):
-            _train(model, opt, 2, losses)
+            train_into(model, opt, 2, losses)
         assert rule.hits == 1
     assert all(math.isfinite(x) for x in losses)
     _close(opt)
@@ -271,7 +258,7 @@ def test_checksums_off_trains_on_the_corrupt_bytes(tmp_path):
     the only thing that stops the run: no CorruptionError, a NonFiniteError naming the step."""
     model, opt = infinity.initialize(gpt2(), _config(str(tmp_path), checksums=False))
     losses = []
-    _train(model, opt, 2, losses)
+    train_into(model, opt, 2, losses)
     path, offset = _target(opt, "master")
     assert type(path) is str
     fd = os.open(path, os.O_RDWR)
@@ -279,7 +266,7 @@ def test_checksums_off_trains_on_the_corrupt_bytes(tmp_path):
     os.fsync(fd)
     os.close(fd)
     with pytest.raises(NonFiniteError, match=r"step \d+: inf or NaN"):
-        _train(model, opt, 3, losses)
+        train_into(model, opt, 3, losses)
     _close(opt)
 
 

@@ -20,8 +20,8 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _configs import zero_config  # noqa: E402
-from _models import batches, gpt2  # noqa: E402
+from _configs import streamed_nvme_config  # noqa: E402
+from _models import gpt2, train_into  # noqa: E402
 
 import infinity  # noqa: E402
 from infinity.aio import AioError, CorruptionError  # noqa: E402
@@ -53,20 +53,7 @@ CASES = [
 
 
 def _config(nvme):
-    cfg = zero_config(3, param="nvme", optim="nvme", nvme=nvme, chunk=4096,
-                      optim_extra={"host_cache": 0, "gradients": "nvme"})
-    cfg["aio"] = {"timeout": IO_TIMEOUT}
-    return cfg
-
-
-def _train(model, opt, steps, losses):
-    for ids in batches(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    opt.wait_step()
+    return streamed_nvme_config(nvme, timeout=IO_TIMEOUT)
 
 
 def run_case(nvme, kind, op, fault, arg):
@@ -74,13 +61,13 @@ def run_case(nvme, kind, op, fault, arg):
     arming to the error, the losses, whether the swap directory is gone after close)."""
     model, opt = infinity.initialize(gpt2(), _config(nvme))
     losses = []
-    _train(model, opt, 1, losses)
+    train_into(model, opt, 1, losses)
     path = opt.param_store.path if kind == "params" else opt.store.paths[kind]
     inject_io_fault(path, op, fault, nth=1, count=1 if fault != "stall" else 0, arg=arg)
     start = time.monotonic()
     error = None
     try:
-        _train(model, opt, 3, losses)
+        train_into(model, opt, 3, losses)
     except Exception as e:  # noqa: BLE001 - the case's outcome, checked by the caller
         error = e
     elapsed = time.monotonic() - start
