@@ -161,34 +161,50 @@ def _batches(steps):
     return [torch.randint(0, VOCAB, (4, 10), generator=g) for _ in range(steps)]
 
 
-def _reference(model, steps):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+def _plain_loss(model, ids):
+    return model(ids)
+
+
+def _hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _steps(model, opt, batches, loss_of) -> list:
     losses = []
-    for ids in _batches(steps):
-        loss = model(ids)
+    for ids in batches:
+        loss = loss_of(model, ids)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def _reference_on(model, batches, loss_of):
+    """Plain PyTorch AdamW on a copy: (losses, state dict)."""
+    model = copy.deepcopy(model)
+    losses = _steps(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01), batches, loss_of)
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _train(model, cfg, steps):
+def _train_on(model, cfg, batches, loss_of):
+    """infinity: (model, losses, untiled state dict, device budget peak, peak gathered elements)."""
     model, opt = infinity.initialize(model, cfg)
-    losses = []
-    for ids in _batches(steps):
-        loss = model(ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(model, opt, batches, loss_of)
     peak = acc.budget.stats().peak
     live = engine_of(model).peak_live_elems
     acc.budget.set_limit(None)  # reading every parameter at once is not part of training
     with infinity.GatheredParameters(list(model.parameters())):
         sd = {k: v.clone() for k, v in model.state_dict().items()}
     return model, losses, sd, peak, live
+
+
+def _reference(model, steps):
+    return _reference_on(model, _batches(steps), _plain_loss)
+
+
+def _train(model, cfg, steps):
+    return _train_on(model, cfg, _batches(steps), _plain_loss)
 
 
 def _tiling(max_tile, min_params=0):
@@ -314,30 +330,11 @@ def test_param_groups_follow_their_tiles():
 
 
 def _hf_reference(model, batches):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return _reference_on(model, batches, _hf_loss)
 
 
 def _hf_train(model, cfg, batches):
-    model, opt = infinity.initialize(model, cfg)
-    losses = []
-    for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    with infinity.GatheredParameters(list(model.parameters())):
-        sd = {k: v.clone() for k, v in model.state_dict().items()}
-    return model, losses, sd
+    return _train_on(model, cfg, batches, _hf_loss)[:3]
 
 
 @pytest.mark.parametrize("mode", ["none", "nonreentrant", "reentrant"])
