@@ -14,12 +14,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+from _child import spawn_child  # noqa: E402 - after the path insert
 
 GiB, MiB = 2**30, 2**20
 VOCAB = 50257
@@ -57,7 +57,7 @@ def child(spec: dict) -> dict:
         with infinity.Init(config=cfg):
             model = build_gpt(spec["layers"], spec["hidden"])
         model, opt = infinity.initialize(model, cfg)
-        out["plan"] = opt.memory_plan["categories"]
+        out["plan"] = opt.engine.memory_plan["categories"]
     out["setup_rss"] = rss_now()
     gen = torch.Generator().manual_seed(0)
     for i in range(spec["warmup"] + spec["steps"]):
@@ -84,11 +84,7 @@ def child(spec: dict) -> dict:
 
 
 def spawn(spec: dict, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec['kind']} failed with exit code {proc.returncode} (its stderr is above)")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return spawn_child(__file__, spec, timeout, what=spec["kind"])
 
 
 def show_account(name: str, acct: dict) -> None:

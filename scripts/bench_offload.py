@@ -24,12 +24,12 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+from _child import spawn_child  # noqa: E402 - after the path insert
 
 GiB = 2**30
 VOCAB = 50257
@@ -180,11 +180,7 @@ def run_child(spec: dict) -> dict:
 
 
 def spawn(spec: dict, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec['kind']} run failed with exit code {proc.returncode} (its stderr is above)")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return spawn_child(__file__, spec, timeout, what=f"{spec['kind']} run")
 
 
 # ------------------------------------------------------------------ reporting

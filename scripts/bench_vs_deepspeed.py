@@ -44,6 +44,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's infinity
+from _child import ChildFailed, spawn_child  # noqa: E402 - after the path insert
 
 DEEPSPEED = "0.19.8"  # works with torch 2.13's CPU build (DeepSpeedCPUAdam JIT-built with ninja)
 GiB, MiB = 2**30, 2**20
@@ -193,14 +194,12 @@ def spawn(kind: str, args, python: str) -> dict:
     if kind.startswith("ds_"):
         env.update(DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
     try:
-        proc = subprocess.run([python if kind.startswith("ds_") else sys.executable, __file__, "--child", json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, timeout=args.timeout)
+        return spawn_child(__file__, spec, args.timeout, what=kind, python=python if kind.startswith("ds_") else sys.executable,
+                         env=env, capture_stderr=True)
+    except ChildFailed as e:
+        return {"error": str(e)}
     finally:
         subprocess.run(["rm", "-rf", nvme])
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
-        return {"error": f"exit code {proc.returncode}:\n{tail}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------ report

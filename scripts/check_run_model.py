@@ -23,6 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+from _child import ChildFailed, spawn_child  # noqa: E402 - after the path insert
 
 GiB = 2**30
 VOCAB = 50257
@@ -99,13 +100,13 @@ def main() -> None:
             nvme = tempfile.mkdtemp(prefix="runmodel_", dir=args.nvme_path)
             spec = dict(layers=layers, hidden=hidden, batch=batch, seq=seq, tier=tier, nvme=nvme,
                         steps=args.steps, warmup=args.warmup)
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], stdout=subprocess.PIPE,
-                                  text=True, timeout=7200)
-            subprocess.run(["rm", "-rf", nvme])
-            if proc.returncode != 0:
-                print(f"{name} {tier}: child failed ({proc.returncode}); its stderr is above")
+            try:
+                got = spawn_child(__file__, spec, 7200, what=f"{name} {tier}")
+            except ChildFailed as e:
+                print(e)
                 continue
-            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            finally:
+                subprocess.run(["rm", "-rf", nvme])
             run = rm.Run(params=got["params"], layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB,
                          micro_batch=batch, seq_len=seq, param_tier=tier, optimizer_tier=tier)
             mem = sum(rm.host_memory(run).values())
