@@ -22,16 +22,6 @@ def nvme_dir(tmp_path):
     return str(path)
 
 
-@pytest.fixture
-def infinity_logs(caplog):
-    """The infinity logger does not propagate; hang pytest's capture handler on it directly."""
-    logger = logging.getLogger("infinity")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.DEBUG, logger="infinity")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def _error(loader, data) -> ConfigError:
     with pytest.raises(ConfigError) as info:
         loader(data)

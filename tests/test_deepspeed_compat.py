@@ -26,15 +26,6 @@ CASES = {  # file: (tuning keys warned about, precision, scheduler)
 }
 
 
-@pytest.fixture
-def infinity_logs(caplog):
-    logger = logging.getLogger("infinity")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.DEBUG, logger="infinity")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def _messages(logs, level):
     return [r.getMessage() for r in logs.records if r.levelno == level]
 

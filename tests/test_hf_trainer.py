@@ -224,11 +224,8 @@ def test_deepspeed_schedule_steps_must_agree_with_the_run(tmp_path):
     assert "total_num_steps" not in str(err.value)  # 4 = max_steps agrees
 
 
-def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog):
-    from infinity._log import logger
+def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, infinity_logs):
     from infinity.integrations.transformers import CHECKPOINT_TAG, last_complete_checkpoint
-
-    logger.addHandler(caplog.handler)  # infinity's logger does not propagate
 
     for n, whole in ((2, True), (3, True), (4, False), (10, False)):
         d = tmp_path / f"checkpoint-{n}"
@@ -236,7 +233,6 @@ def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, caplog):
         if whole:
             (d / "trainer_state.json").write_text("{}")
     assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")  # not 10 (numeric order), not 4
-    assert "checkpoint-10, checkpoint-4 in" in caplog.text and "not saved whole" in caplog.text
+    assert "checkpoint-10, checkpoint-4 in" in infinity_logs.text and "not saved whole" in infinity_logs.text
     with pytest.raises(UsageError, match="no complete checkpoint-N"):
         last_complete_checkpoint(str(tmp_path / "checkpoint-10"))
-    logger.removeHandler(caplog.handler)
