@@ -112,16 +112,22 @@ def train_into(model, opt, steps, losses):
 def train_losses(model, opt, kind, steps):
     """Train ``steps`` steps on each rank's slice of the global batches; return the global
     mean loss of every step (what a single process on the whole batch reports)."""
+    return rank_losses(model, opt, batches(steps), lambda m, ids: loss_of(m, kind, ids))
+
+
+def rank_losses(model, opt, global_batches, loss) -> list:
+    """One step per global batch, each rank on its slice (``loss(model, ids)``); the global
+    mean loss of every step."""
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     losses = []
-    for ids in batches(steps):
-        loss = loss_of(model, kind, ids.chunk(world)[rank])
-        loss.backward()
+    for ids in global_batches:
+        out = loss(model, ids.chunk(world)[rank])
+        out.backward()
         opt.step()
         opt.zero_grad()
-        t = torch.tensor([loss.item()])
+        t = torch.tensor([out.item()])
         if dist.is_initialized():
             dist.all_reduce(t)
         losses.append(t.item() / world)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from _configs import zero_config
-from _models import batches, build, loss_of
+from _models import batches, build, loss_of, rank_losses
 
 import infinity
 from infinity._checkpoint import CheckpointReader
@@ -33,19 +33,7 @@ def _cfg(stage, param, optim, nvme):
 
 
 def _train(model, opt, steps):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for ids in steps:
-        loss = loss_of(model, KIND, ids.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([loss.item()])
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return rank_losses(model, opt, steps, lambda m, ids: loss_of(m, KIND, ids))
 
 
 def _params(model):

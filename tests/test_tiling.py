@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _configs import zero_config
+from _models import rank_losses
 from torch import nn
 
 import infinity
@@ -370,20 +371,9 @@ def test_tiling_a_model_built_under_init():
 
 
 def _train_on_rank(cfg, steps):
-    import torch.distributed as dist
-
     torch.manual_seed(0)
     model, opt = infinity.initialize(OneBlock(), cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for ids in _batches(steps):
-        loss = model(ids.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([loss.item()])
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = rank_losses(model, opt, _batches(steps), _plain_loss)
     return losses, max(u.full_numel for u in engine_of(model).units)
 
 
