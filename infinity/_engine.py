@@ -580,6 +580,7 @@ def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitS
     and, for a block, all of the block's."""
     blocks = set(blocks)
     names = dict(model.named_modules())
+    name_of = {id(m): n for n, m in names.items()}
     key_of: Dict[nn.Module, nn.Module] = {}  # module -> the block it belongs to, or itself
     members: Dict[nn.Module, list] = {}  # key -> its parameters in module order (first owner wins)
     seen = set()
@@ -597,7 +598,7 @@ def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitS
     owner: Dict[nn.Parameter, int] = {}
     key_units: Dict[nn.Module, List[int]] = {}
     for key, params in members.items():
-        name = next(n for n, m in names.items() if m is key)
+        name = name_of[id(key)]
         for group in _by_requires_grad(params):  # Note [frozen parameters] in _layout.py
             specs.append(unit_spec(len(specs), name, group, world_size))
             key_units.setdefault(key, []).append(specs[-1].index)

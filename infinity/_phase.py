@@ -25,6 +25,7 @@ from torch import nn
 
 from ._log import logger
 from ._param import ParameterNotAvailableError, not_available_message
+from .errors import InvariantError
 
 if TYPE_CHECKING:
     from ._unit import FetchUnit
@@ -93,8 +94,6 @@ class Calls:
 
     def _expect(self, phase: Phase, transition: str) -> None:
         if self.phase is not phase:
-            from .errors import InvariantError
-
             raise InvariantError(f"{transition}: the engine is in {self.phase.name}, expected {phase.name}")
 
     # ------------------------------------------------------------ frames
