@@ -92,9 +92,9 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._loss_scale import scale_outputs
 from ._memory import host_account
+from ._optimizer_store import state_bytes
 from ._param import info_of, make_partitioned, raw_data, set_data
 from ._phase import Frame, ModuleState, Phase, tensors_in
-from ._stores import state_bytes
 from ._unit import FetchUnit, UnitContext, UnitSpec, unit_spec
 from .errors import EngineError
 

@@ -578,8 +578,8 @@ def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw) -> dict:
     memory model] in _memory.py) for a layout made from the shape, with the config's defaults
     (the preflight of a real run checks the same bytes)."""
     from ._memory import GRADIENTS, OPT_STATES, PARAM_SHARDS
+    from ._optimizer_store import chunk_elems, head_elems
     from ._preflight import staging_buffers, store_plan
-    from ._stores import chunk_elems, head_elems
     from .config import Config
 
     if Tier.NVME not in (ptier, otier):

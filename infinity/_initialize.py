@@ -30,7 +30,10 @@ from ._log import logger
 from ._loss_scale import LossScaler
 from ._memory import GATHERED
 from ._optimizer import GradSink, ZeroOptimizer
+from ._optimizer_store import MemoryOptimizerStore, chunk_elems
+from ._optimizer_swapper import NvmeOptimizerStore
 from ._param_groups import resolve_groups
+from ._param_store import ParamStore
 from ._phase import Calls
 from ._placement import Placement
 from ._prefetch import Prefetcher
@@ -38,7 +41,6 @@ from ._preflight import preflight, staging_buffers
 from ._recycle import Recycler
 from ._reduce import GradReducer
 from ._step_gate import StepGate
-from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore, chunk_elems
 from ._swap import SwapDirs
 from ._swap_labels import label_swap_files
 from ._telemetry_counters import Counters

@@ -18,6 +18,8 @@ from typing import List, Tuple
 
 from .errors import UsageError
 
+ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
+
 
 def padded(numel: int, world_size: int) -> int:
     """Note [shard layout] in _unit.py: a parameter's elements rounded up to a multiple of the world size."""

@@ -4,7 +4,7 @@ Note [one memory model]: the bytes a placement needs follow from the layout (fla
 the optimizer and parameter spaces, the largest unit) and the config (tiers, chunk, host
 cache, staging buffers). Each store states them for a plan, before anything is allocated,
 as ``{tier: {category: bytes}}`` (``ParamStore.plan``, ``MemoryOptimizerStore.plan``,
-``NvmeOptimizerStore.plan`` in _stores.py); ``store_plan`` (in _preflight.py) adds the engine's own recycled
+``NvmeOptimizerStore.plan`` in _optimizer_swapper.py); ``store_plan`` (in _preflight.py) adds the engine's own recycled
 gathered buffers. Everything that speaks of those bytes reads that one function: the
 preflight (``_preflight.plan``) with the run's real layout, ``Engine.tier_bytes`` and the
 stores' ``nbytes()``, the telemetry's account, and ``infinity.estimate`` with a layout

@@ -32,9 +32,9 @@ import torch
 from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
+from ._optimizer_store import Chunk, MemoryOptimizerStore, state_bytes
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._step_gate import StepGate
-from ._stores import Chunk, MemoryOptimizerStore, state_bytes
 from ._tiers import Tier
 from .errors import EngineError, NonFiniteError, NotSupportedError, UsageError
 
@@ -264,7 +264,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         spends waiting on the step is telemetry's ``optimizer_io`` stall."""
         self.engine.after_step()  # persistent units' gathered copies are about to be stale
         self.gate.open()
-        # The cached head (Note [host cache] in _stores.py) is what the next forward needs first:
+        # The cached head (Note [host cache] in _optimizer_swapper.py) is what the next forward needs first:
         # update it here, on every core, from memory; the background thread streams the rest.
         self.store.update_head(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
         self.gate.run_in_background(lambda: self._run_tail(plan))

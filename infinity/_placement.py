@@ -11,9 +11,8 @@ import psutil
 import torch
 
 from . import _accelerator as acc
-from ._layout import Layout
+from ._layout import ALIGN_ELEMS, Layout
 from ._preflight import ranks_here
-from ._stores import ALIGN_ELEMS
 from ._tiers import Tier
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
@@ -27,7 +26,7 @@ class Placement:
     dtype: torch.dtype  # the compute dtype
     layout: Layout
     overlap: bool  # Note [overlapped step] in _optimizer.py
-    grads_in_memory: bool  # Note [gradients in host memory] in _stores.py
+    grads_in_memory: bool  # Note [gradients in host memory] in _optimizer_swapper.py
     params_are_master: bool  # fp32 on one resident tier: the master weights are the parameter shards
     gathered_reuse_bytes: int  # recycled gathered buffers (Note [recycled host memory] in _recycle.py)
     direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
@@ -58,7 +57,7 @@ class Placement:
 
 def gradients_in_host(choice: str, total: int) -> bool:
     """``zero.offload_optimizer.gradients`` for an NVMe optimizer tier (Note [gradients in host
-    memory] in _stores.py): ``auto`` keeps the gradient shards in host memory when those of
+    memory] in _optimizer_swapper.py): ``auto`` keeps the gradient shards in host memory when those of
     every rank on this node take at most a quarter of the available host memory."""
     if choice != "auto":
         return choice == "cpu"

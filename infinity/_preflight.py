@@ -15,7 +15,9 @@ import psutil
 
 from . import _comm as comm
 from ._memory import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
-from ._stores import MemoryOptimizerStore, NvmeOptimizerStore, ParamStore, chunk_elems, head_elems
+from ._optimizer_store import MemoryOptimizerStore, chunk_elems, head_elems
+from ._optimizer_swapper import NvmeOptimizerStore
+from ._param_store import ParamStore
 from ._swap import reclaim_stale, stale_elsewhere
 from ._tiers import Tier
 from .errors import InsufficientResourcesError

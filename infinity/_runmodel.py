@@ -126,14 +126,15 @@ class Run:
 def _layout(run: Run):
     """The numbers a real layout would give the store plan: shard sizes, the largest unit
     (the embedding of a GPT, or the MLP's 4·hd² matrix), the chunk, the host cache."""
+    from ._layout import ALIGN_ELEMS, round_up
+    from ._optimizer_store import chunk_elems, head_elems
     from ._placement import gradients_in_host
-    from ._stores import ALIGN_ELEMS, _round_up, chunk_elems, head_elems
     from .config import Config
 
     z = Config().zero
     largest = max(run.vocab * run.hidden, 4 * run.hidden * run.hidden)
     shard = math.ceil(run.params / run.ranks)
-    total = _round_up(shard, ALIGN_ELEMS)
+    total = round_up(shard, ALIGN_ELEMS)
     max_shard = math.ceil(largest / run.ranks)
     chunk = chunk_elems(z.offload_optimizer.chunk_size, total)
     head = head_elems(z.offload_optimizer.host_cache, [(0, max_shard)], chunk, total)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, List
 
-from ._stores import NvmeOptimizerStore
+from ._optimizer_swapper import NvmeOptimizerStore
 
 if TYPE_CHECKING:
     from ._optimizer import ZeroOptimizer

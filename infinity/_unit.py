@@ -30,10 +30,10 @@ from .aio import aligned_empty
 from .errors import EngineError, InvariantError
 
 if TYPE_CHECKING:
+    from ._param_store import ParamStore
     from ._phase import Calls
     from ._recycle import Recycler
     from ._step_gate import StepGate
-    from ._stores import ParamStore
     from ._telemetry_counters import Counters
 
 
@@ -126,7 +126,7 @@ class _Staging:
     read: object = None  # HOST on NVMe: the read in flight
     pool_buffer: Optional[torch.Tensor] = None  # the staging buffer the read lands in, given back after the copy
     direct: Optional[torch.Tensor] = None  # one rank: a recycled gathered buffer the shard is read straight into
-    handoff: Optional[torch.Tensor] = None  # the shard the step handed off (Note [hand-off] in _stores.py)
+    handoff: Optional[torch.Tensor] = None  # the shard the step handed off (Note [hand-off] in _param_store.py)
     device_shard: Optional[torch.Tensor] = None  # DEVICE: the shard on the device
     h2d: object = None  # DEVICE: the event of its host->device copy
     copied: bool = False  # DEVICE: the device shard is a copy (CUDA), not the host tensor itself

@@ -1,4 +1,4 @@
-"""The optimizer store's host cache (Note [host cache] in infinity/_stores.py).
+"""The optimizer store's host cache (Note [host cache] in infinity/_optimizer_swapper.py).
 
 With the optimizer states on NVMe, the first chunks of the flat space (by default the first
 fetch unit's range) keep their master weights and moments in host memory as a write-through

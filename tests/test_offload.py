@@ -130,7 +130,7 @@ def test_backward_overlaps_the_running_step(tmp_path, monkeypatch, handoff, opti
     the hand-off every fetch reads shards the step published before their writes landed.
     With the optimizer states in host memory the step overlaps too (its parameter writes)."""
     if not handoff:
-        import infinity._stores as stores
+        import infinity._param_store as stores
 
         monkeypatch.setattr(stores.ParamStore, "take_kept", lambda self, offset, numel: None)
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
@@ -236,7 +236,7 @@ def test_param_reads_wait_for_their_own_writes(tmp_path):
     """Note [write ordering]: writes rotate over several handles; a read right after the
     writes returns exactly what was written, whichever handle carried it, and a prefetch
     (non-blocking) read of a range still being written is refused instead of reading it."""
-    from infinity._stores import WRITE_HANDLES, ParamStore
+    from infinity._param_store import WRITE_HANDLES, ParamStore
     from infinity._swap import SwapDir
 
     n, count = 1 << 16, 3 * WRITE_HANDLES
@@ -264,7 +264,7 @@ def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, mon
     proceeds; the units that chunk completes are published together, not only the first."""
     import threading
 
-    from infinity._stores import MemoryOptimizerStore
+    from infinity._optimizer_store import MemoryOptimizerStore
 
     release = threading.Event()
     real_tail = MemoryOptimizerStore.update_tail

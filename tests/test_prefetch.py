@@ -19,7 +19,7 @@ from _models import Stack, build, train_losses
 from torch import nn
 
 import infinity
-import infinity._stores as stores
+import infinity._param_store as stores
 from infinity.testing import run_ranks
 
 STEPS = 4

@@ -10,13 +10,13 @@ from torch import nn
 
 import infinity
 from infinity._engine import plan_units
-from infinity._layout import Layout
+from infinity._layout import ALIGN_ELEMS, Layout
 from infinity._param import ParamState, make_partitioned, raw_data
+from infinity._param_store import ParamStore
 from infinity._phase import Calls, ModuleState, Phase
 from infinity._prefetch import Prefetcher
 from infinity._reduce import GradReducer, plan_buckets
 from infinity._step_gate import StepGate
-from infinity._stores import ALIGN_ELEMS, ParamStore
 from infinity._swap import SwapDir
 from infinity._telemetry_counters import Counters
 from infinity._tiers import Tier

@@ -1,0 +1,365 @@
+"""The optimizer states on NVMe: master weights, moments and gradient shards in swap files,
+streamed through fixed-size chunks by the step (Note [optimizer swapper]), with a host cache of
+the first chunks (Note [host cache]) and optionally every gradient shard in host memory (Note
+[gradients in host memory]).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+
+from ._memory import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, totals
+from ._optimizer_store import Chunk, chunk_elems, head_elems, sq_and_finite, zeros_host
+from ._swap import SwapDir, new_aio, wait_io
+from ._tiers import Tier
+from .aio import aligned_empty
+from .aio._checksum import checksummed, sums_of
+from .aio._handle import close_handles
+
+_NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+
+class NvmeOptimizerStore:
+    """Note [optimizer swapper]: the fp32 master weights, both moments and the gradient
+    shards live in swap files. ``update`` walks the flat space in chunks of ``chunk``
+    elements through ``SETS`` buffer sets, each with its own read and write handle: while
+    chunk k is updated on the CPU, the reads of chunks k+1 .. k+SETS-2 and the write-back of
+    chunk k-1 are in flight (three sets already keep a 2 GB/s disk busy both ways; a fourth
+    measured no faster). Gradient shards are written as backward produces them; with
+    gradient accumulation the later micro-batches read, add and write back. The squared norm and the
+    finiteness of the gradients are folded in as their final values are written (one
+    micro-batch per step), or measured in a read pass otherwise. Accumulation (main thread)
+    and an overlapped step (its own thread) use separate I/O handles and byte counters.
+
+    Note [gradients in host memory]: with ``grads_in_memory``
+    (``zero.offload_optimizer.gradients``) every gradient shard accumulates in one flat host
+    tensor instead of the swap file (and the host cache holds no gradients of its own), and
+    each chunk's update uses its slice:
+    4 bytes per parameter of host memory save writing every gradient during backward and
+    reading it back in the step (a third of the step's disk traffic, and the time the
+    backward waited for those writes). The overlapped step's ordering argument is the same
+    as for the file: a unit's gradient range is consumed by its update before the unit can
+    be fetched, hence before the next backward accumulates into it.
+
+    Note [host cache]: the first ``head`` elements of the flat space (whole chunks; by
+    default the first fetch unit's range, e.g. a tied embedding) also stay in host memory.
+    The overlapped step cannot hand the next forward anything before it has updated that
+    range, and its gradients are complete only at the very end of backward, so its disk
+    round trips would all lie on the critical path. Instead its master weights and moments
+    are a write-through cache (the files stay complete and authoritative; the cache is
+    filled by the first update and dropped by ``load_master``), and its gradient shards
+    live in memory only (the files never hold them). ``update_head`` then runs on the
+    caller's thread without waiting for a single read, and ``update_tail`` streams the rest
+    through the buffer sets, whose first reads ``update_head`` has already started."""
+
+    SETS = 3
+
+    def __init__(self, total: int, ranges: List[tuple], swap: SwapDir, aio_cfg, chunk: Optional[int],
+                 accumulation_steps: int, host_cache: Optional[int] = None, grads_in_memory: bool = False):
+        self.tier = Tier.NVME
+        self.total = total
+        self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
+        self.chunk = chunk_elems(chunk, total)
+        self.head = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]
+        # Note [gradients in host memory]: every gradient shard; None = the swap file (and the head sets)
+        self.grad_mem = zeros_host(total, GRADIENTS) if grads_in_memory else None
+        self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
+        self.paths = {n: checksummed(swap.file(f"{n}.swp", total * 4), total * 4, aio_cfg.checksums)
+                      for n in self._swapped}  # Note [swap checksums] in aio/_checksum.py
+        self.head_sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_HOST_CACHE) for n in self._swapped}
+                          for _ in range(self.head // self.chunk)]
+        for hs in self.head_sets:
+            if "grad" in hs:
+                hs["grad"].zero_()  # the gaps between aligned unit ranges must read as zero gradients
+        self.head_io = new_aio(aio_cfg)
+        self._head_loaded = False  # the head sets hold the current master weights and moments
+        self._tail_primed = False  # the first tail chunks' reads are in flight
+        self.reader = new_aio(aio_cfg)
+        self.readers = [new_aio(aio_cfg) for _ in range(self.SETS)]  # a read and a write handle per set
+        self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
+        self.grad_reader = new_aio(aio_cfg)
+        self.grad_writer = new_aio(aio_cfg)
+        self.sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_BUFFERS) for n in _NAMES} for _ in range(self.SETS)]
+        self.accumulation_steps = accumulation_steps
+        self.rank = swap.rank
+        self._written: set = set()  # offsets of gradient ranges written since the last step
+        self._sq, self._finite, self._stats_valid = 0.0, True, accumulation_steps == 1
+        self._io = {"step": [0, 0], "grad": [0, 0]}  # [read, written] bytes by the step's and the grads' handles
+        self._coef = 1.0  # the gradients' scale (unscaling and clipping), applied inside the next update
+        self._zero_files()
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r for r, _ in self._io.values())
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(w for _, w in self._io.values())
+
+    def _zero_files(self) -> None:
+        zeros = self.sets[0]["grad"].zero_()
+        for path in (self.paths[n] for n in self._swapped if n != "master"):
+            for off in range(0, self.total, self.chunk):
+                n = min(self.chunk, self.total - off)
+                self.writers[0].pwrite(zeros[:n], path, off * 4)
+        self._wait(self.writers[0], "zero-filling the optimizer swap files")
+
+    # -------------------------------------------------------------- I/O helpers
+
+    def _wait(self, handle, what: str) -> None:
+        wait_io(handle, f"{what} (optimizer swapper, rank {self.rank})")
+
+    def _read(self, handle, name: str, offset: int, out: torch.Tensor) -> None:
+        handle.pread(out, self.paths[name], offset * 4)
+        self._io["step"][0] += out.numel() * 4
+
+    def _write(self, handle, name: str, offset: int, values: torch.Tensor) -> None:
+        handle.pwrite(values, self.paths[name], offset * 4)
+        self._io["step"][1] += values.numel() * 4
+
+    def _grad_read(self, offset: int, out: torch.Tensor) -> None:
+        self.grad_reader.pread(out, self.paths["grad"], offset * 4)
+        self._wait(self.grad_reader, f"reading gradient shards at element {offset}")
+        self._io["grad"][0] += out.numel() * 4
+
+    def _grad_write(self, offset: int, values: torch.Tensor) -> None:
+        self.grad_writer.pwrite(values, self.paths["grad"], offset * 4)
+        self._io["grad"][1] += values.numel() * 4
+
+    def load_master(self, offset: int, values: torch.Tensor) -> None:
+        self._wait(self.head_io, "writing back the cached optimizer chunks")  # older values must land first
+        buf = values.contiguous().to(torch.float32)
+        self._write(self.writers[0], "master", offset, buf)
+        self._wait(self.writers[0], f"writing master weights at element {offset}")
+        if offset < self.head:
+            self._head_loaded = False  # the next update reads the cache afresh (Note [host cache])
+
+    def read_master(self, offset: int, numel: int) -> torch.Tensor:
+        self._wait(self.head_io, "writing back the cached optimizer chunks")  # the files are then complete
+        out = torch.empty(numel, dtype=torch.float32)
+        self._read(self.reader, "master", offset, out)
+        self._wait(self.reader, f"reading master weights at element {offset}")
+        return out
+
+    def checkpoint_sources(self) -> dict:
+        """The swap files of the master weights and moments, complete once the host cache's
+        write-through has landed (Note [host cache]), for a checkpoint."""
+        self._wait(self.head_io, "writing back the cached optimizer chunks")
+        return {name: self.paths[name] for name in _NAMES[:3]}
+
+    def checkpoint_loaded(self) -> None:
+        """A checkpoint rewrote the files: the host cache reads them afresh."""
+        self._head_loaded = False
+
+    def _head_pieces(self, offset: int, numel: int):
+        """(head set, start in its chunk, length, start in the range) of the part of
+        [offset, offset + numel) inside the head, which is always a prefix of the range."""
+        end = min(offset + numel, self.head)
+        pos = offset
+        while pos < end:
+            i, lo = divmod(pos, self.chunk)
+            n = min(self.chunk - lo, end - pos)
+            yield self.head_sets[i], lo, n, pos - offset
+            pos += n
+
+    def _in_head(self, offset: int, numel: int) -> int:
+        """Elements of [offset, offset + numel) inside the head."""
+        return max(0, min(offset + numel, self.head) - offset)
+
+    # -------------------------------------------------------------- gradients
+
+    def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
+        g = shard_grad.mul(scale) if scale != 1.0 else shard_grad.contiguous()
+        again = offset in self._written
+        if again:
+            self._stats_valid = False
+        else:
+            self._written.add(offset)
+        if self._stats_valid:
+            s, f = sq_and_finite(g)
+            self._sq += s
+            self._finite = self._finite and f
+        if self.grad_mem is not None:  # Note [gradients in host memory]
+            dst = self.grad_mem[offset : offset + g.numel()]
+            if again:
+                dst.add_(g)
+            else:
+                dst.copy_(g)
+            return
+        for hs, lo, n, at in self._head_pieces(offset, g.numel()):  # Note [host cache]: in memory only
+            dst, src = hs["grad"][lo : lo + n], g[at : at + n]
+            if again:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+        h = self._in_head(offset, g.numel())
+        if h == g.numel():
+            return
+        g = g[h:]
+        if again:
+            self._wait(self.grad_writer, "gradient shard writes")  # the earlier write of this range must land
+            old = torch.empty_like(g)
+            self._grad_read(offset + h, old)
+            g = old.add_(g)
+        self._grad_write(offset + h, g)  # the handle keeps g alive until written
+
+    def wait_grad_writes(self) -> None:
+        """Gradient buffers handed to ``accumulate`` may be reused once this returns."""
+        self._wait(self.grad_writer, "gradient shard writes")
+
+    def finalize_grads(self) -> None:
+        """Before the step: ranges that got no gradient this step must read as zeros."""
+        missing = [(o, n) for o, n in self.ranges if o not in self._written and n]
+        if missing:
+            zeros = torch.zeros(max(n for _, n in missing), dtype=torch.float32)
+            for o, n in missing:
+                self._written.add(o)
+                if self.grad_mem is not None:
+                    self.grad_mem[o : o + n].zero_()
+                    continue
+                for hs, lo, k, _ in self._head_pieces(o, n):
+                    hs["grad"][lo : lo + k].zero_()
+                h = self._in_head(o, n)
+                if h < n:
+                    self._grad_write(o + h, zeros[: n - h])
+        self._wait(self.grad_writer, "gradient shard writes")
+
+    def grad_stats(self) -> tuple:
+        """Of the gradients accumulated so far (call with no step in flight: it borrows a buffer set)."""
+        if self._stats_valid:
+            return self._sq, self._finite
+        sq, finite = 0.0, True
+        for off in range(0, self.total, self.chunk):
+            n = min(self.chunk, self.total - off)
+            if self.grad_mem is not None:
+                buf = self.grad_mem[off : off + n]
+            elif off < self.head:
+                buf = self.head_sets[off // self.chunk]["grad"][:n]
+            else:
+                buf = self.sets[0]["grad"][:n]
+                self._grad_read(off, buf)
+            s, f = sq_and_finite(buf)
+            sq += s
+            finite = finite and f
+        return sq, finite
+
+    def scale_grads(self, coef: float) -> None:
+        self._coef = coef  # applied per chunk inside update, saving a pass over the file
+
+    def zero_grads(self) -> None:
+        """Forget the gradients accumulated so far: the next accumulation overwrites instead of adding."""
+        self._wait(self.grad_writer, "gradient shard writes")
+        self._written.clear()
+        self._sq, self._finite, self._stats_valid = 0.0, True, self.accumulation_steps == 1
+
+    def seal_grads(self) -> None:
+        """The accumulated gradients now belong to the next ``update``; accumulation starts
+        afresh (the next backward may run while an overlapped update still reads: Note
+        [overlapped step] in _optimizer.py says why it never reads a range being rewritten)."""
+        self.zero_grads()
+
+    # -------------------------------------------------------------- the step
+
+    def update(self, fn: Callable[[Chunk], None]) -> None:
+        """Run ``fn`` over every chunk of the flat space, in order, and write the results back."""
+        self.update_head(fn)
+        self.update_tail(fn)
+
+    def update_head(self, fn: Callable[[Chunk], None]) -> None:
+        """The cached chunks, on this thread (Note [host cache]). Starts the tail's first
+        reads before computing, so that they land meanwhile."""
+        self._prime_tail()
+        if not self.head_sets:
+            return
+        self._wait(self.head_io, "writing back the cached optimizer chunks")  # their buffers change now
+        if not self._head_loaded:
+            for off, bufs in self._head_chunks():
+                for name in ("master", "exp_avg", "exp_avg_sq"):
+                    self._read(self.head_io, name, off, bufs[name])
+            self._wait(self.head_io, "reading the cached optimizer chunks")
+            self._head_loaded = True
+        for off, bufs in self._head_chunks():
+            self._update_one(fn, off, bufs, self.head_io)
+
+    def _head_chunks(self):
+        """(offset, the head set's arrays cut to the chunk's length) of every cached chunk."""
+        for i, hs in enumerate(self.head_sets):
+            off = i * self.chunk
+            n = min(self.chunk, self.total - off)
+            yield off, self._with_grad({name: t[:n] for name, t in hs.items()}, off, n)
+
+    def update_tail(self, fn: Callable[[Chunk], None]) -> None:
+        """The chunks past the head, streamed through the buffer sets (Note [optimizer swapper])."""
+        self._prime_tail()
+        starts = self._tail_starts()
+        ahead = self.SETS - 2  # chunks read ahead; one set computes, one set's writes drain
+        for k, off in enumerate(starts):
+            self._wait(self.readers[k % self.SETS], f"reading optimizer chunk at element {off}")  # set k % SETS
+            j = k + ahead
+            if j < len(starts):
+                self._wait(self.writers[j % self.SETS], "writing back an optimizer chunk")  # set held chunk j - SETS
+                self._read_chunk(j % self.SETS, starts[j])
+            n = min(self.chunk, self.total - off)
+            bufs = self._with_grad({name: t[:n] for name, t in self.sets[k % self.SETS].items()}, off, n)
+            self._update_one(fn, off, bufs, self.writers[k % self.SETS])
+        for w in self.writers:
+            self._wait(w, "writing back optimizer chunks")
+        self._coef = 1.0
+        self._tail_primed = False
+
+    def _update_one(self, fn: Callable[[Chunk], None], off: int, bufs: dict, writer) -> None:
+        if self._coef != 1.0:
+            bufs["grad"].mul_(self._coef)
+        fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            self._write(writer, name, off, bufs[name])
+
+    def _tail_starts(self) -> list:
+        return list(range(self.head, self.total, self.chunk))
+
+    def _prime_tail(self) -> None:
+        """Submit the reads of the first tail chunks (once per update)."""
+        if self._tail_primed:
+            return
+        starts = self._tail_starts()
+        for j in range(min(self.SETS - 2, len(starts))):
+            self._read_chunk(j, starts[j])
+        self._tail_primed = True
+
+    def _with_grad(self, bufs: dict, offset: int, numel: int) -> dict:
+        """A chunk's arrays, its gradients from host memory where they live there."""
+        if self.grad_mem is not None:
+            bufs["grad"] = self.grad_mem[offset : offset + numel]
+        return bufs
+
+    def _read_chunk(self, s: int, off: int) -> None:
+        n = min(self.chunk, self.total - off)
+        for name in self._swapped:
+            self._read(self.readers[s], name, off, self.sets[s][name][:n])
+
+    def nbytes(self) -> dict:
+        return totals(self.plan(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None))
+
+    def close(self) -> None:
+        """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
+        close_handles([self.head_io, self.reader, *self.readers, *self.writers, self.grad_reader, self.grad_writer])
+
+    def checksums(self) -> dict:
+        """The block sums of each swap file by array name (Note [swap checksums] in aio/_checksum.py)."""
+        return {n: sums_of(p) for n, p in self.paths.items() if sums_of(p)}
+
+    @classmethod
+    def plan(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory.py): the swap files (gradients
+        too unless they stay in host memory), the buffer sets, the host cache of the first
+        ``head`` elements (Note [host cache]) and the gradients in host memory (Note
+        [gradients in host memory]). Not yet counted: the files' block sums, 1/512 of the swap
+        bytes (BlockSums.bytes_for; Note [swap checksums] in aio/_checksum.py)."""
+        swapped = len(_NAMES) - (1 if grads_in_memory else 0)
+        return {"nvme": {OPT_FILES: 4 * swapped * total},
+                "host": {OPT_BUFFERS: cls.SETS * 4 * len(_NAMES) * chunk, OPT_HOST_CACHE: 4 * swapped * head,
+                         GRADIENTS: 4 * total if grads_in_memory else 0}}
+
