@@ -223,7 +223,6 @@ class DeviceBudget:
         return MemoryStats(self._allocated, self._peak, self._limit, total)
 
 
-budget = DeviceBudget()
 
 
 def device_memory_total() -> Optional[int]:

@@ -59,7 +59,8 @@ def _is_parameter_like(t: torch.Tensor) -> bool:
 class ActivationOffloader:
     """The saved-tensor hooks of one model and their byte counters."""
 
-    def __init__(self, depth: int = DEFAULT_DEPTH):
+    def __init__(self, budget: acc.DeviceBudget, depth: int = DEFAULT_DEPTH):
+        self.budget = budget  # the engine's device budget (Note [hold ledger] in _ledger.py)
         self.depth = depth
         self._order: List[weakref.ref] = []  # this forward's offloaded tensors, in packing order
         self._copies: dict = {}  # id(tensor) -> (weak reference to it, its _Saved): one host copy per tensor
@@ -122,10 +123,10 @@ class ActivationOffloader:
 
     def _fetch(self, saved: _Saved, block: bool) -> None:
         """Start the host->device copy of one checkpoint; without ``block`` only within the budget."""
-        if not block and not acc.budget.fits(saved.nbytes):
+        if not block and not self.budget.fits(saved.nbytes):
             return
         acc.wait_copy_to_host(saved.event)
-        acc.budget.charge(saved.nbytes, "an activation checkpoint brought back for backward")
+        self.budget.charge(saved.nbytes, "an activation checkpoint brought back for backward")
         self.device_bytes += saved.nbytes
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
         self.fetched_bytes += saved.nbytes
@@ -133,7 +134,7 @@ class ActivationOffloader:
 
     def _uncharge(self, nbytes: int) -> None:
         self.device_bytes -= nbytes
-        acc.budget.release(nbytes)
+        self.budget.release(nbytes)
 
     def stats(self) -> dict:
         return {"offloaded_bytes": self.offloaded_bytes, "fetched_bytes": self.fetched_bytes, "packs": self.packs,

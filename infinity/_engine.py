@@ -82,7 +82,7 @@ import itertools
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -90,6 +90,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from . import _accelerator as acc
 from . import _comm as comm
+from ._ledger import Hold
 from ._loss_scale import scale_outputs
 from ._memory import host_account
 from ._optimizer_store import state_bytes
@@ -191,7 +192,8 @@ class Engine:
         self.swap_dirs = parts.swap_dirs
         self.memory_plan = parts.memory_plan
         self.activation_offload = parts.activation_offload  # Note [which tensors are offloaded] in _activation_offload.py
-        self._bwd_holds: Dict[ModuleState, set] = {}  # units and input tokens a module's backward waits for
+        self._bwd_waiting: Dict[ModuleState, set] = {}  # a held module's backward: the units and input tokens it waits for
+        self._bwd_done: Set[ModuleState] = set()  # modules whose backward hold ended in this backward
         self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
         self._inputs_seen: set = set()  # tokens whose input gradients backward has computed
         self._handles: list = []
@@ -290,7 +292,7 @@ class Engine:
         frame = Frame(state, [], handling=sys.exc_info()[1])
         self.calls.push(frame)  # first: an acquire that raises still has its frame popped
         for unit in state.units:
-            unit.acquire()
+            unit.acquire(Hold.CALL)
             frame.held.append(unit)
         if state.units:
             self.prefetcher.on_module(state)
@@ -323,8 +325,8 @@ class Engine:
     def _arrived(self, awaited) -> None:
         """A unit's gradients or a call's input gradients are in: end the holds that waited
         only for them."""
-        for state in [s for s, waiting in self._bwd_holds.items() if waiting and awaited in waiting]:
-            waiting = self._bwd_holds[state]
+        for state in [s for s, waiting in self._bwd_waiting.items() if awaited in waiting]:
+            waiting = self._bwd_waiting[state]
             waiting.discard(awaited)
             if not waiting:
                 self._drop_hold(state)
@@ -338,7 +340,7 @@ class Engine:
             raise EngineError(f"forward hooks out of order at {type(module).__name__}; was a forward interrupted?")
         frame = self.calls.pop()
         for unit in frame.held:
-            unit.release()
+            unit.release(Hold.CALL)
         if raised is not None and raised is not frame.handling:
             return  # aborted (a forward called inside an `except` block sees that block's exception)
         if torch.is_grad_enabled() and frame.state.units:
@@ -364,18 +366,19 @@ class Engine:
     def _pre_backward(self, state: ModuleState, token: Optional[int] = None) -> None:
         self._begin_backward()
         inputs = {token} if token is not None and token not in self._inputs_seen else set()
-        again = state in self._bwd_holds
-        if again and self._bwd_holds[state] is not None:
-            self._bwd_holds[state] |= inputs  # already held: a module called twice in forward
+        if state in self._bwd_waiting:
+            self._bwd_waiting[state] |= inputs  # already held: a module called twice in forward
             return
+        again = state in self._bwd_done
+        self._bwd_done.discard(state)
         waiting = set(inputs)
         for unit in state.units:
-            unit.acquire()
+            unit.acquire(Hold.BACKWARD)
             if again and unit.grads_pending <= 0:  # Note [used again in one backward]
                 unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
             if unit.grads_pending > 0:
                 waiting.add(unit)
-        self._bwd_holds[state] = waiting
+        self._bwd_waiting[state] = waiting
         self.prefetcher.on_module(state)
         if not waiting:
             self._drop_hold(state)
@@ -396,8 +399,9 @@ class Engine:
 
     def _drop_hold(self, state: ModuleState) -> None:
         for unit in state.units:
-            unit.release()
-        self._bwd_holds[state] = None  # done for this backward; a later trigger is a no-op
+            unit.release(Hold.BACKWARD)
+        del self._bwd_waiting[state]
+        self._bwd_done.add(state)  # a later trigger in this backward acquires again: Note [used again in one backward]
 
     def _end_backward(self) -> None:
         if self.policy.reduce_in_backward:
@@ -407,10 +411,10 @@ class Engine:
                     self.reducer.add(unit)
             with self.counters.blocked("reduce_scatter"):
                 self.reducer.finish()  # units without gradients join as zeros: Note [bucket plan] in _reduce.py
-        for state, waiting in list(self._bwd_holds.items()):
-            if waiting is not None:
-                self._drop_hold(state)
-        self._bwd_holds.clear()
+        for state in list(self._bwd_waiting):
+            self._drop_hold(state)
+        self._bwd_done.clear()
+        self.ledger.check_none(Hold.BACKWARD, where="backward")
         self._inputs_seen.clear()
         self.calls.end_backward()
         self.prefetcher.end()
@@ -516,6 +520,12 @@ class Engine:
             self.counters.reset()
             self._telemetry_totals = totals
         return out
+
+    @property
+    def device_budget(self) -> "acc.DeviceBudget":
+        """This engine's device budget (``device_memory_limit``): what its gathered parameters
+        and fetched activation checkpoints hold on the device now, and their peak."""
+        return self.ledger.budget
 
     def tier_bytes(self) -> dict:
         """Bytes this rank keeps on each tier (device, host, nvme), pools included."""

@@ -8,6 +8,7 @@ from torch import nn
 
 from . import _comm as comm
 from ._engine import EngineError, _engines, _pending_external, engine_of_unit
+from ._ledger import Hold
 from ._log import logger
 from ._param import info_of, raw_data
 from ._unit import FetchUnit
@@ -56,7 +57,7 @@ class GatheredParameters:
 
     def __enter__(self):
         for unit in self.units:
-            unit.acquire()
+            unit.acquire(Hold.GATHERED)
         self._prints = self._saved = None
         if self.modifier_rank is None and self._managed():
             for engine in {id(e): e for e in map(engine_of_unit, self.units)}.values():
@@ -78,7 +79,7 @@ class GatheredParameters:
                 self._discard_edits()
         finally:
             for unit in self.units:
-                unit.release()
+                unit.release(Hold.GATHERED)
         return False
 
     def _managed(self) -> bool:

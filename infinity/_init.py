@@ -49,6 +49,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from . import _accelerator as acc
 from . import _comm as comm
 from ._layout import padded
+from ._ledger import Hold
 from ._log import logger
 from ._param import (
     ParamInfo,
@@ -307,8 +308,8 @@ class InitUnit:
     def _on_meta(self) -> bool:
         return raw_data(self.params[0]).is_meta
 
-    def acquire(self) -> None:
-        self._refs += 1
+    def acquire(self, why: Hold = Hold.GATHERED) -> None:
+        self._refs += 1  # only GatheredParameters acquires a unit before initialize
         if self._state is not ParamState.AVAILABLE:
             full = self.materialize()
             if self._on_meta() and not full.is_meta:
@@ -318,7 +319,7 @@ class InitUnit:
             set_data(self.params[0], full)
             self._state = ParamState.AVAILABLE
 
-    def release(self) -> None:
+    def release(self, why: Hold = Hold.GATHERED) -> None:
         self._refs -= 1
         if self._refs == 0:
             set_data(self.params[0], self.placeholder())

@@ -16,7 +16,6 @@ step gate (Note [step gate] in _step_gate.py), which the units consult before re
 from __future__ import annotations
 
 import functools
-import gc
 from typing import Tuple
 
 import torch
@@ -26,6 +25,7 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._activation_offload import ActivationOffloader
 from ._engine import DTYPES, Engine, EngineParts, StagePolicy, check_same_model_on_all_ranks, engine_of, forget_engine
+from ._ledger import GatherLedger
 from ._log import logger
 from ._loss_scale import LossScaler
 from ._memory import GATHERED
@@ -45,7 +45,7 @@ from ._swap import SwapDirs
 from ._swap_labels import label_swap_files
 from ._telemetry_counters import Counters
 from ._tiers import Tier
-from ._unit import FetchUnit, GatherLedger, UnitContext
+from ._unit import FetchUnit, UnitContext
 from .aio import aligned_empty
 from .errors import EngineError, UsageTypeError
 from .tiling import check_working_memory, retarget_groups, tile_model
@@ -72,9 +72,6 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     replaced = tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
     groups = resolve_groups(list(model.named_parameters()), retarget_groups(param_groups, replaced))  # refused early
     check_same_model_on_all_ranks(model)
-    if cfg.device_memory_limit is not None and acc.budget.stats().allocated:
-        gc.collect()  # models dropped without close() release their gathered bytes when collected (GatherLedger)
-    acc.budget.set_limit(cfg.device_memory_limit)
     engine, sink, gate = _build_engine(model, cfg)
     try:
         optimizer = ZeroOptimizer(engine, cfg, groups, sink=sink, gate=gate)
@@ -107,7 +104,7 @@ def _build_engine(model: nn.Module, cfg):
     try:
         opt_store = _optimizer_store(placement, cfg, swap_dirs, policy)
         param_store = _param_store(placement, cfg, swap_dirs, opt_store) if policy.partition_params else None
-        counters, ledger = Counters(), GatherLedger(world)
+        counters, ledger = Counters(), GatherLedger(world, cfg.device_memory_limit)  # this engine's device budget
         gate = StepGate(rank, counters.blocked)
         prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, ledger=ledger,
                                 counters=counters)
@@ -131,7 +128,7 @@ def _build_engine(model: nn.Module, cfg):
                               drop_full_grads=policy.reduce_in_backward, consumers_done=opt_store.wait_grad_writes,
                               on_add=sink.note)
         scaler = _loss_scaler(cfg.precision) if dtype == torch.float16 else None
-        offload = ActivationOffloader() if cfg.activation_checkpointing.offload == "cpu" else None
+        offload = ActivationOffloader(ledger.budget) if cfg.activation_checkpointing.offload == "cpu" else None
         parts = EngineParts(placement, ctx, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs, memory_plan,
                             offload)
         return Engine(model, cfg, parts), sink, gate

@@ -19,12 +19,15 @@ import enum
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 from torch import nn
 
 from .errors import ParameterNotAvailableError
+
+if TYPE_CHECKING:
+    from ._ledger import Hold
 
 
 class ParamState(enum.Enum):
@@ -50,9 +53,9 @@ class ParamOwner(Protocol):
     @property
     def state(self) -> "ParamState": ...
 
-    def acquire(self) -> None: ...
+    def acquire(self, why: Hold) -> None: ...
 
-    def release(self) -> None: ...
+    def release(self, why: Hold) -> None: ...
 
     def on_unavailable(self, func, args, kwargs, infos): ...
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, List, Optional
 import torch
 from torch import nn
 
+from ._ledger import Hold
 from ._log import logger
 from ._param import ParameterNotAvailableError, not_available_message
 from .errors import InvariantError
@@ -111,7 +112,7 @@ class Calls:
         """A forward that raised leaves frames behind: release what they held."""
         while self._frames:
             for unit in self._frames.pop().held:
-                unit.release()
+                unit.release(Hold.CALL)
 
     # ------------------------------------------------------------ parameters touched while released
 
@@ -130,7 +131,7 @@ class Calls:
                         "declared with infinity.register_external_parameter(module, param).")
             raise ParameterNotAvailableError(msg)
         for unit in sorted({i.unit for i in infos}, key=lambda u: u.index):
-            unit.acquire()
+            unit.acquire(Hold.CALL)
             frame.held.append(unit)
             if frame.state.add_unit(unit):
                 logger.debug("external parameters of %s used by %s: fetched with it from now on",

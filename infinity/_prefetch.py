@@ -37,14 +37,15 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
-from . import _accelerator as acc
+from ._ledger import Hold
 from ._param import ParamState
 from ._phase import Phase
 
 if TYPE_CHECKING:
+    from ._ledger import GatherLedger
     from ._phase import ModuleState
     from ._telemetry_counters import Counters
-    from ._unit import FetchUnit, GatherLedger
+    from ._unit import FetchUnit
 
 
 class _Pass:
@@ -82,8 +83,6 @@ class Prefetcher:
         self._pass: Optional[_Pass] = None
         self._direction: Optional[Phase] = None  # the pass recording or following a trace
         self._prefetched: List["FetchUnit"] = []
-        self._held: List["FetchUnit"] = []  # kept gathered from the end of forward into backward
-        self._kept: Dict["FetchUnit", int] = {}  # kept gathered until the pass reaches this position
 
     # ------------------------------------------------------------ iteration boundaries
 
@@ -105,35 +104,32 @@ class Prefetcher:
 
     def release_held(self) -> None:
         self._release_kept()
-        held, self._held = self._held, []
-        for unit in held:
-            unit.release()
+        for unit in self._ledger.held_for(Hold.INTO_BACKWARD):
+            unit.release(Hold.INTO_BACKWARD)
 
     def _release_kept(self) -> None:
-        kept, self._kept = self._kept, {}
-        for unit in kept:
-            unit.release()
+        for unit in self._ledger.held_for(Hold.KEPT):
+            unit.release(Hold.KEPT)
 
     def make_room(self, incoming: "FetchUnit") -> None:
         """``incoming`` is about to be gathered: release kept units, the one needed last
         first, until it fits within ``max_live_parameters`` and the device budget."""
-        for unit in sorted(self._kept, key=self._kept.get, reverse=True):
-            if self._ledger.live + incoming.full_numel <= self.max_live and acc.budget.fits(incoming.full_nbytes):
+        kept = self._ledger.kept_until()
+        for unit in sorted(kept, key=kept.get, reverse=True):
+            if self._ledger.fits(incoming, self.max_live):
                 return
-            del self._kept[unit]
-            unit.release()
+            unit.release(Hold.KEPT)
 
     def _keep_until_next_use(self, pos: int) -> None:
         """Module ``pos`` of the trace holds its units: release those kept for it, and keep
         those used again later in this pass (Note [trace and prefetch])."""
-        for unit in [u for u, at in self._kept.items() if at == pos]:
-            del self._kept[unit]
-            unit.release()
+        for unit, at in self._ledger.kept_until().items():
+            if at == pos:
+                unit.release(Hold.KEPT)
         for unit, at in self._pass.next_use[pos].items():
-            if at is not None and unit not in self._kept and unit.partitioned and not unit.persistent \
-                    and unit.state is ParamState.AVAILABLE:
-                unit.hold()
-                self._kept[unit] = at
+            if at is not None and not self._ledger.holds(unit, Hold.KEPT) and unit.partitioned \
+                    and not unit.persistent and unit.state is ParamState.AVAILABLE:
+                unit.hold(Hold.KEPT, until=at)
 
     def _hold_for_backward(self) -> None:
         """The last forward module runs: keep what backward starts with gathered."""
@@ -143,9 +139,8 @@ class Prefetcher:
         for state in trace[: max(1, self.gather_depth)]:
             for unit in state.units:
                 if unit.partitioned and unit.state is ParamState.AVAILABLE and not unit.persistent \
-                        and unit not in self._held:
-                    unit.hold()
-                    self._held.append(unit)
+                        and not self._ledger.holds(unit, Hold.INTO_BACKWARD):
+                    unit.hold(Hold.INTO_BACKWARD)
 
     def _finish_pass(self) -> None:
         if self._pass is None:
@@ -168,10 +163,10 @@ class Prefetcher:
             return
         pos = len(p.seen)
         p.seen.append(state)
-        if self._held and self._direction is Phase.BACKWARD:
-            for unit in [u for u in self._held if u in state.units]:  # acquired by its module now
-                self._held.remove(unit)
-                unit.release()
+        if self._direction is Phase.BACKWARD:
+            for unit in self._ledger.held_for(Hold.INTO_BACKWARD):
+                if unit in state.units:  # acquired by its module now
+                    unit.release(Hold.INTO_BACKWARD)
         if p.trace is None or p.diverged:
             return
         if pos >= len(p.trace) or p.trace[pos] is not state:
@@ -225,8 +220,7 @@ class Prefetcher:
         for state in window[: self.gather_depth]:
             for unit in state.units:
                 if unit.state in (ParamState.RELEASED, ParamState.HOST, ParamState.DEVICE) and unit.partitioned \
-                        and self._ledger.live + unit.full_numel <= self.max_live \
-                        and acc.budget.fits(unit.full_nbytes):  # a prefetch never overruns device_memory_limit
+                        and self._ledger.fits(unit, self.max_live):  # never overruns device_memory_limit
                     unit.start_gather()
                     if unit not in self._prefetched:
                         self._prefetched.append(unit)

@@ -14,7 +14,6 @@ parameters] in _optimizer.py).
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
@@ -25,6 +24,7 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._init import InitUnit
 from ._layout import padded
+from ._ledger import GatherLedger, Hold
 from ._param import ParamInfo, ParamState, info_of, raw_data, register, set_data
 from .aio import aligned_empty
 from .errors import EngineError, InvariantError
@@ -52,49 +52,6 @@ class UnitSpec:
 def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter]], world_size: int) -> UnitSpec:
     shard = sum(padded(p.numel(), world_size) // world_size for _, p in params)
     return UnitSpec(index, module_name, tuple(params), shard, any(p.requires_grad for _, p in params))
-
-
-class GatherLedger:
-    """Gathered (full) parameters alive now and their peak, in elements, and the sequence of
-    units all-gathered since the last check (Note [same gathers on every rank] in _engine.py)."""
-
-    def __init__(self, world_size: int):
-        self._world_size = world_size
-        self.live = 0
-        self.peak = 0
-        self.sequence: List[int] = []
-        # Device bytes this engine's gathered parameters hold in the budget. Released when the
-        # engine is collected too: a model dropped without close() must not keep its charge in
-        # the process-wide budget and make a later engine's fit fail.
-        self._charged = [0]
-        weakref.finalize(self, _release_charged, self._charged)
-
-    def charge(self, nbytes: int, what: str) -> None:
-        acc.budget.charge(nbytes, what)
-        self._charged[0] += nbytes
-
-    def uncharge(self, nbytes: int) -> None:
-        acc.budget.release(nbytes)
-        self._charged[0] -= nbytes
-
-    def gathered(self, unit: "FetchUnit") -> None:
-        self.live += unit.full_numel
-        self.peak = max(self.peak, self.live)
-        if self._world_size > 1:  # one rank has nothing to compare
-            self.sequence.append(unit.index)
-
-    def freed(self, unit: "FetchUnit") -> None:
-        self.live -= unit.full_numel
-
-    def take_sequence(self) -> List[int]:
-        seq, self.sequence = self.sequence, []
-        return seq
-
-
-def _release_charged(cell: List[int]) -> None:
-    if cell[0]:
-        acc.budget.release(cell[0])
-        cell[0] = 0
 
 
 @dataclass(frozen=True)
@@ -187,7 +144,6 @@ class FetchUnit:
         self._state = ParamState.AVAILABLE  # the model's own full tensors until partition()
         self._staging: Optional[_Staging] = None  # HOST, DEVICE: Note [unit payloads]
         self._gathered: Optional[_Gathered] = None  # GATHERING, AVAILABLE (None: nothing of ours to free)
-        self._refs = 0
         self.grads_pending = 0  # params whose gradient has not arrived in this backward
 
     def on_unavailable(self, func, args, kwargs, infos):
@@ -302,17 +258,18 @@ class FetchUnit:
 
     @property
     def refs(self) -> int:
-        return self._refs
+        """How many holds the unit has (Note [hold ledger] in _ledger.py)."""
+        return self.ctx.ledger.count(self)
 
     @property
     def persistent(self) -> bool:
         """Small units stay gathered between uses (zero.prefetch.persistence_threshold)."""
         return self.partitioned and self.full_numel < self.ctx.persistence_threshold
 
-    def acquire(self) -> None:
-        """Take a reference; gather if needed (waiting for what the prefetcher started).
-        Pairs with ``release``."""
-        self._refs += 1
+    def acquire(self, why: Hold) -> None:
+        """Hold the unit for ``why``; gather it if needed (waiting for what the prefetcher
+        started). Pairs with ``release(why)``."""
+        self.ctx.ledger.take(self, why)
         counters = self.ctx.counters
         if self._state is ParamState.AVAILABLE:
             if self.partitioned:
@@ -327,17 +284,15 @@ class FetchUnit:
             self.start_gather()
         self.wait_gather()
 
-    def hold(self) -> None:
-        """Take a reference on a gathered unit (no fetch); pairs with ``release``."""
+    def hold(self, why: Hold, until: Optional[int] = None) -> None:
+        """Hold a gathered unit for ``why`` (no fetch); pairs with ``release(why)``."""
         self._expect(ParamState.AVAILABLE, "hold")
-        self._refs += 1
+        self.ctx.ledger.take(self, why, until)
 
-    def release(self) -> None:
-        """Drop a reference; free the full tensors when it was the last (unless persistent)."""
-        if self._refs <= 0:
-            raise InvariantError(f"{self!r} released more often than acquired")
-        self._refs -= 1
-        if self._refs == 0 and self.partitioned and self._state is ParamState.AVAILABLE and not self.persistent:
+    def release(self, why: Hold) -> None:
+        """Drop the hold for ``why``; free the full tensors when it was the last (unless persistent)."""
+        left = self.ctx.ledger.drop(self, why)
+        if left == 0 and self.partitioned and self._state is ParamState.AVAILABLE and not self.persistent:
             self._free_full()
 
     def _free_full(self) -> None:
@@ -352,8 +307,8 @@ class FetchUnit:
 
     def abandon(self) -> None:
         """Undo a prefetch nobody used: back to RELEASED, buffers returned (refs must be 0)."""
-        if self._refs:
-            raise InvariantError(f"abandon: {self!r} still has {self._refs} reference(s)")
+        if self.refs:
+            raise InvariantError(f"abandon: {self!r} is still held for {self.ctx.ledger.describe(self)}")
         if self._state is ParamState.GATHERING:
             self.wait_gather()
         if self._state is ParamState.AVAILABLE:
@@ -492,7 +447,7 @@ class FetchUnit:
 
     def refresh(self) -> None:
         """After the optimizer step: a persistent unit's gathered copy is stale; drop it."""
-        if self._state is ParamState.AVAILABLE and self.partitioned and self._refs == 0:
+        if self._state is ParamState.AVAILABLE and self.partitioned and not self.refs:
             self._free_full()
 
     # ------------------------------------------------------------ gradients

@@ -676,7 +676,7 @@ def _saved_text(run: Run) -> str:
 def finish(run: Run) -> Optional[str]:
     engine = run.optimizer.engine
     mine = {"peak_rss": _peak_rss(), "tiers": engine.tier_bytes(),
-            "device_peak": acc.budget.stats().peak, "nvme": run.stats.tier_totals().get("nvme", {})}
+            "device_peak": engine.device_budget.stats().peak, "nvme": run.stats.tier_totals().get("nvme", {})}
     per_rank = comm.all_gather_object(mine)
     if not run.rank0:
         return None

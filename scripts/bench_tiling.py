@@ -34,7 +34,6 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity import _accelerator as acc  # noqa: E402
 from infinity._accelerator import DeviceOutOfMemory  # noqa: E402
 from infinity._engine import engine_of  # noqa: E402
 from infinity.config import _parse_bytes  # noqa: E402
@@ -110,10 +109,10 @@ def largest(factor: int, limit: int, step_h: int, nvme: str) -> int:
 
 def trains(h: int, factor: int, limit: int, nvme: str) -> tuple:
     model, opt = build(h, factor, limit, nvme)
-    acc.budget.reset_peak()
+    budget = engine_of(model).device_budget
     for _ in range(2):
         step(model, opt, h)
-    peak = acc.budget.stats().peak
+    peak = budget.stats().peak
     engine_of(model).close()
     return True, peak
 
@@ -158,9 +157,10 @@ def section_c(args, h: int, limit: int, nvme: str) -> None:
         step(*runs[f], h)
     for _ in range(args.rounds):
         for f in FACTORS:
-            acc.budget.reset_peak()
+            budget = engine_of(runs[f][0]).device_budget
+            budget.reset_peak()
             times[f].append(step(*runs[f], h))
-            peaks[f] = max(peaks.get(f, 0), acc.budget.stats().peak)
+            peaks[f] = max(peaks.get(f, 0), budget.stats().peak)
     base = statistics.median(times[1])
     for f in FACTORS:
         med = statistics.median(times[f])

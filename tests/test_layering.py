@@ -14,7 +14,7 @@ LAYERS = {
                 "config", "_deepspeed_config", "_schedule", "aio", "optim", "_aio_cffi", "_cpu_adam"],
     "offload": ["_memory", "_layout", "_swap", "_param_store", "_optimizer_store", "_optimizer_swapper", "_preflight",
                 "_placement"],
-    "zero": ["_param", "_pretrained", "_init", "_unit", "_phase", "_step_gate", "_prefetch", "_reduce", "_loss_scale",
+    "zero": ["_ledger", "_param", "_pretrained", "_init", "_unit", "_phase", "_step_gate", "_prefetch", "_reduce", "_loss_scale",
              "_param_groups", "_optimizer", "tiling", "_activation_offload", "_engine", "_gathered", "_swap_labels",
              "_initialize"],
     "apps": ["__init__", "train", "_train_data", "estimate", "_estimate", "export", "_safetensors_export", "_checkpoint",

@@ -20,7 +20,6 @@ from _models import rank_losses
 from torch import nn
 
 import infinity
-from infinity import _accelerator as acc
 from infinity._engine import engine_of
 from infinity.errors import OutOfMemory, UsageError
 from infinity.tiling import TiledEmbedding, TiledLinear, linear_splits
@@ -192,9 +191,10 @@ def _train_on(model, cfg, batches, loss_of):
     """infinity: (model, losses, untiled state dict, device budget peak, peak gathered elements)."""
     model, opt = infinity.initialize(model, cfg)
     losses = _steps(model, opt, batches, loss_of)
-    peak = acc.budget.stats().peak
+    budget = engine_of(model).device_budget
+    peak = budget.stats().peak
     live = engine_of(model).peak_live_elems
-    acc.budget.set_limit(None)  # reading every parameter at once is not part of training
+    budget.set_limit(None)  # reading every parameter at once is not part of training
     with infinity.GatheredParameters(list(model.parameters())):
         sd = {k: v.clone() for k, v in model.state_dict().items()}
     return model, losses, sd, peak, live
@@ -276,7 +276,6 @@ def test_largest_layer_over_the_limit_fails_without_tiling_and_trains_exactly_wi
                                           r"at most 3333"):
         infinity.initialize(copy.deepcopy(base), {**zero_config(3, **common), "device_memory_limit": limit})
     cfg = {**zero_config(3, tiling=_tiling(3333), **common), "device_memory_limit": limit}
-    acc.budget.reset_peak()
     model, losses, sd, peak, _ = _train(copy.deepcopy(base), cfg, 5)
     engine = engine_of(model)
     assert 0 < peak <= limit

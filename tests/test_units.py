@@ -11,6 +11,7 @@ from torch import nn
 import infinity
 from infinity._engine import plan_units
 from infinity._layout import ALIGN_ELEMS, Layout
+from infinity._ledger import GatherLedger, Hold
 from infinity._param import ParamState, make_partitioned, raw_data
 from infinity._param_store import ParamStore
 from infinity._phase import Calls, ModuleState, Phase
@@ -20,7 +21,7 @@ from infinity._step_gate import StepGate
 from infinity._swap import SwapDir
 from infinity._telemetry_counters import Counters
 from infinity._tiers import Tier
-from infinity._unit import FetchUnit, GatherLedger, UnitContext
+from infinity._unit import FetchUnit, UnitContext
 from infinity.errors import InvariantError, WaitTimeout
 
 
@@ -80,12 +81,12 @@ class Parts:
         for pos, i in enumerate(order):
             state = self.states[i]
             for u in state.units:
-                u.acquire()
+                u.acquire(Hold.CALL)
             self.prefetcher.on_module(state)
             if check:
                 check(pos, i)
             for u in state.units:
-                u.release()
+                u.release(Hold.CALL)
         self.prefetcher.end()
 
 
@@ -97,35 +98,57 @@ def test_partition_then_acquire_gives_back_the_same_values(tier, tmp_path):
     for unit in parts.units:
         assert unit.state is ParamState.RELEASED
         assert all(raw_data(p).numel() == 0 for p in unit.params)  # placeholders while released
-        unit.acquire()
+        unit.acquire(Hold.CALL)
         assert unit.state is ParamState.AVAILABLE
         for p in unit.params:
             assert torch.equal(p.data, parts.values[id(p)])
-        unit.release()
+        unit.release(Hold.CALL)
         assert unit.state is ParamState.RELEASED
     assert parts.ledger.live == 0 and parts.ledger.peak == max(u.full_numel for u in parts.units)
 
 
 def test_release_without_acquire_and_wrong_transitions_raise():
     unit = Parts(Chain(1)).units[0]
-    with pytest.raises(InvariantError, match="released more often than acquired"):
-        unit.release()
+    with pytest.raises(InvariantError, match="released for its module's call, but it is held only for nothing"):
+        unit.release(Hold.CALL)
     with pytest.raises(InvariantError, match="stage_to_device: .* is RELEASED, expected HOST"):
         unit.stage_to_device()
-    unit.acquire()
-    with pytest.raises(InvariantError, match="abandon: .* still has 1 reference"):
+    unit.acquire(Hold.CALL)
+    with pytest.raises(InvariantError, match="abandon: .* is still held for its module's call"):
         unit.abandon()
-    unit.release()
+    unit.release(Hold.CALL)
+
+
+def test_the_ledger_names_who_holds_a_unit_and_refuses_a_release_for_another_reason():
+    """Note [hold ledger]: every hold has a reason; a release must name one the unit has."""
+    parts = Parts(Chain(1))
+    unit = parts.units[0]
+    unit.acquire(Hold.CALL)
+    unit.hold(Hold.KEPT, until=3)
+    unit.acquire(Hold.CALL)
+    assert unit.refs == 3 and parts.ledger.kept_until() == {unit: 3}
+    assert parts.ledger.held_for(Hold.KEPT) == [unit] and parts.ledger.held_for(Hold.BACKWARD) == []
+    with pytest.raises(InvariantError, match=r"released for its module's backward, but it is held only for its "
+                                             r"module's call \(x2\), a later use in this pass"):
+        unit.release(Hold.BACKWARD)
+    with pytest.raises(InvariantError, match=r"after backward, 1 unit\(s\) still held: .*a later use in this pass"):
+        parts.ledger.check_none(Hold.BACKWARD, Hold.KEPT, where="backward")
+    unit.release(Hold.KEPT)
+    assert parts.ledger.kept_until() == {}
+    unit.release(Hold.CALL)
+    unit.release(Hold.CALL)
+    assert unit.refs == 0 and unit.state is ParamState.RELEASED
+    parts.ledger.check_none(*Hold, where="the test")
 
 
 def test_references_nest_and_persistent_units_stay_gathered():
     parts = Parts(Chain(2), persistence=10**6)
     unit = parts.units[0]
-    unit.acquire()
-    unit.acquire()
-    unit.release()
+    unit.acquire(Hold.CALL)
+    unit.acquire(Hold.CALL)
+    unit.release(Hold.CALL)
     assert unit.state is ParamState.AVAILABLE and unit.refs == 1
-    unit.release()
+    unit.release(Hold.CALL)
     assert unit.persistent and unit.state is ParamState.AVAILABLE  # below persistence_threshold
     unit.refresh()  # what the step does: the gathered copy is stale
     assert unit.state is ParamState.RELEASED
@@ -152,7 +175,7 @@ def test_step_gate_times_out_with_the_unit_named(monkeypatch):
     parts = Parts(Chain(1))
     parts.gate.open()
     with pytest.raises(WaitTimeout, match="update the shard of layers.0"):
-        parts.units[0].acquire()
+        parts.units[0].acquire(Hold.CALL)
 
 
 def test_abandon_returns_the_staging_buffer(tmp_path):
@@ -244,7 +267,7 @@ def test_reducer_hands_over_each_gradient_once_and_zeros_for_units_without():
     reducer = GradReducer(parts.units, 1, 10**6, lambda u, g: got.setdefault(u.module_name, []).append(g.clone()),
                           drop_full_grads=True)
     for unit in parts.units:
-        unit.acquire()
+        unit.acquire(Hold.CALL)
     x = torch.randn(4, 16)
     parts.states[0].module(x).sum().backward()  # only layer 0 gets gradients
     reducer.add(parts.units[0])
@@ -255,4 +278,4 @@ def test_reducer_hands_over_each_gradient_once_and_zeros_for_units_without():
     expected = torch.cat([x.new_ones(4).matmul(x).expand(16, 16).reshape(-1), torch.full((16,), 4.0)])
     torch.testing.assert_close(got["layers.0"][0], expected)
     for unit in parts.units:
-        unit.release()
+        unit.release(Hold.CALL)
