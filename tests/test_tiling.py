@@ -453,3 +453,22 @@ def test_hf_gpt2_tied_embedding_tiled_and_conv1d_named(caplog):
     assert model.lm_head.tiles[0].weight is model.transformer.wte.tiles[0].weight
     assert "transformer.h.0.mlp.c_fc (Conv1D) is not a covered type" in caplog.text
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_each_engine_has_its_own_device_budget(tmp_path):
+    """Note [hold ledger]: the device budget belongs to one engine. A model left gathered (not
+    closed) in one engine does not count against another's ``device_memory_limit``, and each
+    engine's peak is its own."""
+    torch.manual_seed(0)
+    base = OneBlock()
+    common = dict(param="nvme", nvme=str(tmp_path), lr=LR, prefetch=NO_PERSIST)
+    big_model, _ = infinity.initialize(copy.deepcopy(base), zero_config(3, **common))
+    with infinity.GatheredParameters(list(big_model.parameters())):  # every byte of one engine held
+        held = engine_of(big_model).device_budget.stats().allocated
+        assert held == sum(4 * p.numel() for p in base.parameters())
+        cfg = {**zero_config(3, tiling=_tiling(3333), **common), "device_memory_limit": 40_000}
+        model, losses, _, peak, _ = _train(copy.deepcopy(base), cfg, 2)  # fits its own 40 KB beside the first
+    assert held > 40_000 and 0 < peak <= 40_000
+    assert engine_of(big_model).device_budget.stats().allocated == 0  # released at the block's exit
+    engine_of(model).close()
+    engine_of(big_model).close()
