@@ -73,7 +73,7 @@ class GatheredParameters:
                     for unit in self.units:
                         for p in unit.params:
                             comm.broadcast(raw_data(p), self.modifier_rank)
-                        engine_of_unit(unit).repartition(unit)
+                        _repartition(unit)
             elif exc_type is None and self._prints is not None:
                 self._discard_edits()
         finally:
@@ -101,6 +101,16 @@ class GatheredParameters:
             logger.warning("GatheredParameters: %s modified without modifier_rank; the edits were discarded (pass "
                            "modifier_rank=0 to keep the values of rank 0)", ", ".join(names[:5]) +
                            (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+
+
+def _repartition(unit) -> None:
+    """The broadcast values of ``unit`` into every rank's stored shard: the engine's (shard and master weights), or,
+    before ``initialize``, the Init store's chunk of an ``InitUnit`` (one parameter)."""
+    engine = engine_of_unit(unit)
+    if engine is not None:
+        engine.repartition(unit)
+    else:
+        unit.store_full(raw_data(unit.params[0]))
 
 
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
