@@ -286,27 +286,27 @@ def resolve_auto(data: Mapping, model=None, training_args=None) -> tuple:
     """``data`` with its "auto" values replaced where the model or the training arguments
     give them, ``[(key, value, source)]`` of what was resolved, and mismatches with the
     training arguments as ``(key, message)`` problems."""
-    data = copy.deepcopy(dict(data))
+    out: dict = copy.deepcopy(dict(data))
     resolved, problems = [], []
     if training_args is not None:
         for key, value, name, must_match in _from_args(training_args):
-            current = _get(data, key)
+            current = _get(out, key)
             if current == "auto":
-                _put(data, key, value)
+                _put(out, key, value)
                 resolved.append((key, value, name if not must_match else f"TrainingArguments.{name}"))
             elif must_match and current is not None and _differs(current, value):
                 problems.append((key, f"{current!r} differs from TrainingArguments {name}={value!r}; set the "
                                       f"key to 'auto' (or make the two agree)"))
-    autos = [k for k in HIDDEN_SIZE_KEYS if _get(data, k) == "auto"]
+    autos = [k for k in HIDDEN_SIZE_KEYS if _get(out, k) == "auto"]
     hidden = hidden_size_of(model) if model is not None else None
     if autos and hidden is not None:
-        stage3 = _get(data, "zero_optimization.stage") in (3, None)
+        stage3 = _get(out, "zero_optimization.stage") in (3, None)
         for key, value in ((HIDDEN_SIZE_KEYS[0], hidden * hidden),
                            (HIDDEN_SIZE_KEYS[1], int(0.9 * hidden * hidden)), (HIDDEN_SIZE_KEYS[2], 10 * hidden)):
             if key in autos and (stage3 or key == HIDDEN_SIZE_KEYS[0]):
-                _put(data, key, value)
+                _put(out, key, value)
                 resolved.append((key, value, f"model hidden_size {hidden}"))
-    return data, resolved, problems
+    return out, resolved, problems
 
 
 def _differs(a: Any, b: Any) -> bool:
@@ -371,7 +371,7 @@ def _walk(node: Mapping, prefix: str, st: _DsState, resolved: list) -> None:
             _keep_default(path, st, resolved)
         elif path in RENAMES:
             st.set(RENAMES[path], value, path)
-        elif path in FIXED and (FIXED[path] is None or value in FIXED[path]):
+        elif path in FIXED and ((allowed := FIXED[path]) is None or value in allowed):
             logger.debug("DeepSpeed key %s accepted; infinity always behaves this way", path)
         elif isinstance(value, Mapping) and value.get("enabled") is False:
             logger.debug("DeepSpeed section %s is disabled: nothing to map", path)

@@ -37,6 +37,7 @@ from .validate import (
     _check_zero_section,
     _describe,
     _fields,
+    _is_section,
     _leaf_fields,
     _parse_bytes,
     _read_file,
@@ -416,7 +417,7 @@ def _collect(cls, data: Mapping, prefix: str, problems: list) -> dict:
             problems.append((path, _unknown_key_message(str(key), prefix, list(known))))
             continue
         hint = known[key]
-        if dataclasses.is_dataclass(hint) and not isinstance(value, hint):
+        if _is_section(hint) and not isinstance(value, hint):
             if value is None:
                 continue  # an empty YAML section (``zero:``) means "all defaults"
             if not isinstance(value, Mapping):
@@ -445,7 +446,7 @@ def _unknown_key_message(key: str, prefix: str, siblings: list[str]) -> str:
 def _section_paths(cls=None, prefix: str = "") -> list[str]:
     out = []
     for f, hint in _fields(cls or Config):
-        if dataclasses.is_dataclass(hint):
+        if _is_section(hint):
             out.append(prefix + f.name)
             out.extend(_section_paths(hint, f"{prefix}{f.name}."))
     return out
@@ -463,6 +464,6 @@ def _to_plain(node: Any) -> dict:
     out = {}
     for f, hint in _fields(type(node)):
         value = getattr(node, f.name)
-        out[f.name] = _to_plain(value) if dataclasses.is_dataclass(hint) else _plain_value(value)
+        out[f.name] = _to_plain(value) if _is_section(hint) else _plain_value(value)
     return out
 

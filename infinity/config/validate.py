@@ -193,6 +193,11 @@ def _check_precision_section(precision: Any, prefix: str) -> list:
 _INTERNAL = "internal"  # metadata of a field that is not a config key (Config.unsupported, resolved_auto)
 
 
+def _is_section(hint: Any) -> bool:
+    """A field's type that is a nested section (a dataclass), not a key."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
 def _fields(cls) -> list:
     hints = get_type_hints(cls)
     return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get(_INTERNAL)]
@@ -201,7 +206,7 @@ def _fields(cls) -> list:
 def _leaf_fields(cls, prefix: str = ""):
     for f, hint in _fields(cls):
         path = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(hint):
+        if _is_section(hint):
             yield from _leaf_fields(hint, path + ".")
         else:
             yield path, hint, f
@@ -214,7 +219,7 @@ def _validate_node(node: Any, prefix: str, problems: list) -> None:
     for f, hint in _fields(type(node)):
         path = f"{prefix}{f.name}"
         value = getattr(node, f.name)
-        if dataclasses.is_dataclass(hint):
+        if _is_section(hint):
             if isinstance(value, hint):
                 _validate_node(value, path + ".", problems)
             else:
