@@ -130,7 +130,7 @@ counters = CommCounters()
 class CommHandle:
     """An in-flight collective. ``wait`` raises CommTimeout naming ``what`` on timeout."""
 
-    work: Optional[object]
+    work: Optional[dist.Work]
     what: str
 
     def wait(self, timeout_s: Optional[float] = None) -> None:

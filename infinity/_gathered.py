@@ -12,7 +12,7 @@ from ._ledger import Hold
 from ._log import logger
 from ._param import info_of, raw_data
 from ._unit import FetchUnit
-from .errors import UsageError, UsageTypeError
+from .errors import InvariantError, UsageError, UsageTypeError
 
 
 def _as_list(params) -> list:
@@ -43,17 +43,20 @@ class GatheredParameters:
                  enabled: bool = True):
         self.params = _as_list(params) if enabled else []
         self.modifier_rank = modifier_rank
+        infos = []
         for i, p in enumerate(self.params):
             if not isinstance(p, nn.Parameter):
                 raise UsageTypeError(f"GatheredParameters: item {i} is a {type(p).__name__}, not an nn.Parameter")
-            if info_of(p) is None:
+            info = info_of(p)
+            if info is None:
                 raise UsageError(
                     f"GatheredParameters: item {i} (shape {tuple(p.shape)}) is not managed by infinity; only "
                     f"parameters of a model passed to infinity.initialize (or built under infinity.Init) can be gathered")
+            infos.append(info)
         if modifier_rank is not None and not 0 <= modifier_rank < comm.world_size():
             raise UsageError(f"GatheredParameters: modifier_rank={modifier_rank} is not a rank of this job "
                              f"(world size {comm.world_size()})")
-        self.units = sorted({info_of(p).unit for p in self.params}, key=lambda u: u.index)
+        self.units = sorted({info.unit for info in infos}, key=lambda u: u.index)
 
     def __enter__(self):
         for unit in self.units:
@@ -74,7 +77,7 @@ class GatheredParameters:
                     for unit in self.units:
                         for p in unit.params:
                             comm.broadcast(raw_data(p), self.modifier_rank)
-                        engine_of_unit(unit).repartition(unit)
+                        _repartition(unit)
             elif exc_type is None and self._prints is not None:
                 self._discard_edits()
         finally:
@@ -96,12 +99,26 @@ class GatheredParameters:
             flags = edited[k : k + len(unit.params)]
             k += len(unit.params)
             if bool((flags > 0).any()):
-                engine_of_unit(unit).restore(unit, self._saved.get(unit))
+                engine = engine_of_unit(unit)
+                if engine is None or not isinstance(unit, FetchUnit):  # _managed() held when the block began
+                    raise InvariantError(f"GatheredParameters: {unit.module_name or '<root>'} lost its engine "
+                                         f"inside the block")
+                engine.restore(unit, self._saved.get(unit))
                 names += [info.name for info, f in zip(unit.infos, flags) if f > 0]
         if names:
             logger.warning("GatheredParameters: %s modified without modifier_rank; the edits were discarded (pass "
                            "modifier_rank=0 to keep the values of rank 0)", ", ".join(names[:5]) +
                            (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+
+
+def _repartition(unit) -> None:
+    """The broadcast values of ``unit`` into every rank's stored shard: the engine's (shard and master weights), or,
+    before ``initialize``, the Init store's chunk of an ``InitUnit`` (one parameter)."""
+    engine = engine_of_unit(unit)
+    if engine is not None:
+        engine.repartition(unit)
+    else:
+        unit.store_full(raw_data(unit.params[0]))
 
 
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

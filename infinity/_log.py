@@ -24,10 +24,11 @@ class _RankFilter(logging.Filter):
     """Tags each record with its rank and drops records of non-zero ranks by default."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = _rank()
+        rank = _rank()
+        setattr(record, "rank", rank)  # a record's extra field (read by the format string)
         if getattr(record, "all_ranks", False) or os.environ.get("INFINITY_LOG_ALL_RANKS") == "1":
             return True
-        return record.rank == 0
+        return rank == 0
 
 
 def _configure() -> None:

@@ -19,7 +19,7 @@ import enum
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, List, Optional, Protocol
 
 import torch
 from torch import nn
@@ -49,6 +49,7 @@ class ParamOwner(Protocol):
     index: int
     world_size: int
     module_name: str
+    params: List[nn.Parameter]
 
     @property
     def state(self) -> "ParamState": ...
@@ -116,14 +117,14 @@ def raw_data(param: nn.Parameter) -> torch.Tensor:
         return param.data
 
 
-# Descriptors whose getters only read metadata: allowed in every state.
+# Descriptors whose getters only read metadata: allowed in every state (getattr: two are not in torch's stubs).
 _META_ATTRS = {
     torch._C.TensorBase.dtype, torch._C.TensorBase.device, torch._C.TensorBase.requires_grad,
     torch._C.TensorBase.grad, torch._C.TensorBase.is_leaf, torch._C.TensorBase.grad_fn,
     torch._C.TensorBase.layout, torch._C.TensorBase.is_cuda, torch._C.TensorBase.is_sparse,
     torch._C.TensorBase.is_meta, torch._C.TensorBase.is_quantized,
-    torch._C.TensorBase._backward_hooks, torch._C.TensorBase._post_accumulate_grad_hooks,
-    torch._C.TensorBase.is_nested, torch._C.TensorBase.name, torch._C.TensorBase._base,
+    torch._C.TensorBase._backward_hooks, getattr(torch._C.TensorBase, "_post_accumulate_grad_hooks"),
+    torch._C.TensorBase.is_nested, getattr(torch._C.TensorBase, "name"), torch._C.TensorBase._base,
     torch._C.TensorBase.retains_grad, torch._C.TensorBase.itemsize,
 }
 _META_METHODS = {
@@ -226,4 +227,4 @@ def make_partitioned(param: nn.Parameter) -> None:
 
 def make_plain(param: nn.Parameter) -> None:
     if isinstance(param, PartitionedParameter):
-        param.__class__ = nn.Parameter
+        param.__class__ = nn.Parameter  # type: ignore[assignment]  # mypy narrowed param to the subclass

@@ -73,7 +73,8 @@ def resolve_groups(named: Sequence[tuple], param_groups: Optional[Iterable[dict]
         raise ParamGroupError("param_groups must be a list of dicts, each with a 'params' list "
                               "(as for torch.optim.AdamW)")
     names = {id(p): n for n, p in named}
-    groups, where = [], {}
+    groups: list = []
+    where: dict = {}
     for i, group in enumerate(param_groups):
         if not isinstance(group, dict) or "params" not in group:
             raise ParamGroupError(f"param_groups[{i}] must be a dict with a 'params' list, got {type(group).__name__}")
@@ -184,6 +185,6 @@ def check_group_hyper(groups: List[dict], adamw: bool) -> None:
 
     for i, g in enumerate(groups):
         try:
-            Hyper.checked(*(g[k] for k in HYPER_KEYS), adamw)
+            Hyper.checked(**{k: g[k] for k in HYPER_KEYS}, adamw=adamw)
         except (UsageError, UsageTypeError) as e:
             raise ParamGroupError(f"param_groups[{i}]: {e}") from None

@@ -61,7 +61,7 @@ def plan(placement: "Placement", cfg) -> dict:
         grads_in_memory=placement.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, layout.max_shard),
         staging_count=0 if placement.direct_reads else staging_buffers(z),
         params_are_master=placement.params_are_master, gathered_bytes=placement.gathered_reuse_bytes)
-    need = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
+    need: dict = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
             "categories": cats}
     for cat, path in ((OPT_FILES, z.offload_optimizer.nvme_path), (PARAM_FILES, z.offload_param.nvme_path)):
         if cats["nvme"].get(cat):

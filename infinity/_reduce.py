@@ -33,6 +33,7 @@ import torch
 from . import _accelerator as acc
 from . import _comm as comm
 from ._unit import FetchUnit
+from .errors import InvariantError
 
 
 @dataclass(eq=False)
@@ -163,6 +164,8 @@ class GradReducer:
             self._reset(bucket)
             return
         full = bucket.full
+        if full is None:  # a unit that is not direct arrived, and the first arrival allocates the buffer
+            raise InvariantError(f"reduce bucket of {len(bucket.units)} units launched without its buffer")
         # One rank: the bucket is its own shard; no second buffer, no copy.
         out = full.view(-1) if self.world_size == 1 else torch.empty(bucket.cols, dtype=torch.float32,
                                                                        device=acc.device())

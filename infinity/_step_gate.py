@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 from . import _comm as comm
 from .errors import WaitTimeout
 
 
 class StepGate:
-    def __init__(self, rank: int, blocked: Callable[[str], object]):
+    def __init__(self, rank: int, blocked: Callable[[str], ContextManager]):
         self._rank = rank
         self._blocked = blocked  # counters.blocked: the time a wait stalls is telemetry's optimizer_io
         self._cond = threading.Condition()
@@ -34,7 +34,7 @@ class StepGate:
         with self._cond:
             self._upto = 0
 
-    def publish(self, upto: int) -> None:
+    def publish(self, upto: float) -> None:  # math.inf: every offset
         with self._cond:
             self._upto = upto
             self._cond.notify_all()

@@ -172,7 +172,7 @@ def reclaim_stale(nvme_path: str) -> list:
     ``nvme_path``; return (path, bytes) of what was removed."""
     from ._log import logger
 
-    removed = []
+    removed: list = []
     try:
         entries = os.listdir(nvme_path)
     except OSError:

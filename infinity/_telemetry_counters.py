@@ -14,8 +14,8 @@ class Counters:
         self.reset()
 
     def reset(self) -> None:
-        self.stall = collections.Counter({s: 0.0 for s in self.STAGES})
-        self.bytes = collections.Counter()
+        self.stall: collections.defaultdict[str, float] = collections.defaultdict(float, dict.fromkeys(self.STAGES, 0.0))
+        self.bytes: collections.Counter[str] = collections.Counter()
         self.hits = 0
         self.misses = 0
         self.divergences = 0

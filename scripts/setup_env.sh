@@ -25,7 +25,7 @@ fi
 # Build and runtime dependencies (torch already satisfied, so nothing pulls another build).
 need=""
 for mod in cffi:cffi pybind11:pybind11 psutil:psutil yaml:pyyaml tqdm:tqdm safetensors:safetensors \
-           transformers:transformers peft:peft pytest:pytest ruff:ruff setuptools:setuptools wheel:wheel; do
+           transformers:transformers peft:peft pytest:pytest ruff:ruff mypy:mypy==2.4.1 setuptools:setuptools wheel:wheel; do
   "$PY" -c "import ${mod%%:*}" 2>/dev/null || need="$need ${mod##*:}"
 done
 if [ -n "$need" ]; then

@@ -8,4 +8,5 @@ if [ "${1:-}" = "--sanitize" ]; then  # the native libraries under ASan + UBSan,
     exec bash scripts/test_sanitize.sh "$@"
 fi
 "${PYTHON:-python3}" -m ruff check .  # lint: pyflakes, pycodestyle, import order (pyproject.toml)
+"${PYTHON:-python3}" -m mypy  # types of the core modules (pyproject.toml, Note [type checking])
 exec "${PYTHON:-python3}" -m pytest -q "$@"

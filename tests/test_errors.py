@@ -53,7 +53,7 @@ def _exception_classes():
 def test_every_exception_class_is_an_infinity_error(name, cls):
     if name.startswith("infinity.testing."):
         assert issubclass(cls, AssertionError)  # test failures, raised by the test harness
-    elif name == "infinity.config._LeafError":
+    elif name == "infinity.config.validate._LeafError":
         assert not issubclass(cls, infinity.InfinityError)  # internal to validation, never escapes it
     else:
         assert issubclass(cls, infinity.InfinityError)

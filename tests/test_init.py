@@ -117,3 +117,25 @@ def test_init_of_big_model_keeps_rss_low(tmp_path):
     params, delta = int(fields[fields.index("PARAMS") + 1]), int(fields[fields.index("PEAK_DELTA") + 1])
     assert params == 48 * (4096 * 4096 + 4096)
     assert delta < 1 << 30, f"peak RSS rose by {delta / 2**30:.2f} GiB"
+
+
+def _modify_under_init():
+    rank = torch.distributed.get_rank()
+    with infinity.Init(offload="cpu"):
+        lin = torch.nn.Linear(5, 3)  # 15 weights: padded and cut into two chunks
+    with infinity.GatheredParameters([lin.weight], modifier_rank=0):
+        lin.weight.data.copy_(torch.arange(15.0).view(3, 5) * (rank + 1))  # rank 1 writes other values
+    with infinity.GatheredParameters([lin.weight]):
+        seen = lin.weight.detach().clone()
+    model, _ = infinity.initialize(lin, {"zero": {"stage": 3}})
+    with infinity.GatheredParameters([model.weight]):
+        after = model.weight.detach().clone()
+    return seen, after
+
+
+def test_modifier_rank_edit_under_init_reaches_every_rank():
+    """GatheredParameters(modifier_rank=0) on a parameter of infinity.Init, before initialize: rank 0's values are
+    written into each rank's chunk of the Init store, and initialize adopts them."""
+    expected = torch.arange(15.0).view(3, 5)
+    for seen, after in run_ranks(_modify_under_init, 2):
+        assert torch.equal(seen, expected) and torch.equal(after, expected)

@@ -11,20 +11,17 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Lowest first. A new module goes into the layer of what it is, and may import only downwards.
 LAYERS = {
     "runtime": ["errors", "_log", "_accelerator", "_comm", "_telemetry_counters", "_telemetry", "_tiers", "_recycle",
-                "config", "_deepspeed_config", "_schedule", "aio", "optim", "_aio_cffi", "_cpu_adam"],
+                "config", "_schedule", "aio", "optim", "_aio_cffi", "_cpu_adam"],
     "offload": ["_memory", "_layout", "_swap", "_param_store", "_optimizer_store", "_optimizer_swapper", "_preflight",
                 "_placement"],
-    "zero": ["_ledger", "_param", "_pretrained", "_init", "_unit", "_phase", "_step_gate", "_prefetch", "_reduce", "_loss_scale",
-             "_param_groups", "_optimizer", "tiling", "_activation_offload", "_engine", "_gathered", "_swap_labels",
-             "_initialize"],
+    "zero": ["_ledger", "_param", "_pretrained", "_init", "_unit", "_phase", "_step_gate", "_prefetch", "_reduce",
+             "_loss_scale", "_param_groups", "_optimizer", "tiling", "_activation_offload", "_engine", "_gathered",
+             "_swap_labels", "_initialize"],
     "apps": ["__init__", "train", "_train_data", "estimate", "_estimate", "export", "_safetensors_export", "_checkpoint",
              "testing", "integrations", "_runmodel"],
 }
 # Deferred (function-level) imports that close a cycle on purpose, each with its reason.
-DEFERRED_OK = {
-    ("config", "_deepspeed_config"): "Config.from_deepspeed / from_file are the public entries of the DeepSpeed mapping, "
-                                     "which builds on the schema",
-}
+DEFERRED_OK: dict = {}
 LEVEL = {name: i for i, layer in enumerate(LAYERS.values()) for name in layer}
 
 
@@ -108,3 +105,20 @@ def test_no_import_cycles():
 def test_units_and_their_services_never_import_the_engine_or_the_optimizer(name):
     targets = {t for t, type_only in _graph().get(name, ()) if not type_only}
     assert not targets & {"_engine", "_optimizer", "_initialize"}, f"{name} imports {sorted(targets)}"
+
+
+# infinity/config/: the validation knows no schema, the DeepSpeed mapping reads the schema only through the class
+# it is given, and the schema builds on both (see the package's docstring).
+CONFIG_ORDER = ["validate", "deepspeed", "schema", "__init__"]
+
+
+def test_config_package_imports_point_down():
+    wrong = []
+    for i, name in enumerate(CONFIG_ORDER):
+        tree = ast.parse(open(os.path.join(ROOT, "config", f"{name}.py")).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                target = node.module.split(".")[0]
+                if target not in CONFIG_ORDER[:i]:
+                    wrong.append(f"config/{name}.py imports .{target}")
+    assert not wrong, "imports against the order of infinity/config/ " + str(CONFIG_ORDER) + ":\n" + "\n".join(wrong)

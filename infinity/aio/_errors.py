@@ -1,6 +1,7 @@
 """The exception raised for every failed or short transfer, and for files that cannot open."""
 import errno as _errno
 import os
+from typing import Optional
 
 from ..errors import InfinityError, StorageError
 
@@ -12,7 +13,9 @@ class AioError(InfinityError, OSError):
     ``length`` of the request and the message; an ``OSError``, so it can be caught as one.
     """
 
-    def __init__(self, err: int, path: str, op: str, offset: int, length: int, detail: str = ""):
+    strerror: str  # always set, by __init__ (OSError's may be None)
+
+    def __init__(self, err: Optional[int], path: str, op: str, offset: int, length: int, detail: str = ""):
         self.op = op
         self.offset = offset
         self.length = length
@@ -20,7 +23,7 @@ class AioError(InfinityError, OSError):
         reason = os.strerror(err) if err else "unknown error"
         if err == _errno.ENODATA and op == "read":
             reason = "end of file reached before all bytes were read"
-        name = _errno.errorcode.get(err, str(err))
+        name = _errno.errorcode.get(err, str(err)) if err else str(err)
         super().__init__(err, f"{what}{reason} ({name}){detail}")
         self.filename = path
 

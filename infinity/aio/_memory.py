@@ -17,7 +17,7 @@ from .._log import logger
 from ..errors import OutOfMemory, UsageError, UsageTypeError
 from ._native import ffi, lib
 
-_HUGE_WARNED = []
+_HUGE_WARNED: list = []
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 

@@ -3,7 +3,7 @@
 Switching is one line: ``InfinityTrainer(..., infinity_config=cfg)`` where ``cfg`` is an
 :class:`infinity.Config`, a dict, or a path to an infinity YAML / a DeepSpeed JSON (its
 ``"auto"`` values resolved from the model and the ``TrainingArguments`` as transformers
-resolves them: Note [auto values] in _deepspeed_config.py). Covered: transformers 5.x (tested
+resolves them: Note [auto values] in config/deepspeed.py). Covered: transformers 5.x (tested
 with the installed 5.23); the Trainer's private ``_prepare_for_training`` is the one seam
 whose shape is version-specific, and its absence is refused at construction.
 
@@ -51,12 +51,12 @@ from transformers import Trainer
 import infinity
 
 from .. import _comm as comm
-from .._deepspeed_config import _get, hidden_size_of
 from .._engine import engine_of
 from .._log import logger
 from .._safetensors_export import export_safetensors
 from .._schedule import make_scheduler
 from ..config import Config, _looks_like_deepspeed, _read_file
+from ..config.deepspeed import _get, hidden_size_of
 from ..errors import UsageError
 
 __all__ = ["InfinityTrainer", "synced_generate"]

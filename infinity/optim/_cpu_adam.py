@@ -134,7 +134,8 @@ class CPUAdam(torch.optim.Optimizer):
     def _step_group(self, index: int, group: dict) -> None:
         _refuse_unsupported(group)
         hyper = F.Hyper.checked(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["adamw"])
-        segments, written = defaultdict(list), defaultdict(list)  # by gradient dtype
+        segments: defaultdict = defaultdict(list)  # by gradient dtype
+        written: defaultdict = defaultdict(list)
         keep = []  # contiguous copies that must outlive the native call
         write_back = []
         for p in group["params"]:

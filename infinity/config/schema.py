@@ -1,74 +1,50 @@
-"""The typed configuration of infinity.
+"""The schema of infinity's configuration: every key, its type, default, help text and rules.
 
-A :class:`Config` is a tree of small frozen dataclasses. It is built from a dict
-(:meth:`Config.from_dict`), a JSON or YAML file (:meth:`Config.from_file`) or a DeepSpeed
-config (:meth:`Config.from_deepspeed`), and it is validated as a whole whenever it is built:
-every problem becomes a :class:`ConfigError` that names the key path and says what to write
-instead.
+A :class:`Config` is a tree of small frozen dataclasses, one per section. It is built from a dict
+(:meth:`Config.from_dict`), a JSON or YAML file (:meth:`Config.from_file`) or a DeepSpeed config
+(:meth:`Config.from_deepspeed`), and it is validated as a whole whenever it is built: every problem becomes a
+:class:`ConfigError` that names the key path and says what to write instead (Note [config validation] in
+``validate.py``).
 
-Note: one generic walker validates every field. Each field carries its rules in
-``metadata`` (``help``, bounds ``ge``/``gt``/``le``/``lt``, a ``check`` callable, a
-``parse`` callable for size strings); the field's annotation gives the type (``Literal``
-for enumerations, ``Optional`` for nullable keys). The same metadata renders the reference
-table (:meth:`Config.reference_markdown`), so the documentation cannot drift from the code.
+A key is one field here: its annotation is its type, ``_opt(default, help, **rules)`` its default, help text and
+bounds; a ``check=`` / ``parse=`` rule and a section's ``_cross_check`` name their function in ``validate.py``.
+The same metadata renders the reference table (:meth:`Config.reference_markdown`, the README's config section),
+so the documentation cannot drift from the code.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import json
-import math
 import os
-import re
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import (
-    Any,
-    Literal,
-    Optional,
-    Tuple,
-    Union,
-    get_args,
-    get_origin,
-    get_type_hints,
+from typing import Any, Literal, Optional, Tuple, Union
+
+from .._log import logger
+from .deepspeed import _deepspeed_alias, _looks_like_deepspeed, map_deepspeed
+from .validate import (
+    _INTERNAL,
+    ConfigError,
+    _check_betas,
+    _check_block_size,
+    _check_data_path,
+    _check_dir,
+    _check_model,
+    _check_offload_section,
+    _check_precision_section,
+    _check_prefetch_section,
+    _check_zero_section,
+    _describe,
+    _fields,
+    _is_section,
+    _leaf_fields,
+    _parse_bytes,
+    _read_file,
+    _rule_text,
+    _type_name,
+    _validate_node,
 )
-
-from ._log import logger
-from .errors import UsageError
-
-__all__ = [
-    "ConfigError", "Config", "ZeroConfig", "OffloadConfig", "OptimizerOffloadConfig",
-    "PrefetchConfig", "PrecisionConfig", "OptimizerConfig", "AioConfig", "TelemetryConfig",
-    "TrainConfig",
-]
-
-
-class ConfigError(UsageError):
-    """Every problem found in a config, each as ``(key path, message)``."""
-
-    def __init__(self, problems: Union[str, list]):
-        if isinstance(problems, str):
-            problems = [("", problems)]
-        self.problems: list[tuple[str, str]] = list(problems)
-        super().__init__(_format_problems(self.problems))
-
-    @property
-    def keys(self) -> list[str]:
-        """The key paths the problems are about."""
-        return [key for key, _ in self.problems if key]
-
-
-def _format_problems(problems: list) -> str:
-    lines = [f"{key}: {msg}" if key else msg for key, msg in problems]
-    if len(lines) == 1:
-        return lines[0]
-    return f"{len(lines)} problems in the config:\n" + "\n".join(f"  - {line}" for line in lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# Field rules
 
 
 def _opt(default: Any = None, help: str = "", **rules: Any) -> Any:
@@ -80,79 +56,6 @@ def _opt(default: Any = None, help: str = "", **rules: Any) -> Any:
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def _parse_bytes(value: Any) -> Any:
-    """``8GB`` / ``512MiB`` / ``1024`` -> int bytes; anything else is returned for the type check."""
-    if not isinstance(value, str):
-        return value
-    match = _SIZE_RE.match(value)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise _LeafError(f"cannot read {value!r} as a size; write an int of bytes or a number "
-                         f"with one of the units {', '.join(u for u in _SIZE_UNITS if u)} "
-                         f"(case-insensitive), e.g. '8GB' or '512MiB'")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def _check_dir(value: str) -> Optional[str]:
-    """An existing path must be a writable directory; a missing one is created by the engine,
-    so its nearest existing ancestor must be a writable directory (not a file, not on a
-    read-only mount: access(2) reports EROFS even to root)."""
-    path = os.path.abspath(value)
-    if not os.path.exists(path):
-        parent = os.path.dirname(path)
-        while parent != os.path.dirname(parent) and not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            return (f"{value!r} cannot be created: {parent!r} is a file, not a directory; give a directory on the "
-                    f"NVMe device")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            return (f"{value!r} cannot be created: {parent!r} is not writable ({_why_not_writable(parent)}); give a "
-                    f"writable directory")
-        return None
-    if not os.path.isdir(path):
-        return f"{value!r} exists but is not a directory; give a directory on the NVMe device"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"directory {value!r} is not writable ({_why_not_writable(path)}); give a writable directory"
-    return None
-
-
-def _why_not_writable(path: str) -> str:
-    try:
-        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        read_only = False
-    return "it is on a read-only file system" if read_only else "not by this user"
-
-
-def _check_data_path(value: str) -> Optional[str]:
-    if not value.endswith((".txt", ".jsonl")):
-        return f"{value!r} must be a .txt or .jsonl file (or null for the built-in corpus)"
-    return None
-
-
-def _check_model(value: Any) -> Optional[str]:
-    if isinstance(value, str):
-        return None if value.strip() else "must be a model name or a directory, not empty"
-    if not isinstance(value.get("model_type"), str):
-        return ("a model given as a dict of Hugging Face config fields must contain "
-                "'model_type' (a string such as 'gpt2' or 'llama')")
-    return None
-
-
-def _check_block_size(value: int) -> Optional[str]:
-    if value % 4096:
-        return f"{value} is not a multiple of 4096 (O_DIRECT needs aligned requests), e.g. 1048576"
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The schema
 
 Device = Literal["none", "cpu", "nvme"]
 
@@ -169,11 +72,7 @@ class OffloadConfig:
     buffer_count: Optional[int] = _opt(None, "number of staging buffers; null = from the prefetch depth",
                                        gt=0)
 
-    def _cross_check(self, prefix: str) -> list:
-        if self.device == "nvme" and self.nvme_path is None:
-            return [(f"{prefix}.nvme_path", f"is required when {prefix}.device is nvme; "
-                     "give a directory on a local NVMe drive")]
-        return []
+    _cross_check = _check_offload_section
 
 
 @dataclass(frozen=True)
@@ -193,7 +92,7 @@ class OptimizerOffloadConfig:
         "gradient I/O), nvme = a swap file (when they do not fit host memory), auto = cpu when they take at "
         "most a quarter of the available host memory")
 
-    _cross_check = OffloadConfig._cross_check
+    _cross_check = _check_offload_section
 
 
 @dataclass(frozen=True)
@@ -209,17 +108,7 @@ class PrefetchConfig:
     max_live_parameters: int = _opt(1_000_000_000, "cap on gathered (full) parameter elements", gt=0)
     persistence_threshold: int = _opt(100_000, "parameters with fewer elements stay gathered", ge=0)
 
-    def _cross_check(self, prefix: str) -> list:
-        # A unit moves NVMe -> host -> device -> gathered in order, so each stage can run
-        # at most as far ahead as the one before it.
-        if self.device_depth > self.depth:
-            return [(f"{prefix}.device_depth", f"({self.device_depth}) exceeds {prefix}.depth ({self.depth}): a unit "
-                     f"is copied to the device only after its NVMe read; set device_depth <= depth")]
-        if self.gather_depth > self.device_depth:
-            return [(f"{prefix}.gather_depth", f"({self.gather_depth}) exceeds {prefix}.device_depth "
-                     f"({self.device_depth}): a unit is gathered only once its shard is on the device; set "
-                     f"gather_depth <= device_depth")]
-        return []
+    _cross_check = _check_prefetch_section
 
 
 @dataclass(frozen=True)
@@ -254,22 +143,7 @@ class ZeroConfig:
     fetch_units: FetchUnitsConfig = _opt(FetchUnitsConfig, "grouping of parameters into fetch units")
     tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
 
-    def _cross_check(self, prefix: str) -> list:
-        if self.stage < 3 and self.offload_param.device != "none":
-            return [(f"{prefix}.offload_param.device",
-                     f"parameter offload needs stage 3 (stage is {self.stage}); set {prefix}.stage "
-                     f"to 3 or {prefix}.offload_param.device to none")]
-        if self.stage == 3 and self.tiling.enabled and self.tiling.max_tile_params < self.prefetch.persistence_threshold:
-            # a unit below the threshold stays gathered between uses: every tile would, and the
-            # tiled operator would be as large on the device as untiled
-            return [(f"{prefix}.tiling.max_tile_params",
-                     f"({self.tiling.max_tile_params}) is below {prefix}.prefetch.persistence_threshold "
-                     f"({self.prefetch.persistence_threshold}), so every tile would stay gathered; lower "
-                     f"persistence_threshold below max_tile_params or raise max_tile_params")]
-        return []
-
-
-_FP16_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+    _cross_check = _check_zero_section
 
 
 @dataclass(frozen=True)
@@ -291,32 +165,19 @@ class PrecisionConfig:
 
     def __post_init__(self):
         if self.dtype == "auto":  # resolved once, here: everything downstream sees a concrete dtype
-            from ._accelerator import native_bf16
+            from .._accelerator import native_bf16
 
             fast, why = native_bf16()
             object.__setattr__(self, "dtype", "bf16" if fast else "fp32")
             logger.info("precision.dtype auto: %s, because %s", self.dtype, why)
 
-    def _cross_check(self, prefix: str) -> list:
-        if self.dtype != "fp16":
-            changed = [k for k in _FP16_KNOBS
-                       if getattr(self, k) != PrecisionConfig.__dataclass_fields__[k].default]
-            for knob in changed:
-                logger.warning("%s.%s is only used with fp16; ignored with dtype %s",
-                               prefix, knob, self.dtype)
-        return []
+    _cross_check = _check_precision_section
 
     @property
     def torch_dtype(self):
         import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
-
-
-def _check_betas(value: tuple) -> Optional[str]:
-    if not all(0.0 <= b < 1.0 for b in value):
-        return f"{list(value)} out of range; both betas must be in [0, 1), e.g. [0.9, 0.999]"
-    return None
 
 
 @dataclass(frozen=True)
@@ -409,9 +270,6 @@ class ActivationCheckpointingConfig:
                                            "forward and bring them back before its recomputation")
 
 
-_INTERNAL = "internal"
-
-
 @dataclass(frozen=True)
 class Config:
     """The whole configuration; ``Config()`` is valid (stage 3, no offload, fp32)."""
@@ -479,7 +337,7 @@ class Config:
     def from_deepspeed(cls, source: Union[Mapping, str, os.PathLike], strict: bool = False, *,
                        model: Any = None, training_args: Any = None) -> "Config":
         """Map a DeepSpeed config (dict or file) onto infinity's keys (Note [DeepSpeed keys] in
-        _deepspeed_config.py).
+        config/deepspeed.py).
 
         Keys that only tune DeepSpeed's own machinery are accepted with one warning and kept in
         ``config.unsupported``; ``strict=True`` makes them errors. Keys that would change the
@@ -488,8 +346,6 @@ class Config:
         ``transformers.TrainingArguments``) as transformers resolves them (Note [auto
         values]), and the resolved values are logged once and kept in ``config.resolved_auto``.
         """
-        from ._deepspeed_config import map_deepspeed
-
         data = source if isinstance(source, Mapping) else _read_file(source)
         return map_deepspeed(cls, data, strict, model=model, training_args=training_args)
 
@@ -542,25 +398,7 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# The generic walker
-
-
-class _LeafError(Exception):
-    """A problem with one value; the walker adds the key path."""
-
-
-def _fields(cls) -> list:
-    hints = get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get(_INTERNAL)]
-
-
-def _leaf_fields(cls, prefix: str = ""):
-    for f, hint in _fields(cls):
-        path = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(hint):
-            yield from _leaf_fields(hint, path + ".")
-        else:
-            yield path, hint, f
+# Reading a dict into the schema, and back
 
 
 def all_key_paths() -> list[str]:
@@ -579,7 +417,7 @@ def _collect(cls, data: Mapping, prefix: str, problems: list) -> dict:
             problems.append((path, _unknown_key_message(str(key), prefix, list(known))))
             continue
         hint = known[key]
-        if dataclasses.is_dataclass(hint) and not isinstance(value, hint):
+        if _is_section(hint) and not isinstance(value, hint):
             if value is None:
                 continue  # an empty YAML section (``zero:``) means "all defaults"
             if not isinstance(value, Mapping):
@@ -605,171 +443,13 @@ def _unknown_key_message(key: str, prefix: str, siblings: list[str]) -> str:
     return f"unknown key; {hint} (valid keys in {where}: {', '.join(siblings)})"
 
 
-def _deepspeed_alias(path: str) -> Optional[str]:
-    """infinity's key for a DeepSpeed name written into an infinity config, if any."""
-    from ._deepspeed_config import RENAMES
-
-    sections = {"zero_optimization": "zero", "fp16": "precision", "bf16": "precision"}
-    if path in sections:
-        return sections[path]
-    for candidate in (path, path.replace("zero.", "zero_optimization.", 1),
-                      path.replace("optimizer.", "optimizer.params.", 1)):
-        if candidate in RENAMES and RENAMES[candidate] != path:
-            return RENAMES[candidate]
-    return None
-
-
 def _section_paths(cls=None, prefix: str = "") -> list[str]:
     out = []
     for f, hint in _fields(cls or Config):
-        if dataclasses.is_dataclass(hint):
+        if _is_section(hint):
             out.append(prefix + f.name)
             out.extend(_section_paths(hint, f"{prefix}{f.name}."))
     return out
-
-
-def _validate_node(node: Any, prefix: str, problems: list) -> None:
-    """Type- and range-check every field of ``node`` (normalising values in place), then run
-    the node's ``_cross_check`` if its own fields were all fine."""
-    before = len(problems)
-    for f, hint in _fields(type(node)):
-        path = f"{prefix}{f.name}"
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(hint):
-            if isinstance(value, hint):
-                _validate_node(value, path + ".", problems)
-            else:
-                problems.append((path, f"must be a {hint.__name__} section, got {_describe(value)}"))
-            continue
-        try:
-            object.__setattr__(node, f.name, _check_leaf(value, hint, f.metadata))
-        except _LeafError as err:
-            problems.append((path, str(err)))
-    cross = getattr(node, "_cross_check", None)
-    if cross is not None and len(problems) == before:
-        problems.extend(cross(prefix[:-1] if prefix else ""))
-
-
-def _check_leaf(value: Any, hint: Any, meta: Mapping) -> Any:
-    if "parse" in meta:
-        value = meta["parse"](value)
-    value = _check_type(value, hint)
-    if value is None:
-        return value
-    for rule, ok, word in (("gt", lambda v, b: v > b, ">"), ("ge", lambda v, b: v >= b, ">="),
-                           ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<=")):
-        if rule in meta and not ok(value, meta[rule]):
-            raise _LeafError(f"{value!r} is out of range; allowed: {_bounds_text(meta)}")
-    if "check" in meta:
-        message = meta["check"](value)
-        if message:
-            raise _LeafError(message)
-    return value
-
-
-def _check_type(value: Any, hint: Any) -> Any:
-    """``value`` converted to ``hint`` (int -> float, Path -> str, list -> tuple) or _LeafError."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise _LeafError(f"expected {_type_name(hint)}, got null")
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _check_type(value, arg)
-            except _LeafError as err:
-                errors.append(err)
-        raise errors[0] if len(errors) == 1 else _LeafError(
-            f"expected {_type_name(hint)}, got {_describe(value)}")
-    if origin is Literal:
-        if type(value) not in {type(a) for a in args} or value not in args:  # True is not 1
-            raise _LeafError(f"{_describe(value)} is not allowed; allowed values: "
-                             f"{', '.join(repr(a) if isinstance(a, str) else str(a) for a in args)}")
-        return value
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # a list of any length
-        if not isinstance(value, (list, tuple)):
-            raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}")
-        return tuple(_check_type(v, args[0]) for v in value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}")
-        return tuple(_check_type(v, a) for v, a in zip(value, args))
-    return _check_scalar(value, hint)
-
-
-def _check_scalar(value: Any, hint: type) -> Any:
-    if hint is bool and isinstance(value, bool):
-        return value
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise _LeafError(f"expected a finite number, got {value!r}")
-        return float(value)
-    if hint is str and isinstance(value, (str, os.PathLike)):
-        return os.fspath(value)
-    if hint is dict and isinstance(value, Mapping):
-        return dict(value)
-    extra = ""
-    if hint in (int, float) and isinstance(value, str) and _is_number(value):
-        extra = (" (a number was written as a string; drop the quotes. YAML reads 1e-4 as a "
-                 "string: write 1.0e-4)")
-    elif hint is int and isinstance(value, float) and value.is_integer():
-        extra = f" (write {int(value)})"
-    raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}{extra}")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text.replace("_", ""))
-    except ValueError:
-        return False
-    return True
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers for messages, output and files
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__name__} {text}"
-
-
-def _type_name(hint: Any) -> str:
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        names = [_type_name(a) for a in args if a is not type(None)]
-        if type(None) in args:
-            names.append("null")
-        return " or ".join(names)
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in args)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return f"list of {_type_name(args[0])}"
-    if origin is tuple:
-        return "[" + ", ".join(_type_name(a) for a in args) + "]"
-    return {dict: "mapping", str: "str", int: "int", float: "float", bool: "bool"}.get(
-        hint, getattr(hint, "__name__", str(hint)))
-
-
-def _bounds_text(meta: Mapping) -> str:
-    parts = [f"{word} {meta[rule]}" for rule, word in
-             (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if rule in meta]
-    return "values " + " and ".join(parts)
-
-
-def _rule_text(f) -> str:
-    text = f.metadata.get("help", "")
-    if any(rule in f.metadata for rule in ("gt", "ge", "lt", "le")):
-        text += f" ({_bounds_text(f.metadata)})"
-    return text.replace("|", "\\|")
 
 
 def _plain_value(value: Any) -> Any:
@@ -784,51 +464,6 @@ def _to_plain(node: Any) -> dict:
     out = {}
     for f, hint in _fields(type(node)):
         value = getattr(node, f.name)
-        out[f.name] = _to_plain(value) if dataclasses.is_dataclass(hint) else _plain_value(value)
+        out[f.name] = _to_plain(value) if _is_section(hint) else _plain_value(value)
     return out
 
-
-_DEEPSPEED_MARKERS = frozenset({
-    "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16", "bf16",
-    "bfloat16", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
-})
-
-
-def _looks_like_deepspeed(data: Mapping) -> bool:
-    return isinstance(data, Mapping) and any(key in _DEEPSPEED_MARKERS for key in data)
-
-
-def _read_file(path: Union[str, os.PathLike]) -> dict:
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in (".json", ".yaml", ".yml"):
-        raise ConfigError(f"config file {str(path)!r}: unknown extension {suffix or '(none)'!r}; "
-                          "use .json, .yaml or .yml")
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
-    try:
-        if suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml  # noqa: PLC0415
-
-            data = yaml.safe_load(text)
-    except ValueError as err:  # json.JSONDecodeError
-        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from None
-    except Exception as err:  # yaml.YAMLError; yaml is imported lazily
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values, "
-                          f"got {_describe(data)}")
-    return data
-
-
-def _base_type(hint: Any) -> Any:
-    args = [a for a in get_args(hint) if a is not type(None)]
-    return args[0] if get_origin(hint) in (Union, types.UnionType) and len(args) == 1 else hint

@@ -1,5 +1,8 @@
 """DeepSpeed configs as people write them, mapped onto :class:`infinity.Config`.
 
+This module sits between the validation and the schema: ``map_deepspeed`` is given the ``Config`` class and
+reads its keys through it, so ``Config.from_deepspeed`` (in ``schema.py``) imports this module directly.
+
 Note [DeepSpeed keys]: every key of a DeepSpeed config ends in exactly one of these places:
 - renamed onto an infinity key (``RENAMES``, and the ``scheduler`` section onto ``scheduler``);
 - read by the code below (``_SPECIAL``: precision flags, optimizer type, train_batch_size);
@@ -34,11 +37,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from ._accelerator import native_bf16
-from ._log import logger
-from .config import Config, ConfigError, _base_type, _describe, _leaf_fields
-
-_FP16_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+from .._accelerator import native_bf16
+from .._log import logger
+from .validate import FP16_KNOBS, ConfigError, _base_type, _describe, _leaf_fields
 
 RENAMES = {
     "zero_optimization.stage": "zero.stage",
@@ -53,7 +54,7 @@ RENAMES = {
     "zero_optimization.stage3_prefetch_bucket_size": "zero.prefetch.bucket_size",
     "zero_optimization.stage3_max_live_parameters": "zero.prefetch.max_live_parameters",
     "zero_optimization.stage3_param_persistence_threshold": "zero.prefetch.persistence_threshold",
-    **{f"fp16.{knob}": f"precision.{knob}" for knob in _FP16_KNOBS},
+    **{f"fp16.{knob}": f"precision.{knob}" for knob in FP16_KNOBS},
     **{f"optimizer.params.{k}": f"optimizer.{k}" for k in ("lr", "betas", "eps", "weight_decay")},
     "aio.block_size": "aio.block_size",
     "aio.queue_depth": "aio.queue_depth",
@@ -179,6 +180,7 @@ OURS_TO_DS = {ours: ds for ds, ours in reversed(list(RENAMES.items()))}
 
 @dataclass
 class _DsState:
+    schema: Any  # the Config class mapped onto: this module reads the schema only through it
     leaf_hints: dict
     out: dict = field(default_factory=dict)  # infinity keys, nested
     origins: dict = field(default_factory=dict)  # infinity key path -> DeepSpeed key path
@@ -198,6 +200,32 @@ class _DsState:
             node = node.setdefault(name, {})
         node[leaf] = value
         self.origins[target] = origin
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed names met elsewhere: routing a dict or file, and hints for an infinity config
+
+
+_DEEPSPEED_MARKERS = frozenset({
+    "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16", "bf16",
+    "bfloat16", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+})
+
+
+def _looks_like_deepspeed(data: Mapping) -> bool:
+    return isinstance(data, Mapping) and any(key in _DEEPSPEED_MARKERS for key in data)
+
+
+def _deepspeed_alias(path: str) -> Optional[str]:
+    """infinity's key for a DeepSpeed name written into an infinity config, if any."""
+    sections = {"zero_optimization": "zero", "fp16": "precision", "bf16": "precision"}
+    if path in sections:
+        return sections[path]
+    for candidate in (path, path.replace("zero.", "zero_optimization.", 1),
+                      path.replace("optimizer.", "optimizer.params.", 1)):
+        if candidate in RENAMES and RENAMES[candidate] != path:
+            return RENAMES[candidate]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,27 +286,27 @@ def resolve_auto(data: Mapping, model=None, training_args=None) -> tuple:
     """``data`` with its "auto" values replaced where the model or the training arguments
     give them, ``[(key, value, source)]`` of what was resolved, and mismatches with the
     training arguments as ``(key, message)`` problems."""
-    data = copy.deepcopy(dict(data))
+    out: dict = copy.deepcopy(dict(data))
     resolved, problems = [], []
     if training_args is not None:
         for key, value, name, must_match in _from_args(training_args):
-            current = _get(data, key)
+            current = _get(out, key)
             if current == "auto":
-                _put(data, key, value)
+                _put(out, key, value)
                 resolved.append((key, value, name if not must_match else f"TrainingArguments.{name}"))
             elif must_match and current is not None and _differs(current, value):
                 problems.append((key, f"{current!r} differs from TrainingArguments {name}={value!r}; set the "
                                       f"key to 'auto' (or make the two agree)"))
-    autos = [k for k in HIDDEN_SIZE_KEYS if _get(data, k) == "auto"]
+    autos = [k for k in HIDDEN_SIZE_KEYS if _get(out, k) == "auto"]
     hidden = hidden_size_of(model) if model is not None else None
     if autos and hidden is not None:
-        stage3 = _get(data, "zero_optimization.stage") in (3, None)
+        stage3 = _get(out, "zero_optimization.stage") in (3, None)
         for key, value in ((HIDDEN_SIZE_KEYS[0], hidden * hidden),
                            (HIDDEN_SIZE_KEYS[1], int(0.9 * hidden * hidden)), (HIDDEN_SIZE_KEYS[2], 10 * hidden)):
             if key in autos and (stage3 or key == HIDDEN_SIZE_KEYS[0]):
-                _put(data, key, value)
+                _put(out, key, value)
                 resolved.append((key, value, f"model hidden_size {hidden}"))
-    return data, resolved, problems
+    return out, resolved, problems
 
 
 def _differs(a: Any, b: Any) -> bool:
@@ -296,7 +324,8 @@ def _differs(a: Any, b: Any) -> bool:
 
 
 def map_deepspeed(cls, data: Mapping, strict: bool = False, model=None, training_args=None):
-    """A :class:`Config` from a DeepSpeed config dict. Note [DeepSpeed keys], Note [auto values]."""
+    """A ``cls`` (the :class:`Config` class) from a DeepSpeed config dict. Note [DeepSpeed keys], Note [auto
+    values]."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a mapping, got {_describe(data)}")
     data = dict(data)
@@ -305,7 +334,7 @@ def map_deepspeed(cls, data: Mapping, strict: bool = False, model=None, training
     if "zero_optimization" not in data:
         logger.info("DeepSpeed config has no zero_optimization section; using zero.stage=3")
     data, resolved, problems = resolve_auto(data, model, training_args)
-    st = _DsState({path: hint for path, hint, _ in _leaf_fields(cls)})
+    st = _DsState(cls, {path: hint for path, hint, _ in _leaf_fields(cls)})
     st.problems.extend(problems)
     _walk(data, "", st, resolved)
     _precision(st, resolved, training_args is not None)
@@ -342,7 +371,7 @@ def _walk(node: Mapping, prefix: str, st: _DsState, resolved: list) -> None:
             _keep_default(path, st, resolved)
         elif path in RENAMES:
             st.set(RENAMES[path], value, path)
-        elif path in FIXED and (FIXED[path] is None or value in FIXED[path]):
+        elif path in FIXED and ((allowed := FIXED[path]) is None or value in allowed):
             logger.debug("DeepSpeed key %s accepted; infinity always behaves this way", path)
         elif isinstance(value, Mapping) and value.get("enabled") is False:
             logger.debug("DeepSpeed section %s is disabled: nothing to map", path)
@@ -380,7 +409,7 @@ def _keep_default(path: str, st: _DsState, resolved: list) -> None:
         resolved.append((path, value, "0, as transformers fills it" if value == 0.0 else
                          "the run's: filled once the number of steps (or optimizer.lr) is known"))
         return
-    default = Config()
+    default = st.schema()
     for name in target.split("."):
         default = getattr(default, name)
     resolved.append((path, default, "infinity's default: no model or training arguments give it"))

@@ -1,0 +1,392 @@
+"""The validation of a :class:`~infinity.config.Config`: every check of a key, and the errors that name it.
+
+Note [config validation]: one generic walker (``_validate_node``) validates every field of the schema. Each
+field carries its rules in ``metadata`` (``help``, bounds ``ge``/``gt``/``le``/``lt``, a ``check`` callable, a
+``parse`` callable for size strings), and the field's annotation gives the type (``Literal`` for enumerations,
+``Optional`` for nullable keys). The walker converts and checks each leaf, and then, when all of a section's own
+fields are fine, runs the section's ``_cross_check`` (keys checked against each other). Every problem becomes a
+``(key path, message)`` pair; a :class:`ConfigError` carries all of them at once.
+
+Where a key's check lives: its bounds are written on its field in ``schema.py``; a ``check=`` / ``parse=`` there
+and a section's ``_cross_check = ...`` name a function of this module (the ``_check_*`` functions below, one per
+key or section). This module imports nothing of the schema: the walker reads the dataclasses it is given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+from .._log import logger
+from ..errors import UsageError
+
+
+class ConfigError(UsageError):
+    """Every problem found in a config, each as ``(key path, message)``."""
+
+    def __init__(self, problems: Union[str, list]):
+        if isinstance(problems, str):
+            problems = [("", problems)]
+        self.problems: list[tuple[str, str]] = list(problems)
+        super().__init__(_format_problems(self.problems))
+
+    @property
+    def keys(self) -> list[str]:
+        """The key paths the problems are about."""
+        return [key for key, _ in self.problems if key]
+
+
+def _format_problems(problems: list) -> str:
+    lines = [f"{key}: {msg}" if key else msg for key, msg in problems]
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} problems in the config:\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+class _LeafError(Exception):
+    """A problem with one value; the walker adds the key path."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys: the ``check=`` and ``parse=`` functions the schema's fields name
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def _parse_bytes(value: Any) -> Any:
+    """``8GB`` / ``512MiB`` / ``1024`` -> int bytes; anything else is returned for the type check."""
+    if not isinstance(value, str):
+        return value
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise _LeafError(f"cannot read {value!r} as a size; write an int of bytes or a number "
+                         f"with one of the units {', '.join(u for u in _SIZE_UNITS if u)} "
+                         f"(case-insensitive), e.g. '8GB' or '512MiB'")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _check_dir(value: str) -> Optional[str]:
+    """An existing path must be a writable directory; a missing one is created by the engine,
+    so its nearest existing ancestor must be a writable directory (not a file, not on a
+    read-only mount: access(2) reports EROFS even to root)."""
+    path = os.path.abspath(value)
+    if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            return (f"{value!r} cannot be created: {parent!r} is a file, not a directory; give a directory on the "
+                    f"NVMe device")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return (f"{value!r} cannot be created: {parent!r} is not writable ({_why_not_writable(parent)}); give a "
+                    f"writable directory")
+        return None
+    if not os.path.isdir(path):
+        return f"{value!r} exists but is not a directory; give a directory on the NVMe device"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"directory {value!r} is not writable ({_why_not_writable(path)}); give a writable directory"
+    return None
+
+
+def _why_not_writable(path: str) -> str:
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "it is on a read-only file system" if read_only else "not by this user"
+
+
+def _check_data_path(value: str) -> Optional[str]:
+    if not value.endswith((".txt", ".jsonl")):
+        return f"{value!r} must be a .txt or .jsonl file (or null for the built-in corpus)"
+    return None
+
+
+def _check_model(value: Any) -> Optional[str]:
+    if isinstance(value, str):
+        return None if value.strip() else "must be a model name or a directory, not empty"
+    if not isinstance(value.get("model_type"), str):
+        return ("a model given as a dict of Hugging Face config fields must contain "
+                "'model_type' (a string such as 'gpt2' or 'llama')")
+    return None
+
+
+def _check_block_size(value: int) -> Optional[str]:
+    if value % 4096:
+        return f"{value} is not a multiple of 4096 (O_DIRECT needs aligned requests), e.g. 1048576"
+    return None
+
+
+def _check_betas(value: tuple) -> Optional[str]:
+    if not all(0.0 <= b < 1.0 for b in value):
+        return f"{list(value)} out of range; both betas must be in [0, 1), e.g. [0.9, 0.999]"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections: keys checked against each other (a section's ``_cross_check``), run once its own keys are fine
+
+
+def _check_offload_section(offload: Any, prefix: str) -> list:
+    if offload.device == "nvme" and offload.nvme_path is None:
+        return [(f"{prefix}.nvme_path", f"is required when {prefix}.device is nvme; "
+                 "give a directory on a local NVMe drive")]
+    return []
+
+
+def _check_prefetch_section(prefetch: Any, prefix: str) -> list:
+    # A unit moves NVMe -> host -> device -> gathered in order, so each stage can run
+    # at most as far ahead as the one before it.
+    if prefetch.device_depth > prefetch.depth:
+        return [(f"{prefix}.device_depth", f"({prefetch.device_depth}) exceeds {prefix}.depth ({prefetch.depth}): a "
+                 f"unit is copied to the device only after its NVMe read; set device_depth <= depth")]
+    if prefetch.gather_depth > prefetch.device_depth:
+        return [(f"{prefix}.gather_depth", f"({prefetch.gather_depth}) exceeds {prefix}.device_depth "
+                 f"({prefetch.device_depth}): a unit is gathered only once its shard is on the device; set "
+                 f"gather_depth <= device_depth")]
+    return []
+
+
+def _check_zero_section(zero: Any, prefix: str) -> list:
+    if zero.stage < 3 and zero.offload_param.device != "none":
+        return [(f"{prefix}.offload_param.device",
+                 f"parameter offload needs stage 3 (stage is {zero.stage}); set {prefix}.stage "
+                 f"to 3 or {prefix}.offload_param.device to none")]
+    if zero.stage == 3 and zero.tiling.enabled and zero.tiling.max_tile_params < zero.prefetch.persistence_threshold:
+        # a unit below the threshold stays gathered between uses: every tile would, and the
+        # tiled operator would be as large on the device as untiled
+        return [(f"{prefix}.tiling.max_tile_params",
+                 f"({zero.tiling.max_tile_params}) is below {prefix}.prefetch.persistence_threshold "
+                 f"({zero.prefetch.persistence_threshold}), so every tile would stay gathered; lower "
+                 f"persistence_threshold below max_tile_params or raise max_tile_params")]
+    return []
+
+
+FP16_KNOBS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+
+def _check_precision_section(precision: Any, prefix: str) -> list:
+    """Not an error: fp16's knobs set with another dtype are warned about (a shared config may carry them)."""
+    if precision.dtype != "fp16":
+        defaults = type(precision).__dataclass_fields__
+        changed = [k for k in FP16_KNOBS if getattr(precision, k) != defaults[k].default]
+        for knob in changed:
+            logger.warning("%s.%s is only used with fp16; ignored with dtype %s",
+                           prefix, knob, precision.dtype)
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# The generic walker
+
+
+_INTERNAL = "internal"  # metadata of a field that is not a config key (Config.unsupported, resolved_auto)
+
+
+def _is_section(hint: Any) -> bool:
+    """A field's type that is a nested section (a dataclass), not a key."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _fields(cls) -> list:
+    hints = get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get(_INTERNAL)]
+
+
+def _leaf_fields(cls, prefix: str = ""):
+    for f, hint in _fields(cls):
+        path = f"{prefix}{f.name}"
+        if _is_section(hint):
+            yield from _leaf_fields(hint, path + ".")
+        else:
+            yield path, hint, f
+
+
+def _validate_node(node: Any, prefix: str, problems: list) -> None:
+    """Type- and range-check every field of ``node`` (normalising values in place), then run
+    the node's ``_cross_check`` if its own fields were all fine."""
+    before = len(problems)
+    for f, hint in _fields(type(node)):
+        path = f"{prefix}{f.name}"
+        value = getattr(node, f.name)
+        if _is_section(hint):
+            if isinstance(value, hint):
+                _validate_node(value, path + ".", problems)
+            else:
+                problems.append((path, f"must be a {hint.__name__} section, got {_describe(value)}"))
+            continue
+        try:
+            object.__setattr__(node, f.name, _check_leaf(value, hint, f.metadata))
+        except _LeafError as err:
+            problems.append((path, str(err)))
+    cross = getattr(node, "_cross_check", None)
+    if cross is not None and len(problems) == before:
+        problems.extend(cross(prefix[:-1] if prefix else ""))
+
+
+def _check_leaf(value: Any, hint: Any, meta: Mapping) -> Any:
+    if "parse" in meta:
+        value = meta["parse"](value)
+    value = _check_type(value, hint)
+    if value is None:
+        return value
+    for rule, ok, word in (("gt", lambda v, b: v > b, ">"), ("ge", lambda v, b: v >= b, ">="),
+                           ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<=")):
+        if rule in meta and not ok(value, meta[rule]):
+            raise _LeafError(f"{value!r} is out of range; allowed: {_bounds_text(meta)}")
+    if "check" in meta:
+        message = meta["check"](value)
+        if message:
+            raise _LeafError(message)
+    return value
+
+
+def _check_type(value: Any, hint: Any) -> Any:
+    """``value`` converted to ``hint`` (int -> float, Path -> str, list -> tuple) or _LeafError."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _LeafError(f"expected {_type_name(hint)}, got null")
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, arg)
+            except _LeafError as err:
+                errors.append(err)
+        raise errors[0] if len(errors) == 1 else _LeafError(
+            f"expected {_type_name(hint)}, got {_describe(value)}")
+    if origin is Literal:
+        if type(value) not in {type(a) for a in args} or value not in args:  # True is not 1
+            raise _LeafError(f"{_describe(value)} is not allowed; allowed values: "
+                             f"{', '.join(repr(a) if isinstance(a, str) else str(a) for a in args)}")
+        return value
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # a list of any length
+        if not isinstance(value, (list, tuple)):
+            raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}")
+        return tuple(_check_type(v, args[0]) for v in value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}")
+        return tuple(_check_type(v, a) for v, a in zip(value, args))
+    return _check_scalar(value, hint)
+
+
+def _check_scalar(value: Any, hint: type) -> Any:
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise _LeafError(f"expected a finite number, got {value!r}")
+        return float(value)
+    if hint is str and isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    if hint is dict and isinstance(value, Mapping):
+        return dict(value)
+    extra = ""
+    if hint in (int, float) and isinstance(value, str) and _is_number(value):
+        extra = (" (a number was written as a string; drop the quotes. YAML reads 1e-4 as a "
+                 "string: write 1.0e-4)")
+    elif hint is int and isinstance(value, float) and value.is_integer():
+        extra = f" (write {int(value)})"
+    raise _LeafError(f"expected {_type_name(hint)}, got {_describe(value)}{extra}")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.replace("_", ""))
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages and files
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            names.append("null")
+        return " or ".join(names)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"list of {_type_name(args[0])}"
+    if origin is tuple:
+        return "[" + ", ".join(_type_name(a) for a in args) + "]"
+    return {dict: "mapping", str: "str", int: "int", float: "float", bool: "bool"}.get(
+        hint, getattr(hint, "__name__", str(hint)))
+
+
+def _bounds_text(meta: Mapping) -> str:
+    parts = [f"{word} {meta[rule]}" for rule, word in
+             (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if rule in meta]
+    return "values " + " and ".join(parts)
+
+
+def _rule_text(f) -> str:
+    text = f.metadata.get("help", "")
+    if any(rule in f.metadata for rule in ("gt", "ge", "lt", "le")):
+        text += f" ({_bounds_text(f.metadata)})"
+    return text.replace("|", "\\|")
+
+
+def _read_file(path: Union[str, os.PathLike]) -> dict:
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"config file {str(path)!r}: unknown extension {suffix or '(none)'!r}; "
+                          "use .json, .yaml or .yml")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
+    try:
+        if suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml  # noqa: PLC0415
+
+            data = yaml.safe_load(text)
+    except ValueError as err:  # json.JSONDecodeError
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from None
+    except Exception as err:  # yaml.YAMLError; yaml is imported lazily
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values, "
+                          f"got {_describe(data)}")
+    return data
+
+
+def _base_type(hint: Any) -> Any:
+    args = [a for a in get_args(hint) if a is not type(None)]
+    return args[0] if get_origin(hint) in (Union, types.UnionType) and len(args) == 1 else hint
