@@ -15,14 +15,22 @@ bottleneck, from the same numbers the engine uses:
   checkpointing, 002 eq. 3 + eq. 5. The hand-off outputs count as the parameter space or their
   cap, whichever is smaller (their typical figure, not the preflight's cap).
 - Step time (002 §4): compute 6·Ψ·tokens + 12·nl·bsz·seq²·hd FLOPs per rank (8 and 16 with
-  activation checkpointing: the forward runs twice) at the measured FLOP
-  rate; the optimizer's Adam over the trainable shard at the measured elements/s; the NVMe
-  bytes a step moves, counted as the stores move them (parameters: backward re-reads every
-  unit and the step writes every shard, while the forward takes the step's hand-off; the
-  optimizer: master weights and moments read past the host cache and all written; gradients
-  written and read unless in host memory) at the measured read and write bandwidths. With an
-  accelerator the three overlap and the slowest is the bottleneck; without one (the device
-  is the CPU) compute and Adam share the cores, so they add, and disk time beyond them shows.
+  activation checkpointing: the forward runs twice), the blocks' share at the FLOP rate of a
+  GPT-2 block (layer norms, attention, GELU MLP) forward and backward at the run's hidden size
+  and sequence, the LM head's share (6·vocab·hd·tokens) at the rate of the logits' matmuls with
+  their cross-entropy (a single MLP matmul, the earlier probe, leaves out attention, the norms
+  and the 50257-wide softmax, which run below a matmul's rate on a CPU); the optimizer's Adam over the
+  trainable shard at the measured elements/s; the NVMe bytes a step moves, counted as the stores
+  move them (parameters: backward re-reads every unit and the step writes every shard, while
+  the forward takes the step's hand-off; the optimizer: master weights and moments read past
+  the host cache and all written; gradients written and read unless in host memory) at the
+  measured read and write bandwidths. With an accelerator the three overlap and the slowest is
+  the bottleneck. Without one (the device is the CPU) compute and Adam share the cores, so
+  they add, and the disk's time hides under them only as far as the measured ``overlap``
+  allows (a read beside a matmul loop: the share of the read's time the loop lost nothing
+  to; on the 2-core machine of the figures, O_DIRECT at 2 GB/s slows the loop 1.7x):
+  predicted = cpu + disk - overlap·min(cpu, disk). Every term is a measured rate times a
+  counted FLOP, element or byte; nothing is fitted to the measured steps.
 """
 from __future__ import annotations
 
