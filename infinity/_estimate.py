@@ -771,6 +771,9 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--rates", default="measured", choices=("measured", "dgx2", "h100"),
                     help="FLOP rate, NVMe and Adam bandwidths: measured here (under --nvme-path), the paper's "
                          "DGX-2, or an 8xH100 node with NVMe RAID")
+    st.add_argument("--hardware", choices=("dgx2", "h100x8"),
+                    help="a whole node: its GPUs, memories and NVMe for the estimate and its rates for --step-time "
+                         "(the paper's DGX-2, or an 8xH100 node with NVMe RAID; figures in _runmodel.py)")
     return p
 
 
@@ -786,17 +789,25 @@ def _step_report(est: Estimate, args) -> str:
     run = rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab or 0,
                  micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name, param_tier=tiers[0],
                  optimizer_tier=tiers[1], ranks=hw.ranks, device_is_host=hw.device_is_host,
-                 ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 else 0)
+                 ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 or not hw.device_is_host else 0,
+                 host_mem=0 if hw.device_is_host else hw.cpu_mem)  # the CPU runs here train without checkpoints
     rates = {"dgx2": rm.DGX2, "h100": rm.H100_RAID}.get(args.rates)
+    if args.hardware:
+        rates = rm.NODES[args.hardware][0]
     if rates is None:
-        rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if "nvme" in tiers else None),
-                                 hidden=s.hidden, tokens=min(est.micro_batch * est.seq_len, 4096))
+        rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if "nvme" in tiers else None), run)
     return rm.describe(run, rates)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.hardware:  # the node's sizes, unless given
+        from ._runmodel import NODES
+
+        _, gpus, gpu_mem, cpu_mem, nvme = NODES[args.hardware]
+        args.gpus, args.gpu_mem = args.gpus or gpus, args.gpu_mem or gpu_mem
+        args.cpu_mem, args.nvme = args.cpu_mem or cpu_mem, args.nvme or nvme
     try:
         est = estimate(args.params, model=args.model, layers=args.layers, hidden=args.hidden,
                        heads=args.heads, seq_len=args.seq_len, micro_batch=args.micro_batch,

@@ -15,14 +15,22 @@ bottleneck, from the same numbers the engine uses:
   checkpointing, 002 eq. 3 + eq. 5. The hand-off outputs count as the parameter space or their
   cap, whichever is smaller (their typical figure, not the preflight's cap).
 - Step time (002 §4): compute 6·Ψ·tokens + 12·nl·bsz·seq²·hd FLOPs per rank (8 and 16 with
-  activation checkpointing: the forward runs twice) at the measured FLOP
-  rate; the optimizer's Adam over the trainable shard at the measured elements/s; the NVMe
-  bytes a step moves, counted as the stores move them (parameters: backward re-reads every
-  unit and the step writes every shard, while the forward takes the step's hand-off; the
-  optimizer: master weights and moments read past the host cache and all written; gradients
-  written and read unless in host memory) at the measured read and write bandwidths. With an
-  accelerator the three overlap and the slowest is the bottleneck; without one (the device
-  is the CPU) compute and Adam share the cores, so they add, and disk time beyond them shows.
+  activation checkpointing: the forward runs twice), the blocks' share at the FLOP rate of a
+  GPT-2 block (layer norms, attention, GELU MLP) forward and backward at the run's hidden size
+  and sequence, the LM head's share (6·vocab·hd·tokens) at the rate of the logits' matmuls with
+  their cross-entropy (a single MLP matmul, the earlier probe, leaves out attention, the norms
+  and the 50257-wide softmax, which run below a matmul's rate on a CPU); the optimizer's Adam over the
+  trainable shard at the measured elements/s; the NVMe bytes a step moves, counted as the stores
+  move them (parameters: backward re-reads every unit and the step writes every shard, while
+  the forward takes the step's hand-off; the optimizer: master weights and moments read past
+  the host cache and all written; gradients written and read unless in host memory) at the
+  measured read and write bandwidths. With an accelerator the three overlap and the slowest is
+  the bottleneck. Without one (the device is the CPU) compute and Adam share the cores, so
+  they add, and the disk's time hides under them only as far as the measured ``overlap``
+  allows (a read beside a matmul loop: the share of the read's time the loop lost nothing
+  to; on the 2-core machine of the figures, O_DIRECT at 2 GB/s slows the loop 1.7x):
+  predicted = cpu + disk - overlap·min(cpu, disk). Every term is a measured rate times a
+  counted FLOP, element or byte; nothing is fitted to the measured steps.
 """
 from __future__ import annotations
 
@@ -39,40 +47,49 @@ GiB = float(1 << 30)
 
 @dataclass(frozen=True)
 class Rates:
-    """Per rank: FLOP/s of the device, NVMe read / write bytes/s of its share of the node's
-    drives, Adam elements/s of its share of the host's cores."""
+    """Per rank: FLOP/s of the device on the model's own layers, NVMe read / write bytes/s of
+    its share of the node's drives, Adam elements/s of its share of the host's cores, and how
+    much of the disk's time hides under computation (``overlap``: 1 with an accelerator, whose
+    copies and the host's I/O run beside its kernels; measured where the device is the CPU)."""
 
     flops: float
     nvme_read: float
     nvme_write: float
     adam: float
+    overlap: float = 1.0
     name: str = "measured"
 
     @classmethod
-    def measure(cls, nvme_path: Optional[str], hidden: int = 768, tokens: int = 1024) -> "Rates":
-        """This machine, now: a matmul of the model's MLP shape, the native Adam over 8M
-        elements, and O_DIRECT reads and writes of 256 MiB under ``nvme_path``."""
-        import torch
-
-        a, b = torch.randn(tokens, hidden), torch.randn(hidden, 4 * hidden)
-        flops = max(_rate(lambda: a @ b) for _ in range(3)) * 2 * tokens * hidden * 4 * hidden
+    def measure(cls, nvme_path: Optional[str], run: Optional["Run"] = None) -> "Rates":
+        """This machine, now (Note [run model]): the FLOP rate of one transformer block's
+        forward and backward and of the LM head with its loss at the run's shapes, the native
+        Adam over 8M elements, O_DIRECT reads and writes of 256 MiB under ``nvme_path``, and
+        the share of a disk read that overlaps a matmul loop."""
+        run = run or Run(params=0, layers=1, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
+        flops = compute_rate(run)
         adam = _adam_rate()
         read = write = float("inf")
+        overlap = 1.0
         if nvme_path:
             from .config import AioConfig
             from .train import probe_disk
 
             bw = probe_disk(nvme_path, AioConfig(), 256 << 20)
             read, write = bw["read"], bw["write"]
-        return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam)
+            overlap = io_overlap(nvme_path, read, write)
+        return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam, overlap=overlap)
 
 
 def _rate(fn, reps: int = 3) -> float:
+    """Calls per second: the median of ``reps`` timed calls after one untimed (a loaded
+    machine's bursts move a median less than a mean or a best)."""
     fn()
-    t = time.perf_counter()
+    times = []
     for _ in range(reps):
+        t = time.perf_counter()
         fn()
-    return reps / (time.perf_counter() - t)
+        times.append(time.perf_counter() - t)
+    return 1.0 / sorted(times)[len(times) // 2]
 
 
 def _adam_rate(n: int = 8 << 20) -> float:
@@ -86,13 +103,111 @@ def _adam_rate(n: int = 8 << 20) -> float:
     return n * _rate(lambda: step(p, g, m, v, **hyper))
 
 
-# Projections (per GPU). DGX-2 as ZeRO-Infinity measured it (002 §5-6, Fig. 2b and 5c): 16 V100
-# at ~70 TFLOP/s peak, of which large models reached 25-50; 28 TB of NVMe read at ~25 GB/s
-# and written at ~25 GB/s per node (1.6 GB/s per GPU); CPU Adam at ~1e9 elements/s per node share.
-DGX2 = Rates(flops=50e12, nvme_read=25e9 / 16, nvme_write=25e9 / 16, adam=1e9 / 16 * 4, name="DGX-2 (002)")
-# 8 x H100 SXM (~400 TFLOP/s dense bf16 reached of 989), 8 x PCIe 5 NVMe in RAID 0 (~13 GB/s
-# read, ~10 GB/s write each, ~100 / 80 GB/s together), 2 x 56-core host for CPU Adam.
-H100_RAID = Rates(flops=400e12, nvme_read=100e9 / 8, nvme_write=80e9 / 8, adam=2e10 / 8, name="8xH100 + NVMe RAID")
+PROBE_MAX_HIDDEN = 2048  # wider blocks are probed at this width (their matmuls only run faster)
+PROBE_MAX_TOKENS = 4096
+
+
+def compute_flops(run: "Run") -> tuple:
+    """(FLOPs of the blocks, FLOPs of the LM head) of one step (002 §4): 6 per parameter and
+    token, the attention's 12·bsz·seq²·hd per layer, twice the forward's under checkpointing."""
+    passes = 8 if run.ckpt_interval else 6  # forward, backward (2x), and the forward again under checkpointing
+    head = passes * run.vocab * run.hidden * run.tokens
+    blocks = passes * max(0, run.params - run.vocab * run.hidden) * run.tokens
+    blocks += 2 * passes * run.layers * run.micro_batch * run.seq_len**2 * run.hidden
+    return blocks, head
+
+
+def compute_rate(run: "Run") -> float:
+    """FLOP/s of this run's own arithmetic on this machine: a GPT-2 block (layer norms, fused
+    qkv, causal attention, the 4·hd MLP with GELU) forward and backward at the run's hidden
+    size, batch and sequence, and the LM head with its cross-entropy at the run's vocabulary;
+    each timed alone, weighted by its share of the step's FLOPs (Note [run model])."""
+    import torch
+    import torch.nn.functional as F
+
+    hd = min(run.hidden, PROBE_MAX_HIDDEN)
+    bsz = max(1, min(run.micro_batch, PROBE_MAX_TOKENS // max(1, run.seq_len)))
+    seq = min(run.seq_len, PROBE_MAX_TOKENS)
+    probe = Run(params=12 * hd * hd + (run.vocab or 0) * hd, layers=1, hidden=hd, heads=max(1, hd // 64), vocab=run.vocab or 0,
+                micro_batch=bsz, seq_len=seq, ckpt_interval=0)
+    g = torch.Generator().manual_seed(0)
+    w = {n: (torch.randn(*s, generator=g) * 0.02).requires_grad_() for n, s in
+         (("qkv", (hd, 3 * hd)), ("proj", (hd, hd)), ("fc", (hd, 4 * hd)), ("out", (4 * hd, hd)))}
+    x = torch.randn(bsz, seq, hd, generator=g, requires_grad=True)
+    heads = probe.heads
+
+    def block():
+        h = F.layer_norm(x, (hd,))
+        q, k, v = (h @ w["qkv"]).view(bsz, seq, 3, heads, hd // heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(bsz, seq, hd)
+        y = x + a @ w["proj"]
+        y = y + F.gelu(F.layer_norm(y, (hd,)) @ w["fc"], approximate="tanh") @ w["out"]
+        y.sum().backward()
+
+    t_block = 1.0 / _rate(block)
+    blocks, head = compute_flops(probe)
+    t_head = 0.0
+    if run.vocab:
+        emb = (torch.randn(run.vocab, hd, generator=g) * 0.02).requires_grad_()
+        labels = torch.randint(run.vocab, (bsz * seq,), generator=g)
+
+        def lm_head():
+            F.cross_entropy(x.view(-1, hd) @ emb.t(), labels).backward()
+
+        t_head = 1.0 / _rate(lm_head)
+    # The run's FLOPs at the probe's rates: blocks at the block's, the head at the head's.
+    run_blocks, run_head = compute_flops(run)
+    seconds = run_blocks * t_block / blocks + (run_head * t_head / head if head else 0.0)
+    return (run_blocks + run_head) / seconds
+
+
+def io_overlap(nvme_path: str, read: float, write: float, nbytes: int = 256 << 20) -> float:
+    """The share of an O_DIRECT read's time that a matmul loop on the same cores hides: 1 when
+    the loop runs no slower beside the read, 0 when the two take as long as one after the other
+    (Note [run model]). ``read`` and ``write``: the disk's bytes/s alone."""
+    import threading
+
+    import torch
+
+    from .config import AioConfig
+    from .train import probe_disk
+
+    a, b = torch.randn(1024, 768), torch.randn(768, 3072)
+    alone = _rate(lambda: [a @ b for _ in range(8)], reps=5)  # loops/s
+    done, loops = threading.Event(), [0]
+
+    def spin():
+        while not done.is_set():
+            [a @ b for _ in range(8)]
+            loops[0] += 1
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    start = time.perf_counter()
+    probe_disk(nvme_path, AioConfig(), nbytes)
+    wall = time.perf_counter() - start
+    done.set()
+    t.join()
+    disk = 3 * nbytes * (1 / read + 1 / write)  # the probe's I/O alone (PROBE_REPS writes and reads)
+    lost = max(0.0, wall - loops[0] / alone)  # the compute the loop did not get done in the window
+    return float(min(1.0, max(0.0, 1.0 - lost / disk)))
+
+
+# Projections (per GPU; Note [run model]). DGX-2 as ZeRO-Infinity states it (002 §5.2, §6.1,
+# footnote 6, Fig. 2b, Fig. 5c): 16 V100 with 32 GB, 1.5 TB of host memory; 70 TFLOP/s peak
+# achievable, of which its largest single-node models reached 40-49 (we use 45); NVMe about
+# 25 GB/s per node, 1.6 GB/s per GPU when all read at once (the paper gives no separate write
+# figure: the same is assumed). CPU Adam (an assumption: the paper gives no rate): memory-bound
+# at ~28 bytes per element over about half of two sockets' DDR4 (~256 GB/s), ~4e9 elements/s
+# per node.
+DGX2 = Rates(flops=45e12, nvme_read=25e9 / 16, nvme_write=25e9 / 16, adam=4e9 / 16, name="DGX-2 (002)")
+# 8 x H100 SXM 80 GB, 2 TB host (DGX H100 datasheet); ~400 TFLOP/s of 989 dense bf16 reached
+# (an assumed 40% of peak); its 8 x 3.84 TB U.2 PCIe Gen4 NVMe (datasheet) in RAID 0 at an
+# assumed ~6.5 GB/s read and ~3.5 GB/s write per drive (Gen4 data-center drives' sequential
+# figures), ~52 / 28 GB/s together; CPU Adam over two sockets' DDR5 (~600 GB/s), ~1e10/s.
+H100_RAID = Rates(flops=400e12, nvme_read=52e9 / 8, nvme_write=28e9 / 8, adam=1e10 / 8, name="8xH100 + NVMe RAID")
+# The nodes themselves, for the memory estimate of the same run: (GPUs, GPU memory, host memory, NVMe).
+NODES = {"dgx2": (DGX2, 16, "32GB", "1.5TB", "28TB"), "h100x8": (H100_RAID, 8, "80GB", "2TB", "30.72TB")}
 
 
 @dataclass(frozen=True)
@@ -206,15 +321,15 @@ def nvme_bytes(run: Run) -> dict:
 
 def step_time(run: Run, rates: Rates) -> dict:
     """Seconds per step: each term, the prediction and the bottleneck (Note [run model])."""
-    passes = 8 if run.ckpt_interval else 6  # forward, backward (2x), and the forward again under checkpointing (002 §4)
-    flops = passes * run.params * run.tokens + 2 * passes * run.layers * run.micro_batch * run.seq_len**2 * run.hidden
+    flops = sum(compute_flops(run))
     io = nvme_bytes(run)
     terms = {"compute": flops / rates.flops, "adam": math.ceil(run.params / run.ranks) / rates.adam,
              "nvme_read": io["read"] / rates.nvme_read, "nvme_write": io["write"] / rates.nvme_write}
     disk = terms["nvme_read"] + terms["nvme_write"]  # one device: reads and writes share it
     if run.device_is_host:
-        cpu = terms["compute"] + terms["adam"]
-        predicted = max(cpu, disk)
+        cpu = terms["compute"] + terms["adam"]  # the same cores
+        terms["hidden_io"] = rates.overlap * min(cpu, disk)  # the disk time the cores' work hides
+        predicted = cpu + disk - terms["hidden_io"]
         bottleneck = "compute" if terms["compute"] >= max(terms["adam"], disk) else (
             "adam" if terms["adam"] >= disk else "nvme")
     else:

@@ -14,6 +14,7 @@ Timings are only meaningful on an idle machine; the load average is printed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -42,6 +43,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import infinity
+    from infinity import _runmodel as rm
     from infinity.testing import peak_rss
 
     torch.set_num_threads(2)
@@ -54,23 +56,40 @@ def child(spec: dict) -> dict:
         model = build_gpt(spec["layers"], spec["hidden"])
     model, opt = infinity.initialize(model, cfg)
     gen = torch.Generator().manual_seed(1)
-    times, moved = [], []
-    for i in range(spec["warmup"] + spec["steps"]):
+    shape = rm.Run(params=sum(p.numel() for p in model.parameters()), layers=spec["layers"], hidden=spec["hidden"],
+                   heads=spec["hidden"] // 64, vocab=VOCAB, micro_batch=spec["batch"], seq_len=spec["seq"])
+    flops, adam = [], []
+
+    def rates():  # under the load of the steps: just before and just after them, in this process
+        flops.append(rm.compute_rate(shape))
+        adam.append(rm._adam_rate())
+
+    n = spec["warmup"] + spec["steps"]
+    starts, moved = [], []
+    for i in range(n + 1):
+        if i == spec["warmup"]:
+            opt.wait_step()
+            rates()
+        if i == n:
+            opt.wait_step()  # the last step's overlapped update ends here
+        tel = opt.engine.telemetry()  # the NVMe bytes since the previous boundary, then reset
+        starts.append(time.perf_counter())
+        moved.append({d: sum(v for k, v in tel.items() if k.startswith("nvme_") and k.endswith(f"_{d}_bytes"))
+                      for d in ("read", "write")})
+        if i == n:
+            break
         ids = torch.randint(VOCAB, (spec["batch"], spec["seq"]), generator=gen)
-        t = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-        if i == spec["warmup"] + spec["steps"] - 1:
-            opt.wait_step()
-        tel = opt.engine.telemetry()
-        if i >= spec["warmup"]:
-            times.append(time.perf_counter() - t)
-            moved.append({d: sum(v for k, v in tel.items() if k.startswith("nvme_") and k.endswith(f"_{d}_bytes"))
-                          for d in ("read", "write")})
-    out = {"params": sum(p.numel() for p in model.parameters()), "step": statistics.median(times),
-           "read": statistics.median(m["read"] for m in moved), "write": statistics.median(m["write"] for m in moved),
-           "peak_rss": peak_rss()}
+    rates()
+    # Step i is start(i) .. start(i + 1): its forward and backward, the wait for the previous step's
+    # overlapped update (which ran beside them) and the start of its own.
+    timed = range(spec["warmup"], n)
+    out = {"params": shape.params, "step": statistics.median(starts[i + 1] - starts[i] for i in timed),
+           "read": statistics.median(moved[i + 1]["read"] for i in timed),
+           "write": statistics.median(moved[i + 1]["write"] for i in timed),
+           "peak_rss": peak_rss(), "flops": statistics.median(flops), "adam": statistics.median(adam)}
     opt.engine.close()
     return out
 
@@ -95,7 +114,9 @@ def main() -> None:
     rows = []
     for name in models:
         layers, hidden, batch, seq = MODELS[name]
-        rates = rm.Rates.measure(args.nvme_path, hidden=hidden, tokens=batch * seq)
+        shape = rm.Run(params=0, layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB, micro_batch=batch,
+                       seq_len=seq)
+        here = rm.Rates.measure(args.nvme_path, shape)  # the disk and its overlap with computation
         for tier in args.tiers.split(","):
             nvme = tempfile.mkdtemp(prefix="runmodel_", dir=args.nvme_path)
             spec = dict(layers=layers, hidden=hidden, batch=batch, seq=seq, tier=tier, nvme=nvme,
@@ -107,6 +128,7 @@ def main() -> None:
                 continue
             finally:
                 subprocess.run(["rm", "-rf", nvme])
+            rates = dataclasses.replace(here, flops=got["flops"], adam=got["adam"])  # the child's, beside its steps
             run = rm.Run(params=got["params"], layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB,
                          micro_batch=batch, seq_len=seq, param_tier=tier, optimizer_tier=tier)
             mem = sum(rm.host_memory(run).values())
@@ -119,7 +141,9 @@ def main() -> None:
                   f"NVMe read {st['nvme_bytes']['read'] / GiB:.2f}/{got['read'] / GiB:.2f} GiB, write "
                   f"{st['nvme_bytes']['write'] / GiB:.2f}/{got['write'] / GiB:.2f} GiB (predicted/measured) | "
                   f"rates {rates.flops / 1e9:.0f} GFLOP/s, Adam {rates.adam / 1e6:.0f} M/s, "
-                  f"disk r/w {rates.nvme_read / 1e9:.2f}/{rates.nvme_write / 1e9:.2f} GB/s", flush=True)
+                  f"disk r/w {rates.nvme_read / 1e9:.2f}/{rates.nvme_write / 1e9:.2f} GB/s, overlap {rates.overlap:.2f} | "
+                  + ", ".join(f"{k} {st.get(k, 0):.2f} s" for k in ("compute", "adam", "nvme_read", "nvme_write", "hidden_io")),
+                  flush=True)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     bad = [r for r in rows if not (0.8 <= r[6] / r[5] <= 1.2 and 0.75 <= r[3] / r[2] <= 1.25)]
     print(f"{len(rows) - len(bad)} of {len(rows)} within the targets (RSS 20%, step time 25%)")

@@ -1,0 +1,52 @@
+"""The step-time half of Note [run model] (infinity/_runmodel.py): its counts and how its terms
+combine, and the projections of ``python -m infinity.estimate --hardware ... --step-time``.
+Timings are never asserted: scripts/check_run_model.py compares predictions with measured steps."""
+import math
+
+import pytest
+
+from infinity import _runmodel as rm
+from infinity._estimate import main as estimate_main
+
+GPT2 = dict(layers=12, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
+
+
+def rates(**kw):
+    return rm.Rates(**{**dict(flops=1e11, nvme_read=2e9, nvme_write=1e9, adam=5e8), **kw})
+
+
+def test_flops_are_six_per_parameter_and_token_plus_attention():
+    run = rm.Run(params=124_439_808, **GPT2)
+    blocks, head = rm.compute_flops(run)
+    assert head == 6 * 50257 * 768 * 1024
+    assert blocks + head == 6 * run.params * 1024 + 12 * 12 * 4 * 256**2 * 768
+    ckpt = rm.Run(params=run.params, ckpt_interval=1, **GPT2)
+    assert sum(rm.compute_flops(ckpt)) * 6 == sum(rm.compute_flops(run)) * 8  # the forward runs twice
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def test_on_the_cpu_the_disk_hides_by_the_measured_overlap(overlap):
+    run = rm.Run(params=124_439_808, param_tier="nvme", optimizer_tier="nvme", **GPT2)
+    st = rm.step_time(run, rates(overlap=overlap))
+    cpu, disk = st["compute"] + st["adam"], st["nvme_read"] + st["nvme_write"]
+    assert st["nvme_read"] == st["nvme_bytes"]["read"] / 2e9 and st["nvme_write"] == st["nvme_bytes"]["write"] / 1e9
+    assert math.isclose(st["predicted"], cpu + disk - overlap * min(cpu, disk))
+    assert st["compute"] == st["flops"] / 1e11
+
+
+def test_with_an_accelerator_the_slowest_term_is_the_step():
+    run = rm.Run(params=10**12, layers=128, hidden=25600, heads=256, vocab=0, micro_batch=7, seq_len=1024, dtype="bf16",
+                 ranks=16, device_is_host=False, ckpt_interval=1, host_mem=int(1.5e12))
+    st = rm.step_time(run, rm.DGX2)
+    assert st["predicted"] == max(st["compute"], st["adam"], st["nvme_read"] + st["nvme_write"])
+    shard = math.ceil(10**12 / 16)
+    # parameters (2 B) re-read by backward, master weights and moments (12 B) past the host cache,
+    # gradients (4 B: 1.5 TB of host memory cannot hold them) read back by the step
+    assert st["nvme_bytes"]["read"] == pytest.approx(18 * shard, rel=0.01)
+
+
+@pytest.mark.parametrize("node, ranks", [("dgx2", 16), ("h100x8", 8)])
+def test_the_projection_cli_names_the_node_and_the_bottleneck(node, ranks, capsys):
+    assert estimate_main(["--params", "1T", "--hardware", node, "--micro-batch", "7", "--step-time"]) == 0
+    out = capsys.readouterr().out
+    assert f"{ranks} rank(s)" in out and "bottleneck: nvme" in out and rm.NODES[node][0].name in out
