@@ -192,8 +192,17 @@ class OptimizerOffloadConfig:
         "auto", "nvme: where the fp32 gradient shards accumulate: cpu = host memory (4 bytes per parameter, no "
         "gradient I/O), nvme = a swap file (when they do not fit host memory), auto = cpu when they take at "
         "most a quarter of the available host memory")
+    # Note [compressed moments] in _moments.py: opt-in, off by default.
+    moments: Literal["fp32", "bf16", "int8"] = _opt(
+        "fp32", "nvme: how Adam's two moments are stored in their swap files: fp32 (exact), bf16 (half the bytes) or "
+        "int8 (block-quantised, about a quarter); the master weights stay fp32 and Adam computes in fp32")
 
-    _cross_check = OffloadConfig._cross_check
+    def _cross_check(self, prefix: str) -> list:
+        if self.moments != "fp32" and self.device != "nvme":
+            return [(f"{prefix}.moments", f"{self.moments} applies to nvme only (compressed moments shrink the swap "
+                     f"files; {prefix}.device is {self.device}, where the moments stay fp32); set {prefix}.moments "
+                     f"to fp32 or {prefix}.device to nvme")]
+        return OffloadConfig._cross_check(self, prefix)
 
 
 @dataclass(frozen=True)
