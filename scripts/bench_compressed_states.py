@@ -115,8 +115,9 @@ def evaluate(model, held: torch.Tensor, args) -> float:
 
 
 def finetune(args, pretrained: str, nvme_root: str) -> dict:
-    import infinity
     from transformers import GPT2LMHeadModel
+
+    import infinity
 
     code = corpus(["infinity/**/*.py"])
     cut = int(code.numel() * 0.9)
