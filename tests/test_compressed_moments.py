@@ -6,6 +6,7 @@ with bf16 / int8 moments stays close to fp32 moments; the bytes moved per step f
 and the files' sizes are counted and match the memory plan; checkpoints move between fp32 and
 int8 runs both ways; fp32 (the default) stays exact; bad values are refused by name.
 """
+import dataclasses
 import os
 
 import numpy as np
@@ -269,3 +270,34 @@ def test_bad_values_and_tiers_are_refused():
         Config.from_dict({"zero": {"offload_optimizer": {"device": "cpu", "moments": "int8"}}})
     Config.from_dict({"zero": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "moments": "int8"}}})
 
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_memory_plan_equals_the_bytes_mapped(tmp_path, mode):
+    """The record buffers (one per moment in each buffer set and each cached chunk) are in the
+    plan, exactly as the ledger counts them where they are mapped (Note [host memory ledger]);
+    the run model's bytes per step are the counters'."""
+    from infinity import _runmodel as rm
+    from infinity.aio._memory import ledger
+
+    before = dict(ledger.snapshot()["live"])
+    ledger.reset_peak()
+    model, opt = _run(str(tmp_path), mode)
+    need = plan(opt.placement, opt.engine.cfg)["categories"]["host"]
+    _train(model, opt, 2)
+    peaks = ledger.snapshot()["peak"]
+    for cat in ("optimizer_buffers", "optimizer_cache"):
+        assert peaks.get(cat, 0) - before.get(cat, 0) == need[cat], cat
+    store = opt.store
+    assert store.head > 0
+    states = ("master", "exp_avg", "exp_avg_sq")
+    written = sum(store.array_io[n][1] for n in states)
+    _train(model, opt, 1)
+    moved = sum(store.array_io[n][1] for n in states) - written  # the cache writes through: every chunk
+    opt.engine.close()
+    assert moved == 4 * store.total + 2 * file_bytes(mode, store.total, store.chunk)
+    run = rm.Run(params=store.total, layers=2, hidden=128, heads=2, vocab=96, micro_batch=1, seq_len=12,
+                 optimizer_tier="nvme", param_tier="nvme", moments=mode, host_mem=1)  # gradients on NVMe
+    fp32 = rm.nvme_bytes(dataclasses.replace(run, moments="fp32"))
+    assert fp32["write"] - rm.nvme_bytes(run)["write"] == pytest.approx(
+        2 * (4 * store.total - file_bytes(mode, store.total, store.chunk)), rel=0.02)
