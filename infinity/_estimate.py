@@ -349,14 +349,26 @@ class Precision:
     grad: int
     optimizer: int
     activation: int
+    moments: str = "fp32"  # zero.offload_optimizer.moments: how the moments are stored on NVMe
 
     @classmethod
-    def of(cls, dtype: str) -> "Precision":
+    def of(cls, dtype: str, moments: str = "fp32") -> "Precision":
+        from ._moments import MODES
+
+        if moments not in MODES:
+            raise EstimateError(f"moments: {moments!r} is not supported; use {', '.join(MODES)}")
         if dtype in ("bf16", "fp16"):
-            return cls(dtype, param=2, grad=2, optimizer=16, activation=2)   # 002 §3: 20 B/param
+            return cls(dtype, param=2, grad=2, optimizer=16, activation=2, moments=moments)   # 002 §3: 20 B/param
         if dtype == "fp32":
-            return cls(dtype, param=4, grad=4, optimizer=8, activation=4)    # m, v only
+            return cls(dtype, param=4, grad=4, optimizer=8, activation=4, moments=moments)    # m, v only
         raise EstimateError(f"dtype: {dtype!r} is not supported; use bf16, fp16 or fp32")
+
+    def nvme_saving(self, n: int) -> int:
+        """Bytes the compressed moments save on NVMe for ``n`` elements (Note [compressed moments])."""
+        from ._moments import file_bytes
+        from ._optimizer_store import chunk_elems
+
+        return 2 * (4 * n - file_bytes(self.moments, n, chunk_elems(None, n))) if n else 0
 
     @property
     def total(self) -> int:
@@ -561,6 +573,8 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, t
     working = {1: 0, 2: prec.grad * math.ceil(shape.largest_operator_numel / tiling), 3: terms.model_state_working}
     device = (tiers[Tier.DEVICE] + working[stage] + terms.activation_checkpoints
               + terms.activation_working)
+    if otier is Tier.NVME:
+        tiers[Tier.NVME] -= prec.nvme_saving(tshard)
     staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw)
     host = per_node * (tiers[Tier.CPU] + sum(staging.values()))
     nvme = per_node * tiers[Tier.NVME]
@@ -593,7 +607,7 @@ def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw) -> dict:
     plan = store_plan(opt_tier=otier, param_tier=ptier if ptier is Tier.NVME else None, opt_total=tshard,
                       param_total=tshard, itemsize=prec.param, overlapped=False, lazy_grad=False, chunk=chunk, head=head,
                       grads_in_memory=grads_in_host, staging_numel=largest, staging_count=staging_buffers(z),
-                      params_are_master=False, gathered_bytes=0)["host"]
+                      params_are_master=False, gathered_bytes=0, moments=prec.moments)["host"]
     if otier is not Tier.NVME:  # the memory tier's states are the paper's terms (_placement), not buffers
         plan = {k: v for k, v in plan.items() if k not in (OPT_STATES, GRADIENTS)}
     plan.pop(PARAM_SHARDS, None)
@@ -617,7 +631,7 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
              micro_batch: int = 1, ckpt_interval: int = 1, gpus: Optional[int] = None,
              nodes: int = 1, gpu_mem: Any = None, cpu_mem: Any = None, nvme: Any = None,
              dtype: str = "bf16", nvme_path: Optional[str] = None, trainable: Any = None,
-             tiling_factor: int = 1) -> Estimate:
+             tiling_factor: int = 1, moments: str = "fp32") -> Estimate:
     """Memory per tier for each ZeRO stage and offload choice, and which of them fit.
 
     ``params`` is a count (``1e12``, ``"70B"``); ``model`` a transformers config, a dict of
@@ -629,6 +643,7 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
     low-precision copy only, no gradient and no optimizer state. ``tiling_factor``: the largest
     operator split into this many tiles (zero.tiling); when nothing fits, ``tiling_needed`` is
     the estimate at the smallest factor (a power of two) that makes a placement fit, if any.
+    ``moments``: ``zero.offload_optimizer.moments`` (bf16/int8 shrink the moments on NVMe).
     """
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
         _positive_int(value, name)
@@ -637,7 +652,7 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
         _positive_int(value, name, allow_none=False)
     _positive_int(gpus, "gpus")
     _positive_int(tiling_factor, "tiling_factor", allow_none=False)
-    prec = Precision.of(dtype)
+    prec = Precision.of(dtype, moments)
     shape, params = _resolve_model(params, model, layers, hidden, heads)
     if nvme_path is not None and not os.path.isdir(nvme_path):
         raise EstimateError(f"nvme_path: {nvme_path!r} is not a directory")
@@ -755,6 +770,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--ckpt-interval", type=int, default=1,
                      help="transformer layers between activation checkpoints")
     run.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    run.add_argument("--moments", default="fp32", choices=("fp32", "bf16", "int8"),
+                     help="zero.offload_optimizer.moments: Adam's moments on NVMe in fp32, bf16 or int8")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpus", type=int, help="GPUs per node")
     hw.add_argument("--nodes", type=int, default=1)
@@ -790,7 +807,8 @@ def _step_report(est: Estimate, args) -> str:
                  micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name, param_tier=tiers[0],
                  optimizer_tier=tiers[1], ranks=hw.ranks, device_is_host=hw.device_is_host,
                  ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 or not hw.device_is_host else 0,
-                 host_mem=0 if hw.device_is_host else hw.cpu_mem)  # the CPU runs here train without checkpoints
+                 host_mem=0 if hw.device_is_host else hw.cpu_mem,  # the CPU runs here train without checkpoints
+                 moments=est.precision.moments)
     rates = {"dgx2": rm.DGX2, "h100": rm.H100_RAID}.get(args.rates)
     if args.hardware:
         rates = rm.NODES[args.hardware][0]
@@ -813,7 +831,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        heads=args.heads, seq_len=args.seq_len, micro_batch=args.micro_batch,
                        ckpt_interval=args.ckpt_interval, gpus=args.gpus, nodes=args.nodes,
                        gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme=args.nvme,
-                       dtype=args.dtype, nvme_path=args.nvme_path, trainable=args.trainable,
+                       dtype=args.dtype, moments=args.moments, nvme_path=args.nvme_path, trainable=args.trainable,
                        tiling_factor=args.tiling_factor)
     except EstimateError as exc:
         parser.error(str(exc))     # exits 2 with the usage and the message

@@ -143,7 +143,8 @@ def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: Sta
     if placement.opt_tier is Tier.NVME:
         return NvmeOptimizerStore(total, ranges, swap_dirs.under(z.offload_optimizer.nvme_path), cfg.aio,
                                   z.offload_optimizer.chunk_size, cfg.gradient_accumulation_steps,
-                                  z.offload_optimizer.host_cache, placement.grads_in_memory)
+                                  z.offload_optimizer.host_cache, placement.grads_in_memory,
+                                  moments=z.offload_optimizer.moments)
     return MemoryOptimizerStore(placement.opt_tier, total, lazy_grad=not policy.reduce_in_backward,
                                 overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size)
 

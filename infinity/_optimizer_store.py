@@ -140,6 +140,9 @@ class MemoryOptimizerStore:
     def checkpoint_loaded(self) -> None:
         pass
 
+    def checkpoint_done(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -6,19 +6,23 @@ the first chunks (Note [host cache]) and optionally every gradient shard in host
 
 from __future__ import annotations
 
+import os
 from typing import Callable, List, Optional
 
 import torch
 
 from ._memory import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, totals
+from ._moments import Codec, file_bytes, record_bytes
 from ._optimizer_store import Chunk, chunk_elems, head_elems, sq_and_finite, zeros_host
 from ._swap import SwapDir, new_aio, wait_io
 from ._tiers import Tier
 from .aio import aligned_empty
 from .aio._checksum import checksummed, sums_of
 from .aio._handle import close_handles
+from .errors import InvariantError
 
 _NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")
+_SIGNED = {"exp_avg": True, "exp_avg_sq": False}
 
 
 
@@ -53,12 +57,24 @@ class NvmeOptimizerStore:
     filled by the first update and dropped by ``load_master``), and its gradient shards
     live in memory only (the files never hold them). ``update_head`` then runs on the
     caller's thread without waiting for a single read, and ``update_tail`` streams the rest
-    through the buffer sets, whose first reads ``update_head`` has already started."""
+    through the buffer sets, whose first reads ``update_head`` has already started.
+    With compressed moments (Note [compressed moments] in _moments.py) the cache holds them
+    expanded to fp32, each update's values compressed and expanded again: the cache always
+    equals the file, so a run computes the same whether a chunk is cached or not.
+
+    Note [compressed moments on disk]: ``moments`` bf16/int8 keeps ``exp_avg`` and
+    ``exp_avg_sq`` in their files as one record per chunk; each buffer set (and each cached
+    chunk) has a record buffer per moment that the I/O reads and writes, expanded into and
+    compressed from the set's fp32 arrays around the update. A checkpoint sees fp32 files:
+    ``checkpoint_sources`` expands the moments into staging files beside the swap files
+    (``checkpoint_done`` removes them), and after a load ``checkpoint_loaded`` compresses the
+    staging files back, so checkpoints move between fp32, bf16 and int8 runs both ways."""
 
     SETS = 3
 
     def __init__(self, total: int, ranges: List[tuple], swap: SwapDir, aio_cfg, chunk: Optional[int],
-                 accumulation_steps: int, host_cache: Optional[int] = None, grads_in_memory: bool = False):
+                 accumulation_steps: int, host_cache: Optional[int] = None, grads_in_memory: bool = False,
+                 moments: str = "fp32"):
         self.tier = Tier.NVME
         self.total = total
         self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
@@ -67,8 +83,18 @@ class NvmeOptimizerStore:
         # Note [gradients in host memory]: every gradient shard; None = the swap file (and the head sets)
         self.grad_mem = zeros_host(total, GRADIENTS) if grads_in_memory else None
         self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
-        self.paths = {n: checksummed(swap.file(f"{n}.swp", total * 4), total * 4, aio_cfg.checksums)
+        # Note [compressed moments on disk]: the moments' records, or None for fp32 files
+        self.moments = moments
+        self.codec: Optional[Codec] = Codec(moments, self.chunk) if moments != "fp32" else None
+        self._packed = tuple(_SIGNED) if self.codec else ()
+        self.paths = {n: checksummed(swap.file(f"{n}.swp", self._file_bytes(n)), self._file_bytes(n), aio_cfg.checksums)
                       for n in self._swapped}  # Note [swap checksums] in aio/_checksum.py
+        self._swap = swap
+        self._staging: dict = {}  # checkpoint staging files of the expanded moments
+        self._aio_cfg = aio_cfg
+        self._staging_io = None  # their own handle: closing it lets go of the removed files' descriptors
+        self._gen = torch.Generator().manual_seed(0x5EED + swap.rank)  # stochastic rounding's noise
+        self.array_io = {n: [0, 0] for n in self._swapped}  # [read, written] bytes per swap file
         self.head_sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_HOST_CACHE) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
@@ -83,6 +109,8 @@ class NvmeOptimizerStore:
         self.grad_reader = new_aio(aio_cfg)
         self.grad_writer = new_aio(aio_cfg)
         self.sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_BUFFERS) for n in _NAMES} for _ in range(self.SETS)]
+        self.records = [self._record_set(OPT_BUFFERS) for _ in range(self.SETS)]  # Note [compressed moments on disk]
+        self.head_records = [self._record_set(OPT_HOST_CACHE) for _ in self.head_sets]
         self.accumulation_steps = accumulation_steps
         self.rank = swap.rank
         self._written: set = set()  # offsets of gradient ranges written since the last step
@@ -92,6 +120,13 @@ class NvmeOptimizerStore:
         self._zero_files()
 
     @property
+    def _code(self) -> Codec:
+        """The moments' codec: reached only for the packed arrays (Note [compressed moments on disk])."""
+        if self.codec is None:
+            raise InvariantError("compressed-moment record used with fp32 moments")
+        return self.codec
+
+    @property
     def bytes_read(self) -> int:
         return sum(r for r, _ in self._io.values())
 
@@ -99,12 +134,31 @@ class NvmeOptimizerStore:
     def bytes_written(self) -> int:
         return sum(w for _, w in self._io.values())
 
+    def _file_bytes(self, name: str) -> int:
+        return file_bytes(self.moments if name in self._packed else "fp32", self.total, self.chunk)
+
+    def _record_set(self, what: str) -> dict:
+        return {n: aligned_empty(self._code.record, torch.uint8, what=what) for n in self._packed}
+
+    def _byte_offset(self, name: str, offset: int) -> int:
+        """Where element ``offset`` (a chunk's start, for a compressed moment) is in its file."""
+        if name in self._packed:
+            return offset // self.chunk * self._code.record
+        return offset * 4
+
+    def element_of(self, name: str, byte_offset: int) -> int:
+        """The element at ``byte_offset`` of a swap file (the chunk's first, for a compressed moment)."""
+        if name in self._packed:
+            return byte_offset // self._code.record * self.chunk
+        return byte_offset // 4
+
     def _zero_files(self) -> None:
         zeros = self.sets[0]["grad"].zero_()
-        for path in (self.paths[n] for n in self._swapped if n != "master"):
+        for name in (n for n in self._swapped if n != "master"):
             for off in range(0, self.total, self.chunk):
                 n = min(self.chunk, self.total - off)
-                self.writers[0].pwrite(zeros[:n], path, off * 4)
+                self._put(self.writers[0], name, off, zeros.view(torch.uint8)[: self._code.length(n)]
+                          if name in self._packed else zeros[:n])
         self._wait(self.writers[0], "zero-filling the optimizer swap files")
 
     # -------------------------------------------------------------- I/O helpers
@@ -113,12 +167,18 @@ class NvmeOptimizerStore:
         wait_io(handle, f"{what} (optimizer swapper, rank {self.rank})")
 
     def _read(self, handle, name: str, offset: int, out: torch.Tensor) -> None:
-        handle.pread(out, self.paths[name], offset * 4)
-        self._io["step"][0] += out.numel() * 4
+        handle.pread(out, self.paths[name], self._byte_offset(name, offset))
+        nbytes = out.numel() * out.element_size()
+        self._io["step"][0] += nbytes
+        self.array_io[name][0] += nbytes
 
     def _write(self, handle, name: str, offset: int, values: torch.Tensor) -> None:
-        handle.pwrite(values, self.paths[name], offset * 4)
-        self._io["step"][1] += values.numel() * 4
+        self._put(handle, name, offset, values)
+        self._io["step"][1] += values.numel() * values.element_size()
+
+    def _put(self, handle, name: str, offset: int, values: torch.Tensor) -> None:
+        handle.pwrite(values, self.paths[name], self._byte_offset(name, offset))
+        self.array_io[name][1] += values.numel() * values.element_size()
 
     def _grad_read(self, offset: int, out: torch.Tensor) -> None:
         self.grad_reader.pread(out, self.paths["grad"], offset * 4)
@@ -146,13 +206,56 @@ class NvmeOptimizerStore:
 
     def checkpoint_sources(self) -> dict:
         """The swap files of the master weights and moments, complete once the host cache's
-        write-through has landed (Note [host cache]), for a checkpoint."""
+        write-through has landed (Note [host cache]), for a checkpoint; compressed moments
+        expanded into fp32 staging files (Note [compressed moments on disk])."""
         self._wait(self.head_io, "writing back the cached optimizer chunks")
-        return {name: self.paths[name] for name in _NAMES[:3]}
+        out = {name: self.paths[name] for name in _NAMES[:3]}
+        for name in self._packed:
+            out[name] = self._stage(name)
+        return out
 
     def checkpoint_loaded(self) -> None:
-        """A checkpoint rewrote the files: the host cache reads them afresh."""
+        """A checkpoint rewrote the files (compressed moments: their staging files, now
+        compressed back into the swap files): the host cache reads them afresh."""
+        for name, path in self._staging.items():
+            rec, buf = self.records[0][name], self.sets[0][name]
+            for off in range(0, self.total, self.chunk):
+                n = min(self.chunk, self.total - off)
+                self._staging_handle().pread(buf[:n], path, off * 4)
+                self._wait(self._staging_io, f"reading the staged {name} at element {off}")
+                self._code.encode(buf[:n], rec[: self._code.length(n)], _SIGNED[name], self._gen)
+                self._put(self.writers[0], name, off, rec[: self._code.length(n)])
+                self._wait(self.writers[0], f"compressing the loaded {name} at element {off}")
+        self.checkpoint_done()
         self._head_loaded = False
+
+    def checkpoint_done(self) -> None:
+        """The checkpoint no longer needs the staging files."""
+        if self._staging_io is not None:
+            close_handles([self._staging_io])
+            self._staging_io = None
+        for path in self._staging.values():
+            os.unlink(path)
+        self._staging.clear()
+
+    def _staging_handle(self):
+        if self._staging_io is None:
+            self._staging_io = new_aio(self._aio_cfg)
+        return self._staging_io
+
+    def _stage(self, name: str) -> str:
+        """An fp32 file of the expanded moment ``name``, chunk by chunk through buffer set 0."""
+        path = self._staging.get(name) or self._swap.file(f"{name}.fp32.swp", 4 * self.total)
+        self._staging[name] = path
+        rec, buf = self.records[0][name], self.sets[0][name]
+        for off in range(0, self.total, self.chunk):
+            n = min(self.chunk, self.total - off)
+            self._read(self.reader, name, off, rec[: self._code.length(n)])
+            self._wait(self.reader, f"reading {name} at element {off} for a checkpoint")
+            self._code.decode(rec[: self._code.length(n)], buf[:n], _SIGNED[name])
+            self._staging_handle().pwrite(buf[:n], path, off * 4)
+            self._wait(self._staging_io, f"staging {name} at element {off} for a checkpoint")
+        return path
 
     def _head_pieces(self, offset: int, numel: int):
         """(head set, start in its chunk, length, start in the range) of the part of
@@ -276,13 +379,14 @@ class NvmeOptimizerStore:
             return
         self._wait(self.head_io, "writing back the cached optimizer chunks")  # their buffers change now
         if not self._head_loaded:
-            for off, bufs in self._head_chunks():
-                for name in ("master", "exp_avg", "exp_avg_sq"):
-                    self._read(self.head_io, name, off, bufs[name])
+            for i, (off, bufs) in enumerate(self._head_chunks()):
+                self._read_arrays(self.head_io, off, bufs, self.head_records[i], ("master", "exp_avg", "exp_avg_sq"))
             self._wait(self.head_io, "reading the cached optimizer chunks")
+            for i, (_, bufs) in enumerate(self._head_chunks()):
+                self._expand(self.head_records[i], bufs)
             self._head_loaded = True
-        for off, bufs in self._head_chunks():
-            self._update_one(fn, off, bufs, self.head_io)
+        for i, (off, bufs) in enumerate(self._head_chunks()):
+            self._update_one(fn, off, bufs, self.head_io, self.head_records[i], cached=True)
 
     def _head_chunks(self):
         """(offset, the head set's arrays cut to the chunk's length) of every cached chunk."""
@@ -304,18 +408,38 @@ class NvmeOptimizerStore:
                 self._read_chunk(j % self.SETS, starts[j])
             n = min(self.chunk, self.total - off)
             bufs = self._with_grad({name: t[:n] for name, t in self.sets[k % self.SETS].items()}, off, n)
-            self._update_one(fn, off, bufs, self.writers[k % self.SETS])
+            self._expand(self.records[k % self.SETS], bufs)
+            self._update_one(fn, off, bufs, self.writers[k % self.SETS], self.records[k % self.SETS])
         for w in self.writers:
             self._wait(w, "writing back optimizer chunks")
         self._coef = 1.0
         self._tail_primed = False
 
-    def _update_one(self, fn: Callable[[Chunk], None], off: int, bufs: dict, writer) -> None:
+    def _update_one(self, fn: Callable[[Chunk], None], off: int, bufs: dict, writer, records: dict,
+                    cached: bool = False) -> None:
         if self._coef != 1.0:
             bufs["grad"].mul_(self._coef)
         fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
         for name in ("master", "exp_avg", "exp_avg_sq"):
-            self._write(writer, name, off, bufs[name])
+            if name not in self._packed:
+                self._write(writer, name, off, bufs[name])
+                continue
+            rec = records[name][: self._code.length(bufs[name].numel())]
+            self._code.encode(bufs[name], rec, _SIGNED[name], self._gen)
+            if cached:  # the cache holds what the file holds (Note [host cache])
+                self._code.decode(rec, bufs[name], _SIGNED[name])
+            self._write(writer, name, off, rec)
+
+    def _read_arrays(self, handle, off: int, bufs: dict, records: dict, names) -> None:
+        """Submit the reads of a chunk's arrays: fp32 straight into ``bufs``, compressed moments into ``records``."""
+        for name in names:
+            n = bufs[name].numel()
+            self._read(handle, name, off, records[name][: self._code.length(n)] if name in self._packed else bufs[name])
+
+    def _expand(self, records: dict, bufs: dict) -> None:
+        """The landed records of a chunk's compressed moments into its fp32 arrays."""
+        for name in self._packed:
+            self._code.decode(records[name][: self._code.length(bufs[name].numel())], bufs[name], _SIGNED[name])
 
     def _tail_starts(self) -> list:
         return list(range(self.head, self.total, self.chunk))
@@ -337,29 +461,37 @@ class NvmeOptimizerStore:
 
     def _read_chunk(self, s: int, off: int) -> None:
         n = min(self.chunk, self.total - off)
-        for name in self._swapped:
-            self._read(self.readers[s], name, off, self.sets[s][name][:n])
+        self._read_arrays(self.readers[s], off, {name: t[:n] for name, t in self.sets[s].items()}, self.records[s],
+                          self._swapped)
 
     def nbytes(self) -> dict:
-        return totals(self.plan(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None))
+        return totals(self.plan(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None,
+                                self.moments))
 
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
         close_handles([self.head_io, self.reader, *self.readers, *self.writers, self.grad_reader, self.grad_writer])
+        self.checkpoint_done()
 
     def checksums(self) -> dict:
         """The block sums of each swap file by array name (Note [swap checksums] in aio/_checksum.py)."""
         return {n: sums_of(p) for n, p in self.paths.items() if sums_of(p)}
 
     @classmethod
-    def plan(cls, total: int, chunk: int, head: int, grads_in_memory: bool) -> dict:
+    def plan(cls, total: int, chunk: int, head: int, grads_in_memory: bool, moments: str = "fp32") -> dict:
         """Bytes for a plan (Note [one memory model] in _memory.py): the swap files (gradients
         too unless they stay in host memory), the buffer sets, the host cache of the first
         ``head`` elements (Note [host cache]) and the gradients in host memory (Note
         [gradients in host memory]). Not yet counted: the files' block sums, 1/512 of the swap
-        bytes (BlockSums.bytes_for; Note [swap checksums] in aio/_checksum.py)."""
+        bytes (BlockSums.bytes_for; Note [swap checksums] in aio/_checksum.py), nor a
+        checkpoint's staging files of compressed moments (8 bytes per element while it runs).
+        Compressed moments (Note [compressed moments on disk]) shrink their files and add a
+        record buffer per moment to each buffer set and cached chunk."""
         swapped = len(_NAMES) - (1 if grads_in_memory else 0)
-        return {"nvme": {OPT_FILES: 4 * swapped * total},
-                "host": {OPT_BUFFERS: cls.SETS * 4 * len(_NAMES) * chunk, OPT_HOST_CACHE: 4 * swapped * head,
+        packed = 2 * (record_bytes(moments, chunk) if moments != "fp32" else 0)  # both moments' records
+        files = 4 * (swapped - 2) * total + 2 * file_bytes(moments, total, chunk)
+        return {"nvme": {OPT_FILES: files},
+                "host": {OPT_BUFFERS: cls.SETS * (4 * len(_NAMES) * chunk + packed),
+                         OPT_HOST_CACHE: 4 * swapped * head + head // chunk * packed,
                          GRADIENTS: 4 * total if grads_in_memory else 0}}
 

@@ -228,6 +228,7 @@ class Run:
     device_is_host: bool = True
     ckpt_interval: int = 0  # 0: no activation checkpointing
     host_mem: int = 0  # bytes of host memory per node, for the gradients' "auto" rule; 0: this machine's
+    moments: str = "fp32"  # zero.offload_optimizer.moments (Note [compressed moments] in _moments.py)
 
     @property
     def itemsize(self) -> int:
@@ -275,7 +276,8 @@ def host_memory(run: Run) -> dict:
                       param_total=total, itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme",
                       lazy_grad=False, chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
                       staging_count=0 if direct else staging_buffers(z), params_are_master=fp32_master,
-                      gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0)
+                      gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0,
+                      moments=run.moments)
     out = dict(plan["host"])
     if PARAM_HANDOFF in out:
         out[PARAM_HANDOFF] = min(out[PARAM_HANDOFF], total * isz)  # typical: at most the parameter space
@@ -304,15 +306,18 @@ def activation_bytes(run: Run) -> int:
 
 def nvme_bytes(run: Run) -> dict:
     """NVMe bytes a rank moves per step, as its stores move them (Note [run model])."""
-    _, total, _, _, _, head, gim = _layout(run)
+    from ._moments import file_bytes
+
+    _, total, _, _, chunk, head, gim = _layout(run)
+    per_elem = 4 + 2 * file_bytes(run.moments, total, chunk) / total  # master + both moments as stored
     read = write = 0
     if run.param_tier == "nvme":
         read += total * run.itemsize  # backward re-reads; the forward takes the step's hand-off
         write += total * run.itemsize
     if run.optimizer_tier == "nvme":
-        states = 3 * 4 * (total - head)
+        states = int(per_elem * (total - head))
         read += states
-        write += states + 3 * 4 * head  # the host cache is write-through (Note [host cache])
+        write += states + int(per_elem * head)  # the host cache is write-through (Note [host cache])
         if not gim:
             read += 4 * (total - head)
             write += 4 * (total - head)

@@ -50,12 +50,14 @@ def label_swap_files(opt: "ZeroOptimizer") -> None:
         trainable = sorted((u for u in engine.units if u.trainable), key=lambda u: u.opt_offset)
         starts = [u.opt_offset for u in trainable]
         for name, sums in store.checksums().items():
-            sums.describe, sums.when = _describe_optimizer(name, store.chunk, trainable, starts), when
+            sums.describe, sums.when = _describe_optimizer(name, store, trainable, starts), when
 
 
-def _describe_optimizer(name: str, chunk: int, units, starts):
+def _describe_optimizer(name: str, store, units, starts):
+    chunk = store.chunk
+
     def describe(offset: int) -> str:
-        element = offset // 4
+        element = store.element_of(name, offset)  # compressed moments: the record's chunk
         lo = element // chunk * chunk
         unit = _unit_at(units, starts, element, "opt_offset")
         where = f", inside {_unit_words(unit)}" if unit is not None and element < unit.opt_offset + unit.shard_numel \

@@ -130,8 +130,12 @@ def _write_rank(engine, opt, tmp: str, extra: dict):
             out = {}
             out[rank_file(rank, "params")] = _write_params(engine, opt, tmp, mover)
             sources = opt.store.checkpoint_sources()
-            for name in STATE_ARRAYS:
-                out[rank_file(rank, name)] = _write_flat(tmp, rank_file(rank, name), sources[name], 4 * opt.total, mover)
+            try:
+                for name in STATE_ARRAYS:
+                    out[rank_file(rank, name)] = _write_flat(tmp, rank_file(rank, name), sources[name], 4 * opt.total,
+                                                             mover)
+            finally:
+                opt.store.checkpoint_done()  # e.g. compressed moments' staging files
             mover.synced()
         finally:
             mover.close()

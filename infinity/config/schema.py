@@ -32,6 +32,7 @@ from .validate import (
     _check_dir,
     _check_model,
     _check_offload_section,
+    _check_optimizer_offload_section,
     _check_precision_section,
     _check_prefetch_section,
     _check_zero_section,
@@ -91,8 +92,12 @@ class OptimizerOffloadConfig:
         "auto", "nvme: where the fp32 gradient shards accumulate: cpu = host memory (4 bytes per parameter, no "
         "gradient I/O), nvme = a swap file (when they do not fit host memory), auto = cpu when they take at "
         "most a quarter of the available host memory")
+    # Note [compressed moments] in _moments.py: opt-in, off by default.
+    moments: Literal["fp32", "bf16", "int8"] = _opt(
+        "fp32", "nvme: how Adam's two moments are stored in their swap files: fp32 (exact), bf16 (half the bytes) or "
+        "int8 (block-quantised, about a quarter); the master weights stay fp32 and Adam computes in fp32")
 
-    _cross_check = _check_offload_section
+    _cross_check = _check_optimizer_offload_section
 
 
 @dataclass(frozen=True)

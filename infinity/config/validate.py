@@ -144,6 +144,14 @@ def _check_offload_section(offload: Any, prefix: str) -> list:
     return []
 
 
+def _check_optimizer_offload_section(offload: Any, prefix: str) -> list:
+    if offload.moments != "fp32" and offload.device != "nvme":  # Note [compressed moments] in _moments.py
+        return [(f"{prefix}.moments", f"{offload.moments} applies to nvme only (compressed moments shrink the swap "
+                 f"files; {prefix}.device is {offload.device}, where the moments stay fp32); set {prefix}.moments "
+                 f"to fp32 or {prefix}.device to nvme")]
+    return _check_offload_section(offload, prefix)
+
+
 def _check_prefetch_section(prefetch: Any, prefix: str) -> list:
     # A unit moves NVMe -> host -> device -> gathered in order, so each stage can run
     # at most as far ahead as the one before it.

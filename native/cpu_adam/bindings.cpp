@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "moments.h"
 
 namespace py = pybind11;
 using namespace infinity_adam;
@@ -68,6 +69,10 @@ void step(const std::vector<SegmentTuple>& tuples, double beta1, double beta2, d
   adam_step(segs, h, static_cast<Isa>(isa), hw_bf16, threads);
 }
 
+void check_threads(int threads) {
+  if (threads < 1) throw std::invalid_argument("threads must be >= 1, got " + std::to_string(threads));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_adam, m) {
@@ -75,6 +80,30 @@ PYBIND11_MODULE(_cpu_adam, m) {
   m.def("step", &step, py::arg("segments"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("decay_factor"), py::arg("l2"), py::arg("decay_mode"), py::arg("grad_dtype"),
         py::arg("out_dtype"), py::arg("isa"), py::arg("hw_bf16"), py::arg("threads"));
+  // Compressed moments (Note [compressed moments] in infinity/_moments.py): addresses and counts.
+  m.def("encode_bf16", [](uintptr_t x, uintptr_t out, int64_t n, uint32_t seed, int threads) {
+    check_threads(threads);
+    py::gil_scoped_release release;
+    encode_bf16(reinterpret_cast<const float*>(x), reinterpret_cast<uint16_t*>(out), n, seed, threads);
+  });
+  m.def("decode_bf16", [](uintptr_t in, uintptr_t out, int64_t n, int threads) {
+    check_threads(threads);
+    py::gil_scoped_release release;
+    decode_bf16(reinterpret_cast<const uint16_t*>(in), reinterpret_cast<float*>(out), n, threads);
+  });
+  m.def("encode_int8", [](uintptr_t x, uintptr_t codes, uintptr_t scales, int64_t n, bool is_signed, uint32_t seed,
+                          int threads) {
+    check_threads(threads);
+    py::gil_scoped_release release;
+    encode_int8(reinterpret_cast<const float*>(x), reinterpret_cast<uint8_t*>(codes),
+                reinterpret_cast<float*>(scales), n, is_signed, seed, threads);
+  });
+  m.def("decode_int8", [](uintptr_t codes, uintptr_t scales, uintptr_t out, int64_t n, bool is_signed, int threads) {
+    check_threads(threads);
+    py::gil_scoped_release release;
+    decode_int8(reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const float*>(scales),
+                reinterpret_cast<float*>(out), n, is_signed, threads);
+  });
   m.def("best_isa", [] { return static_cast<int>(best_isa()); });
   m.def("cpu_features", [] {
     const CpuFeatures& f = cpu_features();

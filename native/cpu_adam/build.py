@@ -7,8 +7,9 @@ baked in with -march=native dies with an illegal instruction elsewhere).
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["bindings.cpp", "dispatch.cpp", "thread_pool.cpp", "adam_scalar.cpp", "adam_avx2.cpp", "adam_avx512.cpp"]
-HEADERS = ["cpu_adam.h", "kernel_table.h", "dispatch.h", "thread_pool.h", "adam_avx512_body.h"]
+SOURCES = ["bindings.cpp", "dispatch.cpp", "thread_pool.cpp", "adam_scalar.cpp", "adam_avx2.cpp", "adam_avx512.cpp",
+           "moments.cpp"]
+HEADERS = ["cpu_adam.h", "kernel_table.h", "dispatch.h", "thread_pool.h", "adam_avx512_body.h", "moments.h"]
 
 
 def _sanitize() -> list:
