@@ -253,6 +253,11 @@ class ZeroConfig:
     prefetch: PrefetchConfig = _opt(PrefetchConfig, "prefetcher")
     fetch_units: FetchUnitsConfig = _opt(FetchUnitsConfig, "grouping of parameters into fetch units")
     tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
+    # Note [allocator retained pages] in _memory.py; a self-contained block (issue 23 item 4)
+    host_allocator: Literal["release", "keep"] = _opt(
+        "release", "release: at initialize the C allocator maps each block of 1 MiB or more on its own and returns it "
+        "to the system when freed (no freed pages kept; the resident set is what is in use); keep: glibc's default, "
+        "freed blocks up to 32 MiB stay in the process for reuse (process-wide either way)")
 
     def _cross_check(self, prefix: str) -> list:
         if self.stage < 3 and self.offload_param.device != "none":
