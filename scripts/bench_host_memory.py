@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -94,7 +95,7 @@ def child(spec: dict) -> dict:
     gen = torch.Generator().manual_seed(0)
     for i in range(spec["warmup"] + spec["steps"]):
         ids = torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = model(input_ids=ids, labels=ids).loss
         if spec["kind"] != "plain" and i == spec["warmup"]:
             out["accounts"]["after_forward"] = host_account()
@@ -104,6 +105,7 @@ def child(spec: dict) -> dict:
         opt.step()
         opt.zero_grad()
         out["steps"].append(time.perf_counter() - t0)
+        out.setdefault("minor_faults", []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         if spec["kind"] != "plain" and i == spec["warmup"]:
             out["accounts"]["after_step"] = host_account()
     out["accounts"]["at_peak"] = sampler.stop()
@@ -114,6 +116,24 @@ def child(spec: dict) -> dict:
         opt.engine.close()
     out["peak_rss"] = peak_rss()
     return out
+
+
+def fault_cost(mib: int = 256, reps: int = 5) -> float:
+    """Seconds per minor page fault on this machine: filling a fresh mapping of ``mib`` MiB
+    (every page faults in) minus refilling it, divided by the faults counted; best of ``reps``."""
+    import torch
+
+    best = float("inf")
+    for _ in range(reps):
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        t = torch.empty(mib << 18)  # float32: mib MiB, above any mmap threshold: a mapping of its own
+        t.fill_(1.0)
+        fresh, faults = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        t0 = time.perf_counter()
+        t.fill_(2.0)
+        best = min(best, (fresh - (time.perf_counter() - t0)) / max(faults, 1))
+        del t
+    return best
 
 
 def spawn(spec: dict, timeout: float) -> dict:
@@ -151,7 +171,13 @@ def main() -> None:
             res = spawn({**base, "kind": kind, "tree": args.before_tree if kind == "before" else None}, 3600)
             runs[kind].append(res)
             print(f"round {r} {kind:9s}: peak RSS {res['peak_rss'] / GiB:.2f} GiB, "
-                  f"step {statistics.median(res['steps'][args.warmup:]):.2f} s", flush=True)
+                  f"step {statistics.median(res['steps'][args.warmup:]):.2f} s, minor page faults per step "
+                  f"{statistics.median(res.get('minor_faults', [0])[args.warmup:] or [0]):.0f}", flush=True)
+    cost = fault_cost()
+    print(f"a minor page fault costs {cost * 1e6:.2f} us here (fresh vs reused 256 MiB, best of 5)")
+    for k, v in runs.items():
+        faults = statistics.median(f for x in v for f in x.get("minor_faults", [0])[args.warmup:] or [0])
+        print(f"  {k:9s} minor page faults per step {faults:.0f}: {faults * cost:.2f} s of faults per step")
     med = {k: {"peak": statistics.median(x["peak_rss"] for x in v),
                "step": statistics.median(s for x in v for s in x["steps"][args.warmup:])} for k, v in runs.items()}
     print(f"\nGPT-2 {args.layers}x{args.hidden}, fp32, {args.micro_batch} x {args.seq_len} tokens, "
