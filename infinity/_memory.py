@@ -30,14 +30,16 @@ come from the heap arenas instead, and freed heap blocks stay in the process for
 training step frees and allocates activations of a few MiB in a different order every
 phase, so the arenas fragment and keep their free pages: with GPT-2 124M on NVMe the heap
 retained 0.7 GiB at the peak of backward and 1.6 GiB after the step, more than the engine's
-own buffers for gradients. ``release_freed_blocks`` (at ``initialize``, on by default:
+own buffers for gradients. ``release_freed_blocks`` (at ``initialize``, opt-in:
 ``zero.host_allocator: release``) fixes the threshold at MMAP_THRESHOLD, so every block of
 that size or more is a mapping of its own, returned to the system when freed, and trims
 what the arenas already keep. The cost is a page fault per page of each new block, which
 the heap's reuse avoided; blocks below the threshold still come from the arenas. Measured
 there (scripts/bench_host_memory.py), peak RSS and minor faults per step: dynamic (glibc's
 default) 4.48 GiB, 0.35M; fixed at 16 MiB 5.10 GiB, 0.1-0.4M; 4 MiB 4.11 GiB, 0.9M; 1 MiB
-3.84 GiB, 1.27M. 1 MiB is the only setting that removes the retained pages at the peak.
+3.84 GiB, 1.27M. 1 MiB is the only setting that removes the retained pages at the peak, and
+its 0.9M more faults per step (3.6 GB zeroed) made the step 1.18x slower in a paired run, so
+it is not the default: a host short of memory chooses it.
 """
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ bottleneck, from the same numbers the engine uses:
   ``ACT_LOGITS``·vocab for the logits, their log-softmax and their gradients; with
   checkpointing, 002 eq. 3 + eq. 5. The hand-off outputs count as the parameter space or their
   cap, whichever is smaller (their typical figure, not the preflight's cap). The sum is the
-  resident set only because the C allocator returns freed blocks (Note [allocator retained
-  pages] in _memory.py): with ``zero.host_allocator: keep`` glibc's retained pages come on
-  top (0.7 GiB at the peak of GPT-2 124M on NVMe), which no model of the bytes in use predicts.
+  bytes in use; with glibc's default allocator (``zero.host_allocator: keep``) its retained
+  pages come on top (0.5-0.7 GiB at the peak of GPT-2 124M on NVMe, Note [allocator retained
+  pages] in _memory.py), with ``release`` the resident set is the sum.
 - Step time (002 §4): compute 6·Ψ·tokens + 12·nl·bsz·seq²·hd FLOPs per rank (8 and 16 with
   activation checkpointing: the forward runs twice) at the measured FLOP
   rate; the optimizer's Adam over the trainable shard at the measured elements/s; the NVMe

@@ -3,7 +3,8 @@
 Each contender runs in its own process (its peak RSS is its own), rounds alternate plain PyTorch
 (glibc's default allocator, as users run it), with ``--before-tree`` infinity from that checkout
 ("before", e.g. ``git archive <commit>`` with the native libraries copied in) and infinity from
-this checkout ("nvme"), and every step is timed. The account (Note [one memory
+this checkout with ``zero.host_allocator: release`` ("nvme"), and every step is timed, with its
+minor page faults (the cost of that setting). The account (Note [one memory
 model] in infinity/_memory.py) is printed after the first measured forward and step, at the peak
 of the resident set (a thread samples it every 20 ms) and at the end: the engine's buffers by
 category as mapped, the C heap in use (activations, autograd's gradients, temporaries) and
@@ -39,7 +40,8 @@ def build_gpt(layers: int, hidden: int):
 
 def nvme_config(path: str) -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
-                     "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+                     "offload_optimizer": {"device": "nvme", "nvme_path": path},
+                     "host_allocator": "release"},  # Note [allocator retained pages]: opt-in, measured here
             "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
 
 
