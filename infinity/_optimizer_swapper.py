@@ -11,6 +11,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ._log import logger
 from ._memory import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, totals
 from ._moments import Codec, file_bytes, record_bytes
 from ._optimizer_store import Chunk, chunk_elems, head_elems, sq_and_finite, zeros_host
@@ -118,6 +119,13 @@ class NvmeOptimizerStore:
         self._io = {"step": [0, 0], "grad": [0, 0]}  # [read, written] bytes by the step's and the grads' handles
         self._coef = 1.0  # the gradients' scale (unscaling and clipping), applied inside the next update
         self._zero_files()
+        # What trades host memory for disk traffic, said once (Note [host cache], [gradients in host memory])
+        logger.info("optimizer states on NVMe: host cache of the first %d elements (%.0f MiB; "
+                    "zero.offload_optimizer.host_cache: %s), gradient shards in %s (%.0f MiB of host memory), "
+                    "buffer sets %.0f MiB", self.head, 4 * len(self._swapped) * self.head / 2**20,
+                    "auto" if host_cache is None else host_cache,
+                    "host memory" if grads_in_memory else "a swap file", 4 * total * grads_in_memory / 2**20,
+                    self.SETS * 4 * len(_NAMES) * self.chunk / 2**20)
 
     @property
     def _code(self) -> Codec:

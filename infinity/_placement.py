@@ -12,6 +12,7 @@ import torch
 
 from . import _accelerator as acc
 from ._layout import ALIGN_ELEMS, Layout
+from ._log import logger
 from ._preflight import ranks_here
 from ._tiers import Tier
 
@@ -61,4 +62,8 @@ def gradients_in_host(choice: str, total: int) -> bool:
     every rank on this node take at most a quarter of the available host memory."""
     if choice != "auto":
         return choice == "cpu"
-    return 4 * total * ranks_here() <= psutil.virtual_memory().available // 4
+    need, avail = 4 * total * ranks_here(), psutil.virtual_memory().available
+    logger.info("zero.offload_optimizer.gradients auto: %s (%.2f GiB of gradient shards on this node, %.2f GiB of "
+                "host memory available; host memory when at most a quarter)", "host memory" if need <= avail // 4
+                else "swap file", need / 2**30, avail / 2**30)
+    return need <= avail // 4

@@ -1,18 +1,23 @@
 """Where host memory goes: GPT-2 124M, fp32, 4 x 256 tokens, everything on NVMe, against plain PyTorch.
 
-Each contender runs in its own process (its peak RSS is its own), rounds alternate plain and
-infinity, and every step is timed. For infinity the engine's account (Note [one memory model]
-in infinity/_memory.py) is printed at the peak of each phase: the engine's buffers by
+Each contender runs in its own process (its peak RSS is its own), rounds alternate plain PyTorch
+(glibc's default allocator, as users run it), with ``--before-tree`` infinity from that checkout
+("before", e.g. ``git archive <commit>`` with the native libraries copied in) and infinity from
+this checkout with ``zero.host_allocator: release`` ("nvme"), and every step is timed, with its
+minor page faults (the cost of that setting). The account (Note [one memory
+model] in infinity/_memory.py) is printed after the first measured forward and step, at the peak
+of the resident set (a thread samples it every 20 ms) and at the end: the engine's buffers by
 category as mapped, the C heap in use (activations, autograd's gradients, temporaries) and
-retained, the rest of the resident set; and the plan's figures beside them.
+retained (freed pages the allocator keeps), the rest of the resident set; and the plan's figures.
 
-    python scripts/bench_host_memory.py [--rounds 2] [--steps 3] [--micro-batch 4 --seq-len 256]
+    python scripts/bench_host_memory.py [--rounds 2] [--steps 3] [--micro-batch 4 --seq-len 256] [--before-tree DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -35,11 +40,40 @@ def build_gpt(layers: int, hidden: int):
 
 def nvme_config(path: str) -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
-                     "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+                     "offload_optimizer": {"device": "nvme", "nvme_path": path},
+                     "host_allocator": "release"},  # Note [allocator retained pages]: opt-in, measured here
             "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
 
 
+class PeakSampler:
+    """Samples the host account every ``period`` seconds on a thread and keeps the sample of
+    the largest resident set: the account at the peak, not at the end of a phase."""
+
+    def __init__(self, period: float = 0.02):
+        import threading
+
+        self.period, self.best = period, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from infinity._memory import host_account
+
+        while not self._stop.wait(self.period):
+            acct = host_account()
+            if self.best is None or acct["rss"] > self.best["rss"]:
+                self.best = acct
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return self.best
+
+
 def child(spec: dict) -> dict:
+    if spec.get("tree"):  # "before": infinity from another checkout (e.g. an earlier commit)
+        sys.path.insert(0, spec["tree"])
     import torch
 
     import infinity
@@ -59,10 +93,11 @@ def child(spec: dict) -> dict:
         model, opt = infinity.initialize(model, cfg)
         out["plan"] = opt.engine.memory_plan["categories"]
     out["setup_rss"] = rss_now()
+    sampler = PeakSampler()
     gen = torch.Generator().manual_seed(0)
     for i in range(spec["warmup"] + spec["steps"]):
         ids = torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = model(input_ids=ids, labels=ids).loss
         if spec["kind"] != "plain" and i == spec["warmup"]:
             out["accounts"]["after_forward"] = host_account()
@@ -72,8 +107,10 @@ def child(spec: dict) -> dict:
         opt.step()
         opt.zero_grad()
         out["steps"].append(time.perf_counter() - t0)
+        out.setdefault("minor_faults", []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         if spec["kind"] != "plain" and i == spec["warmup"]:
             out["accounts"]["after_step"] = host_account()
+    out["accounts"]["at_peak"] = sampler.stop()
     if spec["kind"] != "plain":
         opt.wait_step()
         out["accounts"]["end"] = host_account()
@@ -81,6 +118,24 @@ def child(spec: dict) -> dict:
         opt.engine.close()
     out["peak_rss"] = peak_rss()
     return out
+
+
+def fault_cost(mib: int = 256, reps: int = 5) -> float:
+    """Seconds per minor page fault on this machine: filling a fresh mapping of ``mib`` MiB
+    (every page faults in) minus refilling it, divided by the faults counted; best of ``reps``."""
+    import torch
+
+    best = float("inf")
+    for _ in range(reps):
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        t = torch.empty(mib << 18)  # float32: mib MiB, above any mmap threshold: a mapping of its own
+        t.fill_(1.0)
+        fresh, faults = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        t0 = time.perf_counter()
+        t.fill_(2.0)
+        best = min(best, (fresh - (time.perf_counter() - t0)) / max(faults, 1))
+        del t
+    return best
 
 
 def spawn(spec: dict, timeout: float) -> dict:
@@ -104,6 +159,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
+    ap.add_argument("--before-tree", help="a checkout of an earlier commit (native libraries built) to run as 'before'")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -111,25 +167,38 @@ def main() -> None:
         return
     base = dict(layers=args.layers, hidden=args.hidden, micro_batch=args.micro_batch, seq_len=args.seq_len,
                 steps=args.steps, warmup=args.warmup, nvme_path=args.nvme_path)
-    runs = {"plain": [], "nvme": []}
+    runs = {"plain": [], **({"before": []} if args.before_tree else {}), "nvme": []}
     for r in range(args.rounds):
         for kind in runs:
-            res = spawn({**base, "kind": kind}, 3600)
+            res = spawn({**base, "kind": kind, "tree": args.before_tree if kind == "before" else None}, 3600)
             runs[kind].append(res)
-            print(f"round {r} {kind:5s}: peak RSS {res['peak_rss'] / GiB:.2f} GiB, "
-                  f"step {statistics.median(res['steps'][args.warmup:]):.2f} s", flush=True)
+            print(f"round {r} {kind:9s}: peak RSS {res['peak_rss'] / GiB:.2f} GiB, "
+                  f"step {statistics.median(res['steps'][args.warmup:]):.2f} s, minor page faults per step "
+                  f"{statistics.median(res.get('minor_faults', [0])[args.warmup:] or [0]):.0f}", flush=True)
+    cost = fault_cost()
+    print(f"a minor page fault costs {cost * 1e6:.2f} us here (fresh vs reused 256 MiB, best of 5)")
+    for k, v in runs.items():
+        faults = statistics.median(f for x in v for f in x.get("minor_faults", [0])[args.warmup:] or [0])
+        print(f"  {k:9s} minor page faults per step {faults:.0f}: {faults * cost:.2f} s of faults per step")
     med = {k: {"peak": statistics.median(x["peak_rss"] for x in v),
                "step": statistics.median(s for x in v for s in x["steps"][args.warmup:])} for k, v in runs.items()}
     print(f"\nGPT-2 {args.layers}x{args.hidden}, fp32, {args.micro_batch} x {args.seq_len} tokens, "
           f"medians of {args.rounds} round(s):")
     for k, m in med.items():
-        print(f"  {k:5s} peak RSS {m['peak'] / GiB:.2f} GiB   step {m['step']:.2f} s")
-    print(f"  ratio nvme/plain: peak RSS {med['nvme']['peak'] / med['plain']['peak']:.2f}x, "
-          f"step time {med['nvme']['step'] / med['plain']['step']:.2f}x")
+        print(f"  {k:9s} peak RSS {m['peak'] / GiB:.2f} GiB   step {m['step']:.2f} s")
+    for k in [k for k in runs if k != "plain"]:
+        print(f"  ratio {k}/plain: peak RSS {med[k]['peak'] / med['plain']['peak']:.2f}x, "
+              f"step time {med[k]['step'] / med['plain']['step']:.2f}x")
+    if "before" in med:
+        print(f"  ratio nvme/before: peak RSS {med['nvme']['peak'] / med['before']['peak']:.2f}x, "
+              f"step time {med['nvme']['step'] / med['before']['step']:.2f}x")
+    print("\nplain PyTorch's host memory at its peak (last round):")
+    show_account("at_peak", runs["plain"][-1]["accounts"]["at_peak"])
+    for kind in [k for k in runs if k != "plain"]:
+        print(f"\ninfinity's host memory by category ({kind}, last round):")
+        for name, acct in runs[kind][-1]["accounts"].items():
+            show_account(name, acct)
     last = runs["nvme"][-1]
-    print("\ninfinity's host memory by category (last round):")
-    for name, acct in last["accounts"].items():
-        show_account(name, acct)
     print("  planned (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(last["plan"]["host"].items())))
     peaks = last["accounts"]["end"]["mapped_peak"]
     print("  mapped peaks (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(peaks.items())))

@@ -115,3 +115,43 @@ def test_run_model_counts_the_bytes_a_step_moves(tmp_path):
     assert tel["nvme_params_write_bytes"] == 4 * opt.layout.param_total
     assert abs(written - predicted["write"]) <= 4 * opt.total // 4, (written, predicted)
     opt.engine.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_run_model_peak_rss_agrees_with_a_measured_run(tmp_path, tier):
+    """Issue 18: the run model's peak RSS (Note [run model]; what ``infinity.estimate
+    --step-time`` prints) is within 20% of the peak resident set of a real run of the tiny GPT-2
+    of scripts/check_run_model.py, trained in a fresh process (its VmHWM is its own)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from infinity import _runmodel as rm
+
+    layers, hidden, batch, seq = 2, 256, 4, 128  # check_run_model.MODELS["tiny"]
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "check_run_model.py")
+    spec = dict(layers=layers, hidden=hidden, batch=batch, seq=seq, tier=tier, nvme=str(tmp_path), steps=1, warmup=1)
+    proc = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    run = rm.Run(params=got["params"], layers=layers, hidden=hidden, heads=hidden // 64, vocab=50257,
+                 micro_batch=batch, seq_len=seq, param_tier=tier, optimizer_tier=tier)
+    predicted = sum(rm.host_memory(run).values())
+    assert 0.8 <= got["peak_rss"] / predicted <= 1.2, (got["peak_rss"] / 2**20, rm.host_memory(run))
+
+
+def test_released_allocator_keeps_no_freed_blocks():
+    """Note [allocator retained pages]: once released (what ``initialize`` does by default), blocks
+    of MMAP_THRESHOLD bytes or more are mappings of their own: freeing every other of 64 blocks of
+    2 MiB leaves no free pages in the C heap, where the arenas would keep the holes."""
+    from infinity._memory import malloc_bytes, release_freed_blocks
+
+    assert release_freed_blocks() and malloc_bytes() is not None  # this project runs on glibc
+    start = malloc_bytes()
+    blocks = [torch.ones(1 << 19) for _ in range(64)]  # 2 MiB each
+    del blocks[::2]
+    now = malloc_bytes()
+    assert now["retained"] - start["retained"] < 1 << 20, (start, now)
+    assert now["in_use"] - start["in_use"] >= 32 * (2 << 20)  # the 32 left are counted in use
