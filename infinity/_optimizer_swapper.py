@@ -89,7 +89,22 @@ class NvmeOptimizerStore:
         self._sq, self._finite, self._stats_valid = 0.0, True, accumulation_steps == 1
         self._io = {"step": [0, 0], "grad": [0, 0]}  # [read, written] bytes by the step's and the grads' handles
         self._coef = 1.0  # the gradients' scale (unscaling and clipping), applied inside the next update
+        self._master_writer = None  # the parameter store that writes the step's master weights, if any
         self._zero_files()
+
+    def master_written_by(self, param_store) -> None:
+        """Note [parameters from the master] in _placement.py: the parameter tier shares
+        master.swp and writes the step's master weights (its hand-off); the step writes only
+        the moments. Readers of the file wait for that store's writes too."""
+        self._master_writer = param_store
+
+    def count_master_write(self, nbytes: int) -> None:
+        self._io["step"][1] += nbytes
+
+    def _master_landed(self) -> None:
+        self._wait(self.head_io, "writing back the cached optimizer chunks")
+        if self._master_writer is not None:
+            self._master_writer.flush()
 
     @property
     def bytes_read(self) -> int:
@@ -130,7 +145,7 @@ class NvmeOptimizerStore:
         self._io["grad"][1] += values.numel() * 4
 
     def load_master(self, offset: int, values: torch.Tensor) -> None:
-        self._wait(self.head_io, "writing back the cached optimizer chunks")  # older values must land first
+        self._master_landed()  # older values must land first
         buf = values.contiguous().to(torch.float32)
         self._write(self.writers[0], "master", offset, buf)
         self._wait(self.writers[0], f"writing master weights at element {offset}")
@@ -138,7 +153,7 @@ class NvmeOptimizerStore:
             self._head_loaded = False  # the next update reads the cache afresh (Note [host cache])
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
-        self._wait(self.head_io, "writing back the cached optimizer chunks")  # the files are then complete
+        self._master_landed()  # the files are then complete
         out = torch.empty(numel, dtype=torch.float32)
         self._read(self.reader, "master", offset, out)
         self._wait(self.reader, f"reading master weights at element {offset}")
@@ -147,7 +162,7 @@ class NvmeOptimizerStore:
     def checkpoint_sources(self) -> dict:
         """The swap files of the master weights and moments, complete once the host cache's
         write-through has landed (Note [host cache]), for a checkpoint."""
-        self._wait(self.head_io, "writing back the cached optimizer chunks")
+        self._master_landed()
         return {name: self.paths[name] for name in _NAMES[:3]}
 
     def checkpoint_loaded(self) -> None:
@@ -315,7 +330,8 @@ class NvmeOptimizerStore:
             bufs["grad"].mul_(self._coef)
         fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
         for name in ("master", "exp_avg", "exp_avg_sq"):
-            self._write(writer, name, off, bufs[name])
+            if name != "master" or self._master_writer is None:  # else fn handed them to the parameter store
+                self._write(writer, name, off, bufs[name])
 
     def _tail_starts(self) -> list:
         return list(range(self.head, self.total, self.chunk))

@@ -97,8 +97,9 @@ class ParamStore:
     def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
-                 update_chunk: int = 0):
+                 update_chunk: int = 0, master=None):
         tier = Tier.of(tier)
+        self._master = master  # the NVMe optimizer store whose master.swp this tier shares (Note [parameters from the master])
         self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
         self.direct_reads = direct_reads  # reads land in the caller's buffers: the pool stays empty (Note [one memory model])
         self.tier, self.dtype, self.total = tier, dtype, total
@@ -107,8 +108,12 @@ class ParamStore:
         self.bytes_read = 0
         self.bytes_written = 0
         if tier is Tier.NVME:
-            self.path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
-                                    aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
+            if master is not None:  # fp32 on the master's layout: the step hands its master values to this tier
+                self.path = master.paths["master"]
+                master.master_written_by(self)
+            else:
+                self.path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
+                                        aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
             self._writers = [new_aio(aio_cfg) for _ in range(WRITE_HANDLES)]  # Note [write ordering]
             self._next_writer = 0
             self._writes: List[tuple] = []  # (start, end, handle) of writes not yet seen to land
@@ -166,7 +171,10 @@ class ParamStore:
         with self._lock:
             handle.pwrite(values, self.path, offset * values.element_size())
             self._writes.append((offset, end, handle))
-            self.bytes_written += values.numel() * values.element_size()
+            if self._master is None:
+                self.bytes_written += values.numel() * values.element_size()
+            else:  # master weights: the optimizer's bytes (Note [parameters from the master])
+                self._master.count_master_write(values.numel() * values.element_size())
             self._kept = [(o, t) for o, t in self._kept if o + t.numel() <= offset or o >= end]
             if keep and values.numel() * values.element_size() <= self._kept_cap:
                 self._kept.append((offset, values))
@@ -321,7 +329,7 @@ class ParamStore:
     def nbytes(self) -> dict:
         pool = self.pool or HostPool(0, 0, self.dtype, "")
         return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
-                                self.update_chunk))
+                                self.update_chunk, files=self._master is None))
 
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
@@ -330,16 +338,18 @@ class ParamStore:
 
     def checksums(self) -> dict:
         """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
-        sums = sums_of(getattr(self, "path", None))
+        sums = sums_of(getattr(self, "path", None)) if self._master is None else None  # master.swp: the optimizer's
         return {"params": sums} if sums else {}
 
     @staticmethod
-    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0) -> dict:
+    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0,
+             files: bool = True) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory.py): the shards on their tier;
-        on NVMe also the staging pool, and the step's output tensors (``handoff_bound``)."""
+        on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
+        ``files`` off: the shards are the optimizer's master.swp (Note [parameters from the master])."""
         own = total * itemsize
         if tier is Tier.NVME:
-            return {"nvme": {PARAM_FILES: own}, "host": {PARAM_STAGING: buffer_count * buffer_numel * itemsize,
+            return {"nvme": {PARAM_FILES: own if files else 0}, "host": {PARAM_STAGING: buffer_count * buffer_numel * itemsize,
                                                          PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
         return {tier.memory: {PARAM_SHARDS: own}}
 

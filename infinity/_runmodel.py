@@ -155,11 +155,12 @@ def host_memory(run: Run) -> dict:
     z, total, largest, max_shard, chunk, head, gim = _layout(run)
     isz = run.itemsize
     direct = run.ranks == 1 and run.device_is_host
-    fp32_master = run.dtype == "fp32" and run.param_tier == run.optimizer_tier and run.param_tier != "nvme"
+    fp32_master, in_file = _params_from_master(run)
     plan = store_plan(opt_tier=Tier(run.optimizer_tier), param_tier=Tier(run.param_tier), opt_total=total,
                       param_total=total, itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme",
                       lazy_grad=False, chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
                       staging_count=0 if direct else staging_buffers(z), params_are_master=fp32_master,
+                      params_in_master_file=in_file,
                       gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0)
     out = dict(plan["host"])
     if PARAM_HANDOFF in out:
@@ -187,13 +188,24 @@ def activation_bytes(run: Run) -> int:
     return int(run.tokens * scale * ACT_PER_LAYER * run.layers * run.hidden + logits)
 
 
+def _params_from_master(run: Run) -> tuple:
+    """(parameters are the master tensor, parameters live in master.swp): Note [parameters
+    from the master] in _placement.py, for a model without frozen parameters."""
+    if run.dtype != "fp32":
+        return False, False
+    in_host = run.optimizer_tier == "cpu" or run.optimizer_tier == "none" and run.device_is_host
+    aliased = run.param_tier == run.optimizer_tier != "nvme" or run.param_tier == "nvme" and in_host
+    return aliased, run.param_tier == run.optimizer_tier == "nvme"
+
+
 def nvme_bytes(run: Run) -> dict:
     """NVMe bytes a rank moves per step, as its stores move them (Note [run model])."""
     _, total, _, _, _, head, gim = _layout(run)
     read = write = 0
-    if run.param_tier == "nvme":
+    aliased, in_file = _params_from_master(run)
+    if run.param_tier == "nvme" and not aliased:
         read += total * run.itemsize  # backward re-reads; the forward takes the step's hand-off
-        write += total * run.itemsize
+        write += 0 if in_file else total * run.itemsize  # in master.swp: the optimizer's master write
     if run.optimizer_tier == "nvme":
         states = 3 * 4 * (total - head)
         read += states

@@ -82,7 +82,7 @@ def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
     sources = opt.store.checkpoint_sources()
     for name in STATE_ARRAYS:
         plan.append((sources[name], _named(merged(fp32), name)))
-    if opt.param_store is not None and not opt.aliased:
+    if opt.param_store is not None and not opt.aliased and not opt.placement.params_in_master_file:  # master.swp
         plan.append((opt.param_store.checkpoint_source(), _named(merged(params), "params")))
     plan += [(t, _named(items, "params")) for t, items in whole]
     return plan
