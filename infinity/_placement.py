@@ -43,6 +43,7 @@ class Placement:
     grads_in_memory: bool  # Note [gradients in host memory] in _optimizer_swapper.py
     params_are_master: bool  # fp32, master weights in memory: they are the parameter shards (Note [parameters from the master])
     params_in_master_file: bool  # fp32, both on NVMe: the parameter tier's file is master.swp (same note)
+    param_cache_elems: int  # Note [parameter cache] in _param_store.py
     gathered_reuse_bytes: int  # recycled gathered buffers (Note [recycled host memory] in _recycle.py)
     direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
 
@@ -64,8 +65,10 @@ class Placement:
         reuse = GATHERED_REUSE * layout.max_shard * world_size * itemsize \
             if partition_params and not acc.has_cuda() else 0  # a CUDA caching allocator already reuses memory
         direct = partition_params and world_size == 1 and not acc.has_cuda()  # FetchUnit._direct_read_buffer
+        cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total, itemsize) \
+            if param_tier is Tier.NVME and not params_are_master else 0
         return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, params_are_master,
-                   params_in_master_file, reuse, direct)
+                   params_in_master_file, cache, reuse, direct)
 
     @property
     def itemsize(self) -> int:
@@ -79,3 +82,15 @@ def gradients_in_host(choice: str, total: int) -> bool:
     if choice != "auto":
         return choice == "cpu"
     return 4 * total * ranks_here() <= psutil.virtual_memory().available // 4
+
+
+PARAM_CACHE_SHARE = 8  # the automatic parameter cache takes at most 1/8 of the available host memory
+
+
+def param_cache_elems(choice, total: int, itemsize: int) -> int:
+    """Elements of the parameter cache (``zero.offload_param.max_in_cpu``; Note [parameter
+    cache] in _param_store.py): the cap given, or automatically what fits in an eighth of the
+    host memory available now (shared by the ranks on this node); never more than the shards."""
+    if choice is None:
+        choice = psutil.virtual_memory().available // PARAM_CACHE_SHARE // ranks_here() // itemsize
+    return min(int(choice), total)

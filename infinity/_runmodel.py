@@ -160,7 +160,7 @@ def host_memory(run: Run) -> dict:
                       param_total=total, itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme",
                       lazy_grad=False, chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
                       staging_count=0 if direct else staging_buffers(z), params_are_master=fp32_master,
-                      params_in_master_file=in_file,
+                      params_in_master_file=in_file, param_cache=_param_cache(run, total),
                       gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0)
     out = dict(plan["host"])
     if PARAM_HANDOFF in out:
@@ -188,6 +188,18 @@ def activation_bytes(run: Run) -> int:
     return int(run.tokens * scale * ACT_PER_LAYER * run.layers * run.hidden + logits)
 
 
+def _param_cache(run: Run, total: int) -> int:
+    """Elements of the automatic parameter cache (Note [parameter cache] in _param_store.py)."""
+    import psutil
+
+    from ._placement import PARAM_CACHE_SHARE
+
+    if run.param_tier != "nvme" or _params_from_master(run)[0]:
+        return 0
+    mem = run.host_mem or psutil.virtual_memory().available
+    return min(total, mem // PARAM_CACHE_SHARE // run.ranks // run.itemsize)
+
+
 def _params_from_master(run: Run) -> tuple:
     """(parameters are the master tensor, parameters live in master.swp): Note [parameters
     from the master] in _placement.py, for a model without frozen parameters."""
@@ -204,7 +216,8 @@ def nvme_bytes(run: Run) -> dict:
     read = write = 0
     aliased, in_file = _params_from_master(run)
     if run.param_tier == "nvme" and not aliased:
-        read += total * run.itemsize  # backward re-reads; the forward takes the step's hand-off
+        # backward's re-reads of what the parameter cache does not hold; the forward takes the step's hand-off
+        read += (total - _param_cache(run, total)) * run.itemsize
         write += 0 if in_file else total * run.itemsize  # in master.swp: the optimizer's master write
     if run.optimizer_tier == "nvme":
         states = 3 * 4 * (total - head)
