@@ -169,7 +169,9 @@ def test_injected_io_failure_raises(tmp_path, dtype, swap_file):
     """fp32 parameters live in the master's file (Note [parameters from the master])."""
     from infinity.aio import AioError
 
-    model, opt = infinity.initialize(build("stack"), _config(3, "nvme", "nvme", str(tmp_path), dtype))
+    cfg = _config(3, "nvme", "nvme", str(tmp_path), dtype)
+    cfg["zero"]["offload_param"]["max_in_cpu"] = 0  # every fetch reads the file (no Note [parameter cache])
+    model, opt = infinity.initialize(build("stack"), cfg)
     x = torch.randn(4, 32, dtype=opt.engine.dtype)
     loss = model(x)
     loss.backward()
@@ -219,6 +221,7 @@ def test_fresh_shards_are_handed_off_to_the_next_forward(tmp_path):
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
     cfg = _config(3, "nvme", "nvme", str(tmp_path), gradient_accumulation_steps=2)
     cfg["zero"]["offload_optimizer"]["chunk_size"] = 2048  # several chunks per unit
+    cfg["zero"]["offload_param"]["max_in_cpu"] = 0  # else the parameter cache serves first (Note [parameter cache])
     torch.manual_seed(0)
     model, opt = infinity.initialize(_TailHeavy(), cfg)
     g = torch.Generator().manual_seed(3)
