@@ -564,7 +564,9 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, t
     shard = math.ceil(params / ranks)
     tshard = math.ceil(trainable / ranks)  # gradients and optimizer states exist for trainable parameters only
     tiers = {Tier.DEVICE: 0, Tier.CPU: 0, Tier.NVME: 0}                    # bytes per GPU
-    tiers[ptier] += prec.param * (shard if stage == 3 else params)
+    # Note [parameters from the master] in _placement.py: fp32 NVMe parameters without frozen ones are the master
+    from_master = stage == 3 and prec.name == "fp32" and ptier is Tier.NVME and trainable == params
+    tiers[otier if from_master else ptier] += prec.param * (shard if stage == 3 else params)
     if stage == 1:
         tiers[Tier.DEVICE] += prec.grad * trainable
         tiers[otier] += prec.optimizer * tshard
@@ -575,7 +577,7 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, t
               + terms.activation_working)
     if otier is Tier.NVME:
         tiers[Tier.NVME] -= prec.nvme_saving(tshard)
-    staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw)
+    staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, from_master)
     host = per_node * (tiers[Tier.CPU] + sum(staging.values()))
     nvme = per_node * tiers[Tier.NVME]
     if hw.device_is_host:     # one memory holds both tiers
@@ -587,7 +589,7 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, t
                      host_plan={k: per_node * v for k, v in staging.items()})
 
 
-def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw) -> dict:
+def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, from_master: bool = False) -> dict:
     """Host buffers of the NVMe tiers per GPU by category: the stores' own plan (Note [one
     memory model] in _memory.py) for a layout made from the shape, with the config's defaults
     (the preflight of a real run checks the same bytes)."""
@@ -607,7 +609,9 @@ def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw) -> dict:
     plan = store_plan(opt_tier=otier, param_tier=ptier if ptier is Tier.NVME else None, opt_total=tshard,
                       param_total=tshard, itemsize=prec.param, overlapped=False, lazy_grad=False, chunk=chunk, head=head,
                       grads_in_memory=grads_in_host, staging_numel=largest, staging_count=staging_buffers(z),
-                      params_are_master=False, gathered_bytes=0, moments=prec.moments)["host"]
+                      params_are_master=from_master and otier is not Tier.NVME,  # Note [parameters from
+                      params_in_master_file=from_master and otier is Tier.NVME,  # the master] in _placement.py
+                      gathered_bytes=0, moments=prec.moments)["host"]
     if otier is not Tier.NVME:  # the memory tier's states are the paper's terms (_placement), not buffers
         plan = {k: v for k, v in plan.items() if k not in (OPT_STATES, GRADIENTS)}
     plan.pop(PARAM_SHARDS, None)

@@ -35,7 +35,7 @@ from ._optimizer_swapper import NvmeOptimizerStore
 from ._param_groups import resolve_groups
 from ._param_store import ParamStore
 from ._phase import Calls
-from ._placement import Placement
+from ._placement import PARAM_CACHE_SHARE, Placement
 from ._prefetch import Prefetcher
 from ._preflight import preflight, staging_buffers
 from ._recycle import Recycler
@@ -118,7 +118,8 @@ def _build_engine(model: nn.Module, cfg):
             partitioned=policy.partition_params,
             persistence_threshold=cfg.zero.prefetch.persistence_threshold if policy.partition_params else 0,
             counters=counters, ledger=ledger, gathered=recycler, param_store=param_store,
-            params_are_master=placement.params_are_master, step_gate=gate, make_room=prefetcher.make_room,
+            params_are_master=placement.params_are_master or placement.params_in_master_file,  # nothing to write
+            step_gate=gate, make_room=prefetcher.make_room,
             calls=Calls())
         layout = placement.layout
         units = [FetchUnit(ctx, spec, layout.param_ranges[spec.index][0], layout.opt_offsets[spec.index])
@@ -155,9 +156,22 @@ def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: Sta
 def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store) -> ParamStore:
     """Stage 3's compute-dtype shards; the fp32 master itself where the two coincide."""
     z = cfg.zero
-    return ParamStore(placement.param_tier, placement.dtype, placement.layout.param_total,
-                      swap=swap_dirs.under(z.offload_param.nvme_path) if placement.param_tier is Tier.NVME else None,
-                      aio_cfg=cfg.aio, alias=opt_store.master if placement.params_are_master else None,
+    aliased = placement.params_are_master  # Note [parameters from the master] in _placement.py
+    if placement.param_tier is Tier.NVME and not aliased:  # Note [parameter cache] in _param_store.py
+        cache, total = placement.param_cache_elems, placement.layout.param_total
+        logger.info("parameter cache: %d of %d shard elements (%.0f MiB, %s) stay in host memory for backward's "
+                    "re-reads", cache, total, cache * placement.itemsize / 2**20,
+                    "zero.offload_param.max_in_cpu" if z.offload_param.max_in_cpu is not None else
+                    f"automatic: at most 1/{PARAM_CACHE_SHARE} of the available host memory")
+    if placement.param_tier is Tier.NVME and (aliased or placement.params_in_master_file):
+        logger.info("fp32 parameters on NVMe are read from the master weights (%s): no params.swp, no parameter "
+                    "writes in the step", "host memory" if aliased else "master.swp")
+    tier = placement.opt_tier if aliased else placement.param_tier
+    return ParamStore(tier, placement.dtype, placement.layout.param_total,
+                      swap=swap_dirs.under(z.offload_param.nvme_path) if tier is Tier.NVME else None,
+                      aio_cfg=cfg.aio, alias=opt_store.master if aliased else None,
+                      master=opt_store if placement.params_in_master_file else None,
+                      cache_elems=placement.param_cache_elems,
                       max_unit=placement.layout.max_shard, direct_reads=placement.direct_reads,
                       update_chunk=chunk_elems(z.offload_optimizer.chunk_size, placement.layout.opt_total),
                       buffer_size=z.offload_param.buffer_size, buffer_count=staging_buffers(z),

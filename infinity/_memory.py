@@ -50,6 +50,7 @@ from typing import Dict, Optional
 PARAM_SHARDS = "param_shards"
 PARAM_STAGING = "param_staging"
 PARAM_HANDOFF = "param_handoff"
+PARAM_CACHE = "param_cache"  # Note [parameter cache] in _param_store.py
 OPT_STATES = "optimizer_states"
 GRADIENTS = "gradients"
 OPT_BUFFERS = "optimizer_buffers"

@@ -118,6 +118,7 @@ class NvmeOptimizerStore:
         self._sq, self._finite, self._stats_valid = 0.0, True, accumulation_steps == 1
         self._io = {"step": [0, 0], "grad": [0, 0]}  # [read, written] bytes by the step's and the grads' handles
         self._coef = 1.0  # the gradients' scale (unscaling and clipping), applied inside the next update
+        self._master_writer = None  # the parameter store that writes the step's master weights, if any
         self._zero_files()
         # What trades host memory for disk traffic, said once (Note [host cache], [gradients in host memory])
         logger.info("optimizer states on NVMe: host cache of the first %d elements (%.0f MiB; "
@@ -133,6 +134,22 @@ class NvmeOptimizerStore:
         if self.codec is None:
             raise InvariantError("compressed-moment record used with fp32 moments")
         return self.codec
+
+    def master_written_by(self, param_store) -> None:
+        """Note [parameters from the master] in _placement.py: the parameter tier shares
+        master.swp and writes the step's master weights (its hand-off); the step writes only
+        the moments. Readers of the file wait for that store's writes too."""
+        self._master_writer = param_store
+
+    def count_master_write(self, nbytes: int) -> None:
+        """The parameter store wrote ``nbytes`` of master.swp for the step (Note [parameters from the master])."""
+        self._io["step"][1] += nbytes
+        self.array_io["master"][1] += nbytes
+
+    def _master_landed(self) -> None:
+        self._wait(self.head_io, "writing back the cached optimizer chunks")
+        if self._master_writer is not None:
+            self._master_writer.flush()
 
     @property
     def bytes_read(self) -> int:
@@ -198,7 +215,7 @@ class NvmeOptimizerStore:
         self._io["grad"][1] += values.numel() * 4
 
     def load_master(self, offset: int, values: torch.Tensor) -> None:
-        self._wait(self.head_io, "writing back the cached optimizer chunks")  # older values must land first
+        self._master_landed()  # older values must land first
         buf = values.contiguous().to(torch.float32)
         self._write(self.writers[0], "master", offset, buf)
         self._wait(self.writers[0], f"writing master weights at element {offset}")
@@ -206,7 +223,7 @@ class NvmeOptimizerStore:
             self._head_loaded = False  # the next update reads the cache afresh (Note [host cache])
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
-        self._wait(self.head_io, "writing back the cached optimizer chunks")  # the files are then complete
+        self._master_landed()  # the files are then complete
         out = torch.empty(numel, dtype=torch.float32)
         self._read(self.reader, "master", offset, out)
         self._wait(self.reader, f"reading master weights at element {offset}")
@@ -214,9 +231,10 @@ class NvmeOptimizerStore:
 
     def checkpoint_sources(self) -> dict:
         """The swap files of the master weights and moments, complete once the host cache's
-        write-through has landed (Note [host cache]), for a checkpoint; compressed moments
-        expanded into fp32 staging files (Note [compressed moments on disk])."""
-        self._wait(self.head_io, "writing back the cached optimizer chunks")
+        write-through has landed (Note [host cache]) and so have the parameter store's writes of
+        the master (Note [parameters from the master] in _placement.py), for a checkpoint;
+        compressed moments expanded into fp32 staging files (Note [compressed moments on disk])."""
+        self._master_landed()
         out = {name: self.paths[name] for name in _NAMES[:3]}
         for name in self._packed:
             out[name] = self._stage(name)
@@ -429,6 +447,8 @@ class NvmeOptimizerStore:
             bufs["grad"].mul_(self._coef)
         fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
         for name in ("master", "exp_avg", "exp_avg_sq"):
+            if name == "master" and self._master_writer is not None:
+                continue  # fn handed them to the parameter store, which writes them
             if name not in self._packed:
                 self._write(writer, name, off, bufs[name])
                 continue

@@ -18,7 +18,7 @@ import torch
 
 from . import _accelerator as acc
 from ._layout import ALIGN_ELEMS, round_up
-from ._memory import PARAM_FILES, PARAM_HANDOFF, PARAM_SHARDS, PARAM_STAGING, totals
+from ._memory import PARAM_CACHE, PARAM_FILES, PARAM_HANDOFF, PARAM_SHARDS, PARAM_STAGING, totals
 from ._recycle import Recycler
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 from ._tiers import Tier
@@ -92,13 +92,28 @@ class ParamStore:
     (not needed again before the next step); any other write over a range drops what was
     kept. The unit tensors come back through a Recycler (Note [recycled host memory] in
     _recycle.py).
+
+    Note [parameter cache]: backward fetches every unit again, in reverse order, and without
+    a cache each is an NVMe read of the shard forward just read. So a fetch also keeps a copy
+    of its shard in host memory (``remember``), whole units first come first kept, up to
+    ``cache_elems`` elements (``zero.offload_param.max_in_cpu``, DeepSpeed's knob and unit:
+    elements; per rank); a fetch takes its shard from there first (``cached``: a view, no
+    read). Entries are never stale: a write over a cached shard (the step's fresh output,
+    a checkpoint load, an edit) updates it in place, under the same lock, before the step
+    publishes the range (the step gate orders every fetch after that), so the next forward
+    is served from it too, and nothing on the disk is read again while the cache covers the
+    model. In-place updates are safe for the same reason as the step's in-place master
+    update: no fetch holds a unit's shard while the step rewrites it. The cache's memory is
+    its own ledger category (``param_cache``), allocated as it fills and never more than
+    the cap.
     """
 
     def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
-                 update_chunk: int = 0):
+                 update_chunk: int = 0, master=None, cache_elems: int = 0):
         tier = Tier.of(tier)
+        self._master = master  # the NVMe optimizer store whose master.swp this tier shares (Note [parameters from the master])
         self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
         self.direct_reads = direct_reads  # reads land in the caller's buffers: the pool stays empty (Note [one memory model])
         self.tier, self.dtype, self.total = tier, dtype, total
@@ -107,8 +122,12 @@ class ParamStore:
         self.bytes_read = 0
         self.bytes_written = 0
         if tier is Tier.NVME:
-            self.path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
-                                    aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
+            if master is not None:  # fp32 on the master's layout: the step hands its master values to this tier
+                self.path = master.paths["master"]
+                master.master_written_by(self)
+            else:
+                self.path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
+                                        aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
             self._writers = [new_aio(aio_cfg) for _ in range(WRITE_HANDLES)]  # Note [write ordering]
             self._next_writer = 0
             self._writes: List[tuple] = []  # (start, end, handle) of writes not yet seen to land
@@ -131,6 +150,9 @@ class ParamStore:
             self._span_starts = [a for a, _ in self._spans]
             self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
             self._outputs = Recycler(self._kept_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
+            self.cache_elems = cache_elems  # Note [parameter cache]
+            self._cache: dict = {}  # unit offset -> its shard in host memory
+            self._cached = 0  # elements in _cache
         elif alias is not None:
             self.flat = alias
         elif tier is Tier.CPU:
@@ -166,8 +188,12 @@ class ParamStore:
         with self._lock:
             handle.pwrite(values, self.path, offset * values.element_size())
             self._writes.append((offset, end, handle))
-            self.bytes_written += values.numel() * values.element_size()
+            if self._master is None:
+                self.bytes_written += values.numel() * values.element_size()
+            else:  # master weights: the optimizer's bytes (Note [parameters from the master])
+                self._master.count_master_write(values.numel() * values.element_size())
             self._kept = [(o, t) for o, t in self._kept if o + t.numel() <= offset or o >= end]
+            self._update_cache(offset, values)
             if keep and values.numel() * values.element_size() <= self._kept_cap:
                 self._kept.append((offset, values))
                 while sum(t.numel() for _, t in self._kept) * values.element_size() > self._kept_cap:
@@ -224,6 +250,39 @@ class ParamStore:
                 upto = min(upto, a)
         return upto
 
+    def _update_cache(self, offset: int, values: torch.Tensor) -> None:
+        """Note [parameter cache]: a write covering a cached shard (the step writes a unit's
+        slot, padding included) updates it; one covering part of it drops it (caller holds
+        the lock)."""
+        end = offset + values.numel()
+        for o in [o for o, t in self._cache.items() if o < end and o + t.numel() > offset]:
+            t = self._cache[o]
+            if offset <= o and o + t.numel() <= end:
+                t.copy_(values[o - offset : o - offset + t.numel()])
+            else:
+                self._cached -= self._cache.pop(o).numel()
+
+    def cached(self, offset: int, numel: int) -> Optional[torch.Tensor]:
+        """The shard at ``offset`` from the parameter cache, if it holds it (Note [parameter cache])."""
+        if not self.cache_elems:
+            return None
+        with self._lock:
+            t = self._cache.get(offset)
+        return t if t is not None and t.numel() == numel else None
+
+    def remember(self, offset: int, shard: torch.Tensor) -> None:
+        """Keep a copy of a fetched shard in the parameter cache while it has room (Note
+        [parameter cache]); a full cache keeps what it has."""
+        n = shard.numel()
+        with self._lock:
+            if offset in self._cache or self._cached + n > self.cache_elems:
+                return
+            self._cached += n
+        t = aligned_empty(n, self.dtype, what=PARAM_CACHE, hugepage=n * self.itemsize >= 2 << 20)
+        t.copy_(shard)
+        with self._lock:
+            self._cache[offset] = t
+
     def take_kept(self, offset: int, numel: int) -> Optional[torch.Tensor]:
         """[offset, offset + numel) as a view of the step's kept output, if a kept unit
         tensor holds it all. A fetch of that unit (the range starts where the tensor does)
@@ -255,6 +314,7 @@ class ParamStore:
         if self.flat is None:
             with self._lock:
                 self._kept = []
+                self._cache, self._cached = {}, 0
 
     def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:
         """Note [write ordering]: the overlapped step publishes a range before its write has
@@ -321,25 +381,31 @@ class ParamStore:
     def nbytes(self) -> dict:
         pool = self.pool or HostPool(0, 0, self.dtype, "")
         return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
-                                self.update_chunk))
+                                self.update_chunk, files=self._master is None,
+                                cache=getattr(self, "cache_elems", 0)))
 
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
         if self.tier is Tier.NVME:
             close_handles(self._writers + self._all_readers)
+            self._cache, self._cached = {}, 0  # Note [parameter cache]: its memory goes with the engine
 
     def checksums(self) -> dict:
         """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
-        sums = sums_of(getattr(self, "path", None))
+        sums = sums_of(getattr(self, "path", None)) if self._master is None else None  # master.swp: the optimizer's
         return {"params": sums} if sums else {}
 
     @staticmethod
-    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0) -> dict:
+    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0,
+             files: bool = True, cache: int = 0) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory.py): the shards on their tier;
-        on NVMe also the staging pool, and the step's output tensors (``handoff_bound``)."""
+        on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
+        ``files`` off: the shards are the optimizer's master.swp (Note [parameters from the master]);
+        ``cache``: elements of the parameter cache (Note [parameter cache])."""
         own = total * itemsize
         if tier is Tier.NVME:
-            return {"nvme": {PARAM_FILES: own}, "host": {PARAM_STAGING: buffer_count * buffer_numel * itemsize,
+            return {"nvme": {PARAM_FILES: own if files else 0}, "host": {PARAM_CACHE: min(cache, total) * itemsize,
+                                                                        PARAM_STAGING: buffer_count * buffer_numel * itemsize,
                                                          PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
         return {tier.memory: {PARAM_SHARDS: own}}
 

@@ -31,7 +31,8 @@ GiB = float(1 << 30)
 
 def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsize: int, overlapped: bool,
                lazy_grad: bool, chunk: int, head: int, grads_in_memory: bool, staging_numel: int,
-               staging_count: int, params_are_master: bool, gathered_bytes: int, moments: str = "fp32") -> Plan:
+               staging_count: int, params_are_master: bool, gathered_bytes: int, moments: str = "fp32",
+               params_in_master_file: bool = False, param_cache: int = 0) -> Plan:
     """The bytes of every store for a plan (Note [one memory model]). ``param_tier`` is None
     when parameters stay whole (stages 1-2); ``gathered_bytes`` is the gathered recycler's
     capacity (0 with an accelerator, whose caching allocator reuses device memory)."""
@@ -41,7 +42,9 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
         plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
     if param_tier is not None:
         if not params_are_master:
-            plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count, chunk))
+            plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count, chunk,
+                                         files=not params_in_master_file,  # Note [parameters from the master]
+                                         cache=param_cache))  # Note [parameter cache] in _param_store.py
         plans.append({"device": {GATHERED: gathered_bytes}})
     return merge(*plans)
 
@@ -61,7 +64,8 @@ def plan(placement: "Placement", cfg) -> dict:
         grads_in_memory=placement.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, layout.max_shard),
         staging_count=0 if placement.direct_reads else staging_buffers(z),
         params_are_master=placement.params_are_master, gathered_bytes=placement.gathered_reuse_bytes,
-        moments=z.offload_optimizer.moments)
+        moments=z.offload_optimizer.moments, params_in_master_file=placement.params_in_master_file,
+        param_cache=placement.param_cache_elems)
     need: dict = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
                   "categories": cats}
     for cat, path in ((OPT_FILES, z.offload_optimizer.nvme_path), (PARAM_FILES, z.offload_param.nvme_path)):

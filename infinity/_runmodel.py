@@ -274,11 +274,12 @@ def host_memory(run: Run) -> dict:
     z, total, largest, max_shard, chunk, head, gim = _layout(run)
     isz = run.itemsize
     direct = run.ranks == 1 and run.device_is_host
-    fp32_master = run.dtype == "fp32" and run.param_tier == run.optimizer_tier and run.param_tier != "nvme"
+    fp32_master, in_file = _params_from_master(run)
     plan = store_plan(opt_tier=Tier(run.optimizer_tier), param_tier=Tier(run.param_tier), opt_total=total,
                       param_total=total, itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme",
                       lazy_grad=False, chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
                       staging_count=0 if direct else staging_buffers(z), params_are_master=fp32_master,
+                      params_in_master_file=in_file, param_cache=_param_cache(run, total),
                       gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0,
                       moments=run.moments)
     out = dict(plan["host"])
@@ -307,6 +308,28 @@ def activation_bytes(run: Run) -> int:
     return int(run.tokens * scale * ACT_PER_LAYER * run.layers * run.hidden + logits)
 
 
+def _param_cache(run: Run, total: int) -> int:
+    """Elements of the automatic parameter cache (Note [parameter cache] in _param_store.py)."""
+    import psutil
+
+    from ._placement import PARAM_CACHE_SHARE
+
+    if run.param_tier != "nvme" or _params_from_master(run)[0]:
+        return 0
+    mem = run.host_mem or psutil.virtual_memory().available
+    return min(total, mem // PARAM_CACHE_SHARE // run.ranks // run.itemsize)
+
+
+def _params_from_master(run: Run) -> tuple:
+    """(parameters are the master tensor, parameters live in master.swp): Note [parameters
+    from the master] in _placement.py, for a model without frozen parameters."""
+    if run.dtype != "fp32":
+        return False, False
+    in_host = run.optimizer_tier == "cpu" or run.optimizer_tier == "none" and run.device_is_host
+    aliased = run.param_tier == run.optimizer_tier != "nvme" or run.param_tier == "nvme" and in_host
+    return aliased, run.param_tier == run.optimizer_tier == "nvme"
+
+
 def nvme_bytes(run: Run) -> dict:
     """NVMe bytes a rank moves per step, as its stores move them (Note [run model])."""
     from ._moments import file_bytes
@@ -314,9 +337,11 @@ def nvme_bytes(run: Run) -> dict:
     _, total, _, _, chunk, head, gim = _layout(run)
     per_elem = 4 + 2 * file_bytes(run.moments, total, chunk) / total  # master + both moments as stored
     read = write = 0
-    if run.param_tier == "nvme":
-        read += total * run.itemsize  # backward re-reads; the forward takes the step's hand-off
-        write += total * run.itemsize
+    aliased, in_file = _params_from_master(run)
+    if run.param_tier == "nvme" and not aliased:
+        # backward's re-reads of what the parameter cache does not hold; the forward takes the step's hand-off
+        read += (total - _param_cache(run, total)) * run.itemsize
+        write += 0 if in_file else total * run.itemsize  # in master.swp: the optimizer's master write
     if run.optimizer_tier == "nvme":
         states = int(per_elem * (total - head))
         read += states

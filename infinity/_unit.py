@@ -84,6 +84,7 @@ class _Staging:
     pool_buffer: Optional[torch.Tensor] = None  # the staging buffer the read lands in, given back after the copy
     direct: Optional[torch.Tensor] = None  # one rank: a recycled gathered buffer the shard is read straight into
     handoff: Optional[torch.Tensor] = None  # the shard the step handed off (Note [hand-off] in _param_store.py)
+    cached: bool = False  # ``handoff`` is the parameter cache's copy (Note [parameter cache] in _param_store.py)
     device_shard: Optional[torch.Tensor] = None  # DEVICE: the shard on the device
     h2d: object = None  # DEVICE: the event of its host->device copy
     copied: bool = False  # DEVICE: the device shard is a copy (CUDA), not the host tensor itself
@@ -333,10 +334,15 @@ class FetchUnit:
         staging = _Staging()
         if not self.store.resident:
             nbytes = self.shard_numel * self.store.itemsize
-            staging.handoff = self.store.take_kept(self.param_offset, self.shard_numel)  # Note [hand-off]
-            if staging.handoff is not None:
-                self.ctx.counters.bytes["param_handoff"] += nbytes
+            staging.handoff = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache]
+            staging.cached = staging.handoff is not None
+            if staging.cached:
+                self.ctx.counters.bytes["param_cache"] += nbytes
             else:
+                staging.handoff = self.store.take_kept(self.param_offset, self.shard_numel)  # Note [hand-off]
+                if staging.handoff is not None:
+                    self.ctx.counters.bytes["param_handoff"] += nbytes
+            if staging.handoff is None:
                 into = self._direct_read_buffer()
                 with self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
                     staging.read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
@@ -379,6 +385,8 @@ class FetchUnit:
             src = staging.direct[: self.shard_numel]
         else:
             src = staging.handoff if staging.handoff is not None else self.shard()
+        if not self.store.resident and not staging.cached:
+            self.store.remember(self.param_offset, src)  # Note [parameter cache]
         staging.device_shard, staging.h2d = acc.start_copy_to_device(src)
         staging.copied = staging.device_shard is not src
         if staging.copied:

@@ -370,7 +370,7 @@ def test_deepspeed_unsupported_keys_listed_by_full_path(nvme_dir):
     ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
     ds["optimizer"]["params"]["amsgrad"] = True
     ds["flops_profiler"] = {"enabled": True}
-    tuning = ["zero_optimization.stage3_max_reuse_distance", "zero_optimization.offload_param.max_in_cpu",
+    tuning = ["zero_optimization.stage3_max_reuse_distance",  # offload_param.max_in_cpu is a cap of ours now
               "zero_optimization.overlap_comm", "aio.use_gds", "flops_profiler"]
     err = _error(lambda d: Config.from_deepspeed(d, strict=True), ds)  # strict: every key must count
     assert sorted(err.keys) == sorted(tuning + ["optimizer.params.amsgrad"])
@@ -378,6 +378,8 @@ def test_deepspeed_unsupported_keys_listed_by_full_path(nvme_dir):
     assert "reuse-distance" in str(err)
     err = _error(Config.from_deepspeed, ds)  # by default only what would change the result is refused
     assert err.keys == ["optimizer.params.amsgrad"] and "amsgrad" in str(err)
+    del ds["optimizer"]["params"]["amsgrad"]
+    assert Config.from_deepspeed(ds).zero.offload_param.max_in_cpu == 10**9  # the parameter cache's cap
 
 
 def test_deepspeed_non_strict_warns_and_records(nvme_dir, infinity_logs):

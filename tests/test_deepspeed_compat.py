@@ -18,7 +18,7 @@ from infinity.config import Config, ConfigError
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "deepspeed"
 NVME_TUNING = ["zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.fast_init",
-               "zero_optimization.offload_param.max_in_cpu", "zero_optimization.stage3_max_reuse_distance"]
+               "zero_optimization.stage3_max_reuse_distance"]  # offload_param.max_in_cpu: the parameter cache
 CASES = {  # file: (tuning keys warned about, precision, scheduler)
     "ds_zero3_nvme_auto.json": (NVME_TUNING, "fp32", "WarmupLR"),
     "ds_zero3_bf16_cpu_auto.json": (["zero_optimization.stage3_max_reuse_distance"], "fp32", "WarmupDecayLR"),

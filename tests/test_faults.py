@@ -52,14 +52,15 @@ CASES = [
 ]
 
 
-def _config(nvme):
-    return streamed_nvme_config(nvme, timeout=IO_TIMEOUT)
+def _config(nvme, kind):
+    # the parameters' own file exists in bf16 only (fp32: Note [parameters from the master])
+    return streamed_nvme_config(nvme, "bf16" if kind == "params" else "fp32", timeout=IO_TIMEOUT)
 
 
 def run_case(nvme, kind, op, fault, arg):
     """Train a step, arm the fault on ``kind``'s swap file, train on: (the error, seconds from
     arming to the error, the losses, whether the swap directory is gone after close)."""
-    model, opt = infinity.initialize(gpt2(), _config(nvme))
+    model, opt = infinity.initialize(gpt2(), _config(nvme, kind))
     losses = []
     train_into(model, opt, 1, losses)
     path = opt.param_store.path if kind == "params" else opt.store.paths[kind]

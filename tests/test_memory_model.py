@@ -94,14 +94,16 @@ def test_estimate_reads_the_store_plan():
     assert set(p.host_plan) >= {"optimizer_buffers", "param_handoff"}
 
 
-def test_run_model_counts_the_bytes_a_step_moves(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_run_model_counts_the_bytes_a_step_moves(tmp_path, dtype):
     """The run model's NVMe bytes per step (Note [run model]) are the stores' counters of a real
-    steady-state step, within what the hand-off saves or misses (a few units)."""
+    steady-state step, within what the hand-off saves or misses (a few units). fp32 parameters
+    are the master's (Note [parameters from the master] in _placement.py): none written."""
     from _models import VOCAB
 
     from infinity import _runmodel as rm
 
-    cfg = zero_config(3, param="nvme", optim="nvme", nvme=str(tmp_path))  # default chunk and host cache, as the model
+    cfg = zero_config(3, param="nvme", optim="nvme", nvme=str(tmp_path), dtype=dtype)  # default chunk and host cache
     model, opt = infinity.initialize(build("gpt2"), cfg)
     train_losses(model, opt, "gpt2", 2)
     opt.wait_step()
@@ -110,9 +112,9 @@ def test_run_model_counts_the_bytes_a_step_moves(tmp_path):
     opt.wait_step()
     tel = opt.engine.telemetry()
     written = tel["nvme_optimizer_write_bytes"] + tel["nvme_params_write_bytes"]
-    run = rm.Run(params=opt.total, layers=2, hidden=32, heads=2, vocab=VOCAB, micro_batch=1, seq_len=12)
+    run = rm.Run(params=opt.total, layers=2, hidden=32, heads=2, vocab=VOCAB, micro_batch=1, seq_len=12, dtype=dtype)
     predicted = rm.nvme_bytes(run)
-    assert tel["nvme_params_write_bytes"] == 4 * opt.layout.param_total
+    assert tel["nvme_params_write_bytes"] == (0 if dtype == "fp32" else 2 * opt.layout.param_total)
     assert abs(written - predicted["write"]) <= 4 * opt.total // 4, (written, predicted)
     opt.engine.close()
 

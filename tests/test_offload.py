@@ -164,18 +164,23 @@ def test_preflight_refuses_what_does_not_fit(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []  # refused before creating anything
 
 
-def test_injected_io_failure_raises(tmp_path):
+@pytest.mark.parametrize("dtype,swap_file", [("bf16", "params.swp"), ("fp32", "master.swp")])
+def test_injected_io_failure_raises(tmp_path, dtype, swap_file):
+    """fp32 parameters live in the master's file (Note [parameters from the master])."""
     from infinity.aio import AioError
 
-    model, opt = infinity.initialize(build("stack"), _config(3, "nvme", "nvme", str(tmp_path)))
-    loss = model(torch.randn(4, 32))
+    cfg = _config(3, "nvme", "nvme", str(tmp_path), dtype)
+    cfg["zero"]["offload_param"]["max_in_cpu"] = 0  # every fetch reads the file (no Note [parameter cache])
+    model, opt = infinity.initialize(build("stack"), cfg)
+    x = torch.randn(4, 32, dtype=opt.engine.dtype)
+    loss = model(x)
     loss.backward()
     opt.step()
     opt.wait_step()  # the overlapped step has written every shard: now inject the failure
     path = opt.param_store.path
     os.truncate(path, 0)  # the parameter shards vanish under the engine
-    with pytest.raises(AioError, match="params.swp"):
-        model(torch.randn(4, 32))
+    with pytest.raises(AioError, match=swap_file):
+        model(x)
     opt.engine.close()
 
 
@@ -200,10 +205,12 @@ def test_io_wait_timeout_names_the_shard_and_rank(tmp_path, monkeypatch):
     from infinity import _comm
 
     torch.manual_seed(0)
-    model, opt = infinity.initialize(torch.nn.Linear(4096, 4096), _config(3, "nvme", "none", str(tmp_path)))
+    # bf16: fp32 parameters would be read from the master weights in memory (Note [parameters from the master])
+    cfg = _config(3, "nvme", "none", str(tmp_path), "bf16")
+    model, opt = infinity.initialize(torch.nn.Linear(4096, 4096), cfg)
     monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 1e-6)
     with pytest.raises(TimeoutError, match=r"the shard of <root> \(2 params, first weight\) on rank 0"):
-        model(torch.randn(2, 4096))
+        model(torch.randn(2, 4096, dtype=torch.bfloat16))
     monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 600.0)
     opt.engine.close()
 
@@ -214,6 +221,7 @@ def test_fresh_shards_are_handed_off_to_the_next_forward(tmp_path):
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
     cfg = _config(3, "nvme", "nvme", str(tmp_path), gradient_accumulation_steps=2)
     cfg["zero"]["offload_optimizer"]["chunk_size"] = 2048  # several chunks per unit
+    cfg["zero"]["offload_param"]["max_in_cpu"] = 0  # else the parameter cache serves first (Note [parameter cache])
     torch.manual_seed(0)
     model, opt = infinity.initialize(_TailHeavy(), cfg)
     g = torch.Generator().manual_seed(3)

@@ -37,8 +37,11 @@ def _config(stage, param, optim, nvme, *, prefetch=True, persist=DEFAULT_PERSIST
     pf = {"enabled": prefetch, **prefetch_extra}
     if persist is not None:
         pf["persistence_threshold"] = persist
-    return zero_config(stage, param=param if stage == 3 else None, optim=optim, nvme=nvme, chunk=4096, bucket=3000,
-                       prefetch=pf, adam="adamw", lr=LR, weight_decay=0.01, clip=CLIP)
+    cfg = zero_config(stage, param=param if stage == 3 else None, optim=optim, nvme=nvme, chunk=4096, bucket=3000,
+                      prefetch=pf, adam="adamw", lr=LR, weight_decay=0.01, clip=CLIP)
+    if param == "nvme":  # the prefetcher's reads, not the parameter cache's hits (tests/test_param_cache.py)
+        cfg["zero"]["offload_param"]["max_in_cpu"] = 0
+    return cfg
 
 
 def _train(kind, cfg, steps=STEPS):
@@ -247,7 +250,9 @@ def test_backward_keeps_what_forward_ended_with(tmp_path):
     reads = {}
     for prefetch in (False, True):
         torch.manual_seed(0)
-        model, opt = infinity.initialize(Stack(dim=64, depth=8), _config(3, "nvme", "none", str(tmp_path),
+        # optimizer on NVMe: fp32 parameters with the master in memory would be the master (Note [parameters
+        # from the master] in _placement.py), fetched without a read or a hand-off
+        model, opt = infinity.initialize(Stack(dim=64, depth=8), _config(3, "nvme", "nvme", str(tmp_path),
                                                                           prefetch=prefetch, persist=0))
         g = torch.Generator().manual_seed(5)
         per_step = []
@@ -274,8 +279,8 @@ def _tied_fetches(tmp_path, prefetch, max_live=None):
     from infinity import _unit
 
     extra = {} if max_live is None else {"max_live_parameters": max_live}
-    model, opt = infinity.initialize(gpt2(), _config(3, "nvme", "none", str(tmp_path), prefetch=prefetch,
-                                                     persist=0, **extra))
+    model, opt = infinity.initialize(gpt2(), _config(3, "nvme", "nvme", str(tmp_path), prefetch=prefetch,
+                                                     persist=0, **extra))  # as in the test above
     fetched, real = [], _unit.FetchUnit.stage_to_host
 
     def counting(unit, **kw):

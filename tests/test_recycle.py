@@ -67,11 +67,15 @@ def test_engine_reuses_handoff_and_gathered_buffers(tmp_path, optim):
     """Params on NVMe: the step's output tensors and the gathered buffers of fetches read
     from disk come back, and the losses equal training without offload. One rank without an
     accelerator reads shards straight into gathered buffers: no staging buffer is ever made."""
+    # bf16 with the optimizer in memory: fp32 parameters would be the master tensor itself (Note
+    # [parameters from the master] in _placement.py), with nothing on disk to read
+    dtype = "bf16" if optim == "cpu" else "fp32"
+
     def config(param, opt):
-        zero = {"stage": 3, "offload_param": {"device": param, "nvme_path": str(tmp_path)},
+        zero = {"stage": 3, "offload_param": {"device": param, "nvme_path": str(tmp_path), "max_in_cpu": 0},
                 "offload_optimizer": {"device": opt, "nvme_path": str(tmp_path), "chunk_size": 4096},
                 "prefetch": {"persistence_threshold": 0}}  # every unit fetched again in backward, from disk
-        return {"zero": zero, "optimizer": {"lr": 2e-3}, "gradient_clipping": 0.5}
+        return {"zero": zero, "optimizer": {"lr": 2e-3}, "gradient_clipping": 0.5, "precision": {"dtype": dtype}}
 
     model, opt = infinity.initialize(build("gpt2"), config("none", "none"))
     ref = train_losses(model, opt, "gpt2", 5)

@@ -40,6 +40,8 @@ def load_checkpoint(directory, model, optimizer, tag=None) -> dict:
         plan = _plan(engine, opt, reader)
         agree(_verify(reader, plan, engine.rank), "load_checkpoint")
         for dest, items in plan:
+            if dest is None:
+                continue
             copy_into(reader.mover, [(reader.file(rel), off, n) for rel, off, _, n in items], dest,
                       [at for _, _, at, _ in items])
     finally:
@@ -82,8 +84,11 @@ def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
     sources = opt.store.checkpoint_sources()
     for name in STATE_ARRAYS:
         plan.append((sources[name], _named(merged(fp32), name)))
-    if opt.param_store is not None and not opt.aliased:
-        plan.append((opt.param_store.checkpoint_source(), _named(merged(params), "params")))
+    if opt.param_store is not None:
+        # the master weights hold the parameters (Note [parameters from the master] in _placement.py): the
+        # parameter files are verified (None: not loaded), so a damaged one is still refused
+        shared = opt.aliased or opt.placement.params_in_master_file
+        plan.append((None if shared else opt.param_store.checkpoint_source(), _named(merged(params), "params")))
     plan += [(t, _named(items, "params")) for t, items in whole]
     return plan
 

@@ -47,6 +47,7 @@ RENAMES = {
     "zero_optimization.offload_param.nvme_path": "zero.offload_param.nvme_path",
     "zero_optimization.offload_param.buffer_size": "zero.offload_param.buffer_size",
     "zero_optimization.offload_param.buffer_count": "zero.offload_param.buffer_count",
+    "zero_optimization.offload_param.max_in_cpu": "zero.offload_param.max_in_cpu",
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer.device",
     "zero_optimization.offload_optimizer.nvme_path": "zero.offload_optimizer.nvme_path",
     "zero_optimization.sub_group_size": "zero.offload_optimizer.chunk_size",
@@ -108,7 +109,6 @@ TUNING = {
     "along the recorded trace; there is no reuse-distance cache",
     "zero_optimization.allgather_bucket_size": "all-gathers are coalesced per fetch unit (one submodule), "
     "not by a byte bucket",
-    "zero_optimization.offload_param.max_in_cpu": _HOST_POOL,
     "zero_optimization.offload_optimizer.buffer_count": "the optimizer swapper streams fixed chunks; size them "
     "with zero.offload_optimizer.chunk_size",
     "zero_optimization.offload_optimizer.fast_init": "optimizer swap files are written once, chunk by chunk",

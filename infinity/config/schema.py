@@ -72,6 +72,10 @@ class OffloadConfig:
                                       gt=0)
     buffer_count: Optional[int] = _opt(None, "number of staging buffers; null = from the prefetch depth",
                                        gt=0)
+    max_in_cpu: Optional[int] = _opt(None, "nvme: elements of this rank's parameter shards kept in host memory once "
+                                     "fetched, serving backward's re-reads (DeepSpeed's offload_param.max_in_cpu); "
+                                     "null = automatic (up to an eighth of the available host memory), 0 = none",
+                                     ge=0)
 
     _cross_check = _check_offload_section
 
