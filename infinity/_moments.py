@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ._layout import round_up
+from .errors import UsageError
 
 BLOCK = 2048  # elements per int8 scale (ALIGN_ELEMS: every chunk is whole blocks)
 RECORD_ALIGN = 4096  # O_DIRECT: records start and end on 4 KiB
@@ -46,7 +47,7 @@ class Codec:
 
     def __init__(self, mode: str, chunk: int, native: bool = True, threads: int = 1):
         if mode not in MODES[1:]:
-            raise ValueError(f"no compressed records for moments {mode!r}")
+            raise UsageError(f"no compressed records for moments {mode!r}; use one of {', '.join(MODES[1:])}")
         self.mode, self.chunk = mode, chunk
         self.record = record_bytes(mode, chunk)
         self.threads = threads

@@ -464,7 +464,8 @@ def test_each_engine_has_its_own_device_budget(tmp_path):
     engine's peak is its own."""
     torch.manual_seed(0)
     base = OneBlock()
-    common = dict(param="nvme", nvme=str(tmp_path), lr=LR, prefetch=NO_PERSIST)
+    # master weights on NVMe: the gathered parameters are read into buffers of their own (charged)
+    common = dict(param="nvme", optim="nvme", nvme=str(tmp_path), lr=LR, prefetch=NO_PERSIST)
     big_model, _ = infinity.initialize(copy.deepcopy(base), zero_config(3, **common))
     with infinity.GatheredParameters(list(big_model.parameters())):  # every byte of one engine held
         held = engine_of(big_model).device_budget.stats().allocated
