@@ -343,12 +343,13 @@ def nvme_bytes(run: Run) -> dict:
         read += (total - _param_cache(run, total)) * run.itemsize
         write += 0 if in_file else total * run.itemsize  # in master.swp: the optimizer's master write
     if run.optimizer_tier == "nvme":
-        states = int(per_elem * (total - head))
+        cached = min(head, total)  # the head is whole chunks: it may end past the last element
+        states = int(per_elem * (total - cached))
         read += states
-        write += states + int(per_elem * head)  # the host cache is write-through (Note [host cache])
+        write += states + int(per_elem * cached)  # the host cache is write-through (Note [host cache])
         if not gim:
-            read += 4 * (total - head)
-            write += 4 * (total - head)
+            read += 4 * (total - cached)
+            write += 4 * (total - cached)
     return {"read": read, "write": write}
 
 

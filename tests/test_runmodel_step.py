@@ -52,3 +52,12 @@ def test_the_projection_cli_names_the_node_and_the_bottleneck(node, ranks, capsy
     assert estimate_main(["--params", "1T", "--hardware", node, "--micro-batch", "7", "--step-time"]) == 0
     out = capsys.readouterr().out
     assert f"{ranks} rank(s)" in out and "bottleneck: nvme" in out and rm.NODES[node][0].name in out
+
+
+def test_a_host_cache_past_the_last_element_moves_no_negative_bytes():
+    """The optimizer's host cache is whole chunks, so on a small model it ends past the last
+    element: everything is cached, nothing is read, and every state is written through once."""
+    run = rm.Run(params=2_000_000, layers=2, hidden=256, heads=4, vocab=50257, micro_batch=4, seq_len=128,
+                 optimizer_tier="nvme", param_tier="nvme")
+    _, total, *_ = rm._layout(run)
+    assert rm.nvme_bytes(run) == {"read": 0, "write": 12 * total}
