@@ -83,7 +83,7 @@ class ParamStore:
     Note [hand-off]: on the NVMe tier, the shards the optimizer step has just written
     also stay in host memory, up to HANDOFF_BUFFERS staging buffers' worth, oldest dropped
     first. The next forward fetches units in the order the step produces them, so most
-    fetches take their shard from there (``take_kept``: a view) instead of an NVMe read that
+    fetches take their shard from there (``take_handoff``: a view) instead of an NVMe read that
     would compete with the step's own I/O, and without a staging buffer. The step puts its
     fresh values straight into one tensor per unit (``step_outputs``), whatever its
     chunking, and writes and keeps each once complete (``step_outputs_done``): so no fetch
@@ -143,13 +143,13 @@ class ParamStore:
             self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool", PARAM_STAGING)
             self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
             self._all_readers = list(self._readers)  # a reader is out of the list while its read is pending
-            self._kept: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
-            self._kept_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
+            self._handoff: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
+            self._handoff_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
             self._lock = threading.Lock()  # the step's thread writes while the forward reads
             self._spans = [(a, a + n) for a, n in slots or []]  # each trainable unit's slot (Note [frozen parameters])
             self._span_starts = [a for a, _ in self._spans]
             self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
-            self._outputs = Recycler(self._kept_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
+            self._outputs = Recycler(self._handoff_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
             self.cache_elems = cache_elems  # Note [parameter cache]
             self._cache: dict = {}  # unit offset -> its shard in host memory
             self._cached = 0  # elements in _cache
@@ -192,12 +192,12 @@ class ParamStore:
                 self.bytes_written += values.numel() * values.element_size()
             else:  # master weights: the optimizer's bytes (Note [parameters from the master])
                 self._master.count_master_write(values.numel() * values.element_size())
-            self._kept = [(o, t) for o, t in self._kept if o + t.numel() <= offset or o >= end]
+            self._handoff = [(o, t) for o, t in self._handoff if o + t.numel() <= offset or o >= end]
             self._update_cache(offset, values)
-            if keep and values.numel() * values.element_size() <= self._kept_cap:
-                self._kept.append((offset, values))
-                while sum(t.numel() for _, t in self._kept) * values.element_size() > self._kept_cap:
-                    self._kept.pop(0)
+            if keep and values.numel() * values.element_size() <= self._handoff_cap:
+                self._handoff.append((offset, values))
+                while sum(t.numel() for _, t in self._handoff) * values.element_size() > self._handoff_cap:
+                    self._handoff.pop(0)
 
     def _reap(self, handle) -> None:
         """Collect ``handle``'s earlier writes before it takes another (they were submitted
@@ -283,16 +283,16 @@ class ParamStore:
         with self._lock:
             self._cache[offset] = t
 
-    def take_kept(self, offset: int, numel: int) -> Optional[torch.Tensor]:
+    def take_handoff(self, offset: int, numel: int) -> Optional[torch.Tensor]:
         """[offset, offset + numel) as a view of the step's kept output, if a kept unit
         tensor holds it all. A fetch of that unit (the range starts where the tensor does)
         uses it up, so it is dropped (Note [hand-off])."""
         end = offset + numel
         with self._lock:
-            for i, (o, t) in enumerate(self._kept):
+            for i, (o, t) in enumerate(self._handoff):
                 if o <= offset and end <= o + t.numel():
                     if o == offset:
-                        del self._kept[i]
+                        del self._handoff[i]
                     return t[offset - o : end - o]
         return None
 
@@ -313,7 +313,7 @@ class ParamStore:
         """A checkpoint rewrote the shards: what the step handed off is stale (Note [hand-off])."""
         if self.flat is None:
             with self._lock:
-                self._kept = []
+                self._handoff = []
                 self._cache, self._cached = {}, 0
 
     def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:

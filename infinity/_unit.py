@@ -339,7 +339,7 @@ class FetchUnit:
             if staging.cached:
                 self.ctx.counters.bytes["param_cache"] += nbytes
             else:
-                staging.handoff = self.store.take_kept(self.param_offset, self.shard_numel)  # Note [hand-off]
+                staging.handoff = self.store.take_handoff(self.param_offset, self.shard_numel)  # Note [hand-off]
                 if staging.handoff is not None:
                     self.ctx.counters.bytes["param_handoff"] += nbytes
             if staging.handoff is None:

@@ -132,7 +132,7 @@ def test_backward_overlaps_the_running_step(tmp_path, monkeypatch, handoff, opti
     if not handoff:
         import infinity._param_store as stores
 
-        monkeypatch.setattr(stores.ParamStore, "take_kept", lambda self, offset, numel: None)
+        monkeypatch.setattr(stores.ParamStore, "take_handoff", lambda self, offset, numel: None)
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
     got = _train_tail_heavy(_config(3, "nvme", optim, str(tmp_path), gradient_accumulation_steps=2), monkeypatch)
     assert any(got[2]), "no gradient arrived while the previous step was running: the test lost its point"
