@@ -102,6 +102,7 @@ from .errors import EngineError
 if TYPE_CHECKING:
     from ._activation_offload import ActivationOffloader
     from ._loss_scale import LossScaler
+    from ._optimizer_store import OptimizerStore
     from ._placement import Placement
     from ._prefetch import Prefetcher
     from ._reduce import GradReducer
@@ -152,7 +153,7 @@ class EngineParts:
     ctx: UnitContext  # the services the units share: counters, ledger, stores, step gate, call stack
     units: List[FetchUnit]
     uses: List[Tuple[str, nn.Module, List[int]]]  # per module: the units whose parameters it holds
-    opt_store: object  # MemoryOptimizerStore or NvmeOptimizerStore
+    opt_store: "OptimizerStore"  # Note [optimizer store protocol] in _optimizer_store.py
     prefetcher: "Prefetcher"
     reducer: "GradReducer"
     scaler: Optional["LossScaler"]  # fp16 only

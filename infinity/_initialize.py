@@ -30,7 +30,7 @@ from ._log import logger
 from ._loss_scale import LossScaler
 from ._memory import GATHERED, MMAP_THRESHOLD, release_freed_blocks
 from ._optimizer import GradSink, ZeroOptimizer
-from ._optimizer_store import MemoryOptimizerStore, chunk_elems
+from ._optimizer_store import MemoryOptimizerStore, OptimizerStore, chunk_elems
 from ._optimizer_swapper import NvmeOptimizerStore
 from ._param_groups import resolve_groups
 from ._param_store import ParamStore
@@ -141,7 +141,7 @@ def _build_engine(model: nn.Module, cfg):
         raise
 
 
-def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: StagePolicy):
+def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: StagePolicy) -> OptimizerStore:
     z = cfg.zero
     total, ranges = placement.layout.opt_total, list(placement.layout.opt_ranges)
     if placement.opt_tier is Tier.NVME:

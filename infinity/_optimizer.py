@@ -32,14 +32,15 @@ import torch
 from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
-from ._optimizer_store import Chunk, MemoryOptimizerStore, state_bytes
+from ._optimizer_store import Chunk, MemoryOptimizerStore, OptimizerStore, state_bytes
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._step_gate import StepGate
 from ._tiers import Tier
-from .errors import EngineError, NonFiniteError, NotSupportedError, UsageError
+from .errors import EngineError, InvariantError, NonFiniteError, NotSupportedError, UsageError
 
 if TYPE_CHECKING:
     from ._engine import Engine
+    from ._param_store import ParamStore
     from ._unit import FetchUnit
 
 
@@ -274,7 +275,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._adam is not None:
             plan = plan.with_hyper(num_threads=1)
         self.store.update_tail(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
-        self.param_store.flush()
+        self._stage3_params().flush()
 
     def wait_step(self) -> None:
         """Join an in-flight overlapped step; re-raise its error, if any."""
@@ -313,13 +314,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
             self.gate.publish(upto)
 
+    def _stage3_params(self) -> "ParamStore":
+        """The parameter store, which exists at stage 3, the only stage whose step overlaps or
+        writes parameter outputs (Note [overlapped step])."""
+        if self.param_store is None:
+            raise InvariantError("the step reached stage 3's parameter store in a run without one")
+        return self.param_store
+
     def _outputs_done(self, lo: int, hi: int) -> int:
         """Report [lo, hi) of the optimizer's space written to the NVMe parameter tier's step
         outputs; the optimizer-space offset below which everything the step produced is
         written (the start of the first unit still filling, else ``hi``)."""
         upto = hi
         for a, b, p in self.layout.param_pieces(lo, hi):
-            done = self.param_store.step_outputs_done(p, b - a)
+            done = self._stage3_params().step_outputs_done(p, b - a)
             if done < p + (b - a) and upto == hi:
                 upto = self.layout.to_opt(done)
         return upto
@@ -382,7 +390,7 @@ class GradSink:
     optimizer store (scaled by 1 / (ranks x accumulation steps)), and which parameters got a
     gradient in this backward (Note [update plan] in _param_groups.py), consumed by the step."""
 
-    def __init__(self, store, units: List["FetchUnit"], grad_scale: float, counters):
+    def __init__(self, store: OptimizerStore, units: List["FetchUnit"], grad_scale: float, counters):
         self._store = store
         self.grad_scale = grad_scale
         self._counters = counters

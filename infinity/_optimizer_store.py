@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Protocol
 
 import torch
 
@@ -35,6 +35,52 @@ class Chunk:
     grad: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+
+
+class OptimizerStore(Protocol):
+    """Note [optimizer store protocol]: what the optimizer, the gradient sink, the engine and the
+    checkpoints ask of the optimizer's flat fp32 space, in memory (``MemoryOptimizerStore``) or
+    on NVMe (``NvmeOptimizerStore``, the swapper). Offsets and lengths are elements of this
+    rank's flat space (``unit.opt_offset``)."""
+
+    total: int
+
+    def load_master(self, offset: int, values: torch.Tensor) -> None: ...
+
+    def read_master(self, offset: int, numel: int) -> torch.Tensor: ...
+
+    # gradients: accumulated by the sink, inspected and scaled by the step
+    def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None: ...
+
+    def wait_grad_writes(self) -> None: ...
+
+    def finalize_grads(self) -> None: ...
+
+    def grad_stats(self) -> tuple: ...
+
+    def scale_grads(self, coef: float) -> None: ...
+
+    def seal_grads(self) -> None: ...
+
+    def zero_grads(self) -> None: ...
+
+    # the update: every chunk, or the cached head on this thread and the tail in the background
+    def update(self, fn: Callable[[Chunk], None]) -> None: ...
+
+    def update_head(self, fn: Callable[[Chunk], None]) -> None: ...
+
+    def update_tail(self, fn: Callable[[Chunk], None]) -> None: ...
+
+    # checkpoints, accounting, shutdown
+    def checkpoint_sources(self) -> dict: ...
+
+    def checkpoint_loaded(self) -> None: ...
+
+    def checkpoint_done(self) -> None: ...
+
+    def nbytes(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 def zeros_host(n: int, what: str) -> torch.Tensor:
