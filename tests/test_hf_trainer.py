@@ -236,3 +236,22 @@ def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, infinity_
     assert "checkpoint-10, checkpoint-4 in" in infinity_logs.text and "not saved whole" in infinity_logs.text
     with pytest.raises(UsageError, match="no complete checkpoint-N"):
         last_complete_checkpoint(str(tmp_path / "checkpoint-10"))
+
+
+def test_resume_after_a_kill_between_infinitys_commit_and_the_trainers_state(tmp_path):
+    """A kill after infinity committed checkpoint-N but before the Trainer wrote its state leaves
+    checkpoint-N partial: the resumed run starts from the one before and saves step N again."""
+    steps = 6
+    out, nvme = str(tmp_path / "run"), str(tmp_path / "nvme")
+    first = _run_job(out, nvme, steps)
+    assert first.wait(timeout=300) == 0, first.stderr.read().decode()[-3000:]
+    expected = _step_losses(os.path.join(out, "losses.json"))
+    last = _complete_checkpoints(out)[-1]
+    os.remove(os.path.join(out, f"checkpoint-{last}", "trainer_state.json"))  # as if killed there
+    before = _complete_checkpoints(out)[-1]
+    assert before < last
+    resumed = _run_job(out, nvme, steps, resume=True)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
+    got = _step_losses(os.path.join(out, "losses.json"))
+    assert [got[s] for s in range(before + 1, steps + 1)] == [expected[s] for s in range(before + 1, steps + 1)]
+    assert _complete_checkpoints(out)[-1] == last  # saved whole this time

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shutil
 from typing import Any, Optional
 
 import torch
@@ -321,6 +322,13 @@ class InfinityTrainer(Trainer):
                              f"a checkpoint directory InfinityTrainer saved")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # A run killed between infinity's commit and the Trainer's state left this step's directory
+        # partial; the resumed run saves the same step again (the Trainer rewrites its own files).
+        stale = os.path.join(output_dir, CHECKPOINT_TAG)
+        if comm.rank() == 0 and os.path.isdir(stale) and not os.path.exists(os.path.join(output_dir, "trainer_state.json")):
+            logger.warning("InfinityTrainer: replacing the states in %s, left by a run that stopped during this save",
+                           output_dir)
+            shutil.rmtree(stale)
         infinity.save_checkpoint(output_dir, self.model, self.optimizer, tag=CHECKPOINT_TAG,
                                  lr_scheduler=self.lr_scheduler.state_dict())
 
