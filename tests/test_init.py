@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from _models import batches, build, loss_of, train_losses
+from _models import build, train_losses
 
 import infinity
 from infinity.testing import run_ranks
@@ -62,14 +62,7 @@ def _plain(steps=3):
     torch.manual_seed(0)
     model = build("custom")
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    out = []
-    for ids in batches(steps):
-        loss = loss_of(model, "custom", ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return train_losses(model, opt, "custom", steps)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

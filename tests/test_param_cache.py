@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 from _configs import zero_config
-from _models import batches, build, loss_of
+from _models import batches, build, loss_of, train_losses
 
 import infinity
 from infinity._memory import PARAM_CACHE
@@ -27,13 +27,7 @@ def _cfg(nvme, cap, dtype="fp32"):
 def _plain():
     model = build("gpt2")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    losses = []
-    for ids in batches(STEPS):
-        loss = loss_of(model, "gpt2", ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(model, opt, "gpt2", STEPS)
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
