@@ -6,6 +6,7 @@ the preflight checks it, the stores are built from it, and the optimizer and eng
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import psutil
 import torch
@@ -92,10 +93,13 @@ def gradients_in_host(choice: str, total: int) -> bool:
 PARAM_CACHE_SHARE = 8  # the automatic parameter cache takes at most 1/8 of the available host memory
 
 
-def param_cache_elems(choice, total: int, itemsize: int) -> int:
+def param_cache_elems(choice, total: int, itemsize: int, available: Optional[int] = None,
+                      ranks: Optional[int] = None) -> int:
     """Elements of the parameter cache (``zero.offload_param.max_in_cpu``; Note [parameter
     cache] in _param_store.py): the cap given, or automatically what fits in an eighth of the
-    host memory available now (shared by the ranks on this node); never more than the shards."""
+    host memory available (now, unless given) shared by the ranks on the node (this node's,
+    unless given); never more than the shards."""
     if choice is None:
-        choice = psutil.virtual_memory().available // PARAM_CACHE_SHARE // ranks_here() // itemsize
+        available = psutil.virtual_memory().available if available is None else available
+        choice = available // PARAM_CACHE_SHARE // (ranks or ranks_here()) // itemsize
     return min(int(choice), total)

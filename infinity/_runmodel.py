@@ -310,14 +310,11 @@ def activation_bytes(run: Run) -> int:
 
 def _param_cache(run: Run, total: int) -> int:
     """Elements of the automatic parameter cache (Note [parameter cache] in _param_store.py)."""
-    import psutil
-
-    from ._placement import PARAM_CACHE_SHARE
+    from ._placement import param_cache_elems
 
     if run.param_tier != "nvme" or _params_from_master(run)[0]:
         return 0
-    mem = run.host_mem or psutil.virtual_memory().available
-    return min(total, mem // PARAM_CACHE_SHARE // run.ranks // run.itemsize)
+    return param_cache_elems(None, total, run.itemsize, available=run.host_mem or None, ranks=run.ranks)
 
 
 def _params_from_master(run: Run) -> tuple:
