@@ -103,12 +103,6 @@ class GatherLedger:
 
     # ------------------------------------------------------------ gathered bytes
 
-    def charge(self, nbytes: int, what: str) -> None:
-        self.budget.charge(nbytes, what)
-
-    def uncharge(self, nbytes: int) -> None:
-        self.budget.release(nbytes)
-
     def fits(self, unit: "FetchUnit", max_live: int) -> bool:
         """Whether gathering ``unit`` now stays within ``max_live`` elements and the budget."""
         return self.live + unit.full_numel <= max_live and self.budget.fits(unit.full_nbytes)

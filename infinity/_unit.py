@@ -303,7 +303,7 @@ class FetchUnit:
         if gathered is not None:
             if gathered.recycled is not None:  # reused once nothing else (say, autograd) still holds a view of it
                 self.ctx.gathered.give(gathered.recycled)
-            self.ctx.ledger.uncharge(gathered.charged)
+            self.ctx.ledger.budget.release(gathered.charged)
             self.ctx.ledger.freed(self)
 
     def abandon(self) -> None:
@@ -423,7 +423,7 @@ class FetchUnit:
         # read straight into a gathered buffer.
         in_place = self.world_size == 1 and (st.pool_buffer is None or st.copied)
         if not in_place or st.copied or st.handoff is not None or st.direct is not None:
-            self.ctx.ledger.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
+            self.ctx.ledger.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             gathered.charged = nbytes
         self.ctx.ledger.gathered(self)
         self.ctx.counters.bytes["all_gather"] += nbytes
