@@ -282,6 +282,8 @@ class Engine:
 
     def _post_forward_root(self, module, args, output):
         self.calls.end_forward()
+        if torch.is_grad_enabled():
+            self.release_idle()  # the activation peak comes next, in the loss's backward
         if self.dtype == torch.float16 and torch.is_grad_enabled():
             scale_outputs(self.scaler, output)
 
@@ -289,6 +291,8 @@ class Engine:
         if module is self.model:
             self.calls.begin_forward()
             self.prefetcher.begin(Phase.FORWARD)
+        if torch.is_grad_enabled():
+            self.opt_store.release_idle(block=False)  # as early as it can: HF models peak in the loss, inside forward
         state = self.states[module]
         frame = Frame(state, [], handling=sys.exc_info()[1])
         self.calls.push(frame)  # first: an acquire that raises still has its frame popped
@@ -363,6 +367,15 @@ class Engine:
             unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.prefetcher.begin(Phase.BACKWARD)
+
+    def release_idle(self) -> None:
+        """Note [released pages] in aio/_memory.py: recycled buffers nobody uses now give their
+        pages back until they are taken again."""
+        if self.gathered is not None:
+            self.gathered.release_idle()
+        if self.param_store is not None:
+            self.param_store.release_idle()
+        self.opt_store.release_idle()
 
     def _pre_backward(self, state: ModuleState, token: Optional[int] = None) -> None:
         self._begin_backward()

@@ -137,16 +137,17 @@ def _status_bytes(field: str) -> int:
 
 def host_account(plan: Optional[Plan] = None) -> dict:
     """Where this process's host memory is now, by category (Note [one memory model]): the
-    engine's aligned buffers as mapped (the ledger: live and peak), the C heap in use and
+    engine's aligned buffers as mapped (the ledger: live and peak) and as resident now, the C heap in use and
     retained, and the rest of the resident set; with ``plan``, what the plan says of each."""
     from .aio._memory import ledger
 
     snap = ledger.snapshot()
+    resident = ledger.resident()  # less than mapped where pages were released (Note [released pages])
     rss = _status_bytes("VmRSS")
-    out = {"rss": rss, "peak_rss": _status_bytes("VmHWM"), "mapped": snap["live"],
+    out = {"rss": rss, "peak_rss": _status_bytes("VmHWM"), "mapped": snap["live"], "resident": resident,
            "mapped_peak": snap["peak"], "mapped_peak_total": snap["peak_total"]}
     heap = malloc_bytes()
-    rest = rss - sum(snap["live"].values())
+    rest = rss - sum(resident.values())
     if heap is not None:
         out["heap_in_use"], out["heap_retained"] = heap["in_use"], heap["retained"]
         rest -= heap["in_use"] + heap["retained"]

@@ -276,6 +276,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             plan = plan.with_hyper(num_threads=1)
         self.store.update_tail(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
         self._stage3_params().flush()
+        self._stage3_params().release_idle()  # every output written: idle until the next step (Note [released pages])
 
     def wait_step(self) -> None:
         """Join an in-flight overlapped step; re-raise its error, if any."""

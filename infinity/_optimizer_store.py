@@ -71,6 +71,9 @@ class OptimizerStore(Protocol):
 
     def update_tail(self, fn: Callable[[Chunk], None]) -> None: ...
 
+    # memory: what sits idle through the activation peak (Note [released pages] in aio/_memory.py)
+    def release_idle(self, block: bool = True) -> None: ...
+
     # checkpoints, accounting, shutdown
     def checkpoint_sources(self) -> dict: ...
 
@@ -85,7 +88,9 @@ class OptimizerStore(Protocol):
 
 def zeros_host(n: int, what: str) -> torch.Tensor:
     t = aligned_empty(n, torch.float32, what=what)
-    t.zero_()
+    if acc.has_cuda():  # pinned memory from torch's host allocator may be reused
+        t.zero_()
+    # else a fresh anonymous mapping reads as zeros already: writing them would make every page resident
     return t
 
 
@@ -195,6 +200,9 @@ class MemoryOptimizerStore:
     def grad_bytes(self) -> int:
         """Bytes of gradient buffers held now: accumulating, sealed for an update, spare."""
         return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
+
+    def release_idle(self, block: bool = True) -> None:
+        """Nothing here sits idle through the activation peak: the states are the only copy."""
 
     def nbytes(self) -> dict:
         return totals(self.plan(self.tier, self.total, self.overlapped, self.lazy_grad))

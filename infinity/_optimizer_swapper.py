@@ -11,6 +11,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from . import _accelerator as acc
 from ._log import logger
 from ._memory import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, totals
 from ._moments import Codec, file_bytes, record_bytes
@@ -20,6 +21,7 @@ from ._tiers import Tier
 from .aio import aligned_empty
 from .aio._checksum import checksummed, sums_of
 from .aio._handle import close_handles
+from .aio._memory import release_pages
 from .errors import InvariantError
 
 _NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")
@@ -58,7 +60,13 @@ class NvmeOptimizerStore:
     filled by the first update and dropped by ``load_master``), and its gradient shards
     live in memory only (the files never hold them). ``update_head`` then runs on the
     caller's thread without waiting for a single read, and ``update_tail`` streams the rest
-    through the buffer sets, whose first reads ``update_head`` has already started.
+    through the buffer sets, whose first reads ``update_head`` has already started. The
+    cache is not held through the activation peak: during forward (``release_idle``), once
+    its write-through has landed, its master weights and moments
+    give their pages back (Note [released pages] in aio/_memory.py), and their reads start
+    when backward delivers its first gradient below the middle of the flat space, landing
+    while backward finishes. One read of the head per step, off the critical path, buys
+    the head's whole size at the peak (463 MiB for GPT-2 124M).
     With compressed moments (Note [compressed moments] in _moments.py) the cache holds them
     expanded to fp32, each update's values compressed and expanded again: the cache always
     equals the file, so a run computes the same whether a chunk is cached or not.
@@ -99,10 +107,11 @@ class NvmeOptimizerStore:
         self.head_sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_HOST_CACHE) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
         for hs in self.head_sets:
-            if "grad" in hs:
+            if "grad" in hs and acc.has_cuda():  # a fresh mapping is zeros already (zeros_host)
                 hs["grad"].zero_()  # the gaps between aligned unit ranges must read as zero gradients
         self.head_io = new_aio(aio_cfg)
-        self._head_loaded = False  # the head sets hold the current master weights and moments
+        self._head = "empty"  # the head sets' master weights and moments: empty, reading or loaded (Note [host cache])
+        self._reload_below = total // 2  # a gradient below this offset starts the head's reads (Note [host cache])
         self._tail_primed = False  # the first tail chunks' reads are in flight
         self.reader = new_aio(aio_cfg)
         self.readers = [new_aio(aio_cfg) for _ in range(self.SETS)]  # a read and a write handle per set
@@ -220,7 +229,7 @@ class NvmeOptimizerStore:
         self._write(self.writers[0], "master", offset, buf)
         self._wait(self.writers[0], f"writing master weights at element {offset}")
         if offset < self.head:
-            self._head_loaded = False  # the next update reads the cache afresh (Note [host cache])
+            self._head = "empty"  # the next update reads the cache afresh (Note [host cache])
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         self._master_landed()  # the files are then complete
@@ -253,7 +262,7 @@ class NvmeOptimizerStore:
                 self._put(self.writers[0], name, off, rec[: self._code.length(n)])
                 self._wait(self.writers[0], f"compressing the loaded {name} at element {off}")
         self.checkpoint_done()
-        self._head_loaded = False
+        self._head = "empty"
 
     def checkpoint_done(self) -> None:
         """The checkpoint no longer needs the staging files."""
@@ -301,6 +310,8 @@ class NvmeOptimizerStore:
     # -------------------------------------------------------------- gradients
 
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
+        if self._head == "empty" and self.head_sets and offset < self._reload_below:
+            self._read_head()  # backward is past its peak: the head's reads land while it finishes
         g = shard_grad.mul(scale) if scale != 1.0 else shard_grad.contiguous()
         again = offset in self._written
         if again:
@@ -403,16 +414,35 @@ class NvmeOptimizerStore:
         self._prime_tail()
         if not self.head_sets:
             return
-        self._wait(self.head_io, "writing back the cached optimizer chunks")  # their buffers change now
-        if not self._head_loaded:
-            for i, (off, bufs) in enumerate(self._head_chunks()):
-                self._read_arrays(self.head_io, off, bufs, self.head_records[i], ("master", "exp_avg", "exp_avg_sq"))
-            self._wait(self.head_io, "reading the cached optimizer chunks")
+        if self._head == "empty":
+            self._read_head()
+        self._wait(self.head_io, "reading the cached optimizer chunks")  # and their last write-back
+        if self._head == "reading":
             for i, (_, bufs) in enumerate(self._head_chunks()):
                 self._expand(self.head_records[i], bufs)
-            self._head_loaded = True
+            self._head = "loaded"
         for i, (off, bufs) in enumerate(self._head_chunks()):
             self._update_one(fn, off, bufs, self.head_io, self.head_records[i], cached=True)
+
+    def _read_head(self) -> None:
+        """Submit the reads of the cached chunks' master weights and moments (Note [host cache])."""
+        for i, (off, bufs) in enumerate(self._head_chunks()):
+            self._read_arrays(self.head_io, off, bufs, self.head_records[i], ("master", "exp_avg", "exp_avg_sq"))
+        self._head = "reading"
+
+    def release_idle(self, block: bool = True) -> None:
+        """During forward, before the activation peak: the cached chunks' master weights and
+        moments give their pages back once their write-through has landed (without ``block``,
+        only if it has), and are read again late in backward (Note [host cache])."""
+        if self._head != "loaded" or not block and self.head_io.in_flight():
+            return
+        if self._master_writer is not None and not self._master_writer.flush(0, self.head, block=block):
+            return  # the head's master weights, written by the parameter store, are still landing
+        self._wait(self.head_io, "writing back the cached optimizer chunks")
+        for hs, recs in zip(self.head_sets, self.head_records):
+            for t in [hs[n] for n in ("master", "exp_avg", "exp_avg_sq")] + list(recs.values()):
+                release_pages(t)
+        self._head = "empty"
 
     def _head_chunks(self):
         """(offset, the head set's arrays cut to the chunk's length) of every cached chunk."""
@@ -438,6 +468,9 @@ class NvmeOptimizerStore:
             self._update_one(fn, off, bufs, self.writers[k % self.SETS], self.records[k % self.SETS])
         for w in self.writers:
             self._wait(w, "writing back optimizer chunks")
+        for bufs in self.sets + self.records:  # idle until the next step (Note [released pages])
+            for t in bufs.values():
+                release_pages(t)
         self._coef = 1.0
         self._tail_primed = False
 
@@ -446,6 +479,8 @@ class NvmeOptimizerStore:
         if self._coef != 1.0:
             bufs["grad"].mul_(self._coef)
         fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
+        if self.grad_mem is not None or cached:
+            release_pages(bufs["grad"])  # consumed: idle until backward writes it again (Note [released pages])
         for name in ("master", "exp_avg", "exp_avg_sq"):
             if name == "master" and self._master_writer is not None:
                 continue  # fn handed them to the parameter store, which writes them

@@ -193,8 +193,8 @@ class ParamStore:
             else:  # master weights: the optimizer's bytes (Note [parameters from the master])
                 self._master.count_master_write(values.numel() * values.element_size())
             self._handoff = [(o, t) for o, t in self._handoff if o + t.numel() <= offset or o >= end]
-            self._update_cache(offset, values)
-            if keep and values.numel() * values.element_size() <= self._handoff_cap:
+            cached = self._update_cache(offset, values)
+            if keep and not cached and values.numel() * values.element_size() <= self._handoff_cap:
                 self._handoff.append((offset, values))
                 while sum(t.numel() for _, t in self._handoff) * values.element_size() > self._handoff_cap:
                     self._handoff.pop(0)
@@ -250,10 +250,12 @@ class ParamStore:
                 upto = min(upto, a)
         return upto
 
-    def _update_cache(self, offset: int, values: torch.Tensor) -> None:
+    def _update_cache(self, offset: int, values: torch.Tensor) -> bool:
         """Note [parameter cache]: a write covering a cached shard (the step writes a unit's
         slot, padding included) updates it; one covering part of it drops it (caller holds
-        the lock)."""
+        the lock). True when the cache holds the unit starting at ``offset``, now updated: the
+        next fetch is served from it, so keeping the write for it too (Note [hand-off]) would
+        hold the same values twice."""
         end = offset + values.numel()
         for o in [o for o, t in self._cache.items() if o < end and o + t.numel() > offset]:
             t = self._cache[o]
@@ -261,6 +263,7 @@ class ParamStore:
                 t.copy_(values[o - offset : o - offset + t.numel()])
             else:
                 self._cached -= self._cache.pop(o).numel()
+        return offset in self._cache
 
     def cached(self, offset: int, numel: int) -> Optional[torch.Tensor]:
         """The shard at ``offset`` from the parameter cache, if it holds it (Note [parameter cache])."""
@@ -283,6 +286,12 @@ class ParamStore:
         with self._lock:
             self._cache[offset] = t
 
+    def release_idle(self) -> None:
+        """The step's returned output tensors give their pages back until it takes them again
+        (Note [released pages] in aio/_memory.py)."""
+        if self.flat is None:
+            self._outputs.release_idle()
+
     def take_handoff(self, offset: int, numel: int) -> Optional[torch.Tensor]:
         """[offset, offset + numel) as a view of the step's kept output, if a kept unit
         tensor holds it all. A fetch of that unit (the range starts where the tensor does)
@@ -296,10 +305,12 @@ class ParamStore:
                     return t[offset - o : end - o]
         return None
 
-    def flush(self) -> None:
-        """Wait for every write so far."""
+    def flush(self, offset: int = 0, numel: Optional[int] = None, *, block: bool = True) -> bool:
+        """Wait for every write so far (over [offset, offset + numel) only, if given). Without
+        ``block``, False instead of waiting while one is still in flight."""
         if self.flat is None:
-            self._writes_landed(0, self.total, block=True)
+            return self._writes_landed(offset, self.total - offset if numel is None else numel, block=block)
+        return True
 
     def checkpoint_source(self):
         """The shards for a checkpoint (Note [checkpoint layout] in _checkpoint/_format.py):

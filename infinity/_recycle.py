@@ -17,6 +17,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from .aio._memory import release_pages
+
 _BASELINE = "_infinity_recycle_refs"  # attribute: the storage's use count when it was new
 
 
@@ -74,6 +76,15 @@ class Recycler:
             if self._held + n <= self.capacity and not any(x is t for x in self._free):
                 self._free.append(t)
                 self._held += n
+
+
+    def release_idle(self) -> int:
+        """Give the pages of the returned tensors nobody uses any more back to the kernel,
+        keeping them for reuse (Note [released pages] in aio/_memory.py): called where they
+        would otherwise sit idle through the activation peak. A tensor still shared (a write
+        in flight, a view) keeps its pages. Returns the bytes released."""
+        with self._lock:
+            return sum(release_pages(t) for t in self._free if _unshared(t))
 
 
 def _nbytes(t: torch.Tensor) -> int:

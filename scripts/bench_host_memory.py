@@ -143,8 +143,9 @@ def spawn(spec: dict, timeout: float) -> dict:
 
 
 def show_account(name: str, acct: dict) -> None:
-    mapped = " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(acct["mapped"].items()))
-    print(f"  {name:14s} rss {acct['rss'] / MiB:6.0f} MiB | engine buffers (MiB): {mapped or '-'} | "
+    resident = acct.get("resident", acct["mapped"])
+    mapped = " ".join(f"{k}={resident.get(k, 0) / MiB:.0f}/{v / MiB:.0f}" for k, v in sorted(acct["mapped"].items()))
+    print(f"  {name:14s} rss {acct['rss'] / MiB:6.0f} MiB | engine buffers resident/mapped (MiB): {mapped or '-'} | "
           f"heap in use {acct.get('heap_in_use', 0) / MiB:.0f}, retained {acct.get('heap_retained', 0) / MiB:.0f} | "
           f"other {acct['other'] / MiB:.0f}")
 

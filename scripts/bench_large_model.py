@@ -101,13 +101,15 @@ def child(spec: dict) -> dict:
     out = {"params": sum(p.numel() for p in model.parameters()), "setup_s": time.perf_counter() - t0,
            "tiers": opt.engine.tier_bytes(), "states": opt.engine.model_state_bytes(), "steps": []}
     gen = torch.Generator().manual_seed(1)
-    starts, moved = [], []
+    starts, moved, cpu = [], [], []
     n = spec["warmup"] + spec["steps"]
     for i in range(n + 1):
         if i == n:
             opt.wait_step()  # the last timed step's overlapped update ends here
         tel = opt.engine.telemetry()  # the NVMe bytes since the previous boundary, then reset
         starts.append(time.perf_counter())
+        t = os.times()
+        cpu.append((t.user, t.system))  # the process's CPU seconds, every thread: is the step CPU-bound?
         moved.append({k: v for k, v in tel.items() if k.startswith("nvme_") and k.endswith("_bytes")})
         if i == n:
             break
@@ -123,6 +125,7 @@ def child(spec: dict) -> dict:
     timed = range(spec["warmup"], n)
     out["step_s"] = [starts[i + 1] - starts[i] for i in timed]
     out["moved"] = [moved[i + 1] for i in timed]
+    out["cpu_s"] = [[cpu[i + 1][k] - cpu[i][k] for k in (0, 1)] for i in timed]  # user, system
     chunk = chunk_elems(None, 1 << 62) * 4  # the swapper's default chunk, in bytes
     aio = AioConfig()
     files = swap_files(spec["nvme"])
@@ -154,7 +157,9 @@ def main() -> None:
     layers, hidden = (args.layers, args.hidden) if args.layers and args.hidden else gpt_shape(args.params)
     n = gpt_param_count(layers, hidden)
     root = tempfile.mkdtemp(prefix="bench_large_", dir=args.nvme_path)
-    per_param = DISK_BYTES_PER_PARAM + (2 if args.dtype == "fp32" else 0)  # fp32 parameter shards: 4 bytes, not 2
+    # fp32: the parameters are read from the master file (Note [parameters from the master]), so the
+    # disk holds the master, both moments and the gradients, 16 bytes per parameter; bf16 adds its shards.
+    per_param = 16 if args.dtype == "fp32" else DISK_BYTES_PER_PARAM
     print(f"GPT-style {layers} x {hidden}, {n / 1e9:.2f} B parameters, {args.dtype}, stage 3, everything on NVMe, "
           f"{args.batch} x {args.seq} tokens, {args.warmup} warm-up + {args.steps} timed steps; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
@@ -177,6 +182,7 @@ def report(r: dict) -> None:
           f"requests): read {ws['read'] / GB:.2f} GB/s, write {ws['write'] / GB:.2f} GB/s; 256 MiB probe: read "
           f"{small['read'] / GB:.2f} GB/s, write {small['write'] / GB:.2f} GB/s")
     ratios = []
+    cores = os.cpu_count() or 1
     for i, (t, m) in enumerate(zip(r["step_s"], r["moved"])):
         rd = sum(v for k, v in m.items() if k.endswith("_read_bytes"))
         wr = sum(v for k, v in m.items() if k.endswith("_write_bytes"))
@@ -185,6 +191,9 @@ def report(r: dict) -> None:
         tiers = ", ".join(f"{k[5:-6]} {v / GB:.2f} GB" for k, v in sorted(m.items()))
         print(f"step {i}: {t:.1f} s; NVMe read {rd / GB:.2f} GB, written {wr / GB:.2f} GB ({tiers}); bound "
               f"{bound:.1f} s at the working-set bandwidth; step / bound {t / bound:.2f}x")
+        user, system = r["cpu_s"][i]
+        print(f"        CPU {user:.1f} s user + {system:.1f} s system = {(user + system) / t:.2f} of {cores} cores "
+              f"busy on average (the kernel's I/O work counts as system time)")
     print(f"median step / bound: {statistics.median(ratios):.2f}x (target <= 1.5x)")
 
 

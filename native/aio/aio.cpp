@@ -893,4 +893,23 @@ void infinity_aio_free(void *p, int64_t bytes, int32_t hugepage) {
     munmap(p, static_cast<size_t>(round_up(std::max<int64_t>(bytes, 1), align)));
 }
 
+int64_t infinity_aio_release(void *p, int64_t bytes, int64_t align) {
+    if (!p || bytes <= 0 || align < kAlign || align % kAlign) return -EINVAL;
+    const int64_t start = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
+    const int64_t first = round_up(start, align), last = (start + bytes) / align * align;
+    if (last <= first) return 0;
+    if (madvise(reinterpret_cast<void *>(first), static_cast<size_t>(last - first), MADV_DONTNEED) != 0) return -errno;
+    return last - first;
+}
+
+int64_t infinity_aio_resident(void *p, int64_t bytes) {
+    if (!p || bytes < 0 || !aligned(p)) return -EINVAL;
+    const int64_t pages = round_up(bytes, kAlign) / kAlign;
+    std::vector<unsigned char> vec(static_cast<size_t>(pages));
+    if (pages && mincore(p, static_cast<size_t>(bytes), vec.data()) != 0) return -errno;
+    int64_t in = 0;
+    for (unsigned char v : vec) in += v & 1;
+    return in * kAlign;
+}
+
 }  // extern "C"

@@ -145,6 +145,16 @@ int64_t infinity_aio_direct_fallbacks(infinity_aio *h);
 void *infinity_aio_alloc(int64_t bytes, int32_t hugepage, int32_t *huge);
 void infinity_aio_free(void *p, int64_t bytes, int32_t hugepage);
 
+/* Gives the pages of [p, p + bytes) back to the kernel (MADV_DONTNEED), keeping the mapping:
+ * the range reads as zeros afterwards and is faulted in again (as huge pages where advised)
+ * when next touched. Only whole pages of `align` bytes (4096 or 2 MiB) inside the range
+ * are released. Returns the bytes released, or -errno. */
+int64_t infinity_aio_release(void *p, int64_t bytes, int64_t align);
+
+/* Bytes of [p, p + bytes) resident in memory now (mincore over its 4 KiB pages; `p` page
+ * aligned), or -errno. */
+int64_t infinity_aio_resident(void *p, int64_t bytes);
+
 #ifdef __cplusplus
 }
 #endif
