@@ -271,10 +271,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gate.run_in_background(lambda: self._run_tail(plan))
 
     def _run_tail(self, plan: Plan) -> None:
-        # One thread for the math: the next forward computes on the other cores meanwhile.
-        if self._adam is not None:
-            plan = plan.with_hyper(num_threads=1)
-        self.store.update_tail(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
+        # One thread for the math while the next forward computes on the other cores; every
+        # thread while the forward waits for this step (the large-model regime: the step is
+        # then the critical path, and its arithmetic would otherwise run on one core).
+        alone = plan.with_hyper(num_threads=1) if self._adam is not None else plan
+
+        def update(chunk: Chunk) -> None:
+            self._update_chunk(chunk, plan if self.gate.waited_on else alone, None, publish=True)
+
+        self.store.update_tail(update)
         self._stage3_params().flush()
         self._stage3_params().release_idle()  # every output written: idle until the next step (Note [released pages])
 

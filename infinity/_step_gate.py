@@ -10,6 +10,7 @@ optimizer. ``initialize`` builds it before either.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from typing import Callable, ContextManager, Optional
@@ -26,6 +27,7 @@ class StepGate:
         self._upto = math.inf  # offsets below this hold the latest step's values
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._waiting = 0  # threads blocked on the step now
 
     # ------------------------------------------------------------ the step's side
 
@@ -64,6 +66,21 @@ class StepGate:
 
     # ------------------------------------------------------------ the readers' side
 
+    @property
+    def waited_on(self) -> bool:
+        """Whether a thread is blocked on the step now: the step is the critical path."""
+        return self._waiting > 0
+
+    @contextlib.contextmanager
+    def _waiter(self):
+        with self._cond:  # reentrant: ``wait`` holds it already
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._waiting -= 1
+
     def wait(self, end: int, *, block: bool = True, what: str = "") -> bool:
         """True once the flat range below ``end`` holds this step's values; False when
         ``block`` is off and it does not yet."""
@@ -72,7 +89,7 @@ class StepGate:
         with self._cond:
             if not block and self._error is None:
                 return self._upto >= end
-            with self._blocked("optimizer_io"):
+            with self._blocked("optimizer_io"), self._waiter():
                 ok = self._cond.wait_for(lambda: self._upto >= end or self._error is not None,
                                          timeout=comm.DEFAULT_TIMEOUT_S)
             if self._error is not None:
@@ -85,7 +102,7 @@ class StepGate:
     def join(self) -> None:
         """Wait for the whole step in flight (if any); re-raise its error."""
         if self._thread is not None:
-            with self._blocked("optimizer_io"):
+            with self._blocked("optimizer_io"), self._waiter():
                 self._thread.join()
             self._thread = None
         if self._error is not None:

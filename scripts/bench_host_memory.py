@@ -2,13 +2,17 @@
 
 Each contender runs in its own process (its peak RSS is its own), rounds alternate plain PyTorch
 (glibc's default allocator, as users run it), with ``--before-tree`` infinity from that checkout
-("before", e.g. ``git archive <commit>`` with the native libraries copied in) and infinity from
-this checkout with ``zero.host_allocator: release`` ("nvme"), and every step is timed, with its
-minor page faults (the cost of that setting). The account (Note [one memory
+("before", e.g. ``git archive <commit>`` with the native libraries copied in, default
+configuration) and infinity from this checkout three ways (Note [allocator retained pages] in
+infinity/_memory.py): the default configuration ("keep"), ``zero.host_allocator: release``
+("release"), and release with glibc's malloc advising huge pages (``GLIBC_TUNABLES=
+glibc.malloc.hugetlb=1``, "release+thp"); every step is timed, with its minor page faults (the
+cost of releasing). The account (Note [one memory
 model] in infinity/_memory.py) is printed after the first measured forward and step, at the peak
 of the resident set (a thread samples it every 20 ms) and at the end: the engine's buffers by
-category as mapped, the C heap in use (activations, autograd's gradients, temporaries) and
-retained (freed pages the allocator keeps), the rest of the resident set; and the plan's figures.
+category as resident and mapped (Note [released pages] in infinity/aio/_memory.py), the C heap
+in use (activations, autograd's gradients, temporaries) and retained (freed pages the
+allocator keeps), the rest of the resident set; and the plan's figures.
 
     python scripts/bench_host_memory.py [--rounds 2] [--steps 3] [--micro-batch 4 --seq-len 256] [--before-tree DIR]
 """
@@ -22,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
 from _child import spawn_child  # noqa: E402 - after the path insert
@@ -38,11 +43,16 @@ def build_gpt(layers: int, hidden: int):
     return GPT2LMHeadModel(cfg)
 
 
-def nvme_config(path: str) -> dict:
+def nvme_config(path: str, allocator: str = "release") -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
                      "offload_optimizer": {"device": "nvme", "nvme_path": path},
-                     "host_allocator": "release"},  # Note [allocator retained pages]: opt-in, measured here
+                     "host_allocator": allocator},  # Note [allocator retained pages]: release is opt-in, measured here
             "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
+
+
+HUGETLB = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc's own mappings advised for huge pages
+# Contenders: (name, zero.host_allocator, environment additions). "keep" is the default configuration.
+INFINITY = {"keep": ("keep", {}), "release": ("release", {}), "release+thp": ("release", {"GLIBC_TUNABLES": HUGETLB})}
 
 
 class PeakSampler:
@@ -87,7 +97,7 @@ def child(spec: dict) -> dict:
         model = build_gpt(spec["layers"], spec["hidden"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        cfg = nvme_config(spec["nvme_path"])
+        cfg = nvme_config(spec["nvme_path"], spec["allocator"])
         with infinity.Init(config=cfg):
             model = build_gpt(spec["layers"], spec["hidden"])
         model, opt = infinity.initialize(model, cfg)
@@ -138,8 +148,9 @@ def fault_cost(mib: int = 256, reps: int = 5) -> float:
     return best
 
 
-def spawn(spec: dict, timeout: float) -> dict:
-    return spawn_child(__file__, spec, timeout, what=spec["kind"])
+def spawn(spec: dict, timeout: float, env_extra: Optional[dict] = None) -> dict:
+    env = {**os.environ, **env_extra} if env_extra else None
+    return spawn_child(__file__, spec, timeout, what=spec["kind"], env=env)
 
 
 def show_account(name: str, acct: dict) -> None:
@@ -168,10 +179,12 @@ def main() -> None:
         return
     base = dict(layers=args.layers, hidden=args.hidden, micro_batch=args.micro_batch, seq_len=args.seq_len,
                 steps=args.steps, warmup=args.warmup, nvme_path=args.nvme_path)
-    runs = {"plain": [], **({"before": []} if args.before_tree else {}), "nvme": []}
+    runs = {"plain": [], **({"before": []} if args.before_tree else {}), **{k: [] for k in INFINITY}}
     for r in range(args.rounds):
         for kind in runs:
-            res = spawn({**base, "kind": kind, "tree": args.before_tree if kind == "before" else None}, 3600)
+            allocator, env_extra = INFINITY.get(kind, ("keep", {}))  # "before": the default configuration too
+            res = spawn({**base, "kind": kind, "tree": args.before_tree if kind == "before" else None,
+                         "allocator": allocator}, 3600, env_extra)
             runs[kind].append(res)
             print(f"round {r} {kind:9s}: peak RSS {res['peak_rss'] / GiB:.2f} GiB, "
                   f"step {statistics.median(res['steps'][args.warmup:]):.2f} s, minor page faults per step "
@@ -191,15 +204,15 @@ def main() -> None:
         print(f"  ratio {k}/plain: peak RSS {med[k]['peak'] / med['plain']['peak']:.2f}x, "
               f"step time {med[k]['step'] / med['plain']['step']:.2f}x")
     if "before" in med:
-        print(f"  ratio nvme/before: peak RSS {med['nvme']['peak'] / med['before']['peak']:.2f}x, "
-              f"step time {med['nvme']['step'] / med['before']['step']:.2f}x")
+        print(f"  ratio keep/before: peak RSS {med['keep']['peak'] / med['before']['peak']:.2f}x, "
+              f"step time {med['keep']['step'] / med['before']['step']:.2f}x")
     print("\nplain PyTorch's host memory at its peak (last round):")
     show_account("at_peak", runs["plain"][-1]["accounts"]["at_peak"])
     for kind in [k for k in runs if k != "plain"]:
         print(f"\ninfinity's host memory by category ({kind}, last round):")
         for name, acct in runs[kind][-1]["accounts"].items():
             show_account(name, acct)
-    last = runs["nvme"][-1]
+    last = runs["keep"][-1]
     print("  planned (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(last["plan"]["host"].items())))
     peaks = last["accounts"]["end"]["mapped_peak"]
     print("  mapped peaks (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(peaks.items())))

@@ -101,7 +101,7 @@ def child(spec: dict) -> dict:
     out = {"params": sum(p.numel() for p in model.parameters()), "setup_s": time.perf_counter() - t0,
            "tiers": opt.engine.tier_bytes(), "states": opt.engine.model_state_bytes(), "steps": []}
     gen = torch.Generator().manual_seed(1)
-    starts, moved, cpu = [], [], []
+    starts, moved, cpu, stalls = [], [], [], []
     n = spec["warmup"] + spec["steps"]
     for i in range(n + 1):
         if i == n:
@@ -111,6 +111,7 @@ def child(spec: dict) -> dict:
         t = os.times()
         cpu.append((t.user, t.system))  # the process's CPU seconds, every thread: is the step CPU-bound?
         moved.append({k: v for k, v in tel.items() if k.startswith("nvme_") and k.endswith("_bytes")})
+        stalls.append({k: v for k, v in tel["stall_s"].items() if v >= 0.05})  # where the main thread waited
         if i == n:
             break
         ids = torch.randint(VOCAB, (spec["batch"], spec["seq"]), generator=gen)
@@ -125,6 +126,7 @@ def child(spec: dict) -> dict:
     timed = range(spec["warmup"], n)
     out["step_s"] = [starts[i + 1] - starts[i] for i in timed]
     out["moved"] = [moved[i + 1] for i in timed]
+    out["stalls"] = [stalls[i + 1] for i in timed]
     out["cpu_s"] = [[cpu[i + 1][k] - cpu[i][k] for k in (0, 1)] for i in timed]  # user, system
     chunk = chunk_elems(None, 1 << 62) * 4  # the swapper's default chunk, in bytes
     aio = AioConfig()
@@ -192,6 +194,7 @@ def report(r: dict) -> None:
         print(f"step {i}: {t:.1f} s; NVMe read {rd / GB:.2f} GB, written {wr / GB:.2f} GB ({tiers}); bound "
               f"{bound:.1f} s at the working-set bandwidth; step / bound {t / bound:.2f}x")
         user, system = r["cpu_s"][i]
+        print("        main thread waited: " + (", ".join(f"{k} {v:.1f} s" for k, v in r["stalls"][i].items()) or "-"))
         print(f"        CPU {user:.1f} s user + {system:.1f} s system = {(user + system) / t:.2f} of {cores} cores "
               f"busy on average (the kernel's I/O work counts as system time)")
     print(f"median step / bound: {statistics.median(ratios):.2f}x (target <= 1.5x)")

@@ -14,7 +14,7 @@ import torch
 
 from .. import _accelerator as acc
 from .._log import logger
-from ..errors import OutOfMemory, UsageError, UsageTypeError
+from ..errors import OutOfMemory, StorageError, UsageError, UsageTypeError
 from ._native import ffi, lib
 
 _HUGE_WARNED: list = []
@@ -152,6 +152,6 @@ def release_pages(t: torch.Tensor) -> int:
         raise UsageError("release_pages: the tensor must be contiguous")
     n = lib.infinity_aio_release(ffi.cast("void *", t.data_ptr()), t.numel() * t.element_size(), HUGE_PAGE)
     if n < 0:
-        raise OSError(-n, f"release_pages: madvise(MADV_DONTNEED) failed on {t.numel() * t.element_size()} bytes")
+        raise StorageError(-n, f"release_pages: madvise(MADV_DONTNEED) failed on {t.numel() * t.element_size()} bytes")
     return n
 
