@@ -148,7 +148,8 @@ def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: Sta
         return NvmeOptimizerStore(total, ranges, swap_dirs.under(z.offload_optimizer.nvme_path), cfg.aio,
                                   z.offload_optimizer.chunk_size, cfg.gradient_accumulation_steps,
                                   z.offload_optimizer.host_cache, placement.grads_in_memory,
-                                  moments=z.offload_optimizer.moments)
+                                  moments=z.offload_optimizer.moments,
+                                  release_cache=z.host_allocator == "release")
     return MemoryOptimizerStore(placement.opt_tier, total, lazy_grad=not policy.reduce_in_backward,
                                 overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size)
 

@@ -61,12 +61,16 @@ class NvmeOptimizerStore:
     live in memory only (the files never hold them). ``update_head`` then runs on the
     caller's thread without waiting for a single read, and ``update_tail`` streams the rest
     through the buffer sets, whose first reads ``update_head`` has already started. The
-    cache is not held through the activation peak: during forward (``release_idle``), once
-    its write-through has landed, its master weights and moments
+    cache stays resident by default. With ``zero.host_allocator: release`` (a host that
+    trades step time for memory) it is not held through the activation peak: during forward
+    (``release_idle``), once its write-through has landed, its master weights and moments
     give their pages back (Note [released pages] in aio/_memory.py), and their reads start
     when backward delivers its first gradient below the middle of the flat space, landing
-    while backward finishes. One read of the head per step, off the critical path, buys
-    the head's whole size at the peak (463 MiB for GPT-2 124M).
+    while backward finishes. One read of the head per step buys the head's whole size at
+    the peak (463 MiB for GPT-2 124M), off the critical path; but with the allocator's
+    default the peak is set by the freed blocks glibc keeps, not by the cache (GPT-2 124M on
+    NVMe peaked at 3.6-3.7 GiB held or released), and the read costs CPU where disk I/O
+    does (1.03x the step here, alternating steps in one process), so it is not the default.
     With compressed moments (Note [compressed moments] in _moments.py) the cache holds them
     expanded to fp32, each update's values compressed and expanded again: the cache always
     equals the file, so a run computes the same whether a chunk is cached or not.
@@ -83,7 +87,7 @@ class NvmeOptimizerStore:
 
     def __init__(self, total: int, ranges: List[tuple], swap: SwapDir, aio_cfg, chunk: Optional[int],
                  accumulation_steps: int, host_cache: Optional[int] = None, grads_in_memory: bool = False,
-                 moments: str = "fp32"):
+                 moments: str = "fp32", release_cache: bool = False):
         self.tier = Tier.NVME
         self.total = total
         self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
@@ -111,6 +115,7 @@ class NvmeOptimizerStore:
                 hs["grad"].zero_()  # the gaps between aligned unit ranges must read as zero gradients
         self.head_io = new_aio(aio_cfg)
         self._head = "empty"  # the head sets' master weights and moments: empty, reading or loaded (Note [host cache])
+        self._release_cache = release_cache  # give them back through the activation peak (Note [host cache])
         self._reload_below = total // 2  # a gradient below this offset starts the head's reads (Note [host cache])
         self._tail_primed = False  # the first tail chunks' reads are in flight
         self.reader = new_aio(aio_cfg)
@@ -431,10 +436,11 @@ class NvmeOptimizerStore:
         self._head = "reading"
 
     def release_idle(self, block: bool = True) -> None:
-        """During forward, before the activation peak: the cached chunks' master weights and
-        moments give their pages back once their write-through has landed (without ``block``,
-        only if it has), and are read again late in backward (Note [host cache])."""
-        if self._head != "loaded" or not block and self.head_io.in_flight():
+        """During forward, before the activation peak, with ``release_cache``: the cached
+        chunks' master weights and moments give their pages back once their write-through
+        has landed (without ``block``, only if it has), and are read again late in backward
+        (Note [host cache])."""
+        if not self._release_cache or self._head != "loaded" or not block and self.head_io.in_flight():
             return
         if self._master_writer is not None and not self._master_writer.flush(0, self.head, block=block):
             return  # the head's master weights, written by the parameter store, are still landing

@@ -15,6 +15,7 @@ from infinity import _accelerator as acc
 from infinity._memory import GRADIENTS, OPT_BUFFERS, OPT_HOST_CACHE, PARAM_HANDOFF
 from infinity.aio import aligned_empty
 from infinity.aio._memory import HUGE_PAGE, ledger, release_pages
+from infinity.testing import run_ranks
 
 E = HUGE_PAGE // 4  # float32 elements per huge page
 LR, WD, STEPS, ACCUM = 2e-3, 0.01, 3, 2
@@ -77,42 +78,71 @@ def _resident(cats):
     return {c: r.get(c, 0) for c in cats}
 
 
-def test_idle_buffers_hold_no_pages_through_the_peak_and_training_is_exact(tmp_path):
+def _train(nvme: str, allocator: str):
     """Everything on NVMe, gradients in host memory, the first unit's optimizer states in the
-    host cache: at the end of each forward (the peak's eve) the gradients, the buffer sets, the
-    host cache and the step's outputs hold no whole huge page; the step uses them all again; the losses
-    equal plain AdamW's with gradient accumulation and clipping."""
+    host cache. Returns the losses, the resident bytes of the idle categories at the end of
+    each forward (the peak's eve) and after each step, less what was resident before, and the
+    optimizer's bytes read per step."""
     gc.collect()  # earlier engines' buffers are gone
     cats = (GRADIENTS, OPT_BUFFERS, OPT_HOST_CACHE, PARAM_HANDOFF)
     base = _resident(cats)
-    cfg = {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
-                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "chunk_size": 1 << 20,
-                                          "gradients": "cpu"}},
+    cfg = {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "chunk_size": 1 << 20,
+                                          "gradients": "cpu"},
+                    "host_allocator": allocator},
            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": WD}, "gradient_clipping": 0.5,
            "gradient_accumulation_steps": ACCUM, "precision": {"dtype": "fp32"}}
     model, opt = infinity.initialize(_Wide(), cfg)
-    assert opt.engine.opt_store.head >= E  # the cache spans whole huge pages
-    losses, at_peak, in_step = [], [], []
+    store = opt.engine.opt_store
+    assert store.head >= E  # the cache spans whole huge pages
+    losses, at_peak, in_step, reads = [], [], [], []
     for i, x in enumerate(_data()):
         loss = model(x)
-        at_peak.append(_resident(cats))
+        at_peak.append({c: v - base[c] for c, v in _resident(cats).items()})
         loss.backward()  # the engine averages over the accumulation steps
         losses.append(loss.item())
         if i % ACCUM == ACCUM - 1:
             opt.step()
             opt.zero_grad()
             opt.wait_step()
-            in_step.append(_resident(cats))
+            in_step.append({c: v - base[c] for c, v in _resident(cats).items()})
+            reads.append(store.array_io["master"][0] - sum(reads))
+    head = store.head
     opt.engine.close()
-    assert losses == pytest.approx(_plain(), rel=1e-5, abs=1e-6)
-    # The first micro-batch's forward of each step from the second on (the first step's update
-    # used them; later micro-batches hold the gradients summed so far and the head read back).
-    for seen in at_peak[ACCUM::ACCUM]:
-        # Only the partial huge page at a buffer's end stays (release drops whole pages only).
-        assert all(seen[c] - base[c] < HUGE_PAGE for c in cats), (seen, base)
-    for seen in in_step:
-        assert seen[OPT_HOST_CACHE] - base[OPT_HOST_CACHE] >= E * 4 * 3  # master weights and both moments, again
-    assert at_peak[0][OPT_HOST_CACHE] - base[OPT_HOST_CACHE] == 0  # read first late in the first backward
+    return losses, at_peak, in_step, reads, head
+
+
+def _release_in_child(nvme):
+    return _train(nvme, "release")  # the allocator setting is process-wide: a process of its own
+
+
+def test_idle_buffers_hold_no_pages_through_the_peak_and_training_is_exact(tmp_path):
+    """At the end of each forward the gradients, the buffer sets and the step's outputs hold
+    no whole huge page, nor, with ``host_allocator: release``, the optimizer's host cache
+    (read again in backward: one more read of its master weights per step); with ``keep`` the
+    cache stays. The step uses them all again; the losses equal plain AdamW's with gradient
+    accumulation and clipping, either way."""
+    runs = {"keep": _train(str(tmp_path / "keep"), "keep"),
+            "release": run_ranks(_release_in_child, 1, str(tmp_path / "release"), timeout=300)[0]}
+    plain = _plain()
+    for allocator, (losses, at_peak, in_step, _, head) in runs.items():
+        assert losses == pytest.approx(plain, rel=1e-5, abs=1e-6), allocator
+        idle = (GRADIENTS, OPT_BUFFERS, PARAM_HANDOFF) + ((OPT_HOST_CACHE,) if allocator == "release" else ())
+        # The first micro-batch's forward of each step from the second on (the first step's
+        # update used them; later micro-batches hold the gradients summed so far and the head
+        # read back). Only the partial huge page at a buffer's end stays (whole pages only).
+        for seen in at_peak[ACCUM::ACCUM]:
+            assert all(seen[c] < HUGE_PAGE for c in idle), (allocator, seen)
+            if allocator == "keep":
+                assert seen[OPT_HOST_CACHE] >= head * 4 * 3, seen  # master weights and both moments, held
+        for seen in in_step:
+            assert seen[OPT_HOST_CACHE] >= head * 4 * 3, (allocator, seen)  # resident for the step
+        assert at_peak[0][OPT_HOST_CACHE] == 0, allocator  # read first late in the first backward
+    # Master weights read per step (forward, backward and the step): the same, but for the
+    # head read again after each release.
+    keep, release, head = runs["keep"][3], runs["release"][3], runs["keep"][4]
+    assert keep[0] == release[0]
+    assert [r - k for r, k in zip(release[1:], keep[1:])] == [head * 4] * (STEPS - 1)
 
 
 def test_step_gate_knows_when_it_is_waited_on():

@@ -153,9 +153,10 @@ class ZeroConfig:
     tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
     # Note [allocator retained pages] in _memory.py; a self-contained block (issue 23 item 4)
     host_allocator: Literal["release", "keep"] = _opt(
-        "keep", "keep: glibc's default, freed blocks up to 32 MiB stay in the process for reuse; release: at initialize "
-        "the C allocator maps each block of 1 MiB or more on its own and returns it when freed (peak RSS of GPT-2 124M "
-        "on NVMe 0.83x, but about 1.2x the step time here from page faults); process-wide either way")
+        "keep", "keep: glibc's default, freed blocks up to 32 MiB stay in the process for reuse, and the optimizer's "
+        "host cache stays resident; release: trade step time for host memory: at initialize the C allocator maps each "
+        "block of 1 MiB or more on its own and returns it when freed (process-wide), and the optimizer's host cache "
+        "gives its pages back through each forward and is read again in backward")
 
     _cross_check = _check_zero_section
 
