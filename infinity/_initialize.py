@@ -28,7 +28,7 @@ from ._engine import DTYPES, Engine, EngineParts, StagePolicy, check_same_model_
 from ._ledger import GatherLedger
 from ._log import logger
 from ._loss_scale import LossScaler
-from ._memory import GATHERED, MMAP_THRESHOLD, release_freed_blocks
+from ._memory import GATHERED, MMAP_THRESHOLD, huge_page_hint, release_freed_blocks
 from ._optimizer import GradSink, ZeroOptimizer
 from ._optimizer_store import MemoryOptimizerStore, OptimizerStore, chunk_elems
 from ._optimizer_swapper import NvmeOptimizerStore
@@ -102,7 +102,7 @@ def _build_engine(model: nn.Module, cfg):
     memory_plan = preflight(placement, cfg)  # Note [one memory model] in _memory.py
     if cfg.zero.host_allocator == "release" and release_freed_blocks():  # Note [allocator retained pages]
         logger.info("host allocator: blocks of %d KiB or more are mapped on their own and returned when freed "
-                    "(zero.host_allocator: release)", MMAP_THRESHOLD >> 10)
+                    "(zero.host_allocator: release)%s", MMAP_THRESHOLD >> 10, huge_page_hint())
     swap_dirs = SwapDirs(rank)
     try:
         opt_store = _optimizer_store(placement, cfg, swap_dirs, policy)

@@ -169,3 +169,17 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_release_says_how_to_fault_the_allocators_blocks_in_huge_pages(monkeypatch):
+    from infinity._memory import huge_page_hint
+    from infinity.aio import _memory as aio_memory
+
+    monkeypatch.setattr(aio_memory, "_thp_mode", lambda: "madvise")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in huge_page_hint()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
+    assert huge_page_hint() == ""  # set already
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setattr(aio_memory, "_thp_mode", lambda: "never")
+    assert huge_page_hint() == ""  # nothing the kernel would give
