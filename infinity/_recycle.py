@@ -77,7 +77,6 @@ class Recycler:
                 self._free.append(t)
                 self._held += n
 
-
     def release_idle(self) -> int:
         """Give the pages of the returned tensors nobody uses any more back to the kernel,
         keeping them for reuse (Note [released pages] in aio/_memory.py): called where they
