@@ -9,7 +9,9 @@ disk over exactly those files (the real working set: every swap file of the run,
 states) through infinity.aio, O_DIRECT, in the swapper's chunks (``zero.offload_optimizer.chunk_size``
 elements x 4 bytes per request group, the same number of chunks in flight as the swapper reads
 ahead): a full read pass and a full write pass, chunk-interleaved across the files as the step
-touches them. A 256 MiB probe (what the preflight measures) is printed beside it for contrast.
+touches them, then a pass that reads and writes at once (chunk k read while chunk k - 1 is
+written, as the swapper streams them), whose bandwidth bounds a step whose reads and writes
+overlap. A 256 MiB probe (what the preflight measures) is printed beside it for contrast.
 
 The bound is the step's bytes over that bandwidth: read bytes / read bandwidth + written bytes /
 write bandwidth (one device: reads and writes share it). The target: step <= 1.5 x bound.
@@ -75,10 +77,43 @@ def working_set_bandwidth(files: list, chunk_bytes: int, inflight: int, aio_cfg)
                 h.wait()
             out[op] = moved / (time.perf_counter() - t)
             out[f"{op}_bytes"] = moved
+        out["mixed"] = _mixed_pass(files, chunk_bytes, bufs[0], handles[0], aio_cfg)
     finally:
         for h in handles:
             h.close()
     return out
+
+
+def _mixed_pass(files: list, chunk_bytes: int, bufs: list, reader, aio_cfg) -> float:
+    """Reads and writes at once, as the swapper runs them: chunk k of every file read while
+    chunk k - 1 of every file is written back. Bytes/s of both together."""
+    import torch
+
+    from infinity._swap import new_aio
+    from infinity.aio import aligned_empty
+
+    writer = new_aio(aio_cfg)
+    out_bufs = [aligned_empty(chunk_bytes, torch.uint8) for _ in files]
+    longest = max(n for _, n in files)
+    try:
+        moved, t = 0, time.perf_counter()
+        for off in range(0, longest + chunk_bytes, chunk_bytes):
+            reader.wait()
+            writer.wait()
+            for (path, size), rbuf, wbuf in zip(files, bufs, out_bufs):
+                if off < size:
+                    n = min(chunk_bytes, size - off)
+                    reader.pread(rbuf[:n], path, off)
+                    moved += n
+                if 0 <= off - chunk_bytes < size:
+                    n = min(chunk_bytes, size - off + chunk_bytes)
+                    writer.pwrite(wbuf[:n], path, off - chunk_bytes)
+                    moved += n
+        reader.wait()
+        writer.wait()
+        return moved / (time.perf_counter() - t)
+    finally:
+        writer.close()
 
 
 def child(spec: dict) -> dict:
@@ -182,22 +217,26 @@ def report(r: dict) -> None:
     print("bytes held per tier: " + ", ".join(f"{t} {fmt_bytes(b)}" for t, b in r["tiers"].items()))
     print(f"disk over the working set ({ws['files']} swap files, {ws['bytes'] / GB:.1f} GB, {ws['chunk_bytes'] >> 20} MiB "
           f"requests): read {ws['read'] / GB:.2f} GB/s, write {ws['write'] / GB:.2f} GB/s; 256 MiB probe: read "
-          f"{small['read'] / GB:.2f} GB/s, write {small['write'] / GB:.2f} GB/s")
-    ratios = []
+          f"{small['read'] / GB:.2f} GB/s, write {small['write'] / GB:.2f} GB/s; reading and writing at once (as the "
+          f"swapper does) {ws['mixed'] / GB:.2f} GB/s together")
+    ratios, mixed_ratios = [], []
     cores = os.cpu_count() or 1
     for i, (t, m) in enumerate(zip(r["step_s"], r["moved"])):
         rd = sum(v for k, v in m.items() if k.endswith("_read_bytes"))
         wr = sum(v for k, v in m.items() if k.endswith("_write_bytes"))
         bound = rd / ws["read"] + wr / ws["write"]
         ratios.append(t / bound)
+        mixed_ratios.append(t / ((rd + wr) / ws["mixed"]))
         tiers = ", ".join(f"{k[5:-6]} {v / GB:.2f} GB" for k, v in sorted(m.items()))
         print(f"step {i}: {t:.1f} s; NVMe read {rd / GB:.2f} GB, written {wr / GB:.2f} GB ({tiers}); bound "
-              f"{bound:.1f} s at the working-set bandwidth; step / bound {t / bound:.2f}x")
+              f"{bound:.1f} s at the working-set bandwidth; step / bound {t / bound:.2f}x; reading and writing at "
+              f"once the disk needs {(rd + wr) / ws['mixed']:.1f} s: step / that {mixed_ratios[-1]:.2f}x")
         user, system = r["cpu_s"][i]
         print("        main thread waited: " + (", ".join(f"{k} {v:.1f} s" for k, v in r["stalls"][i].items()) or "-"))
         print(f"        CPU {user:.1f} s user + {system:.1f} s system = {(user + system) / t:.2f} of {cores} cores "
               f"busy on average (the kernel's I/O work counts as system time)")
-    print(f"median step / bound: {statistics.median(ratios):.2f}x (target <= 1.5x)")
+    print(f"median step / bound: {statistics.median(ratios):.2f}x (target <= 1.5x); step / the disk reading and "
+          f"writing at once: {statistics.median(mixed_ratios):.2f}x")
 
 
 if __name__ == "__main__":
