@@ -149,7 +149,7 @@ def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: Sta
                                   z.offload_optimizer.chunk_size, cfg.gradient_accumulation_steps,
                                   z.offload_optimizer.host_cache, placement.grads_in_memory,
                                   moments=z.offload_optimizer.moments,
-                                  release_cache=z.host_allocator == "release")
+                                  release_cache=z.host_allocator == "release", phased=z.offload_optimizer.swap_io == "phased")
     return MemoryOptimizerStore(placement.opt_tier, total, lazy_grad=not policy.reduce_in_backward,
                                 overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size)
 

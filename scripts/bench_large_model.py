@@ -127,7 +127,7 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     cfg = {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": spec["nvme"]},
-                    "offload_optimizer": {"device": "nvme", "nvme_path": spec["nvme"]}},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": spec["nvme"], "swap_io": spec["swap_io"]}},
            "precision": {"dtype": spec["dtype"]}, "optimizer": {"lr": 1e-4}}
     t0 = time.perf_counter()
     with infinity.Init(config=cfg):
@@ -182,6 +182,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--dtype", default="fp32", choices=("bf16", "fp32"))
+    ap.add_argument("--swap-io", default="overlap", choices=("overlap", "phased"),
+                    help="zero.offload_optimizer.swap_io (Note [phased swap I/O])")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
@@ -198,12 +200,12 @@ def main() -> None:
     # disk holds the master, both moments and the gradients, 16 bytes per parameter; bf16 adds its shards.
     per_param = 16 if args.dtype == "fp32" else DISK_BYTES_PER_PARAM
     print(f"GPT-style {layers} x {hidden}, {n / 1e9:.2f} B parameters, {args.dtype}, stage 3, everything on NVMe, "
-          f"{args.batch} x {args.seq} tokens, {args.warmup} warm-up + {args.steps} timed steps; "
+          f"{args.batch} x {args.seq} tokens, {args.warmup} warm-up + {args.steps} timed steps, swap_io {args.swap_io}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     try:
         check_disk(root, n * per_param)
         spec = dict(layers=layers, hidden=hidden, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                    warmup=args.warmup, steps=args.steps, nvme=root)
+                    warmup=args.warmup, steps=args.steps, nvme=root, swap_io=args.swap_io)
         r = spawn_child(__file__, spec, args.timeout, what="the large-model run")
     finally:
         shutil.rmtree(root, ignore_errors=True)

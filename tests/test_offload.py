@@ -356,3 +356,24 @@ def test_swap_directories_of_killed_runs_are_reclaimed(tmp_path):
     finally:
         alive.stdin.close()  # ends the live run normally: its own directory goes with it
         alive.wait(30)
+
+
+def test_phased_swap_io_takes_turns_and_matches_no_offload(tmp_path, monkeypatch):
+    """Note [phased swap I/O]: with ``swap_io: phased`` no chunk's reads are submitted while
+    a write of the swapper is in flight, and training is the same as without offload."""
+    from infinity._optimizer_swapper import NvmeOptimizerStore
+
+    submitted = []  # per tail read: was a write in flight?
+    read_chunk = NvmeOptimizerStore._read_chunk
+
+    def watched(self, s, off):
+        submitted.append(any(w.in_flight() for w in self.writers))
+        read_chunk(self, s, off)
+
+    monkeypatch.setattr(NvmeOptimizerStore, "_read_chunk", watched)
+    base = _train("gpt2", _config(3, "none", "none", str(tmp_path)))
+    cfg = _config(3, "nvme", "nvme", str(tmp_path))
+    cfg["zero"]["offload_optimizer"].update(swap_io="phased", host_cache=0, gradients="nvme")
+    phased = _train("gpt2", cfg)
+    assert phased == pytest.approx(base, rel=1e-5, abs=1e-6)
+    assert len(submitted) > STEPS * 4 and not any(submitted)

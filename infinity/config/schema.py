@@ -100,6 +100,11 @@ class OptimizerOffloadConfig:
     moments: Literal["fp32", "bf16", "int8"] = _opt(
         "fp32", "nvme: how Adam's two moments are stored in their swap files: fp32 (exact), bf16 (half the bytes) or "
         "int8 (block-quantised, about a quarter); the master weights stay fp32 and Adam computes in fp32")
+    # Note [phased swap I/O] in _optimizer_swapper.py
+    swap_io: Literal["overlap", "phased"] = _opt(
+        "overlap", "nvme: overlap: a chunk's reads run while the previous chunk's writes drain (NVMe devices serve "
+        "both at once); phased: reads and writes take turns, the update's arithmetic overlapping the reads only "
+        "(for disks that serve mixed I/O slowly; measure with scripts/bench_disk_mix.py)")
 
     _cross_check = _check_optimizer_offload_section
 
