@@ -116,6 +116,31 @@ def _mixed_pass(files: list, chunk_bytes: int, bufs: list, reader, aio_cfg) -> f
         writer.close()
 
 
+def compare_swap_io(model, opt, spec: dict, gen) -> list:
+    """Note [phased swap I/O]: alternate updates with the swapper's reads and writes overlapped
+    and taking turns, on the same files in the same process; each update timed on its own
+    (``wait_step`` right after ``step``, nothing beside it). (mode, seconds, NVMe bytes) each."""
+    import torch
+
+    out = []
+    for _ in range(spec["compare"]):
+        for phased in (False, True):
+            opt.engine.opt_store._phased = phased
+            ids = torch.randint(VOCAB, (spec["batch"], spec["seq"]), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.engine.telemetry()  # reset the byte counts: the update's own follow
+            t = time.perf_counter()
+            opt.step()
+            opt.wait_step()
+            dt = time.perf_counter() - t
+            tel = opt.engine.telemetry()
+            moved = sum(v for k, v in tel.items() if k.startswith("nvme_") and k.endswith("_bytes"))
+            opt.zero_grad()
+            out.append(("phased" if phased else "overlap", dt, moved))
+            print(f"  update ({out[-1][0]}): {dt:.1f} s, {moved / GB:.1f} GB", file=sys.stderr, flush=True)
+    return out
+
+
 def child(spec: dict) -> dict:
     import torch
 
@@ -163,6 +188,7 @@ def child(spec: dict) -> dict:
     out["moved"] = [moved[i + 1] for i in timed]
     out["stalls"] = [stalls[i + 1] for i in timed]
     out["cpu_s"] = [[cpu[i + 1][k] - cpu[i][k] for k in (0, 1)] for i in timed]  # user, system
+    out["compare"] = compare_swap_io(model, opt, spec, gen) if spec["compare"] else []
     chunk = chunk_elems(None, 1 << 62) * 4  # the swapper's default chunk, in bytes
     aio = AioConfig()
     files = swap_files(spec["nvme"])
@@ -184,6 +210,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=("bf16", "fp32"))
     ap.add_argument("--swap-io", default="overlap", choices=("overlap", "phased"),
                     help="zero.offload_optimizer.swap_io (Note [phased swap I/O])")
+    ap.add_argument("--compare-swap-io", type=int, default=0, metavar="ROUNDS",
+                    help="after the timed steps, ROUNDS pairs of updates timed alone, overlapped and phased in turns")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
@@ -205,7 +233,8 @@ def main() -> None:
     try:
         check_disk(root, n * per_param)
         spec = dict(layers=layers, hidden=hidden, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                    warmup=args.warmup, steps=args.steps, nvme=root, swap_io=args.swap_io)
+                    warmup=args.warmup, steps=args.steps, nvme=root, swap_io=args.swap_io,
+                    compare=args.compare_swap_io)
         r = spawn_child(__file__, spec, args.timeout, what="the large-model run")
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -239,6 +268,12 @@ def report(r: dict) -> None:
               f"busy on average (the kernel's I/O work counts as system time)")
     print(f"median step / bound: {statistics.median(ratios):.2f}x (target <= 1.5x); step / the disk reading and "
           f"writing at once: {statistics.median(mixed_ratios):.2f}x")
+    if r["compare"]:
+        med = {m: statistics.median(t for mm, t, _ in r["compare"] if mm == m) for m in ("overlap", "phased")}
+        gbs = {m: statistics.median(b / t for mm, t, b in r["compare"] if mm == m) / GB for m in med}
+        print(f"updates timed alone, medians of {len(r['compare']) // 2}: overlap {med['overlap']:.1f} s "
+              f"({gbs['overlap']:.2f} GB/s), phased {med['phased']:.1f} s ({gbs['phased']:.2f} GB/s); phased / overlap "
+              f"{med['phased'] / med['overlap']:.2f}x")
 
 
 if __name__ == "__main__":
