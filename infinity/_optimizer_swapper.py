@@ -6,12 +6,12 @@ the first chunks (Note [host cache]) and optionally every gradient shard in host
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, List, Optional
 
 import torch
 
-from . import _accelerator as acc
 from ._log import logger
 from ._memory import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, totals
 from ._moments import Codec, file_bytes, record_bytes
@@ -108,11 +108,9 @@ class NvmeOptimizerStore:
         self._staging_io = None  # their own handle: closing it lets go of the removed files' descriptors
         self._gen = torch.Generator().manual_seed(0x5EED + swap.rank)  # stochastic rounding's noise
         self.array_io = {n: [0, 0] for n in self._swapped}  # [read, written] bytes per swap file
-        self.head_sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_HOST_CACHE) for n in self._swapped}
+        # zeros: the gaps between aligned unit ranges must read as zero gradients
+        self.head_sets = [{n: zeros_host(self.chunk, OPT_HOST_CACHE) for n in self._swapped}
                           for _ in range(self.head // self.chunk)]
-        for hs in self.head_sets:
-            if "grad" in hs and acc.has_cuda():  # a fresh mapping is zeros already (zeros_host)
-                hs["grad"].zero_()  # the gaps between aligned unit ranges must read as zero gradients
         self.head_io = new_aio(aio_cfg)
         self._head = "empty"  # the head sets' master weights and moments: empty, reading or loaded (Note [host cache])
         self._release_cache = release_cache  # give them back through the activation peak (Note [host cache])
@@ -484,12 +482,12 @@ class NvmeOptimizerStore:
             n = min(self.chunk, self.total - off)
             bufs = self._with_grad({name: t[:n] for name, t in self.sets[k % self.SETS].items()}, off, n)
             self._expand(self.records[k % self.SETS], bufs)
+            next_read = None  # phased: chunk j's reads land before this chunk's writes start
             if self._phased and j < len(starts):
-                self._update_one(fn, off, bufs, self.writers[k % self.SETS], self.records[k % self.SETS],
-                                 before_writes=lambda: self._wait(self.readers[j % self.SETS],
-                                                                  f"reading optimizer chunk at element {starts[j]}"))
-                continue
-            self._update_one(fn, off, bufs, self.writers[k % self.SETS], self.records[k % self.SETS])
+                next_read = functools.partial(self._wait, self.readers[j % self.SETS],
+                                              f"reading optimizer chunk at element {starts[j]}")
+            self._update_one(fn, off, bufs, self.writers[k % self.SETS], self.records[k % self.SETS],
+                             before_writes=next_read)
         for w in self.writers:
             self._wait(w, "writing back optimizer chunks")
         for bufs in self.sets + self.records:  # idle until the next step (Note [released pages])

@@ -154,4 +154,3 @@ def release_pages(t: torch.Tensor) -> int:
     if n < 0:
         raise StorageError(-n, f"release_pages: madvise(MADV_DONTNEED) failed on {t.numel() * t.element_size()} bytes")
     return n
-
