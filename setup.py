@@ -2,7 +2,9 @@
 
 Each native library describes its own build in ``native/<name>/build.py``:
 ``native/aio/build.py`` exposes a cffi ``ffibuilder`` and ``native/cpu_adam/build.py``
-exposes ``extension()`` returning a pybind11 extension. Neither links against torch.
+exposes ``extension()`` returning a pybind11 extension; neither links against torch.
+``native/host_alloc/build.py`` (torch's CPU allocator, so it does) returns None when torch
+cannot be imported at build time.
 """
 import importlib.util
 import os
@@ -27,6 +29,9 @@ cffi_modules = []
 _cpu_adam = _load("native/cpu_adam/build.py")
 if _cpu_adam is not None:
     ext_modules.append(_cpu_adam.extension())
+_host_alloc = _load("native/host_alloc/build.py")
+if _host_alloc is not None and _host_alloc.extension() is not None:
+    ext_modules.append(_host_alloc.extension())
 if os.path.exists(os.path.join(HERE, "native/aio/build.py")):
     cffi_modules.append("native/aio/build.py:ffibuilder")
 

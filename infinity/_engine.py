@@ -92,7 +92,7 @@ from . import _accelerator as acc
 from . import _comm as comm
 from ._ledger import Hold
 from ._loss_scale import scale_outputs
-from ._memory import host_account
+from ._memory import host_account, stop_block_cache
 from ._optimizer_store import state_bytes
 from ._param import info_of, make_partitioned, raw_data, set_data
 from ._phase import Frame, ModuleState, Phase, tensors_in
@@ -160,6 +160,7 @@ class EngineParts:
     swap_dirs: "SwapDirs"
     memory_plan: dict  # the preflight's plan, by tier and category (Note [one memory model] in _memory.py)
     activation_offload: Optional["ActivationOffloader"] = None  # activation_checkpointing.offload: cpu
+    block_cache: bool = False  # torch's large CPU blocks come from the block cache (Note [block cache])
 
 
 class Engine:
@@ -192,6 +193,9 @@ class Engine:
         self.scaler = parts.scaler
         self.swap_dirs = parts.swap_dirs
         self.memory_plan = parts.memory_plan
+        self.block_cache = parts.block_cache
+        # the engine's hold on the block cache ends at close, or when the engine is collected unclosed
+        self._block_cache_done = weakref.finalize(self, stop_block_cache) if parts.block_cache else None
         self.activation_offload = parts.activation_offload  # Note [which tensors are offloaded] in _activation_offload.py
         self._bwd_waiting: Dict[ModuleState, set] = {}  # a held module's backward: the units and input tokens it waits for
         self._bwd_done: Set[ModuleState] = set()  # modules whose backward hold ended in this backward
@@ -568,6 +572,8 @@ class Engine:
                 if store is not None:
                     store.close()  # Note [closing handles] in aio/_handle.py
             self.swap_dirs.remove()
+            if self._block_cache_done is not None:
+                self._block_cache_done()  # once: a finalizer runs at most once
 
     def model_state_bytes(self) -> dict:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer."""

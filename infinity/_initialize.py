@@ -28,7 +28,16 @@ from ._engine import DTYPES, Engine, EngineParts, StagePolicy, check_same_model_
 from ._ledger import GatherLedger
 from ._log import logger
 from ._loss_scale import LossScaler
-from ._memory import GATHERED, MMAP_THRESHOLD, huge_page_hint, release_freed_blocks
+from ._memory import (
+    BLOCK_MIN,
+    GATHERED,
+    MMAP_THRESHOLD,
+    RELEASE_CACHE_CAP,
+    huge_page_hint,
+    release_freed_blocks,
+    stop_block_cache,
+    use_block_cache,
+)
 from ._optimizer import GradSink, ZeroOptimizer
 from ._optimizer_store import MemoryOptimizerStore, OptimizerStore, chunk_elems
 from ._optimizer_swapper import NvmeOptimizerStore
@@ -100,10 +109,8 @@ def _build_engine(model: nn.Module, cfg):
     if policy.partition_params:  # Note [operator working memory] in tiling.py: refused before anything is allocated
         check_working_memory([(s.module_name, s.shard_numel * world) for s in specs], placement.itemsize, cfg)
     memory_plan = preflight(placement, cfg)  # Note [one memory model] in _memory.py
-    if cfg.zero.host_allocator == "release" and release_freed_blocks():  # Note [allocator retained pages]
-        logger.info("host allocator: blocks of %d KiB or more are mapped on their own and returned when freed "
-                    "(zero.host_allocator: release)%s", MMAP_THRESHOLD >> 10, huge_page_hint())
     swap_dirs = SwapDirs(rank)
+    block_cache = _start_host_allocator(cfg.zero.host_allocator)
     try:
         opt_store = _optimizer_store(placement, cfg, swap_dirs, policy)
         param_store = _param_store(placement, cfg, swap_dirs, opt_store) if policy.partition_params else None
@@ -134,11 +141,38 @@ def _build_engine(model: nn.Module, cfg):
         scaler = _loss_scaler(cfg.precision) if dtype == torch.float16 else None
         offload = ActivationOffloader(ledger.budget) if cfg.activation_checkpointing.offload == "cpu" else None
         parts = EngineParts(placement, ctx, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs, memory_plan,
-                            offload)
+                            offload, block_cache)
         return Engine(model, cfg, parts), sink, gate
     except BaseException:
         swap_dirs.remove()
+        if block_cache:
+            stop_block_cache()
         raise
+
+
+def _start_host_allocator(policy: str) -> bool:
+    """Where torch's large CPU blocks come from (``zero.host_allocator``): the block cache
+    (Note [block cache] in native/host_alloc/host_alloc.cpp) keeping every freed block
+    (``cache``) or at most RELEASE_CACHE_CAP bytes of them (``release``); glibc's heap
+    (``keep``, or where the block cache was not built, with release's fixed mmap threshold:
+    Note [allocator retained pages] in _memory.py). True when the block cache serves."""
+    if policy == "keep":
+        return False
+    cap = RELEASE_CACHE_CAP if policy == "release" else None
+    if use_block_cache(cap):
+        logger.info("host allocator: torch's CPU blocks of %d KiB or more come from the block cache, which keeps %s "
+                    "(zero.host_allocator: %s)", BLOCK_MIN >> 10,
+                    "every freed block for reuse" if cap is None else f"at most {cap >> 20} MiB of freed blocks",
+                    policy)
+        return True
+    if policy == "release" and release_freed_blocks():
+        logger.info("host allocator: the block cache is not built (torch was not importable when infinity was "
+                    "built: pip install --no-build-isolation -e .); glibc maps blocks of %d KiB or more on their own "
+                    "and returns them when freed%s", MMAP_THRESHOLD >> 10, huge_page_hint())
+    else:
+        logger.info("host allocator: the block cache is not built (torch was not importable when infinity was "
+                    "built: pip install --no-build-isolation -e .); torch's blocks come from glibc's heap")
+    return False
 
 
 def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: StagePolicy) -> OptimizerStore:

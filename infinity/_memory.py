@@ -25,26 +25,27 @@ allocator (torch's CPU tensors: activations, autograd's gradients, temporaries),
 pages the allocator keeps, and the rest of the resident set (interpreter, libraries, code).
 
 Note [allocator retained pages]: torch's CPU tensors come from glibc's malloc. Its mmap
-threshold is dynamic: once a mapped block is freed, blocks up to that size (at most 32 MiB)
-come from the heap arenas instead, and freed heap blocks stay in the process for reuse. A
-training step frees and allocates activations of a few MiB in a different order every
-phase, so the arenas fragment and keep their free pages: with GPT-2 124M on NVMe the heap
-retained 0.7 GiB at the peak of backward and 1.6 GiB after the step, more than the engine's
-own buffers for gradients. ``release_freed_blocks`` (at ``initialize``, opt-in:
-``zero.host_allocator: release``) fixes the threshold at MMAP_THRESHOLD, so every block of
-that size or more is a mapping of its own, returned to the system when freed, and trims
-what the arenas already keep. The cost is a page fault per page of each new block, which
-the heap's reuse avoided; blocks below the threshold still come from the arenas. Measured
-there (scripts/bench_host_memory.py), peak RSS and minor faults per step: dynamic (glibc's
-default) 4.48 GiB, 0.35M; fixed at 16 MiB 5.10 GiB, 0.1-0.4M; 4 MiB 4.11 GiB, 0.9M; 1 MiB
-3.84 GiB, 1.27M. 1 MiB is the only setting that removes the retained pages at the peak, and
-its 0.9M more faults per step (3.6 GB zeroed) made the step 1.18x slower in a paired run, so
-it is not the default: a host short of memory chooses it. With glibc advising huge pages for
-its mappings (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, read only at process start, so
-``initialize`` can only say so: ``huge_page_hint``) the faults come 2 MiB at a time: in the
-same bench (2 rounds, GPT-2 124M, everything on NVMe) 0.22-0.24M faults per step instead of
-1.28-1.30M, and the step 8.04 s instead of 8.79 s (plain PyTorch 8.08 s), at the same peak
-(2.71 GiB, 0.61x plain's 4.46 GiB).
+threshold is dynamic: once a mapped block is freed, blocks up to that size (at most 32 MiB) come
+from the heap arenas instead, and freed heap blocks stay in the process for reuse. A training
+step frees and allocates activations of a few MiB in a different order every phase, so the
+arenas fragment and keep their free pages: with GPT-2 124M on NVMe the heap retained 0.7 GiB at
+the peak of backward and 1.6 GiB after the step, more than the engine's own buffers for
+gradients. The block cache (Note [block cache] in native/host_alloc/host_alloc.cpp) replaces
+glibc for those blocks by default; where it was not built, ``zero.host_allocator: release``
+falls back to ``release_freed_blocks``, which fixes the threshold at MMAP_THRESHOLD, so every
+block of that size or more is a mapping of its own, returned to the system when freed, and trims
+what the arenas already keep. The cost is a page fault per page of each new block, which the
+heap's reuse avoided; blocks below the threshold still come from the arenas. Measured there
+(scripts/bench_host_memory.py), peak RSS and minor faults per step: dynamic (glibc's default)
+4.48 GiB, 0.35M; fixed at 16 MiB 5.10 GiB, 0.1-0.4M; 4 MiB 4.11 GiB, 0.9M; 1 MiB 3.84 GiB,
+1.27M. 1 MiB is the only setting that removes the retained pages at the peak, and its 0.9M more
+faults per step (3.6 GB zeroed) made the step 1.18x slower in a paired run, which is why the
+block cache keeps freed blocks for reuse instead. With glibc advising huge pages for its
+mappings (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, read only at process start, so
+``initialize`` can only say so: ``huge_page_hint``) the faults come 2 MiB at a time: in the same
+bench (2 rounds, GPT-2 124M, everything on NVMe) 0.22-0.24M faults per step instead of
+1.28-1.30M, and the step 8.04 s instead of 8.79 s (plain PyTorch 8.08 s), at the same peak (2.71
+GiB, 0.61x plain's 4.46 GiB).
 """
 from __future__ import annotations
 
@@ -147,6 +148,62 @@ def trim_heap() -> bool:
     return bool(_LIBC is not None and _LIBC.malloc_trim(0))
 
 
+# ------------------------------------------------------------------ the block cache
+
+BLOCK_MIN = 1 << 20  # bytes: torch's CPU blocks this large and larger come from the block cache
+RELEASE_CACHE_CAP = 256 << 20  # bytes of freed blocks kept at most under zero.host_allocator: release
+
+
+def _block_cache():
+    """Note [block cache] in native/host_alloc/host_alloc.cpp: the native module, or None
+    where it was not built (torch not importable when the package was built)."""
+    import torch  # noqa: F401 - its libc10 is loaded first; the module shares it
+
+    try:
+        from . import _host_alloc  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _host_alloc
+
+
+_BLOCK_USERS = [0]  # engines using the block cache now; the last one to close restores torch's allocator
+
+
+def use_block_cache(cache_cap: Optional[int]) -> bool:
+    """Note [block cache]: serve torch's CPU blocks of BLOCK_MIN bytes or more from the block
+    cache, keeping at most ``cache_cap`` bytes of freed blocks (None: every freed block, for
+    reuse); process-wide, until every engine that asked has called ``stop_block_cache``.
+    False where the module was not built (glibc's allocator stays)."""
+    lib = _block_cache()
+    if lib is None:
+        return False
+    lib.install(BLOCK_MIN, True, (1 << 63) if cache_cap is None else int(cache_cap))
+    _BLOCK_USERS[0] += 1
+    return True
+
+
+def stop_block_cache() -> None:
+    """An engine is done with the block cache: its freed blocks go back to the system, and
+    with the last engine torch's previous allocator is restored (live blocks stay valid)."""
+    lib = _block_cache()
+    if lib is None or _BLOCK_USERS[0] == 0:
+        return
+    _BLOCK_USERS[0] -= 1
+    if _BLOCK_USERS[0] == 0:
+        lib.uninstall()
+    lib.release_cached()
+
+
+def block_cache_bytes() -> Optional[Dict[str, int]]:
+    """The block cache's ``live`` (torch's tensors) and ``cached`` (freed, kept for reuse) bytes;
+    None when it does not serve torch now."""
+    lib = _block_cache()
+    if lib is None:
+        return None
+    st = lib.stats()
+    return {"live": st["live_bytes"], "cached": st["cached_bytes"]} if st["installed"] else None
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
@@ -155,7 +212,8 @@ def _status_bytes(field: str) -> int:
 def host_account(plan: Optional[Plan] = None) -> dict:
     """Where this process's host memory is now, by category (Note [one memory model]): the
     engine's aligned buffers as mapped (the ledger: live and peak) and as resident now, the C heap in use and
-    retained, and the rest of the resident set; with ``plan``, what the plan says of each."""
+    retained, the block cache's blocks in use and cached (Note [block cache]), and the rest of the
+    resident set; with ``plan``, what the plan says of each."""
     from .aio._memory import ledger
 
     snap = ledger.snapshot()
@@ -165,6 +223,10 @@ def host_account(plan: Optional[Plan] = None) -> dict:
            "mapped_peak": snap["peak"], "mapped_peak_total": snap["peak_total"]}
     heap = malloc_bytes()
     rest = rss - sum(resident.values())
+    blocks = block_cache_bytes()
+    if blocks is not None:  # torch's large blocks (Note [block cache]); not in the C heap
+        out["blocks_in_use"], out["blocks_cached"] = blocks["live"], blocks["cached"]
+        rest -= blocks["live"] + blocks["cached"]
     if heap is not None:
         out["heap_in_use"], out["heap_retained"] = heap["in_use"], heap["retained"]
         rest -= heap["in_use"] + heap["retained"]

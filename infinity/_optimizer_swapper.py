@@ -61,16 +61,17 @@ class NvmeOptimizerStore:
     live in memory only (the files never hold them). ``update_head`` then runs on the
     caller's thread without waiting for a single read, and ``update_tail`` streams the rest
     through the buffer sets, whose first reads ``update_head`` has already started. The
-    cache stays resident by default. With ``zero.host_allocator: release`` (a host that
-    trades step time for memory) it is not held through the activation peak: during forward
+    cache stays resident with ``zero.host_allocator: cache`` or ``keep``. With ``release``
+    (the default) it is not held through the activation peak: during forward
     (``release_idle``), once its write-through has landed, its master weights and moments
     give their pages back (Note [released pages] in aio/_memory.py), and their reads start
     when backward delivers its first gradient below the middle of the flat space, landing
     while backward finishes. One read of the head per step buys the head's whole size at
-    the peak (463 MiB for GPT-2 124M), off the critical path; but with the allocator's
-    default the peak is set by the freed blocks glibc keeps, not by the cache (GPT-2 124M on
-    NVMe peaked at 3.6-3.7 GiB held or released), and the read costs CPU where disk I/O
-    does (1.03x the step here, alternating steps in one process), so it is not the default.
+    the peak (463 MiB for GPT-2 124M), off the critical path. It pays only where torch's own
+    freed blocks do not set the peak: with glibc's heap (``keep``) they did (GPT-2 124M on
+    NVMe peaked at 3.6-3.7 GiB held or released); with the block cache bounded (Note [block
+    cache] in native/host_alloc/host_alloc.cpp) the peak is the live set, and releasing the
+    cache takes it from 3.2 to 2.7 GiB.
     With compressed moments (Note [compressed moments] in _moments.py) the cache holds them
     expanded to fp32, each update's values compressed and expanded again: the cache always
     equals the file, so a run computes the same whether a chunk is cached or not.

@@ -14,9 +14,10 @@ bottleneck, from the same numbers the engine uses:
   ``ACT_LOGITS``·vocab for the logits, their log-softmax and their gradients; with
   checkpointing, 002 eq. 3 + eq. 5. The hand-off outputs count as the parameter space or their
   cap, whichever is smaller (their typical figure, not the preflight's cap). The sum is the
-  bytes in use; with glibc's default allocator (``zero.host_allocator: keep``) its retained
-  pages come on top (0.5-0.7 GiB at the peak of GPT-2 124M on NVMe, Note [allocator retained
-  pages] in _memory.py), with ``release`` the resident set is the sum.
+  bytes in use; with glibc's heap (``zero.host_allocator: keep``) its retained pages come on
+  top (0.5-0.7 GiB at the peak of GPT-2 124M on NVMe, Note [allocator retained pages] in
+  _memory.py); with the block cache (``release``, the default: Note [block cache] in
+  native/host_alloc/host_alloc.cpp) at most 256 MiB of freed blocks do.
 - Step time (002 §4): compute 6·Ψ·tokens + 12·nl·bsz·seq²·hd FLOPs per rank (8 and 16 with
   activation checkpointing: the forward runs twice), the blocks' share at the FLOP rate of a
   GPT-2 block (layer norms, attention, GELU MLP) forward and backward at the run's hidden size

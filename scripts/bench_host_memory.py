@@ -3,16 +3,17 @@
 Each contender runs in its own process (its peak RSS is its own), rounds alternate plain PyTorch
 (glibc's default allocator, as users run it), with ``--before-tree`` infinity from that checkout
 ("before", e.g. ``git archive <commit>`` with the native libraries copied in, default
-configuration) and infinity from this checkout three ways (Note [allocator retained pages] in
-infinity/_memory.py): the default configuration ("keep"), ``zero.host_allocator: release``
-("release"), and release with glibc's malloc advising huge pages (``GLIBC_TUNABLES=
-glibc.malloc.hugetlb=1``, "release+thp"); every step is timed, with its minor page faults (the
+configuration) and infinity from this checkout three ways (``zero.host_allocator``): "release"
+(the default: the block cache of Note [block cache] in native/host_alloc/host_alloc.cpp keeping
+at most 256 MiB of freed blocks, and the optimizer's host cache released through forward),
+"cache" (the block cache keeping every freed block) and "keep" (glibc's heap, Note [allocator
+retained pages] in infinity/_memory.py); every step is timed, with its minor page faults (the
 cost of releasing). The account (Note [one memory
 model] in infinity/_memory.py) is printed after the first measured forward and step, at the peak
 of the resident set (a thread samples it every 20 ms) and at the end: the engine's buffers by
 category as resident and mapped (Note [released pages] in infinity/aio/_memory.py), the C heap
 in use (activations, autograd's gradients, temporaries) and retained (freed pages the
-allocator keeps), the rest of the resident set; and the plan's figures.
+allocator keeps), the block cache's blocks in use and cached, the rest of the resident set; and the plan's figures.
 
     python scripts/bench_host_memory.py [--rounds 2] [--steps 3] [--micro-batch 4 --seq-len 256] [--before-tree DIR]
 """
@@ -26,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
 from _child import spawn_child  # noqa: E402 - after the path insert
@@ -43,16 +43,15 @@ def build_gpt(layers: int, hidden: int):
     return GPT2LMHeadModel(cfg)
 
 
-def nvme_config(path: str, allocator: str = "release") -> dict:
+def nvme_config(path: str, allocator: str) -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
                      "offload_optimizer": {"device": "nvme", "nvme_path": path},
-                     "host_allocator": allocator},  # Note [allocator retained pages]: release is opt-in, measured here
+                     "host_allocator": allocator},  # Note [block cache]: release is the default
             "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
 
 
-HUGETLB = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc's own mappings advised for huge pages
-# Contenders: (name, zero.host_allocator, environment additions). "keep" is the default configuration.
-INFINITY = {"keep": ("keep", {}), "release": ("release", {}), "release+thp": ("release", {"GLIBC_TUNABLES": HUGETLB})}
+# Contenders: name -> zero.host_allocator. "release" is the default configuration.
+INFINITY = {"release": "release", "cache": "cache", "keep": "keep"}
 
 
 class PeakSampler:
@@ -106,6 +105,13 @@ def child(spec: dict) -> dict:
     sampler = PeakSampler()
     gen = torch.Generator().manual_seed(0)
     for i in range(spec["warmup"] + spec["steps"]):
+        if spec.get("toggle"):  # odd steps: torch's blocks from glibc's heap, even: from the block cache
+            from infinity._memory import RELEASE_CACHE_CAP, stop_block_cache, use_block_cache
+
+            if i % 2:
+                stop_block_cache()
+            elif i:  # the engine installed it for step 0
+                use_block_cache(RELEASE_CACHE_CAP)
         ids = torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
         t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = model(input_ids=ids, labels=ids).loss
@@ -148,9 +154,8 @@ def fault_cost(mib: int = 256, reps: int = 5) -> float:
     return best
 
 
-def spawn(spec: dict, timeout: float, env_extra: Optional[dict] = None) -> dict:
-    env = {**os.environ, **env_extra} if env_extra else None
-    return spawn_child(__file__, spec, timeout, what=spec["kind"], env=env)
+def spawn(spec: dict, timeout: float) -> dict:
+    return spawn_child(__file__, spec, timeout, what=spec["kind"])
 
 
 def show_account(name: str, acct: dict) -> None:
@@ -158,6 +163,7 @@ def show_account(name: str, acct: dict) -> None:
     mapped = " ".join(f"{k}={resident.get(k, 0) / MiB:.0f}/{v / MiB:.0f}" for k, v in sorted(acct["mapped"].items()))
     print(f"  {name:14s} rss {acct['rss'] / MiB:6.0f} MiB | engine buffers resident/mapped (MiB): {mapped or '-'} | "
           f"heap in use {acct.get('heap_in_use', 0) / MiB:.0f}, retained {acct.get('heap_retained', 0) / MiB:.0f} | "
+          f"block cache in use {acct.get('blocks_in_use', 0) / MiB:.0f}, cached {acct.get('blocks_cached', 0) / MiB:.0f} | "
           f"other {acct['other'] / MiB:.0f}")
 
 
@@ -172,6 +178,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
     ap.add_argument("--before-tree", help="a checkout of an earlier commit (native libraries built) to run as 'before'")
+    ap.add_argument("--toggle-steps", type=int, default=0,
+                    help="also time N pairs of steps in one process (release), torch's blocks from the block cache "
+                         "and from glibc's heap on alternate steps")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -182,13 +191,19 @@ def main() -> None:
     runs = {"plain": [], **({"before": []} if args.before_tree else {}), **{k: [] for k in INFINITY}}
     for r in range(args.rounds):
         for kind in runs:
-            allocator, env_extra = INFINITY.get(kind, ("keep", {}))  # "before": the default configuration too
             res = spawn({**base, "kind": kind, "tree": args.before_tree if kind == "before" else None,
-                         "allocator": allocator}, 3600, env_extra)
+                         "allocator": INFINITY.get(kind, "keep")}, 3600)  # before: its default
             runs[kind].append(res)
             print(f"round {r} {kind:9s}: peak RSS {res['peak_rss'] / GiB:.2f} GiB, "
                   f"step {statistics.median(res['steps'][args.warmup:]):.2f} s, minor page faults per step "
                   f"{statistics.median(res.get('minor_faults', [0])[args.warmup:] or [0]):.0f}", flush=True)
+    if args.toggle_steps:
+        res = spawn({**base, "kind": "toggle", "allocator": "release", "steps": 2 * args.toggle_steps,
+                     "warmup": 2, "toggle": True}, 3600)
+        cached, heap = res["steps"][2::2], res["steps"][3::2]
+        print(f"one process, alternate steps ({args.toggle_steps} each): block cache "
+              f"{statistics.median(cached):.2f} s, glibc's heap {statistics.median(heap):.2f} s, "
+              f"ratio {statistics.median(cached) / statistics.median(heap):.2f}x", flush=True)
     cost = fault_cost()
     print(f"a minor page fault costs {cost * 1e6:.2f} us here (fresh vs reused 256 MiB, best of 5)")
     for k, v in runs.items():
@@ -203,16 +218,19 @@ def main() -> None:
     for k in [k for k in runs if k != "plain"]:
         print(f"  ratio {k}/plain: peak RSS {med[k]['peak'] / med['plain']['peak']:.2f}x, "
               f"step time {med[k]['step'] / med['plain']['step']:.2f}x")
+    for k in [k for k in runs if k not in ("plain", "keep")]:
+        print(f"  ratio {k}/keep: peak RSS {med[k]['peak'] / med['keep']['peak']:.2f}x, "
+              f"step time {med[k]['step'] / med['keep']['step']:.2f}x")
     if "before" in med:
-        print(f"  ratio keep/before: peak RSS {med['keep']['peak'] / med['before']['peak']:.2f}x, "
-              f"step time {med['keep']['step'] / med['before']['step']:.2f}x")
+        print(f"  ratio release/before: peak RSS {med['release']['peak'] / med['before']['peak']:.2f}x, "
+              f"step time {med['release']['step'] / med['before']['step']:.2f}x")
     print("\nplain PyTorch's host memory at its peak (last round):")
     show_account("at_peak", runs["plain"][-1]["accounts"]["at_peak"])
     for kind in [k for k in runs if k != "plain"]:
         print(f"\ninfinity's host memory by category ({kind}, last round):")
         for name, acct in runs[kind][-1]["accounts"].items():
             show_account(name, acct)
-    last = runs["keep"][-1]
+    last = runs["release"][-1]
     print("  planned (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(last["plan"]["host"].items())))
     peaks = last["accounts"]["end"]["mapped_peak"]
     print("  mapped peaks (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(peaks.items())))

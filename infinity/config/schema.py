@@ -156,12 +156,13 @@ class ZeroConfig:
     prefetch: PrefetchConfig = _opt(PrefetchConfig, "prefetcher")
     fetch_units: FetchUnitsConfig = _opt(FetchUnitsConfig, "grouping of parameters into fetch units")
     tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
-    # Note [allocator retained pages] in _memory.py; a self-contained block (issue 23 item 4)
-    host_allocator: Literal["release", "keep"] = _opt(
-        "keep", "keep: glibc's default, freed blocks up to 32 MiB stay in the process for reuse, and the optimizer's "
-        "host cache stays resident; release: trade step time for host memory: at initialize the C allocator maps each "
-        "block of 1 MiB or more on its own and returns it when freed (process-wide), and the optimizer's host cache "
-        "gives its pages back through each forward and is read again in backward")
+    # Note [block cache] in native/host_alloc/host_alloc.cpp; Note [allocator retained pages] in _memory.py
+    host_allocator: Literal["release", "cache", "keep"] = _opt(
+        "release", "where torch's CPU blocks of 1 MiB or more come from while an engine runs (process-wide): release: "
+        "the block cache, keeping at most 256 MiB of freed blocks, and the optimizer's host cache gives its pages back "
+        "through each forward and is read again in backward (the lowest peak); cache: the block cache keeping every "
+        "freed block for reuse (no page faults after the first step, a higher peak); keep: glibc's heap as torch "
+        "uses it, whose freed blocks up to 32 MiB stay in the process, fragmented")
 
     _cross_check = _check_zero_section
 
