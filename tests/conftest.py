@@ -15,3 +15,31 @@ def infinity_logs(caplog):
     caplog.set_level(logging.DEBUG, logger="infinity")
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def glibc_serves_torch():
+    """Torch's CPU blocks from glibc for one test: engines of earlier tests that are still alive
+    (Note [block cache]) give up their hold on the block cache and take it back after; no freed
+    blocks are kept. Yields the native module, or None where it was not built."""
+    import gc
+
+    from infinity import _memory
+
+    gc.collect()
+    lib = _memory._block_cache()
+    if lib is None:
+        yield None
+        return
+    users, st = _memory._BLOCK_USERS[0], lib.stats()
+    if st["installed"]:
+        lib.uninstall()
+    lib.release_cached()
+    _memory._BLOCK_USERS[0] = 0
+    try:
+        yield lib
+    finally:
+        assert not lib.stats()["installed"]
+        if st["installed"]:
+            lib.install(st["min_bytes"], True, st["cache_cap"])
+        _memory._BLOCK_USERS[0] = users

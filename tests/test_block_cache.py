@@ -2,7 +2,6 @@
 from mappings of their own, freed blocks reused whole by size and bounded, installed while an
 engine runs. Counts and addresses only: what reuse and release save is timed in
 scripts/bench_host_memory.py."""
-import gc
 import threading
 
 import pytest
@@ -19,20 +18,9 @@ pytestmark = pytest.mark.skipif(lib is None, reason="the block cache is built by
 
 
 @pytest.fixture(autouse=True)
-def alone():
-    """Each test starts with no engine holding the block cache: engines of earlier tests that
-    are still alive give up their hold for the test and take it back after."""
-    gc.collect()
-    users, st = _memory._BLOCK_USERS[0], lib.stats()
-    if st["installed"]:
-        lib.uninstall()
-    lib.release_cached()  # the tests count from no freed blocks; live blocks of other tests stay
-    _memory._BLOCK_USERS[0] = 0
+def alone(glibc_serves_torch):
+    """Each test starts with no engine holding the block cache and no freed blocks kept."""
     yield
-    assert not lib.stats()["installed"]
-    if st["installed"]:
-        lib.install(st["min_bytes"], True, st["cache_cap"])
-    _memory._BLOCK_USERS[0] = users
 
 
 @pytest.fixture

@@ -144,8 +144,9 @@ def test_run_model_peak_rss_agrees_with_a_measured_run(tmp_path, tier):
     assert 0.8 <= got["peak_rss"] / predicted <= 1.2, (got["peak_rss"] / 2**20, rm.host_memory(run))
 
 
-def test_released_allocator_keeps_no_freed_blocks():
-    """Note [allocator retained pages]: once released (what ``initialize`` does by default), blocks
+def test_released_allocator_keeps_no_freed_blocks(glibc_serves_torch):
+    """Note [allocator retained pages]: once released (``zero.host_allocator: release`` where the
+    block cache was not built), blocks
     of MMAP_THRESHOLD bytes or more are mappings of their own: freeing every other of 64 blocks of
     2 MiB leaves no free pages in the C heap, where the arenas would keep the holes."""
     from infinity._memory import malloc_bytes, release_freed_blocks
