@@ -165,13 +165,13 @@ def _start_host_allocator(policy: str) -> bool:
                     "every freed block for reuse" if cap is None else f"at most {cap >> 20} MiB of freed blocks",
                     policy)
         return True
+    missing = ("host allocator: the block cache is not built (torch was not importable when infinity was built: "
+               "pip install --no-build-isolation -e .); ")
     if policy == "release" and release_freed_blocks():
-        logger.info("host allocator: the block cache is not built (torch was not importable when infinity was "
-                    "built: pip install --no-build-isolation -e .); glibc maps blocks of %d KiB or more on their own "
-                    "and returns them when freed%s", MMAP_THRESHOLD >> 10, huge_page_hint())
+        logger.info(missing + "glibc maps blocks of %d KiB or more on their own and returns them when freed%s",
+                    MMAP_THRESHOLD >> 10, huge_page_hint())
     else:
-        logger.info("host allocator: the block cache is not built (torch was not importable when infinity was "
-                    "built: pip install --no-build-isolation -e .); torch's blocks come from glibc's heap")
+        logger.info(missing + "torch's blocks come from glibc's heap")
     return False
 
 
