@@ -207,7 +207,8 @@ class Engine:
             if module in self.states:
                 for p in params:
                     self.register_external(module, p)
-        _engines[model] = self
+        model.__dict__[_HOLD] = _EngineHold(self)
+        _live.add(self)
 
     @property
     def live_elems(self) -> int:
@@ -272,7 +273,7 @@ class Engine:
             for unit in self.units:
                 for p in unit.params:
                     if p.requires_grad:
-                        self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+                        self._handles.append(p.register_post_accumulate_grad_hook(_held_weakly(self._on_grad_accumulated)))
         if self.activation_offload is not None:
             self._handles.extend(self.activation_offload.install(self.model))
 
@@ -560,7 +561,15 @@ class Engine:
 
     def close(self) -> None:
         """Remove hooks and this run's swap files (also when the step's error is re-raised:
-        a failed run leaves no swap files behind)."""
+        a failed run leaves no swap files behind).
+
+        Note [closed engines]: a model holds its engine (``_EngineHold``), closed or not, so
+        a user who keeps the model after ``close`` would keep every buffer the engine made.
+        ``close`` therefore lets go of them itself: recycled gathered buffers, the parameter
+        cache, hand-off and staging buffers, the optimizer's buffer sets, host cache, moments
+        and gradients (the master weights in host memory stay: they may be the parameters'
+        own shards). Letting go of the model and the optimizer frees the rest (Note
+        [parameter side objects] in _param.py)."""
         try:
             self.gate.join()
         finally:
@@ -571,6 +580,8 @@ class Engine:
             for store in (self.opt_store, self.param_store):
                 if store is not None:
                     store.close()  # Note [closing handles] in aio/_handle.py
+            if self.gathered is not None:
+                self.gathered.clear()
             self.swap_dirs.remove()
             if self._block_cache_done is not None:
                 self._block_cache_done()  # once: a finalizer runs at most once
@@ -587,6 +598,21 @@ class Engine:
             grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)
         opt = state_bytes(self.opt_store, self.placement.params_are_master)
         return {"params": params, "grads": grads + opt.get("grads", 0), "optimizer": opt.get("optimizer", 0)}
+
+
+def _held_weakly(method):
+    """A parameter hook that holds its engine weakly. Note [hooks the collector cannot see]:
+    torch keeps a parameter's post-accumulate-grad hooks where Python's collector does not
+    look, so a hook holding the engine (which holds the model, which holds the parameter)
+    would keep all of them alive after the user let go; the model holds its engine instead
+    (``_EngineHold``), where the collector sees it."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param):
+        bound = ref()
+        if bound is not None:
+            bound(param)
+    return hook
 
 
 def check_same_model_on_all_ranks(model: nn.Module) -> None:
@@ -671,21 +697,43 @@ def _needs_grad(x) -> bool:
 
 
 
-_engines: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictionary()
+class _EngineHold:
+    """A model's hold on its engine, in the model's ``__dict__`` (Note [hooks the collector
+    cannot see]): the model owns its engine at every stage, as a cycle the collector frees
+    with both. A copy or a pickle of the model holds no engine."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def __reduce__(self):
+        return type(None), ()
+
+
+_HOLD = "_infinity_engine"
+_live: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # every engine not yet collected, for lookups by unit
 
 
 def engine_of(model: nn.Module) -> Optional[Engine]:
-    return _engines.get(model)
+    hold = model.__dict__.get(_HOLD)
+    return hold.engine if hold is not None else None
+
+
+def live_engines() -> List[Engine]:
+    return list(_live)
 
 
 def engine_of_unit(unit) -> Optional[Engine]:
     """The engine whose units include ``unit`` (None for a unit of infinity.Init)."""
     ctx = getattr(unit, "ctx", None)
-    return next((e for e in list(_engines.values()) if e.ctx is ctx), None) if ctx is not None else None
+    return next((e for e in live_engines() if e.ctx is ctx), None) if ctx is not None else None
 
 
 def forget_engine(model: nn.Module) -> None:
     """``initialize`` failed after the engine was built: the model is not managed."""
-    engine = _engines.pop(model, None)
+    hold = model.__dict__.pop(_HOLD, None)
+    engine = hold.engine if hold is not None else None
     if engine is not None:
+        _live.discard(engine)
         engine.swap_dirs.remove()

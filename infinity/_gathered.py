@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import _comm as comm
-from ._engine import EngineError, _engines, _pending_external, engine_of_unit
+from ._engine import EngineError, _pending_external, engine_of_unit, live_engines
 from ._ledger import Hold
 from ._log import logger
 from ._param import info_of, raw_data
@@ -162,7 +162,7 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
 
 def _engine_containing(module: nn.Module):
     """The engine whose model has ``module`` as a submodule, or None."""
-    for engine in list(_engines.values()):
+    for engine in live_engines():
         if module in engine.states:
             return engine
     return None

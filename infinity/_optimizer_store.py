@@ -195,7 +195,11 @@ class MemoryOptimizerStore:
         pass
 
     def close(self) -> None:
-        pass
+        """Note [closed engines] in _engine.py: the moments and gradients go now; the master
+        weights stay, as they may be the parameters' own shards (Note [parameters from the
+        master] in _placement.py)."""
+        self.exp_avg = self.exp_avg_sq = None
+        self.grad = self._sealed = self._spare = None
 
     def grad_bytes(self) -> int:
         """Bytes of gradient buffers held now: accumulating, sealed for an update, spare."""

@@ -568,6 +568,10 @@ class NvmeOptimizerStore:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
         close_handles([self.head_io, self.reader, *self.readers, *self.writers, self.grad_reader, self.grad_writer])
         self.checkpoint_done()
+        # Note [closed engines] in _engine.py: the buffer sets, host cache and gradients go now
+        self.sets, self.records, self.head_sets, self.head_records = [], [], [], []
+        self.grad_mem = None
+        self.head = 0
 
     def checksums(self) -> dict:
         """The block sums of each swap file by array name (Note [swap checksums] in aio/_checksum.py)."""

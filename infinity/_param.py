@@ -10,14 +10,22 @@ becomes ``PartitionedParameter``, whose ``__torch_function__`` makes the placeho
   managed forward: that is how external parameters are detected) or raises
   ``ParameterNotAvailableError`` pointing to ``infinity.GatheredParameters``; the empty
   placeholder never reaches an operator, so it can never silently broadcast.
-Engine state lives in ``ParamInfo`` side objects held by one registry, never as attributes
-on the parameter.
+Engine state lives in ``ParamInfo`` side objects, reached only through ``register`` and
+``info_of`` (Note [parameter side objects]), never as attributes probed on the parameter.
+
+Note [parameter side objects]: the parameter owns its side object, in the one private
+``__dict__`` entry ``_INFO`` that only ``register`` and ``info_of`` touch. A table
+outside the parameter cannot own it: the side object reaches its unit and the unit its
+parameters, so a global table's strong reference kept every parameter (and with it every
+model and engine) ever initialized alive, and a weak one would let the side object die
+while its placeholder parameter lived on. Owned by the parameter, the parameters, units,
+engine and model form cycles the collector frees when the user lets go of them. The entry
+pickles and deep-copies as None: a copy of a parameter is not managed.
 """
 from __future__ import annotations
 
 import enum
 import itertools
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Protocol
 
@@ -81,29 +89,20 @@ class ParamInfo:
     def state(self) -> ParamState:
         return self.unit.state
 
+    def __reduce__(self):
+        return type(None), ()  # Note [parameter side objects]: a pickled or copied parameter is not managed
 
-# id(param) -> (weak reference, side object). Keyed by identity: tensors compare
-# elementwise, so they cannot be keys of a WeakKeyDictionary.
-_registry: "dict[int, tuple[weakref.ref, ParamInfo]]" = {}
+
+_INFO = "_infinity_info"  # Note [parameter side objects]
 
 
 def register(param: nn.Parameter, info: ParamInfo) -> None:
-    key = id(param)
-
-    def _forget(_ref, key=key):
-        entry = _registry.get(key)
-        if entry is not None and entry[0] is _ref:
-            del _registry[key]
-
-    _registry[key] = (weakref.ref(param, _forget), info)
+    param.__dict__[_INFO] = info
 
 
 def info_of(param) -> Optional[ParamInfo]:
     """The side object of a managed parameter, or None."""
-    entry = _registry.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]
+    return getattr(param, "__dict__", {}).get(_INFO)
 
 
 def set_data(param: nn.Parameter, data: torch.Tensor) -> None:

@@ -69,6 +69,12 @@ class HostPool:
             self._free.append(buf)
             self._cond.notify()
 
+    def clear(self) -> None:
+        """Drop the returned buffers (the engine closed); a later ``get`` makes them again."""
+        with self._cond:
+            self._made -= len(self._free)
+            self._free.clear()
+
     @property
     def free(self) -> int:
         """Buffers a ``get`` would return now without waiting (made or not yet made)."""
@@ -399,7 +405,12 @@ class ParamStore:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
         if self.tier is Tier.NVME:
             close_handles(self._writers + self._all_readers)
-            self._cache, self._cached = {}, 0  # Note [parameter cache]: its memory goes with the engine
+            # Note [closed engines] in _engine.py: the cache, hand-off and staging memory goes now
+            self._cache, self._cached = {}, 0
+            self._handoff = []
+            self._filling = {}
+            self._outputs.clear()
+            self.pool.clear()
 
     def checksums(self) -> dict:
         """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""

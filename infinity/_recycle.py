@@ -77,6 +77,12 @@ class Recycler:
                 self._free.append(t)
                 self._held += n
 
+    def clear(self) -> None:
+        """Drop every returned tensor (the engine closed): their memory goes with the last user."""
+        with self._lock:
+            self._free.clear()
+            self._held = 0
+
     def release_idle(self) -> int:
         """Give the pages of the returned tensors nobody uses any more back to the kernel,
         keeping them for reuse (Note [released pages] in aio/_memory.py): called where they
