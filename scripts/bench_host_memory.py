@@ -105,13 +105,15 @@ def child(spec: dict) -> dict:
     sampler = PeakSampler()
     gen = torch.Generator().manual_seed(0)
     for i in range(spec["warmup"] + spec["steps"]):
-        if spec.get("toggle"):  # odd steps: torch's blocks from glibc's heap, even: from the block cache
+        if spec.get("toggle") == "allocator":  # odd steps: torch's blocks from glibc's heap, even: from the block cache
             from infinity._memory import RELEASE_CACHE_CAP, stop_block_cache, use_block_cache
 
             if i % 2:
                 stop_block_cache()
             elif i:  # the engine installed it for step 0
                 use_block_cache(RELEASE_CACHE_CAP)
+        elif spec.get("toggle") == "host_cache":  # odd steps: the optimizer's host cache kept through forward
+            opt.engine.opt_store._release_cache = not i % 2  # even: released and read again (Note [host cache])
         ids = torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
         t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = model(input_ids=ids, labels=ids).loss
@@ -179,8 +181,9 @@ def main() -> None:
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
     ap.add_argument("--before-tree", help="a checkout of an earlier commit (native libraries built) to run as 'before'")
     ap.add_argument("--toggle-steps", type=int, default=0,
-                    help="also time N pairs of steps in one process (release), torch's blocks from the block cache "
-                         "and from glibc's heap on alternate steps")
+                    help="also time N pairs of steps in two processes (release): torch's blocks from the block "
+                         "cache and from glibc's heap on alternate steps, then the optimizer's host cache released "
+                         "through forward and kept on alternate steps")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -197,13 +200,17 @@ def main() -> None:
             print(f"round {r} {kind:9s}: peak RSS {res['peak_rss'] / GiB:.2f} GiB, "
                   f"step {statistics.median(res['steps'][args.warmup:]):.2f} s, minor page faults per step "
                   f"{statistics.median(res.get('minor_faults', [0])[args.warmup:] or [0]):.0f}", flush=True)
-    if args.toggle_steps:
+    for toggle, even, odd in (("allocator", "block cache", "glibc's heap"),
+                              ("host_cache", "optimizer host cache released", "kept")):
+        if not args.toggle_steps:
+            break
         res = spawn({**base, "kind": "toggle", "allocator": "release", "steps": 2 * args.toggle_steps,
-                     "warmup": 2, "toggle": True}, 3600)
-        cached, heap = res["steps"][2::2], res["steps"][3::2]
-        print(f"one process, alternate steps ({args.toggle_steps} each): block cache "
-              f"{statistics.median(cached):.2f} s, glibc's heap {statistics.median(heap):.2f} s, "
-              f"ratio {statistics.median(cached) / statistics.median(heap):.2f}x", flush=True)
+                     "warmup": 2, "toggle": toggle}, 3600)
+        a, b = res["steps"][2::2], res["steps"][3::2]
+        print(f"one process, alternate steps ({args.toggle_steps} each): {even} {statistics.median(a):.2f} s, "
+              f"{odd} {statistics.median(b):.2f} s, ratio {statistics.median(a) / statistics.median(b):.2f}x", flush=True)
+    if not args.rounds:  # --rounds 0: the alternating steps alone
+        return
     cost = fault_cost()
     print(f"a minor page fault costs {cost * 1e6:.2f} us here (fresh vs reused 256 MiB, best of 5)")
     for k, v in runs.items():
