@@ -30,8 +30,9 @@ _cpu_adam = _load("native/cpu_adam/build.py")
 if _cpu_adam is not None:
     ext_modules.append(_cpu_adam.extension())
 _host_alloc = _load("native/host_alloc/build.py")
-if _host_alloc is not None and _host_alloc.extension() is not None:
-    ext_modules.append(_host_alloc.extension())
+_host_alloc_ext = _host_alloc.extension() if _host_alloc is not None else None
+if _host_alloc_ext is not None:
+    ext_modules.append(_host_alloc_ext)
 if os.path.exists(os.path.join(HERE, "native/aio/build.py")):
     cffi_modules.append("native/aio/build.py:ffibuilder")
 

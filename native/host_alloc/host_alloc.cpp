@@ -37,18 +37,18 @@ constexpr size_t kPage = 4096;
 constexpr size_t kHuge = 2u << 20;
 
 struct Block {
-  void* base;     // the mapping (may start before the data when aligned up)
+  void* base;     // the mapping, where the data starts
   size_t mapped;  // bytes of the mapping
   size_t size;    // usable bytes from the data pointer
 };
 
+using FreeList = std::list<Block>;
+
 struct State {
   std::mutex mu;
-  std::unordered_map<void*, Block> live;             // data pointer -> its block
-  std::multimap<size_t, void*> free_by_size;         // usable size -> data pointer
-  std::list<void*> free_order;                       // oldest freed first
-  std::unordered_map<void*, std::list<void*>::iterator> free_pos;
-  std::unordered_map<void*, Block> free_blocks;
+  std::unordered_map<void*, Block> live;                       // data pointer -> its block
+  FreeList free_order;                                         // freed blocks, oldest first
+  std::multimap<size_t, FreeList::iterator> free_by_size;      // usable size -> its freed block
   size_t live_bytes = 0, free_bytes = 0, peak_bytes = 0;
   uint64_t hits = 0, misses = 0, maps = 0, unmaps = 0;
   size_t min_bytes = 1u << 20;
@@ -83,28 +83,25 @@ Block map_block(size_t size) {
   return {a, bytes, bytes};
 }
 
-// Callers hold the lock.
-void forget_free(void* p) {
+// Callers hold the lock. Takes a freed block out of the cache and returns it.
+Block take_free(std::multimap<size_t, FreeList::iterator>::iterator by_size) {
   State& s = state();
-  auto range = s.free_by_size.equal_range(s.free_blocks[p].size);
-  for (auto it = range.first; it != range.second; ++it)
-    if (it->second == p) {
-      s.free_by_size.erase(it);
-      break;
-    }
-  s.free_order.erase(s.free_pos[p]);
-  s.free_pos.erase(p);
-  s.free_bytes -= s.free_blocks[p].size;
-  s.free_blocks.erase(p);
+  Block b = *by_size->second;
+  s.free_order.erase(by_size->second);
+  s.free_by_size.erase(by_size);
+  s.free_bytes -= b.size;
+  return b;
 }
 
 void release_free(size_t at_least) {
   State& s = state();
   size_t released = 0;
   while (released < at_least && !s.free_order.empty()) {
-    void* p = s.free_order.front();
-    Block b = s.free_blocks[p];
-    forget_free(p);
+    FreeList::iterator oldest = s.free_order.begin();
+    auto range = s.free_by_size.equal_range(oldest->size);
+    auto it = range.first;
+    while (it->second != oldest) ++it;  // it is in the range: every freed block has its entry
+    Block b = take_free(it);
     unmap(b);
     released += b.size;
     ++s.unmaps;
@@ -127,10 +124,7 @@ void delete_block(void* p) {
     ++s.unmaps;
     return;
   }
-  s.free_blocks[p] = b;
-  s.free_by_size.emplace(b.size, p);
-  s.free_order.push_back(p);
-  s.free_pos[p] = std::prev(s.free_order.end());
+  s.free_by_size.emplace(b.size, s.free_order.insert(s.free_order.end(), b));
   s.free_bytes += b.size;
   if (s.free_bytes > s.cache_cap) release_free(s.free_bytes - s.cache_cap);
 }
@@ -144,9 +138,8 @@ struct BlockAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> g(s.mu);
     auto it = s.free_by_size.lower_bound(want);
     if (it != s.free_by_size.end() && it->first <= want + want / 8) {
-      p = it->second;
-      Block b = s.free_blocks[p];
-      forget_free(p);
+      Block b = take_free(it);
+      p = b.base;
       s.live[p] = b;
       s.live_bytes += b.size;
       ++s.hits;
@@ -209,7 +202,7 @@ pybind11::dict stats() {
   d["cached_bytes"] = s.free_bytes;
   d["peak_bytes"] = s.peak_bytes;
   d["live_blocks"] = s.live.size();
-  d["cached_blocks"] = s.free_blocks.size();
+  d["cached_blocks"] = s.free_order.size();
   d["hits"] = s.hits;
   d["misses"] = s.misses;
   d["maps"] = s.maps;
