@@ -125,12 +125,11 @@ class ActivationOffloader:
         """Start the host->device copy of one checkpoint; without ``block`` only within the budget."""
         if not block and not self.budget.fits(saved.nbytes):
             return
-        acc.wait_copy_to_host(saved.event)
         self.budget.charge(saved.nbytes, "an activation checkpoint brought back for backward")
         self.device_bytes += saved.nbytes
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
         self.fetched_bytes += saved.nbytes
-        saved.device = acc.start_copy_to_device(saved.host)
+        saved.device = acc.start_copy_to_device(saved.host, after=saved.event)  # no CPU wait
 
     def _uncharge(self, nbytes: int) -> None:
         self.device_bytes -= nbytes

@@ -238,9 +238,18 @@ class Engine:
             for p in unit.params:
                 if raw_data(p).dtype != self.dtype and raw_data(p).is_floating_point():
                     set_data(p, raw_data(p).to(self.dtype))
-        for b in self.model.buffers():
-            if b.is_floating_point() and b.dtype != self.dtype and self.dtype != torch.float32:
-                b.data = b.data.to(self.dtype)
+        if not self.policy.partition_params:  # stages 1-2: whole parameters live on the device
+            for unit in self.units:
+                for p in unit.params:
+                    if not acc.on_device(raw_data(p)):
+                        set_data(p, acc.to_device(raw_data(p)))
+        for module in self.model.modules():  # buffers on the device, cast to the compute dtype (as Module.to)
+            for name, b in list(module._buffers.items()):
+                if b is None:
+                    continue
+                cast = b.is_floating_point() and b.dtype != self.dtype and self.dtype != torch.float32
+                if cast or not acc.on_device(b):
+                    module._buffers[name] = b.to(device=acc.device(), dtype=self.dtype if cast else b.dtype)
         if self.policy.partition_params:
             store, in_flight = self.param_store, 0
             for unit in self.units:

@@ -133,10 +133,11 @@ def _fingerprint(t: torch.Tensor) -> int:
     if flat.numel() == 0:
         return 0
     bits = flat.view(_INT_OF[flat.element_size()])
-    total = torch.zeros((), dtype=torch.int64)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)  # computed where the values are
     for lo in range(0, bits.numel(), _PIECE):
         piece = bits[lo : lo + _PIECE].to(torch.int64)
-        weights = torch.arange(lo, lo + piece.numel(), dtype=torch.int64).mul_(0x9E3779B97F4A7C15 - (1 << 64)).bitwise_or_(1)
+        weights = torch.arange(lo, lo + piece.numel(), dtype=torch.int64, device=flat.device)
+        weights.mul_(0x9E3779B97F4A7C15 - (1 << 64)).bitwise_or_(1)
         total += piece.mul_(weights).sum()
     return int(total)
 

@@ -119,7 +119,7 @@ def _build_engine(model: nn.Module, cfg):
         prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, ledger=ledger,
                                 counters=counters)
         recycler = Recycler(placement.gathered_reuse_bytes, functools.partial(aligned_empty, what=GATHERED)) \
-            if policy.partition_params and not acc.has_cuda() else None  # Note [recycled host memory] in _recycle.py
+            if policy.partition_params and not acc.has_accelerator() else None  # Note [recycled host memory] in _recycle.py
         ctx = UnitContext(
             world_size=world, rank=rank, dtype=dtype, itemsize=placement.itemsize,
             partitioned=policy.partition_params,

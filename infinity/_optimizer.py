@@ -36,6 +36,7 @@ from ._optimizer_store import Chunk, MemoryOptimizerStore, OptimizerStore, state
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._step_gate import StepGate
 from ._tiers import Tier
+from .aio import aligned_empty
 from .errors import EngineError, InvariantError, NonFiniteError, NotSupportedError, UsageError
 
 if TYPE_CHECKING:
@@ -188,8 +189,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         out_flat = None  # stages 1-2: the updated compute-dtype shards, gathered after the update
         if not engine.policy.partition_params:
             in_memory_fp32 = engine.dtype == torch.float32 and isinstance(self.store, MemoryOptimizerStore)
-            out_flat = self.store.master if in_memory_fp32 else torch.empty(self.total, dtype=engine.dtype,
-                                                                           device=acc.device())
+            # the fresh values are written where Adam runs (host memory for a native CPU Adam), then
+            # all-gathered on the device into the whole parameters
+            out_flat = self.store.master if in_memory_fp32 else (
+                aligned_empty(self.total, engine.dtype, what="step outputs") if self.opt_tier is not Tier.DEVICE
+                else torch.empty(self.total, dtype=engine.dtype, device=acc.device()))
         self.store.seal_grads()
         if self.overlap:
             self._launch_step(plan)
@@ -296,7 +300,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         end = chunk.offset + n
         ps = self.param_store
         targets = self._step_targets(chunk.offset, n, out_flat)  # (start, view) for the fresh values
-        fused = self._adam is not None and self.engine.dtype != torch.float32 and bool(targets)
+        fused = (self._adam is not None and self.engine.dtype != torch.float32 and bool(targets)
+                 and all(out.device.type == "cpu" for _, out in targets))  # the native Adam writes host memory
         done = []  # ranges whose fresh values a fused Adam wrote
         for lo, hi, hyper in runs_in(plan, chunk.offset, end):
             sl = slice(lo - chunk.offset, hi - chunk.offset)
@@ -398,6 +403,7 @@ class GradSink:
 
     def __init__(self, store: OptimizerStore, units: List["FetchUnit"], grad_scale: float, counters):
         self._store = store
+        self._host_store = getattr(store, "tier", Tier.NVME) is not Tier.DEVICE  # the CPU and NVMe tiers
         self.grad_scale = grad_scale
         self._counters = counters
         self._unit_first = _first_param_index(units)
@@ -412,6 +418,8 @@ class GradSink:
 
     def accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
         with self._counters.blocked("grad_offload"):
+            if self._host_store:
+                shard_grad = acc.to_host(shard_grad)  # complete on return: the store reads it on the CPU
             self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
         self._counters.bytes["grad_offload"] += shard_grad.numel() * 4
 
@@ -450,7 +458,7 @@ def gather_into_whole_params(engine: "Engine", flat: torch.Tensor) -> None:
             cols += unit.shard_numel
         if group and (unit is None or cols * engine.world_size >= budget):
             first, last = group[0], group[-1]
-            span = flat[first.opt_offset : last.opt_offset + last.shard_numel].to(engine.dtype)
+            span = flat[first.opt_offset : last.opt_offset + last.shard_numel].to(acc.device(), engine.dtype)
             full = torch.empty(engine.world_size * span.numel(), dtype=engine.dtype, device=acc.device())
             comm.all_gather_into_tensor(full, span, async_op=False, what="all-gather of updated parameters")
             rows = full.view(engine.world_size, span.numel())

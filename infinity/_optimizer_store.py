@@ -87,11 +87,8 @@ class OptimizerStore(Protocol):
 
 
 def zeros_host(n: int, what: str) -> torch.Tensor:
-    t = aligned_empty(n, torch.float32, what=what)
-    if acc.has_cuda():  # pinned memory from torch's host allocator may be reused
-        t.zero_()
-    # else a fresh anonymous mapping reads as zeros already: writing them would make every page resident
-    return t
+    return aligned_empty(n, torch.float32, what=what)  # a fresh mapping reads as zeros: writing them
+    # would make every page resident
 
 
 class MemoryOptimizerStore:

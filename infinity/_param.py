@@ -106,9 +106,23 @@ def info_of(param) -> Optional[ParamInfo]:
 
 
 def set_data(param: nn.Parameter, data: torch.Tensor) -> None:
-    """Swap ``param.data`` without going through the placeholder's guard."""
+    """Swap ``param.data`` without going through the placeholder's guard. Where torch cannot
+    swap the data in place (a host parameter given data of a device that is a tensor subclass,
+    as the emulated accelerator's), the parameter object is kept and its whole tensor swapped
+    (``torch.utils.swap_tensors``, as ``Module.to`` does for such devices); this happens once,
+    when ``initialize`` moves the parameter, before any hook is registered on it."""
     with torch._C.DisableTorchFunctionSubclass():
-        param.data = data
+        if torch._has_compatible_shallow_copy_type(param, data):
+            param.data = data
+            return
+    info, partitioned = info_of(param), isinstance(param, PartitionedParameter)
+    make_plain(param)
+    new = nn.Parameter(data.detach(), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, new)
+    if info is not None:
+        register(param, info)
+    if partitioned:
+        make_partitioned(param)
 
 
 def raw_data(param: nn.Parameter) -> torch.Tensor:
@@ -218,12 +232,28 @@ def not_available_message(info: ParamInfo, op: str) -> str:
     )
 
 
+_PARTITIONED: dict = {}  # the class of a parameter -> its placeholder-safe class
+_PLAIN: dict = {PartitionedParameter: nn.Parameter}
+
+
+def _partitioned_class(cls: type) -> type:
+    """PartitionedParameter for a plain parameter; for a device tensor subclass (the emulated
+    accelerator's), a class with the guard of the one and the operators of the other."""
+    if cls in (nn.Parameter, torch.Tensor):
+        return PartitionedParameter
+    out = _PARTITIONED.get(cls)
+    if out is None:
+        out = _PARTITIONED[cls] = type(f"Partitioned{cls.__name__}", (PartitionedParameter, cls), {})
+        _PLAIN[out] = cls
+    return out
+
+
 def make_partitioned(param: nn.Parameter) -> None:
     """Give a managed parameter the placeholder-safe class (idempotent)."""
     if not isinstance(param, PartitionedParameter):
-        param.__class__ = PartitionedParameter
+        param.__class__ = _partitioned_class(type(param))
 
 
 def make_plain(param: nn.Parameter) -> None:
     if isinstance(param, PartitionedParameter):
-        param.__class__ = nn.Parameter  # type: ignore[assignment]  # mypy narrowed param to the subclass
+        param.__class__ = _PLAIN[type(param)]

@@ -65,8 +65,8 @@ class Placement:
         params_in_master_file = fp32_same and param_tier is Tier.NVME and opt_tier is Tier.NVME
         itemsize = torch.empty((), dtype=dtype).element_size()
         reuse = GATHERED_REUSE * layout.max_shard * world_size * itemsize \
-            if partition_params and not acc.has_cuda() else 0  # a CUDA caching allocator already reuses memory
-        direct = partition_params and world_size == 1 and not acc.has_cuda()  # FetchUnit._direct_read_buffer
+            if partition_params and not acc.has_accelerator() else 0  # a device caching allocator already reuses memory
+        direct = partition_params and world_size == 1 and not acc.has_accelerator()  # FetchUnit._direct_read_buffer
         cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total, itemsize) \
             if param_tier is Tier.NVME and not params_are_master else 0
         return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, params_are_master,

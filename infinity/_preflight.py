@@ -133,4 +133,4 @@ def _amounts(need: int, have: int, ranks: int, what: str = "") -> str:
 def engine_device_is_host() -> bool:
     from . import _accelerator as acc
 
-    return not acc.has_cuda()
+    return not acc.has_accelerator()

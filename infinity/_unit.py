@@ -191,10 +191,7 @@ class FetchUnit:
         """This rank's shard, from the full parameters or from chunks made by infinity.Init."""
         if not any(self._init_units):
             return self.shard_of([raw_data(p) for p in self.params], dtype)
-        if acc.device().type == "cpu":  # mapped, not heap: a build shard by shard leaves no heap behind
-            out = aligned_empty(self.shard_numel, dtype)
-        else:
-            out = torch.empty(self.shard_numel, dtype=dtype, device=acc.device())
+        out = aligned_empty(self.shard_numel, dtype)  # mapped, not heap: a build shard by shard leaves no heap behind
         for info, p, iu in zip(self.infos, self.params, self._init_units):
             src = iu.chunk() if iu is not None else self.chunks_of(raw_data(p), info)[self.rank]
             out[info.shard_offset : info.shard_offset + info.chunk].copy_(src)
@@ -222,8 +219,11 @@ class FetchUnit:
         return flat.view(self.world_size, info.chunk)
 
     def shard_of(self, tensors: List[torch.Tensor], dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """This rank's shard of full tensors laid out like the unit's parameters."""
-        out = torch.empty(self.shard_numel, dtype=dtype, device=acc.device()) if out is None else out
+        """This rank's shard of full tensors laid out like the unit's parameters, where the
+        tensors are (host tensors before ``initialize`` moved anything: the shard goes to its
+        store's tier from there)."""
+        where = tensors[0].device if tensors else acc.device()
+        out = torch.empty(self.shard_numel, dtype=dtype, device=where) if out is None else out
         with torch.no_grad():
             for info, t in zip(self.infos, tensors):
                 out[info.shard_offset : info.shard_offset + info.chunk].copy_(self.chunks_of(t, info)[self.rank])

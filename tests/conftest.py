@@ -6,6 +6,13 @@ import pytest
 # Tests run several ranks on two cores: keep each process to its share of threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The emulated accelerator (Note [emulated accelerator]) is registered with torch before any
+# test runs a backward: autograd sizes its per-device queues at the first one. It computes
+# only inside ``infinity._accelerator.using("emulated")``.
+from infinity._accelerator import _emulated  # noqa: E402
+
+_emulated.setup()
+
 
 @pytest.fixture
 def infinity_logs(caplog):

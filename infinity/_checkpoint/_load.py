@@ -133,12 +133,20 @@ def _restore_buffers(model, buffers: Dict[str, torch.Tensor]) -> None:
                 own[name].copy_(value)
 
 
+def _own_device_state(state):
+    """This rank's device generator from a checkpoint: since this version one state, that of
+    the rank's own device; earlier checkpoints saved every visible GPU's (take this rank's)."""
+    if isinstance(state, (list, tuple)):
+        index = acc.device().index or 0
+        return state[index] if index < len(state) else None
+    return state
+
+
 def _set_rng(states: dict) -> None:
     import numpy as np
 
     torch.set_rng_state(states["torch"])
-    if states.get("cuda") is not None and acc.has_cuda():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    acc.set_rng_state(_own_device_state(states.get("cuda")))
     random.setstate(states["python"])
     kind, keys, pos, has_gauss, gauss = states["numpy"]
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))

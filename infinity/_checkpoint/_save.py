@@ -213,7 +213,7 @@ def rng_states() -> dict:
     import numpy as np
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if acc.has_cuda() else None,
+    return {"torch": torch.get_rng_state(), "cuda": acc.get_rng_state(),
             "python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)}
 
 

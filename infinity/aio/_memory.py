@@ -95,10 +95,17 @@ class _Mapping:
             raise OutOfMemory(f"aligned_empty: could not map {nbytes} bytes of host memory")
         self.nbytes, self.hugepage, self.huge = nbytes, hugepage, bool(huge[0])
         address = int(ffi.cast("uintptr_t", ptr))
+        try:
+            pinned = acc.host_register(address, nbytes)  # page-locked for asynchronous device copies
+        except BaseException:
+            lib.infinity_aio_free(ptr, nbytes, 1 if hugepage else 0)
+            raise
         ledger.add(what, nbytes, address)
 
         def free(p):
             ledger.sub(what, nbytes, address)  # out of the ledger before the address can be mapped again
+            if pinned:
+                acc.host_unregister(address)
             lib.infinity_aio_free(p, nbytes, 1 if hugepage else 0)
 
         self._ptr = ffi.gc(ptr, free)
@@ -119,8 +126,6 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
     if numel < 0:
         raise UsageError(f"aligned_empty: numel must be >= 0, got {numel}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if acc.has_cuda():
-        return acc.pinned_empty(numel, dtype)  # page-aligned and page-locked
     nbytes = numel * itemsize
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
@@ -146,7 +151,7 @@ def release_pages(t: torch.Tensor) -> int:
     that sit idle through the activation peak: the gradient shards between the update that
     consumed them and the backward that writes them again, recycled buffers between uses.
     Pinned (page-locked) memory is not released. Returns the bytes released."""
-    if acc.has_cuda() or t.device.type != "cpu" or t.numel() == 0:
+    if acc.has_accelerator() or t.device.type != "cpu" or t.numel() == 0:
         return 0
     if not t.is_contiguous():
         raise UsageError("release_pages: the tensor must be contiguous")
