@@ -75,7 +75,9 @@ def ensure_initialized() -> None:
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         backend = acc.comm_backend()
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        acc.set_device()  # before the group: NCCL and the side streams on this rank's GPU, not GPU 0
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
+                                device_id=acc.comm_device_id())
         logger.info("initialized torch.distributed (%s), world size %d", backend, dist.get_world_size())
 
 
@@ -132,9 +134,18 @@ class CommHandle:
 
     work: Optional[dist.Work]
     what: str
+    on_device: bool = False  # a collective of device tensors (NCCL): Note [stream waits]
 
     def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Note [stream waits]: for a collective of device tensors, the current stream waits
+        for it and the CPU goes on (NCCL's ``wait`` with a timeout would poll on the CPU until
+        the collective ends, a host sync at every gather); the process group's own timeout
+        (comm.timeout) bounds it. Host collectives (gloo) wait on the CPU, bounded here."""
         if self.work is None:
+            return
+        if self.on_device:
+            self.work.wait()
+            self.work = None
             return
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         start = time.monotonic()
@@ -190,6 +201,25 @@ def _run(what: str, launch) -> None:
 # ---------------------------------------------------------------- collectives
 
 
+def _staged(what: str, outs, ins, collective) -> bool:
+    """The emulated device has no collective backend: a collective of its tensors runs on host
+    copies through gloo (synchronously) and the results are copied back. False (nothing done)
+    for host tensors and on real devices."""
+    if not (acc.stage_collectives() and any(t.device.type != "cpu" for t in outs + ins)):
+        return False
+    host_outs = [t.cpu() for t in outs]
+    host_ins = [t.cpu() for t in ins]
+    _run(what, lambda: collective(*host_outs, *host_ins))
+    for t, h in zip(outs, host_outs):
+        t.copy_(h)
+    return True
+
+
+def _nccl(t: torch.Tensor) -> bool:
+    """Whether a collective of ``t`` runs on NCCL (a CUDA tensor): Note [stream waits]."""
+    return acc.kind() == "cuda" and t.device.type == "cuda"
+
+
 def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *, async_op: bool = True,
                            what: str = "all-gather") -> CommHandle:
     """Gather equal shards from every rank into ``out`` (rank order)."""
@@ -200,6 +230,8 @@ def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *
         if out.data_ptr() != shard.data_ptr():  # one rank may gather in place
             out.copy_(shard)
         return CommHandle(None, what)
+    if _staged(what, [out], [shard], lambda o, i: dist.all_gather_into_tensor(o, i, group=group, async_op=True)):
+        return CommHandle(None, what)
     if not async_op:
         _run(what, lambda: dist.all_gather_into_tensor(out, shard, group=group, async_op=True))
         return CommHandle(None, what)
@@ -207,7 +239,7 @@ def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *
         work = dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
     except RuntimeError as e:
         raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
-    return CommHandle(work, what)
+    return CommHandle(work, what, _nccl(out))
 
 
 def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, async_op: bool = True,
@@ -220,6 +252,9 @@ def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, 
         if out.data_ptr() != full.data_ptr():  # one rank may reduce in place
             out.copy_(full)
         return CommHandle(None, what)
+    if _staged(what, [out], [full], lambda o, i: dist.reduce_scatter_tensor(o, i, op=dist.ReduceOp.SUM, group=group,
+                                                                            async_op=True)):
+        return CommHandle(None, what)
     if not async_op:
         _run(what, lambda: dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
         return CommHandle(None, what)
@@ -227,19 +262,21 @@ def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, 
         work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     except RuntimeError as e:
         raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
-    return CommHandle(work, what)
+    return CommHandle(work, what, _nccl(out))
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None, *, what: str = "all-reduce") -> torch.Tensor:
     """In-place all-reduce (sum or max); synchronous. Small tensors only (norms, flags)."""
     if is_distributed():
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        _run(what, lambda: dist.all_reduce(t, op=red, group=group, async_op=True))
+        if not _staged(what, [t], [], lambda h: dist.all_reduce(h, op=red, group=group, async_op=True)):
+            _run(what, lambda: dist.all_reduce(t, op=red, group=group, async_op=True))
     return t
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, *, what: str = "broadcast") -> torch.Tensor:
-    if is_distributed():
+    if is_distributed() and not _staged(what, [t], [], lambda h: dist.broadcast(h, src=src, group=group,
+                                                                                 async_op=True)):
         _run(what, lambda: dist.broadcast(t, src=src, group=group, async_op=True))
     return t
 

@@ -111,6 +111,8 @@ class InitStore:
     def put(self, key: int, chunk: torch.Tensor, name: str, copy: bool = True) -> None:
         """Store ``chunk`` (``copy=False``: hand it over, e.g. from ``new_chunk``). Writes to NVMe
         are asynchronous, at most ``_WRITES_IN_FLIGHT`` bytes at a time; ``get`` waits for them."""
+        if chunk.device.type != "cpu":  # values made on the device (an init run on a gathered parameter)
+            chunk, copy = acc.to_host(chunk), False  # the store's chunks live in host memory or on NVMe
         nbytes = self.slot_bytes(chunk.numel(), chunk.dtype)
         self._files.pop(key, None)  # new values: no longer the checkpoint's
         if key not in self._offsets and key not in self._mem:

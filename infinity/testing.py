@@ -59,8 +59,12 @@ def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
         import torch
         import torch.distributed as dist
 
+        from . import _accelerator as acc
+
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        acc.set_device()  # this rank's GPU before the group: NCCL binds to it
+        # the backend a torchrun job gets (cpu:gloo,cuda:nccl on CUDA; gloo elsewhere)
+        dist.init_process_group(acc.comm_backend(), rank=rank, world_size=world_size, device_id=acc.comm_device_id())
         try:
             value = fn(*args, **kwargs)
             # Report before teardown: a peer closing its sockets first must not cost the result.
@@ -73,7 +77,9 @@ def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0, threads: int | None = None,
               env: dict | None = None, **kwargs) -> List[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return their results.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks (gloo, with NCCL for CUDA tensors);
+    return their results. ``env`` is set in each rank before it imports anything
+    (``INFINITY_ACCELERATOR=emulated``: ranks on the emulated device).
 
     ``fn`` must be importable (a module-level function). ``threads`` defaults to the
     machine's cores divided among the ranks, at least one, so ranks don't fight for cores.

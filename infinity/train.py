@@ -449,13 +449,17 @@ def train_step(run: Run, step: int) -> dict:
     comm_before, disk_before = _comm_bytes(), _disk_io()
     t_step = time.perf_counter()
     losses = []
+    dev = acc.device()
     for inputs, targets in run.batches.step(step - 1):
+        inputs, targets = inputs.to(dev), targets.to(dev)
         t = time.perf_counter()
         loss = _loss(model, inputs, targets)
         opt.note_loss(loss)  # checked with the gradients in step(): Note [non-finite steps] in _optimizer.py
+        acc.synchronize()  # the device's work, not only its launch, inside the phase's time
         times["forward_s"] += time.perf_counter() - t
         t = time.perf_counter()
         loss.backward()
+        acc.synchronize()
         times["backward_s"] += time.perf_counter() - t
         losses.append(loss.detach().float())
     t = time.perf_counter()
@@ -463,6 +467,7 @@ def train_step(run: Run, step: int) -> dict:
     opt.step()
     opt.zero_grad()
     run.scheduler.step()
+    acc.synchronize()
     times["optimizer_s"] = time.perf_counter() - t
     mean_loss = torch.stack(losses).mean().reshape(1)
     comm.all_reduce(mean_loss, "sum", what="loss report")

@@ -39,7 +39,10 @@ def _reentrant(mode):
 def _hf_checkpointing(model, mode):
     model.train()
     if mode != "none":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": _reentrant(mode)})
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        kwargs_name = ("activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable")
+                       else "gradient_checkpointing_kwargs")  # the name before transformers 5.18
+        enable(**{kwargs_name: {"use_reentrant": _reentrant(mode)}})
         assert model.is_activation_checkpointing
     return model
 

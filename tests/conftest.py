@@ -9,9 +9,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The emulated accelerator (Note [emulated accelerator]) is registered with torch before any
 # test runs a backward: autograd sizes its per-device queues at the first one. It computes
 # only inside ``infinity._accelerator.using("emulated")``.
+from infinity import _accelerator  # noqa: E402
 from infinity._accelerator import _emulated  # noqa: E402
 
-_emulated.setup()
+if _accelerator.kind() != "cuda":  # beside CUDA a second accelerator confuses autograd's streams and is_pinned
+    _emulated.setup()
 
 
 @pytest.fixture

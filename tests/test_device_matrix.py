@@ -20,6 +20,7 @@ from _hf_models import batches, build, loss_of
 
 import infinity
 from infinity import _accelerator as acc
+from infinity.errors import NonFiniteError
 
 pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True:UserWarning")
 
@@ -136,3 +137,74 @@ def test_matches_plain_pytorch_on_the_device(cell, tmp_path, device):
     if cell.dtype == "fp32":
         for name, ref in ref_params.items():
             torch.testing.assert_close(params[name], ref, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+# ------------------------------------------------------------------ two ranks
+
+TWO_RANKS = [Cell(3, "nvme", "nvme"), Cell(3, "none", "none"), Cell(2, optim="cpu"), Cell(1, optim="none")]
+
+
+def _train_halves(cell: Cell, nvme: str):
+    """One rank's half of every global batch; the global mean loss of each step and the final weights."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with acc.using(KIND):
+        return _train_halves_on(cell, nvme, rank, world, acc.device())
+
+
+def _train_halves_on(cell, nvme, rank, world, dev):
+    import torch.distributed as dist
+
+    model, opt = infinity.initialize(build(cell.kind, cell.mode), config=cell.config(nvme))
+    try:
+        losses = []
+        for ids, targets in batches(cell.kind, STEPS):
+            ids, targets = _to_device((ids.chunk(world)[rank], targets.chunk(world)[rank]), dev)
+            loss = loss_of(model, cell.kind, ids, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t = torch.tensor([loss.item()], dtype=torch.float64)
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+        with infinity.GatheredParameters(list(model.parameters())):
+            params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+    finally:
+        opt.engine.close()
+    return acc.kind(), losses, params
+
+
+@pytest.mark.parametrize("cell", TWO_RANKS, ids=[c.id for c in TWO_RANKS])
+def test_two_ranks_match_plain_pytorch_on_the_device(cell, tmp_path, device):
+    from infinity.testing import run_ranks
+
+    if KIND == "cuda" and acc.device_count() < 2:
+        pytest.skip("two NCCL ranks need two GPUs (NCCL refuses two ranks on one device)")
+    ref_losses, ref_params = reference(cell, device)
+    results = run_ranks(_train_halves, 2, cell, str(tmp_path), timeout=300)
+    for kind, losses, params in results:
+        assert kind == KIND
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_emulator_bites_when_a_copy_wait_is_removed(tmp_path, device, monkeypatch):
+    """Mutation check: with the compute stream no longer waiting for host->device copies,
+    the parameters of stage 3 on the CPU tier are read before they land and training is wrong."""
+    if KIND != "emulated":
+        pytest.skip("on CUDA a missing wait is a race, not a certainty")
+    from infinity._accelerator import _emulated
+
+    cell = Cell(3, "cpu", "cpu")
+    ref_losses, _ = reference(cell, device)
+    monkeypatch.setattr(acc, "finish_copy_to_device", lambda dst, event: dst)
+    _emulated.set_delay(0.002, 0.004)
+    try:
+        losses, _, _ = train(cell, str(tmp_path), device)
+    except NonFiniteError:  # the poison (NaN) reached a gradient: the step refuses it
+        return
+    finally:
+        _emulated.set_delay(0.0005, 0.004)
+    assert not torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)

@@ -117,7 +117,9 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
     """A flat uninitialized CPU tensor on memory ready for O_DIRECT.
 
     2 MiB-aligned and advised for transparent huge pages (``hugepage=True``), else 4 KiB
-    aligned. On CUDA machines the memory is pinned (page-locked) by torch's host allocator.
+    aligned. With an accelerator the mapping is pinned (``_accelerator.host_register``:
+    cudaHostRegister on CUDA), so its size is what was asked for and it goes back to the
+    system when its last tensor goes.
     ``what`` names the memory's category in the ledger (Note [host memory ledger]).
     """
     if not isinstance(dtype, torch.dtype):

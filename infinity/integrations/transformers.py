@@ -168,6 +168,11 @@ class InfinityTrainer(Trainer):
         self._configs: dict = {}
         super().__init__(*args, **kwargs)
 
+    def _move_model_to_device(self, model, device) -> None:
+        """The Trainer moves the whole model to the GPU in its constructor; infinity places
+        each state on its tier in ``initialize`` (a model bigger than the GPU must not be moved
+        whole), so nothing is moved here."""
+
     # ------------------------------------------------------------ config
 
     def infinity_config(self, model: Optional[torch.nn.Module] = None) -> Config:
