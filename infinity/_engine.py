@@ -234,15 +234,14 @@ class Engine:
         if not self.policy.partition_params:
             for unit in self.units:
                 unit.materialize_init_params()
+        move = not self.policy.partition_params  # stages 1-2: whole parameters live on the device
         for unit in self.units:
             for p in unit.params:
-                if raw_data(p).dtype != self.dtype and raw_data(p).is_floating_point():
-                    set_data(p, raw_data(p).to(self.dtype))
-        if not self.policy.partition_params:  # stages 1-2: whole parameters live on the device
-            for unit in self.units:
-                for p in unit.params:
-                    if not acc.on_device(raw_data(p)):
-                        set_data(p, acc.to_device(raw_data(p)))
+                data = raw_data(p)
+                dtype = self.dtype if data.is_floating_point() else data.dtype
+                device = acc.device() if move else data.device  # stage 3: partitioned from where they are
+                if data.dtype != dtype or data.device != device:
+                    set_data(p, data.to(device=device, dtype=dtype))  # one copy for the cast and the move
         for module in self.model.modules():  # buffers on the device, cast to the compute dtype (as Module.to)
             for name, b in list(module._buffers.items()):
                 if b is None:

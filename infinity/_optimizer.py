@@ -403,7 +403,7 @@ class GradSink:
 
     def __init__(self, store: OptimizerStore, units: List["FetchUnit"], grad_scale: float, counters):
         self._store = store
-        self._host_store = getattr(store, "tier", Tier.NVME) is not Tier.DEVICE  # the CPU and NVMe tiers
+        self._host_store = store.tier is not Tier.DEVICE  # the CPU and NVMe tiers read gradients on the CPU
         self.grad_scale = grad_scale
         self._counters = counters
         self._unit_first = _first_param_index(units)

@@ -44,6 +44,7 @@ class OptimizerStore(Protocol):
     rank's flat space (``unit.opt_offset``)."""
 
     total: int
+    tier: Tier  # where the states live: the device, host memory or NVMe
 
     def load_master(self, offset: int, values: torch.Tensor) -> None: ...
 

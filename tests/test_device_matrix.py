@@ -93,31 +93,29 @@ def _moved(model, dev, dtype):
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
-def reference(cell: Cell, dev):
-    model = _moved(build(cell.kind, cell.mode), dev, _DTYPE[cell.dtype])
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+def _fit(model, opt, cell: Cell, dev, rank: int = 0, world: int = 1) -> list:
+    """STEPS steps on this rank's share of each global batch; the local loss of each."""
     losses = []
     for ids, targets in batches(cell.kind, STEPS):
-        ids, targets = _to_device((ids, targets), dev)
+        ids, targets = _to_device((ids.chunk(world)[rank], targets.chunk(world)[rank]), dev)
         loss = loss_of(model, cell.kind, ids, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def reference(cell: Cell, dev):
+    model = _moved(build(cell.kind, cell.mode), dev, _DTYPE[cell.dtype])
+    losses = _fit(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY), cell, dev)
     return losses, {n: p.detach().float().cpu() for n, p in model.named_parameters()}
 
 
 def train(cell: Cell, nvme: str, dev):
     model, opt = infinity.initialize(build(cell.kind, cell.mode), config=cell.config(nvme))
     try:
-        losses = []
-        for ids, targets in batches(cell.kind, STEPS):
-            ids, targets = _to_device((ids, targets), dev)
-            loss = loss_of(model, cell.kind, ids, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _fit(model, opt, cell, dev)
         with infinity.GatheredParameters(list(model.parameters())):
             params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
             devices = {p.device.type for p in model.parameters()}
@@ -158,16 +156,9 @@ def _train_halves_on(cell, nvme, rank, world, dev):
 
     model, opt = infinity.initialize(build(cell.kind, cell.mode), config=cell.config(nvme))
     try:
-        losses = []
-        for ids, targets in batches(cell.kind, STEPS):
-            ids, targets = _to_device((ids.chunk(world)[rank], targets.chunk(world)[rank]), dev)
-            loss = loss_of(model, cell.kind, ids, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = torch.tensor([loss.item()], dtype=torch.float64)
-            dist.all_reduce(t)
-            losses.append(t.item() / world)
+        local = torch.tensor(_fit(model, opt, cell, dev, rank, world), dtype=torch.float64)
+        dist.all_reduce(local)
+        losses = (local / world).tolist()  # the global mean loss of each step
         with infinity.GatheredParameters(list(model.parameters())):
             params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
     finally:

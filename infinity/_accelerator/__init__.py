@@ -110,10 +110,6 @@ def set_device() -> None:
         _backend.setup()
 
 
-def device_name() -> str:
-    return "cpu" if _backend is None else _backend.name()
-
-
 def native_bf16() -> Tuple[bool, str]:
     """Whether this machine multiplies bf16 matrices natively (decided by its features at
     run time, never by the build machine's), and why, for the log."""
@@ -182,11 +178,9 @@ def on_device(t: torch.Tensor) -> bool:
 
 
 def to_device(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the device, synchronously ordered on the current stream (the tensor itself
-    where it is there already)."""
-    if on_device(t):
-        return t
-    return t.to(device(), non_blocking=is_pinned(t))
+    """``t`` on the device, complete on return (the caller may reuse ``t`` at once); the tensor
+    itself where it is there already. For copies that overlap, ``start_copy_to_device``."""
+    return t if on_device(t) else t.to(device())
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -231,19 +225,6 @@ def current_stream():
     return None if _backend is None else _backend.current_stream()
 
 
-def new_event():
-    return DONE if _backend is None else _backend.Event()
-
-
-def record_event():
-    """An event recorded on the current stream now."""
-    if _backend is None:
-        return DONE
-    event = _backend.Event()
-    event.record(_backend.current_stream())
-    return event
-
-
 def start_copy_to_device(src: torch.Tensor, out: Optional[torch.Tensor] = None, after=None):
     """Begin copying a host tensor to the device on the host->device side stream; returns
     ``(device tensor, event)``. Ordered after nothing: ``src`` was filled by the CPU or NVMe
@@ -276,11 +257,6 @@ def finish_copy_to_device(dst: torch.Tensor, event) -> torch.Tensor:
         event.wait(stream)
         _backend.record_stream(dst, stream)
     return dst
-
-
-def copy_done(event) -> bool:
-    """Whether the copy of ``event`` has landed (its host buffer may be reused)."""
-    return event.query()
 
 
 def wait_copy(event) -> None:
@@ -360,9 +336,7 @@ def device_memory_free() -> Optional[int]:
 
 
 def device_count() -> int:
-    if kind() == "cuda":
-        return torch.cuda.device_count()
-    return 1 if _backend is not None else 0
+    return 0 if _backend is None else _backend.device_count()
 
 
 # ---------------------------------------------------------------- random numbers

@@ -24,8 +24,8 @@ def is_bf16_supported() -> bool:
     return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def name() -> str:
-    return torch.cuda.get_device_name(device())
+def device_count() -> int:
+    return torch.cuda.device_count()
 
 
 # ---------------------------------------------------------------- memory

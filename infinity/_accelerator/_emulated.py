@@ -122,12 +122,15 @@ class _Memory:
         self.capacity = int(os.environ.get("INFINITY_EMULATED_MEMORY", str(64 << 30)))
         self.lock = threading.Lock()
 
+    def check(self, nbytes: int) -> None:
+        if self.allocated + nbytes > self.capacity:
+            raise torch.OutOfMemoryError(
+                f"emulated device out of memory: tried to allocate {nbytes} bytes with {self.allocated} of "
+                f"{self.capacity} allocated (INFINITY_EMULATED_MEMORY)")
+
     def charge(self, nbytes: int) -> None:
         with self.lock:
-            if self.allocated + nbytes > self.capacity:
-                raise torch.OutOfMemoryError(
-                    f"emulated device out of memory: tried to allocate {nbytes} bytes with {self.allocated} of "
-                    f"{self.capacity} allocated (INFINITY_EMULATED_MEMORY)")
+            self.check(nbytes)
             self.allocated += nbytes
             self.peak = max(self.peak, self.allocated)
 
@@ -242,9 +245,7 @@ def _wrap(data: torch.Tensor) -> EmuTensor:
 
 
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    nbytes = _nbytes(size, dtype)
-    _memory.charge(nbytes)  # checked before the host bytes exist
-    _memory.release(nbytes)
+    _memory.check(_nbytes(size, dtype))  # before the host bytes exist
     return _wrap(torch.empty(size, dtype=dtype or torch.get_default_dtype(),
                              memory_format=memory_format or torch.contiguous_format))
 
@@ -559,8 +560,8 @@ def is_bf16_supported() -> bool:
     return False  # decided by the host's CPU, whose kernels the device runs: see native_bf16
 
 
-def name() -> str:
-    return "emulated accelerator"
+def device_count() -> int:
+    return 1
 
 
 def free_memory() -> int:
