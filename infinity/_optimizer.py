@@ -147,6 +147,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         engine = self.engine
         self.wait_step()
+        if self.param_store is not None:
+            self.param_store.wait_copies()  # the step rewrites host shards a fetch's copy may still read
         if not engine.policy.reduce_in_backward:  # stages 2-3 reduced at the end of each backward
             for unit in engine.units:
                 engine.reducer.add(unit)

@@ -37,12 +37,18 @@ class PoolExhausted(InfinityError, RuntimeError):
 
 
 class HostPool:
-    """A fixed set of equal, aligned host buffers reused for every staged transfer."""
+    """A fixed set of equal, aligned host buffers reused for every staged transfer.
+
+    Note [buffers under a copy]: a buffer that a host->device copy may still be reading comes
+    back with the copy's event (``put(buf, after=event)``) and is handed out again only once the
+    event has happened; the CPU waits for it only when a ``get`` finds no other buffer. A DMA
+    holds no reference, so nothing but the event can tell that the buffer is still in use."""
 
     def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str, category: str = "other"):
         self.numel, self.count, self.dtype, self.what = numel, count, dtype, what
         self.category = category  # Note [host memory ledger] in aio/_memory.py
         self._free: List[torch.Tensor] = []
+        self._copying: List[tuple] = []  # (event, buffer) returned while a copy may read it, oldest first
         self._made = 0  # buffers are allocated on first need (a one-rank CPU run reads elsewhere)
         self._cond = threading.Condition()
 
@@ -55,23 +61,43 @@ class HostPool:
             raise PoolExhausted(f"{self.what}: a request of {numel} elements exceeds the buffer size {self.numel}; "
                                 f"set the buffer size to at least {numel} (or leave it unset to size it automatically)")
         with self._cond:
+            self._settle(wait=False)
             if not self._free and self._made < self.count:
                 self._made += 1
                 return aligned_empty(self.numel, self.dtype, what=self.category)
+            if not self._free and self._copying and block:
+                self._settle(wait=True)  # the oldest copy: the only CPU wait on a staging buffer
             if not block and not self._free:
                 return None
             if not self._cond.wait_for(lambda: self._free, timeout):
                 raise PoolExhausted(f"{self.what}: all {self.count} buffers stayed in use for {timeout:.0f}s")
             return self._free.pop()
 
-    def put(self, buf: torch.Tensor) -> None:
+    def put(self, buf: torch.Tensor, after=None) -> None:
+        """Give ``buf`` back; ``after``: the event of a copy that may still read it (Note
+        [buffers under a copy])."""
         with self._cond:
-            self._free.append(buf)
-            self._cond.notify()
+            if after is None or after.query():
+                self._free.append(buf)
+                self._cond.notify()
+            else:
+                self._copying.append((after, buf))
+
+    def _settle(self, wait: bool) -> None:
+        """Buffers whose copies have landed become free; ``wait``: the oldest at least."""
+        if wait and self._copying:
+            self._copying[0][0].synchronize()
+        landed = [buf for event, buf in self._copying if event.query()]
+        self._copying = [(e, b) for e, b in self._copying if not any(b is x for x in landed)]
+        self._free.extend(landed)
 
     def clear(self) -> None:
         """Drop the returned buffers (the engine closed); a later ``get`` makes them again."""
         with self._cond:
+            self._settle(wait=False)
+            for event, _ in self._copying:
+                event.synchronize()  # nothing is unmapped under a copy
+            self._settle(wait=False)
             self._made -= len(self._free)
             self._free.clear()
 
@@ -79,6 +105,7 @@ class HostPool:
     def free(self) -> int:
         """Buffers a ``get`` would return now without waiting (made or not yet made)."""
         with self._cond:
+            self._settle(wait=False)
             return len(self._free) + self.count - self._made
 
 
@@ -125,6 +152,8 @@ class ParamStore:
         self.tier, self.dtype, self.total = tier, dtype, total
         self.flat: Optional[torch.Tensor] = None
         self.pool: Optional[HostPool] = None
+        self._copying: List[tuple] = []  # (event, host shard) a copy to the device may still read: Note [buffers under a copy]
+        self._lock_copies = threading.Lock()  # the forward gives shards back while the step's thread takes outputs
         self.bytes_read = 0
         self.bytes_written = 0
         if tier is Tier.NVME:
@@ -228,10 +257,29 @@ class ParamStore:
             yield self._spans[i]
             i += 1
 
+    def keep_until_copied(self, shard: torch.Tensor, event) -> None:
+        """A fetch is done with ``shard`` (a view of host memory: a hand-off, the cache, the
+        resident store) but its copy to the device may still read it: the view is kept, so the
+        memory is not recycled, until the copy's event; ``wait_copies`` before rewriting in
+        place (Note [buffers under a copy])."""
+        with self._lock_copies:
+            self._copying = [(e, t) for e, t in self._copying if not e.query()]
+            if not event.query():
+                self._copying.append((event, shard))
+
+    def wait_copies(self) -> None:
+        """Before the step rewrites host shards in place: every copy still reading one has landed."""
+        with self._lock_copies:
+            copying, self._copying = self._copying, []
+        for event, _ in copying:
+            event.synchronize()
+
     def step_outputs(self, offset: int, numel: int) -> List[tuple]:
         """(start, view) pieces covering [offset, offset + numel): where the optimizer step
         puts its fresh values of that range, slices of one output tensor per unit (Note
         [hand-off]). Report them with ``step_outputs_done`` once written."""
+        with self._lock_copies:  # views whose copies landed let their tensors be recycled
+            self._copying = [(e, t) for e, t in self._copying if not e.query()]
         out, end = [], offset + numel
         for a, b in self._spans_in(offset, end):
             if a not in self._filling:

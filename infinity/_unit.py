@@ -87,7 +87,12 @@ class _Staging:
     cached: bool = False  # ``handoff`` is the parameter cache's copy (Note [parameter cache] in _param_store.py)
     device_shard: Optional[torch.Tensor] = None  # DEVICE: the shard on the device
     h2d: object = None  # DEVICE: the event of its host->device copy
-    copied: bool = False  # DEVICE: the device shard is a copy (CUDA), not the host tensor itself
+    source: Optional[torch.Tensor] = None  # DEVICE: the host tensor its copy reads (None: no copy, the host
+    # tensor is the device shard)
+
+    @property
+    def copied(self) -> bool:
+        return self.source is not None
 
 
 @dataclass(eq=False)
@@ -388,19 +393,21 @@ class FetchUnit:
         if not self.store.resident and not staging.cached:
             self.store.remember(self.param_offset, src)  # Note [parameter cache]
         staging.device_shard, staging.h2d = acc.start_copy_to_device(src)
-        staging.copied = staging.device_shard is not src
+        staging.source = src if staging.device_shard is not src else None
         if staging.copied:
             self.ctx.counters.bytes["host_to_device"] += src.numel() * src.element_size()
         self._state = ParamState.DEVICE
         return True
 
     def _drop_staging(self) -> _Staging:
-        """The device shard was consumed (gathered, or abandoned): give the staging buffer back once its copy is done."""
+        """The device shard was consumed (gathered, or abandoned): its host source goes back
+        with the copy's event, reused only once the copy has landed (Note [buffers under a
+        copy] in _param_store.py); no CPU wait here."""
         staging, self._staging = self._staging, None
         if staging.pool_buffer is not None:
-            with self.ctx.counters.blocked("host_to_device"):
-                staging.h2d.synchronize()
-            self.store.pool.put(staging.pool_buffer)
+            self.store.pool.put(staging.pool_buffer, after=staging.h2d)
+        elif staging.copied:
+            self.store.keep_until_copied(staging.source, staging.h2d)
         return staging
 
     def _what(self) -> str:

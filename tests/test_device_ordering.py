@@ -86,10 +86,79 @@ def test_a_use_without_the_wait_reads_what_has_not_landed():
 
     _emulated.set_delay(1.0)  # far longer than the read below takes, however loaded the machine
     try:
-        dst, event = acc.start_copy_to_device(_host(4096, 2.0))
+        src = _host(4096, 2.0)  # alive until the copy lands (unmapping waits for its copies)
+        dst, event = acc.start_copy_to_device(src)
         early = dst.sum().item()  # no wait on the event
         acc.wait_copy(event)
     finally:
         _emulated.set_delay(0.0005, 0.004)
     assert early != 2.0 * 4096
     assert dst.sum().item() == 2.0 * 4096
+
+
+def _slow_copies(seconds: float):
+    from infinity._accelerator import _emulated
+
+    if KIND != "emulated":
+        pytest.skip("the copy's duration is set on the emulated device only")
+    _emulated.set_delay(seconds)
+    return _emulated
+
+
+def test_a_staging_buffer_under_a_copy_is_not_handed_out_again(device):
+    """Finding 6: a staging buffer given back while its copy to the device may still read it is
+    reused only after the copy's event (Note [buffers under a copy]); the CPU waits only when
+    no other buffer is free, and the copy delivers the values it was given."""
+    from infinity._param_store import HostPool
+
+    emulated = _slow_copies(0.3)
+    try:
+        pool = HostPool(4096, 2, torch.float32, "test pool")
+        first = pool.get(4096)
+        first.fill_(7.0)
+        dst, event = acc.start_copy_to_device(first)
+        pool.put(first, after=event)
+        second = pool.get(4096, block=False)  # the never-made second buffer, not the one under the copy
+        assert second is not None and second is not first
+        assert pool.get(4096, block=False) is None  # the only other buffer is still being read
+        again = pool.get(4096)  # waits for the copy
+        assert again is first and event.query()
+        again.fill_(-1.0)  # reusing it now cannot change what the copy delivered
+        acc.finish_copy_to_device(dst, event)
+        assert dst.cpu().eq(7.0).all()
+    finally:
+        emulated.set_delay(0.0005, 0.004)
+
+
+def test_a_handed_off_shard_under_a_copy_is_not_recycled(device, tmp_path):
+    """Finding 6: the view a fetch copied from (a hand-off, the cache) is kept by the parameter
+    store until its copy's event, so the recycler cannot give its memory to the next step's
+    outputs while the copy reads it; ``wait_copies`` holds the step until every copy landed."""
+    import infinity
+    from infinity._param_store import ParamStore
+    from infinity._swap import SwapDir
+
+    emulated = _slow_copies(0.3)
+    try:
+        n = 4096
+        swap = SwapDir(str(tmp_path), 0)  # the directory lives as long as this object
+        store = ParamStore("nvme", torch.float32, 2 * n, swap=swap,
+                           aio_cfg=infinity.Config().aio, max_unit=n, buffer_count=2, slots=[(0, n), (n, n)])
+        [(_, out)] = store.step_outputs(0, n)
+        out.fill_(3.0)
+        store.step_outputs_done(0, n)  # written, kept for hand-off, given back to the recycler
+        store.flush()  # the write's own view of it is gone
+        view = store.take_handoff(0, n)
+        handed = view.data_ptr()
+        dst, event = acc.start_copy_to_device(view)
+        store.keep_until_copied(view, event)
+        del view, out
+        [(_, fresh)] = store.step_outputs(n, n)  # the next step's output of the same size
+        assert fresh.data_ptr() != handed and not event.query()
+        store.wait_copies()
+        assert event.query()
+        acc.finish_copy_to_device(dst, event)
+        assert dst.cpu().eq(3.0).all()
+        store.flush()
+    finally:
+        emulated.set_delay(0.0005, 0.004)

@@ -37,6 +37,7 @@ absorb. The device's random numbers come from the host generator (the kernels ru
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
 import random
@@ -268,26 +269,48 @@ def _nbytes(size, dtype) -> int:
 # ---------------------------------------------------------------- pinned host memory
 
 
-_pinned: dict = {}  # start address -> end address of every registered host range
+class _Range:
+    """A registered host range: ``owned`` by the caller (``host_register``, as
+    ``cudaHostRegister``: a copy in flight holds no reference to it, as a DMA holds none, so
+    the memory's users cannot see the copy) or ``cached`` (pinned by the backend itself, as
+    CUDA's caching host allocator, which keeps a block until its copies are done)."""
+
+    __slots__ = ("end", "cached", "copies", "idle")
+
+    def __init__(self, end: int, cached: bool):
+        self.end, self.cached, self.copies = end, cached, 0
+        self.idle = threading.Condition(_lock)
 
 
-def host_register(ptr: int, nbytes: int) -> None:
+_pinned: dict = {}  # start address -> _Range of every registered host range
+
+
+def host_register(ptr: int, nbytes: int, cached: bool = False) -> None:
     with _lock:
-        _pinned[ptr] = ptr + nbytes
+        _pinned[ptr] = _Range(ptr + nbytes, cached)
 
 
 def host_unregister(ptr: int) -> None:
+    """The caller is about to unmap the range: its copies in flight land first (on CUDA
+    unmapping under a DMA is undefined; here it would be a crash)."""
     with _lock:
-        _pinned.pop(ptr, None)
+        r = _pinned.get(ptr)
+        if r is not None:
+            r.idle.wait_for(lambda: r.copies == 0)
+            del _pinned[ptr]
 
 
-def is_pinned(t: torch.Tensor) -> bool:
+def _range_of(t: torch.Tensor) -> Optional[_Range]:
     if t.device.type != "cpu" or t.numel() == 0:
-        return False
+        return None
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     with _lock:
-        return any(s <= start and end <= e for s, e in _pinned.items())
+        return next((r for s, r in _pinned.items() if s <= start and end <= r.end), None)
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    return _range_of(t) is not None
 
 
 def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -299,7 +322,7 @@ def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
 def _pin_result(t: torch.Tensor) -> None:
     """A host tensor made by ``.to("cpu", non_blocking=True)`` is pinned, as on CUDA, for its life."""
     ptr = t.untyped_storage().data_ptr()
-    host_register(ptr, t.untyped_storage().nbytes())
+    host_register(ptr, t.untyped_storage().nbytes(), cached=True)
     weakref.finalize(t, host_unregister, ptr)
 
 
@@ -457,6 +480,27 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(-1)
 
 
+class _Unheld:
+    """A host tensor a queued copy reads or writes without holding it: its address, layout and
+    the registered range that keeps the memory mapped until the copy is done."""
+
+    def __init__(self, t: torch.Tensor, r: _Range):
+        self.ptr, self.nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.range = r
+        with _lock:
+            r.copies += 1
+
+    def tensor(self) -> torch.Tensor:
+        raw = torch.frombuffer((ctypes.c_char * self.nbytes).from_address(self.ptr), dtype=torch.uint8)
+        return raw.view(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+    def done(self) -> None:
+        with _lock:
+            self.range.copies -= 1
+            self.range.idle.notify_all()
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
     """``dst.copy_(src)`` where either may be on the device: queued on the current stream
     (Note [emulated accelerator]) when CUDA would run it asynchronously, else now."""
@@ -464,20 +508,31 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
     s = src._data if isinstance(src, EmuTensor) else src
     s_dev, d_dev = isinstance(src, EmuTensor), isinstance(dst, EmuTensor)
     host = None if (s_dev and d_dev) else (src if d_dev else dst)
-    asynchronous = (s_dev and d_dev) or (non_blocking and host is not None and is_pinned(host)
-                                         and (s_dev or d_dev))
+    pinned = _range_of(host) if host is not None and (s_dev or d_dev) else None
     current = current_stream()
-    if not asynchronous:
+    if not (s_dev and d_dev) and not (non_blocking and pinned is not None):
         current.synchronize()
         d.copy_(s)
         return
+    unheld = None
+    if pinned is not None and not pinned.cached:  # the host side is reached by address alone
+        unheld = _Unheld(host, pinned)
+        if host is src:
+            s = None
+        else:
+            d = None
 
     def land():
-        _poison(d)
-        low, high = _delay
-        if high > 0:
-            time.sleep(_rng.uniform(low, high))
-        d.copy_(s)
+        try:
+            target = d if d is not None else unheld.tensor()
+            _poison(target)
+            low, high = _delay
+            if high > 0:
+                time.sleep(_rng.uniform(low, high))
+            target.copy_(s if s is not None else unheld.tensor())
+        finally:
+            if unheld is not None:
+                unheld.done()
 
     current.enqueue(land)
 
