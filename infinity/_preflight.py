@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from . import _accelerator as acc
 from . import _comm as comm
 from ._memory import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
 from ._optimizer_store import MemoryOptimizerStore, chunk_elems, head_elems
@@ -106,6 +107,13 @@ def preflight(placement: "Placement", cfg) -> dict:
             f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
             f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, keep gradients on "
             f"NVMe (zero.offload_optimizer.gradients: nvme), or run fewer ranks per node")
+    if acc.has_accelerator():  # each rank has a device of its own
+        on_device, free_device = device_need(placement, need), acc.device_memory_free() or 0
+        if on_device > free_device:
+            problems.append(
+                f"device memory ({acc.device()}): {_amounts(on_device, free_device, 1, 'of model states ')} free, "
+                f"before activations; offload states (zero.offload_optimizer.device / zero.offload_param.device: "
+                f"cpu or nvme), partition parameters (zero.stage: 3), or use a device with more memory")
     for path, nbytes in need["nvme"].items():
         free = free_disk(path)
         if nbytes * ranks > free:
@@ -131,6 +139,12 @@ def _amounts(need: int, have: int, ranks: int, what: str = "") -> str:
 
 
 def engine_device_is_host() -> bool:
-    from . import _accelerator as acc
-
     return not acc.has_accelerator()
+
+
+def device_need(placement: "Placement", need: dict) -> int:
+    """Bytes of model state on this rank's accelerator: the plan's device stores, and for
+    stages 1-2 the whole parameters (in the compute dtype, every rank's shard of them)."""
+    whole = 0 if placement.partition_params else \
+        placement.layout.param_total * comm.world_size() * placement.itemsize
+    return need["device"] + whole

@@ -660,7 +660,9 @@ def summary_text(run: Run, per_rank: List[dict]) -> str:
     memory = _state_rows(per_rank) + [
         ("peak RSS", f"{fmt_bytes(max(rss))} (max of {len(rss)} rank(s); rank 0 {fmt_bytes(rss[0])})"),
         ("engine device peak", fmt_bytes(max(r["device_peak"] for r in per_rank))),
-    ]
+    ] + ([("device allocator peak", f"{fmt_bytes(max(r['allocator_peak'] for r in per_rank))} (all of the device's "
+                                     f"memory the run used, activations included)")]
+         if acc.has_accelerator() else [])
     sections = [head, memory, _time_rows(stats), _disk_rows(run, per_rank)]
     engine_keys = sorted({k for r in stats.records for k in r if k.startswith("engine.")})
     if engine_keys:
@@ -681,7 +683,8 @@ def _saved_text(run: Run) -> str:
 def finish(run: Run) -> Optional[str]:
     engine = run.optimizer.engine
     mine = {"peak_rss": _peak_rss(), "tiers": engine.tier_bytes(),
-            "device_peak": engine.device_budget.stats().peak, "nvme": run.stats.tier_totals().get("nvme", {})}
+            "device_peak": engine.device_budget.stats().peak, "allocator_peak": acc.max_memory_allocated(),
+            "nvme": run.stats.tier_totals().get("nvme", {})}
     per_rank = comm.all_gather_object(mine)
     if not run.rank0:
         return None

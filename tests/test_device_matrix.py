@@ -199,3 +199,27 @@ def test_the_emulator_bites_when_a_copy_wait_is_removed(tmp_path, device, monkey
     finally:
         _emulated.set_delay(0.0005, 0.004)
     assert not torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+
+
+def test_a_placement_that_does_not_fit_the_device_is_refused_before_allocating(tmp_path, device):
+    """Finding 13: the preflight checks the device's free memory, so stage 2 with its states on
+    a device too small for them is refused with the numbers and what to change, before any of
+    them is allocated (not an out-of-memory error in the middle of ``initialize``)."""
+    from infinity._accelerator import _emulated
+    from infinity.errors import InsufficientResourcesError
+
+    if KIND != "emulated":
+        pytest.skip("the device's capacity is set on the emulated device only")
+    model = build("gpt2")
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    before = _emulated.total_memory()
+    _emulated.set_capacity(_emulated.memory_allocated() + 2 * whole)  # the parameters fit, their Adam states do not
+    try:
+        allocated = _emulated.memory_allocated()
+        with pytest.raises(InsufficientResourcesError, match=r"device memory \(emu:0\).*zero.offload_optimizer.device"):
+            infinity.initialize(model, config=Cell(2).config(str(tmp_path)))
+        assert _emulated.memory_allocated() == allocated
+        _, opt = infinity.initialize(build("gpt2"), config=Cell(2, optim="cpu").config(str(tmp_path)))  # offloaded: fits
+        opt.engine.close()
+    finally:
+        _emulated.set_capacity(before)

@@ -72,6 +72,8 @@ def setup() -> None:
         _library.impl("empty.memory_format", _empty, "PrivateUse1")
         _library.impl("empty_strided", _empty_strided, "PrivateUse1")
         _library.impl("_fused_sdp_choice", _sdp_choice, "PrivateUse1")
+        _library.impl("_copy_from", _copy_from, "PrivateUse1")  # reached below the Python key (torch.tensor(...,
+        # device=...), list indices): the same copy as copy_
         _setup_done = True
 
 
@@ -253,6 +255,11 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     return _wrap(torch.empty_strided(size, stride, dtype=dtype or torch.get_default_dtype()))
+
+
+def _copy_from(src, dst, non_blocking=False):
+    _copy(dst, src, non_blocking)
+    return dst
 
 
 def _sdp_choice(*args, **kwargs):
