@@ -136,7 +136,7 @@ def _build_engine(model: nn.Module, cfg):
                 opt_store.load_master(unit.opt_offset, unit.local_shard(torch.float32))
         sink = GradSink(opt_store, units, 1.0 / (world * cfg.gradient_accumulation_steps), counters)
         reducer = GradReducer(units, world, cfg.zero.reduce_bucket_size, sink.accumulate,
-                              drop_full_grads=policy.reduce_in_backward, consumers_done=opt_store.wait_grad_writes,
+                              drop_full_grads=policy.reduce_in_backward, consumers_done=sink.consumers_done,
                               on_add=sink.note)
         scaler = _loss_scaler(cfg.precision) if dtype == torch.float16 else None
         offload = ActivationOffloader(ledger.budget) if cfg.activation_checkpointing.offload == "cpu" else None

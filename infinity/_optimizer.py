@@ -24,6 +24,7 @@ is caught only through a noted loss.
 """
 from __future__ import annotations
 
+import collections
 import math
 from typing import TYPE_CHECKING, List, Optional
 
@@ -153,6 +154,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for unit in engine.units:
                 engine.reducer.add(unit)
             engine.reducer.finish()
+        self.sink.flush()
         with engine.counters.blocked("grad_offload"):
             self.store.finalize_grads()
         self._calls += 1
@@ -398,14 +400,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 
+GRADS_IN_FLIGHT = 4  # device->host gradient copies the sink lets run ahead of the CPU (Note [gradients to the host])
+
+
 class GradSink:
     """Where the reducer delivers gradients: each unit's shard gradient accumulated into the
     optimizer store (scaled by 1 / (ranks x accumulation steps)), and which parameters got a
-    gradient in this backward (Note [update plan] in _param_groups.py), consumed by the step."""
+    gradient in this backward (Note [update plan] in _param_groups.py), consumed by the step.
+
+    Note [gradients to the host]: a store in host memory or on NVMe adds gradients on the CPU.
+    A shard gradient on the device is copied into pinned memory on the device->host stream;
+    before the reducer reuses a bucket (``consumers_done``) the compute stream waits for the
+    last copy's event, the CPU does not. The sink adds a landed copy to the store when a later
+    gradient arrives, waits for the oldest only when GRADS_IN_FLIGHT are in flight, and lands
+    all of them before the step reads the gradients (``flush``), in the order they came (a
+    range accumulated twice keeps its order)."""
 
     def __init__(self, store: OptimizerStore, units: List["FetchUnit"], grad_scale: float, counters):
         self._store = store
         self._host_store = store.tier is not Tier.DEVICE  # the CPU and NVMe tiers read gradients on the CPU
+        self._landing: collections.deque = collections.deque()  # (unit, host copy, event, scale), oldest first
         self.grad_scale = grad_scale
         self._counters = counters
         self._unit_first = _first_param_index(units)
@@ -419,11 +433,36 @@ class GradSink:
                 self.got_grad[first + j] = 1.0
 
     def accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
-        with self._counters.blocked("grad_offload"):
-            if self._host_store:
-                shard_grad = acc.to_host(shard_grad)  # complete on return: the store reads it on the CPU
-            self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
         self._counters.bytes["grad_offload"] += shard_grad.numel() * 4
+        if self._host_store and shard_grad.device.type != "cpu":  # Note [gradients to the host]
+            host, event = acc.start_copy_to_host(shard_grad)
+            self._landing.append((unit, host, event, self.grad_scale))
+            self._land(wait=len(self._landing) > GRADS_IN_FLIGHT)
+            return
+        with self._counters.blocked("grad_offload"):
+            self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
+
+    def _land(self, wait: bool, every: bool = False) -> None:
+        """Add the landed copies to the store, oldest first; ``wait``: the oldest at least,
+        ``every``: all of them."""
+        while self._landing and (wait or self._landing[0][2].query()):
+            unit, host, event, scale = self._landing.popleft()
+            with self._counters.blocked("grad_offload"):
+                acc.wait_copy_to_host(event)
+                self._store.accumulate(unit.opt_offset, host, scale)
+            wait = every
+
+    def flush(self) -> None:
+        """Every gradient delivered so far is in the store."""
+        self._land(wait=True, every=True)
+
+    def consumers_done(self) -> None:
+        """The reducer is about to rewrite a bucket: device work from here on runs after the
+        copies reading it (a stream wait on the newest, which follows the others on its
+        stream), and the store's own writes of gradients have landed."""
+        if self._landing:
+            acc.stream_waits(self._landing[-1][2])
+        self._store.wait_grad_writes()
 
 
 _NO_STATE_DICT = (

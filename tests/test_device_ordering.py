@@ -162,3 +162,31 @@ def test_a_handed_off_shard_under_a_copy_is_not_recycled(device, tmp_path):
         store.flush()
     finally:
         emulated.set_delay(0.0005, 0.004)
+
+
+def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device):
+    """Note [gradients to the host]: the sink copies a device gradient to the host without a
+    CPU wait; when the reducer is about to rewrite the bucket (``consumers_done``), device work
+    is ordered after the copy, so the store receives the values the bucket held, not the next
+    bucket's."""
+    from types import SimpleNamespace
+
+    from infinity._optimizer import GradSink
+    from infinity._optimizer_store import MemoryOptimizerStore
+    from infinity._telemetry_counters import Counters
+    from infinity._tiers import Tier
+
+    emulated = _slow_copies(0.2)
+    try:
+        n = 4096
+        store = MemoryOptimizerStore(Tier.CPU, n)
+        unit = SimpleNamespace(opt_offset=0, index=0, params=[])
+        sink = GradSink(store, [unit], 1.0, Counters())
+        bucket = torch.full((n,), 2.0, device=device)
+        sink.accumulate(unit, bucket)  # the copy is in flight
+        sink.consumers_done()  # the reducer takes the bucket back for the next gradients
+        bucket.fill_(-5.0)  # device work on the bucket: after the copy
+        sink.flush()
+        assert store.grad.eq(2.0).all()
+    finally:
+        emulated.set_delay(0.0005, 0.004)

@@ -299,6 +299,13 @@ def _pinned_like(src: torch.Tensor) -> torch.Tensor:
     return _backend.pinned_empty(src.shape, src.dtype)
 
 
+def stream_waits(event) -> None:
+    """The current stream's later work runs after ``event`` (no CPU wait): e.g. a buffer a copy
+    reads is not rewritten under it."""
+    if _backend is not None:
+        event.wait(_backend.current_stream())
+
+
 def wait_copy_to_host(event) -> None:
     """The host tensor of a ``start_copy_to_host`` copy is complete after this."""
     event.synchronize()
