@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from ..errors import OutOfMemory
+
 NAME = "cuda"
 
 
@@ -60,7 +62,8 @@ def host_register(ptr: int, nbytes: int) -> None:
     memory back."""
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+        raise OutOfMemory(f"cudaHostRegister could not page-lock {nbytes} bytes of host memory ({err}); raise the "
+                          f"locked-memory limit (ulimit -l) or offload less state to host memory")
 
 
 def host_unregister(ptr: int) -> None:

@@ -49,7 +49,13 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from ..errors import EngineError, InfinityError, UsageError
+
 NAME = "emu"
+
+
+class DeviceMismatchError(InfinityError, RuntimeError):
+    """An operator mixed the emulated device's tensors with host tensors (CUDA raises a RuntimeError)."""
 _setup_done = False
 _lock = threading.RLock()
 
@@ -66,7 +72,7 @@ def setup() -> None:
         if torch._C._get_privateuse1_backend_name() == "privateuseone":
             _setup_privateuseone_for_python_backend(NAME, backend_module=_BackendModule())
         elif torch._C._get_privateuse1_backend_name() != NAME:
-            raise RuntimeError(f"INFINITY_ACCELERATOR=emulated needs PyTorch's PrivateUse1 backend, which is "
+            raise UsageError(f"INFINITY_ACCELERATOR=emulated needs PyTorch's PrivateUse1 backend, which is "
                                f"already taken by {torch._C._get_privateuse1_backend_name()!r}")
         _library = torch.library.Library("aten", "IMPL")
         _library.impl("empty.memory_format", _empty, "PrivateUse1")
@@ -384,7 +390,7 @@ class Stream:
                     self._cv.wait()
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"emulated stream {self.name}: a queued operation failed") from error
+            raise EngineError(f"emulated stream {self.name}: a queued operation failed") from error
 
     def wait_event(self, event: "Event") -> None:
         event.wait(self)
@@ -583,7 +589,7 @@ def _to_copy(x, dtype=None, layout=None, device=None, pin_memory=None, non_block
         data = x._data if isinstance(x, EmuTensor) else x
         out = _wrap(torch.empty_like(data, dtype=dtype, memory_format=memory_format or torch.preserve_format))
     else:
-        raise RuntimeError(f"emulated device: cannot copy to {target}")
+        raise UsageError(f"emulated device: cannot copy to {target}")
     _copy(out, x, non_blocking)
     return out
 
@@ -603,7 +609,7 @@ def _refuse_mixed(func, args, kwargs) -> None:
     tree_map(look, args)
     tree_map(look, kwargs)
     if found_host and found_device:
-        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+        raise DeviceMismatchError(f"Expected all tensors to be on the same device, but found at least two devices, "
                            f"{NAME}:0 and cpu! (emulated device, operator {func})")
 
 
