@@ -395,7 +395,13 @@ def test_deepspeed_non_strict_warns_and_records(nvme_dir, infinity_logs):
     assert cfg.zero.stage == 3  # the rest still mapped
 
 
-def test_deepspeed_auto_values_keep_defaults():
+@pytest.mark.parametrize("flags,dtype", [((), "fp32"), (("avx512_bf16",), "bf16")], ids=["avx2", "avx512_bf16"])
+def test_deepspeed_auto_values_keep_defaults(flags, dtype, monkeypatch):
+    """``auto`` keeps every default; bf16 auto follows the CPU (pinned here, so the test reads
+    the same on every machine): bf16 where it multiplies bf16 natively, else fp32."""
+    from infinity import _accelerator
+
+    monkeypatch.setattr(_accelerator, "_cpu_flags", lambda: set(flags))
     ds = {
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
@@ -409,7 +415,8 @@ def test_deepspeed_auto_values_keep_defaults():
                               "stage3_max_reuse_distance": "auto", "sub_group_size": "auto"},
     }
     cfg = Config.from_deepspeed(ds)
-    assert cfg == Config()
+    assert cfg.precision.dtype == dtype
+    assert cfg == Config.from_dict({"precision": {"dtype": dtype}})
     assert cfg.unsupported == []
 
 
