@@ -3,6 +3,7 @@
 The package exports the public API of DESIGN.md and nothing else.
 """
 from . import aio, optim
+from ._accelerator import device
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._estimate import estimate
 from ._gathered import GatheredParameters, register_external_parameter
@@ -15,8 +16,8 @@ from .errors import InfinityError
 from .tiling import TiledLinear
 
 __all__ = [
-    "Config", "ConfigError", "InfinityError", "aio", "optim", "GatheredParameters", "Init", "ParameterNotAvailableError",
-    "estimate", "initialize", "load_checkpoint",
+    "Config", "ConfigError", "InfinityError", "aio", "device", "optim", "GatheredParameters", "Init",
+    "ParameterNotAvailableError", "estimate", "initialize", "load_checkpoint",
     "logger", "register_external_parameter", "save_checkpoint", "TiledLinear",
 ]
 __version__ = "0.1.0"

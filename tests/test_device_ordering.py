@@ -190,3 +190,13 @@ def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device):
         assert store.grad.eq(2.0).all()
     finally:
         emulated.set_delay(0.0005, 0.004)
+
+
+def test_infinity_device_is_where_this_rank_computes(device):
+    """``infinity.device()``, public: the device the engine puts parameters on and batches go to."""
+    import infinity
+
+    assert infinity.device() == device
+    assert infinity.device().type == ("cuda" if KIND == "cuda" else "emu")
+    with acc.using("cpu"):
+        assert infinity.device() == torch.device("cpu")
