@@ -476,8 +476,8 @@ class Engine:
 
     def repartition(self, unit: FetchUnit) -> None:
         """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
-        full = [raw_data(p) for p in unit.params]
-        self.gate.join()
+        full = [acc.to_host(raw_data(p)) for p in unit.params]  # shards built on the host, as at initialize:
+        self.gate.join()  # every store takes host values (the NVMe ones write them with aio)
         if unit.trainable:
             self.opt_store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
         if self.policy.partition_params and not self.placement.params_are_master:

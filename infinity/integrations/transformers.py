@@ -24,6 +24,11 @@ Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where 
   the model and scales the loss); the Trainer gets a copy of its arguments with both off
   (``trainer.args.fp16`` is False), so accelerate adds no autocast and no GradScaler. An fp16
   step infinity skips on overflow does not step the scheduler (``_SkipOnOverflow``).
+- batches: each micro-batch goes to ``infinity.device()``, where the engine placed the
+  parameters, not to ``args.device``: the two differ where the Trainer computes on the CPU
+  (``use_cpu``, or no CUDA device) while infinity computes on an accelerator (CUDA, the
+  emulated device of the tests), and host ids fed to device weights raise; the loss of each
+  micro-batch goes back to ``args.device``, where the Trainer sums them.
 - no accelerate wrapping: no DDP (infinity reduce-scatters gradients) and no
   ``AcceleratedOptimizer`` (infinity's optimizer has no torch state_dict):
   ``_prepare_for_training`` is replaced.
@@ -43,6 +48,7 @@ import dataclasses
 import functools
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -288,11 +294,24 @@ class InfinityTrainer(Trainer):
         self.callback_handler.train_dataloader = train_dataloader
         return self.model, train_dataloader
 
+    def _prepare_input(self, data):
+        """Note [InfinityTrainer seams] (batches): tensors to ``infinity.device()`` once the
+        engine owns the model; before that, where the Trainer puts them."""
+        if engine_of(self.model) is None:
+            return super()._prepare_input(data)
+        if isinstance(data, Mapping):
+            return type(data)({k: self._prepare_input(v) for k, v in data.items()})
+        if isinstance(data, (tuple, list)):
+            return type(data)(self._prepare_input(v) for v in data)
+        if isinstance(data, torch.Tensor):
+            return data.to(infinity.device())
+        return data
+
     def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)
         if self.optimizer is not None:  # checked with the gradients: Note [non-finite steps] in _optimizer.py
             self.optimizer.note_loss(loss)
-        return loss
+        return loss.to(self.args.device)  # the Trainer sums the losses on args.device (Note [InfinityTrainer seams])
 
     def _clip_grad_norm(self, model):
         return None  # infinity clips inside optimizer.step() (gradient_clipping = max_grad_norm)
