@@ -39,11 +39,11 @@ def _reentrant(mode):
 def _hf_checkpointing(model, mode):
     model.train()
     if mode != "none":
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        kwargs_name = ("activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable")
-                       else "gradient_checkpointing_kwargs")  # the name before transformers 5.18
-        enable(**{kwargs_name: {"use_reentrant": _reentrant(mode)}})
-        assert model.is_activation_checkpointing
+        new = hasattr(model, "activation_checkpointing_enable")  # the names before transformers 5.18: gradient_*
+        enable = model.activation_checkpointing_enable if new else model.gradient_checkpointing_enable
+        enable(**{"activation_checkpointing_kwargs" if new else "gradient_checkpointing_kwargs":
+                  {"use_reentrant": _reentrant(mode)}})
+        assert model.is_activation_checkpointing if new else model.is_gradient_checkpointing
     return model
 
 
