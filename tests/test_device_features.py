@@ -27,7 +27,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _hf_models import batches, build, loss_of
+from test_activation_offload import VOCAB as STACK_VOCAB
+from test_activation_offload import Stack
 from test_device_matrix import KIND, LR, STEPS, WEIGHT_DECAY, Cell, _fit, _moved, _to_device, reference
+from test_frozen import BitFit
+from test_param_groups import Net, _groups
 from torch import nn
 
 import infinity
@@ -291,37 +295,6 @@ def test_hf_checkpointing_with_activation_offload_at_stage3(cell, tmp_path, devi
     _same_params(params, ref_params)
 
 
-class _Block(nn.Module):
-    def __init__(self, hidden):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class _Stack(nn.Module):
-    """tests/test_activation_offload.py's model: every block through torch's checkpoint."""
-
-    VOCAB = 64
-
-    def __init__(self, reentrant, hidden=32, layers=3):
-        super().__init__()
-        self.reentrant = reentrant
-        self.emb = nn.Embedding(self.VOCAB, hidden)
-        self.blocks = nn.ModuleList(_Block(hidden) for _ in range(layers))
-        self.head = nn.Linear(hidden, self.VOCAB, bias=False)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
-        logits = self.head(x)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, self.VOCAB), ids[:, 1:].reshape(-1))
-
-
 def _train_module(model, opt, inputs, loss=lambda m, x: m(x)) -> list:
     losses = []
     for x in inputs:
@@ -346,9 +319,9 @@ def test_torch_checkpoint_with_activation_offload_at_stage2(reentrant, device):
     from infinity._engine import engine_of
 
     torch.manual_seed(0)
-    base = _Stack(reentrant)
+    base = Stack("reentrant" if reentrant else "nonreentrant")
     g = torch.Generator().manual_seed(1)
-    ids = [torch.randint(0, _Stack.VOCAB, (4, 10), generator=g).to(device) for _ in range(STEPS)]
+    ids = [torch.randint(0, STACK_VOCAB, (4, 10), generator=g).to(device) for _ in range(STEPS)]
     ref_losses, ref_params = _plain_module(base, device, ids)
     cfg = {**Cell(2, optim="cpu").config(None), "activation_checkpointing": {"offload": "cpu"}}
     model, opt = infinity.initialize(copy.deepcopy(base), config=cfg)
@@ -364,30 +337,6 @@ def test_torch_checkpoint_with_activation_offload_at_stage2(reentrant, device):
 
 
 # ------------------------------------------------------------------ parameter groups, frozen, LoRA
-
-
-class _Net(nn.Module):
-    """tests/test_param_groups.py's model: ``skip`` is used only when asked."""
-
-    def __init__(self, dim=16):
-        super().__init__()
-        self.a = nn.Linear(dim, dim)
-        self.skip = nn.Linear(dim, dim)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, 1)
-
-    def forward(self, x, use=True):
-        x = torch.tanh(self.a(x))
-        if use:
-            x = x + self.skip(x)
-        return self.head(self.norm(x)).pow(2).mean()
-
-
-def _groups(model):
-    """No decay for biases and norm weights, which also get another lr and betas."""
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
-    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
-    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 3 * LR, "betas": (0.8, 0.99)}]
 
 
 USE = [True, False, False, True]  # `skip` gets no gradient in steps 1 and 2
@@ -413,7 +362,7 @@ GROUPS = [Cell(3, "nvme", "nvme"), Cell(2, optim="cpu"), Cell(1)]
 @pytest.mark.parametrize("cell", GROUPS, ids=_placements(GROUPS))
 def test_parameter_groups_and_a_scheduler_match_adamw(cell, tmp_path, device):
     torch.manual_seed(0)
-    base = _Net()
+    base = Net()
     ref = _moved(copy.deepcopy(base), device, torch.float32)
     ref_opt = torch.optim.AdamW(_groups(ref), lr=LR, weight_decay=0.1)
     ref_losses, ref_lrs = _group_steps(ref, ref_opt, device)
@@ -434,27 +383,13 @@ def test_parameter_groups_and_a_scheduler_match_adamw(cell, tmp_path, device):
     _same_params(params, _host_params(ref))
 
 
-class _BitFit(nn.Module):
-    """tests/test_frozen.py's model: frozen weights, trainable biases."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(32, 64)
-        self.b = nn.Linear(64, 1)
-        for m in (self.a, self.b):
-            m.weight.requires_grad_(False)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))).pow(2).mean()
-
-
 FROZEN = [Cell(3, "nvme", "nvme"), Cell(2, optim="cpu")]
 
 
 @pytest.mark.parametrize("cell", FROZEN, ids=_placements(FROZEN))
 def test_frozen_parameters_stay_and_the_rest_matches_adamw(cell, tmp_path, device):
     torch.manual_seed(0)
-    base = _BitFit()
+    base = BitFit()
     initial = _host_params(base)
     x = [torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).to(device)] * STEPS
     ref_losses, ref_params = _plain_module(base, device, x)
