@@ -125,15 +125,21 @@ def test_resume_on_the_device_matches_the_uninterrupted_run(cell, tmp_path, devi
         infinity.save_checkpoint(ck, model, opt, data_position=2)
     finally:
         opt.engine.close()
-    model, opt = infinity.initialize(build(cell.kind, seed=7), config=cell.config(nvme))  # other initial weights
+    more, params = _resumed(cell, nvme, ck, pairs[2:], device)
+    assert more[0] == {"data_position": 2}
+    _same_losses(losses + more[1], ref_losses)
+    _same_params(params, ref_params)
+
+
+def _resumed(cell, nvme, ck, pairs, device):
+    """A fresh engine of other initial weights loads ``ck`` and trains on ``pairs``: (what the
+    load returned, the losses), and the weights at the end."""
+    model, opt = infinity.initialize(build(cell.kind, seed=7), config=cell.config(nvme))
     try:
-        assert infinity.load_checkpoint(ck, model, opt) == {"data_position": 2}
-        losses += _steps(model, opt, cell.kind, pairs[2:], device)
-        params = _gathered(model)
+        extra = infinity.load_checkpoint(ck, model, opt)
+        return (extra, _steps(model, opt, cell.kind, pairs, device)), _gathered(model)
     finally:
         opt.engine.close()
-    _same_losses(losses, ref_losses)
-    _same_params(params, ref_params)
 
 
 def test_exports_hold_the_trained_weights(tmp_path, device):
@@ -194,14 +200,8 @@ def test_a_checkpoint_of_two_ranks_resumes_at_one(tmp_path, device):
     ref_losses, ref_params = _plain_run(saved.kind, device, pairs)
     ck = str(tmp_path / "ck")
     losses = run_ranks(_save_at_two_ranks, 2, saved, str(tmp_path / "nvme2"), ck, timeout=300)[0]
-    model, opt = infinity.initialize(build(loaded.kind, seed=7), config=loaded.config(str(tmp_path / "nvme1")))
-    try:
-        infinity.load_checkpoint(ck, model, opt)
-        losses += _steps(model, opt, loaded.kind, pairs[2:], device)
-        params = _gathered(model)
-    finally:
-        opt.engine.close()
-    _same_losses(losses, ref_losses)
+    (_, more), params = _resumed(loaded, str(tmp_path / "nvme1"), ck, pairs[2:], device)
+    _same_losses(losses + more, ref_losses)
     _same_params(params, ref_params)
 
 
