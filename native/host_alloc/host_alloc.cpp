@@ -50,7 +50,7 @@ struct State {
   FreeList free_order;                                         // freed blocks, oldest first
   std::multimap<size_t, FreeList::iterator> free_by_size;      // usable size -> its freed block
   size_t live_bytes = 0, free_bytes = 0, peak_bytes = 0;
-  uint64_t hits = 0, misses = 0, maps = 0, unmaps = 0;
+  uint64_t hits = 0, misses = 0, maps = 0, unmaps = 0, forwarded = 0;
   size_t min_bytes = 1u << 20;
   size_t cache_cap = SIZE_MAX;  // free bytes kept at most
   bool huge = true;
@@ -110,12 +110,21 @@ void release_free(size_t at_least) {
 
 bool installed();
 
+// A pointer that is not one of our blocks came from the previous allocator: a small request
+// freed through ``raw_deleter`` (c10's raw_allocate / raw_deallocate, which oneDNN's bf16
+// matmuls use for their scratch buffers) reaches this function, not the deleter of the
+// DataPtr it was allocated with. Dropping it would leak every such buffer.
 void delete_block(void* p) {
   if (!p) return;
   State& s = state();
-  std::lock_guard<std::mutex> g(s.mu);
+  std::unique_lock<std::mutex> g(s.mu);
   auto it = s.live.find(p);
-  if (it == s.live.end()) return;  // never ours: cannot happen through the DataPtr
+  if (it == s.live.end()) {
+    ++s.forwarded;
+    g.unlock();
+    g_previous->raw_deleter()(p);
+    return;
+  }
   Block b = it->second;
   s.live.erase(it);
   s.live_bytes -= b.size;
@@ -207,9 +216,21 @@ pybind11::dict stats() {
   d["misses"] = s.misses;
   d["maps"] = s.maps;
   d["unmaps"] = s.unmaps;
+  d["forwarded"] = s.forwarded;
   d["min_bytes"] = s.min_bytes;
   d["cache_cap"] = s.cache_cap;
   return d;
+}
+
+// c10's raw interface of the installed CPU allocator, as oneDNN uses it: ``count`` buffers of
+// ``bytes`` each, written and freed one after the other (tests/test_block_cache.py).
+void raw_round_trip(size_t count, size_t bytes) {
+  c10::Allocator* a = c10::GetCPUAllocator();
+  for (size_t i = 0; i < count; ++i) {
+    void* p = a->raw_allocate(bytes);
+    std::memset(p, 1, bytes);
+    a->raw_deallocate(p);
+  }
 }
 
 }  // namespace
@@ -221,4 +242,5 @@ PYBIND11_MODULE(_host_alloc, m) {
   m.def("uninstall", &uninstall);
   m.def("release_cached", &release_cached);
   m.def("stats", &stats);
+  m.def("raw_round_trip", &raw_round_trip, pybind11::arg("count"), pybind11::arg("bytes"));
 }
