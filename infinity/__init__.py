@@ -3,17 +3,17 @@
 The package exports the public API of DESIGN.md and nothing else.
 """
 from . import aio, optim
-from ._accelerator import device
+from ._apps._estimator import estimate
 from ._checkpoint import load_checkpoint, save_checkpoint
-from ._estimate import estimate
-from ._gathered import GatheredParameters, register_external_parameter
-from ._init import Init
-from ._initialize import initialize
-from ._log import logger
-from ._param import ParameterNotAvailableError
+from ._runtime._accelerator import device
+from ._runtime._log import logger
+from ._zero._gathered import GatheredParameters, register_external_parameter
+from ._zero._init_context import Init
+from ._zero._initialize import initialize
+from ._zero._param import ParameterNotAvailableError
+from ._zero._tiling import TiledLinear
 from .config import Config, ConfigError
 from .errors import InfinityError
-from .tiling import TiledLinear
 
 __all__ = [
     "Config", "ConfigError", "InfinityError", "aio", "device", "optim", "GatheredParameters", "Init",

@@ -1,6 +1,6 @@
 """``python -m infinity.estimate``: memory per tier and the recommended placement.
 
-The logic lives in ``infinity._estimate``; this module only runs it, so that importing the
+The logic lives in ``infinity._apps._estimator``; this module only runs it, so that importing the
 package never imports the command line. Importing this module (``python -m``, ``import
 infinity.estimate``) binds it as the package's ``estimate`` attribute, in place of the
 function of the same name; the module is therefore callable and calls that function, so
@@ -9,7 +9,7 @@ function of the same name; the module is therefore callable and calls that funct
 import sys
 import types
 
-from ._estimate import estimate, main
+from ._apps._estimator import estimate, main
 
 
 class _CallableModule(types.ModuleType):

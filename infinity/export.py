@@ -26,10 +26,10 @@ import torch
 
 from ._checkpoint._format import CheckpointReader, itemsize, pieces, rank_file, resolve
 from ._checkpoint._io import FileSink
+from ._checkpoint._safetensors_export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, _plan
 from ._checkpoint._save import EXTRA
-from ._safetensors_export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, _plan
+from ._zero._tiling import untiled_names, untiled_pieces
 from .errors import InfinityError, InsufficientResourcesError, UsageError
-from .tiling import untiled_names, untiled_pieces
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}

@@ -59,7 +59,7 @@ def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
         import torch
         import torch.distributed as dist
 
-        from . import _accelerator as acc
+        from ._runtime import _accelerator as acc
 
         torch.set_num_threads(threads)
         acc.set_device()  # this rank's GPU before the group: NCCL binds to it
@@ -171,7 +171,7 @@ def write_checkpoint(config, out_dir: str, dtype=None, shard_bytes: int = 2 << 3
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ._pretrained import _DTYPES
+    from ._zero._pretrained import _DTYPES
 
     if fill not in ("random", "sparse"):
         raise UsageError(f"fill must be 'random' or 'sparse', got {fill!r}")

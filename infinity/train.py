@@ -27,13 +27,22 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _accelerator as acc
-from . import _comm as comm
-from ._log import logger
-from ._preflight import InsufficientResourcesError
-from ._schedule import make_scheduler
-from ._swap import PROBE_PREFIX
-from ._telemetry import (
+from ._apps._train_data import (
+    Batches,
+    ByteTokenizer,
+    builtin_corpus,
+    has_tokenizer_files,
+    load_hf_tokenizer,
+    read_texts,
+    token_windows,
+)
+from ._offload._preflight import InsufficientResourcesError
+from ._offload._swap import PROBE_PREFIX
+from ._runtime import _accelerator as acc
+from ._runtime import _comm as comm
+from ._runtime._log import logger
+from ._runtime._schedule import make_scheduler
+from ._runtime._telemetry import (
     StepStats,
     Telemetry,
     flatten,
@@ -44,15 +53,6 @@ from ._telemetry import (
     render_table,
     stall_seconds,
     tier_traffic,
-)
-from ._train_data import (
-    Batches,
-    ByteTokenizer,
-    builtin_corpus,
-    has_tokenizer_files,
-    load_hf_tokenizer,
-    read_texts,
-    token_windows,
 )
 from .config import Config
 from .errors import InfinityError, NonFiniteError, UsageError
@@ -318,7 +318,7 @@ def build_partitioned(cfg: Config) -> ModelSpec:
 def _fresh_param_sizes(spec_value) -> Optional[List[int]]:
     """The parameter sizes of a model built from scratch (a preset, a dict, a directory without
     weights), counted on the meta device; None when it is loaded from weights (the loader
-    checks those before reading: Note [Init preflight] in _init.py) or cannot be built (the
+    checks those before reading: Note [Init preflight] in _init_context.py) or cannot be built (the
     build reports why)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
@@ -454,7 +454,7 @@ def train_step(run: Run, step: int) -> dict:
         inputs, targets = inputs.to(dev), targets.to(dev)
         t = time.perf_counter()
         loss = _loss(model, inputs, targets)
-        opt.note_loss(loss)  # checked with the gradients in step(): Note [non-finite steps] in _optimizer.py
+        opt.note_loss(loss)  # checked with the gradients in step(): Note [non-finite steps] in _zero_optimizer.py
         acc.synchronize()  # the device's work, not only its launch, inside the phase's time
         times["forward_s"] += time.perf_counter() - t
         t = time.perf_counter()
@@ -581,7 +581,7 @@ def start(run: Run) -> None:
 
 
 def save(run: Run) -> None:
-    from ._safetensors_export import export_safetensors
+    from ._checkpoint._safetensors_export import export_safetensors
 
     out = run.cfg.train.output_dir
     if not (run.cfg.train.save and out):

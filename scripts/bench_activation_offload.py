@@ -29,8 +29,8 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity._activation_offload import _is_parameter_like  # noqa: E402
-from infinity._engine import engine_of  # noqa: E402
+from infinity._zero._activation_offload import _is_parameter_like  # noqa: E402
+from infinity._zero._engine import engine_of  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tiling import GPTBlock  # noqa: E402

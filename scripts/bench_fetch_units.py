@@ -49,7 +49,7 @@ def _contender(group: str, args, nvme: str):
 
 def _steps(model, opt, batch, n: int):
     """``n`` steps; (seconds per step, all-gathers and reduce-scatters per step, losses)."""
-    from infinity import _comm
+    from infinity._runtime import _comm
 
     before = _comm.counters.snapshot()["calls"]
     losses = []

@@ -62,7 +62,7 @@ def compute_device():
     public = getattr(infinity, "device", None)  # the public name, once it exists
     if public is not None:
         return public()
-    from infinity import _accelerator
+    from infinity._runtime import _accelerator
 
     return _accelerator.device()
 
@@ -77,7 +77,7 @@ def sync() -> None:
 def child(spec: dict) -> dict:
     import torch
 
-    from infinity._telemetry import flatten, stall_seconds, tier_traffic
+    from infinity._runtime._telemetry import flatten, stall_seconds, tier_traffic
 
     torch.manual_seed(spec["seed"])
     shape = TINY if spec["tiny"] else FULL

@@ -7,9 +7,9 @@ configuration) and infinity from this checkout three ways (``zero.host_allocator
 (the default: the block cache of Note [block cache] in native/host_alloc/host_alloc.cpp keeping
 at most 256 MiB of freed blocks, and the optimizer's host cache released through forward),
 "cache" (the block cache keeping every freed block) and "keep" (glibc's heap, Note [allocator
-retained pages] in infinity/_memory.py); every step is timed, with its minor page faults (the
+retained pages] in infinity/_offload/_memory_plan.py); every step is timed, with its minor page faults (the
 cost of releasing). The account (Note [one memory
-model] in infinity/_memory.py) is printed after the first measured forward and step, at the peak
+model] in infinity/_offload/_memory_plan.py) is printed after the first measured forward and step, at the peak
 of the resident set (a thread samples it every 20 ms) and at the end: the engine's buffers by
 category as resident and mapped (Note [released pages] in infinity/aio/_memory.py), the C heap
 in use (activations, autograd's gradients, temporaries) and retained (freed pages the
@@ -67,7 +67,7 @@ class PeakSampler:
         self._thread.start()
 
     def _run(self) -> None:
-        from infinity._memory import host_account
+        from infinity._offload._memory_plan import host_account
 
         while not self._stop.wait(self.period):
             acct = host_account()
@@ -86,7 +86,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import infinity
-    from infinity._memory import host_account
+    from infinity._offload._memory_plan import host_account
     from infinity.testing import peak_rss, rss_now
 
     torch.set_num_threads(2)
@@ -106,7 +106,7 @@ def child(spec: dict) -> dict:
     gen = torch.Generator().manual_seed(0)
     for i in range(spec["warmup"] + spec["steps"]):
         if spec.get("toggle") == "allocator":  # odd steps: torch's blocks from glibc's heap, even: from the block cache
-            from infinity._memory import RELEASE_CACHE_CAP, stop_block_cache, use_block_cache
+            from infinity._offload._memory_plan import RELEASE_CACHE_CAP, stop_block_cache, use_block_cache
 
             if i % 2:
                 stop_block_cache()

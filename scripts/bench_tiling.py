@@ -6,7 +6,7 @@ device budget), optimizer states in host memory, under ``device_memory_limit``:
 
 (a) the largest hidden size (a multiple of --step) that trains without tiling and with tiling
     factors 4 and 16 (zero.tiling.max_tile_params = the MLP weight / factor). A size "trains"
-    when initialize accepts it (Note [operator working memory] in infinity/tiling.py) and two
+    when initialize accepts it (Note [operator working memory] in infinity/_zero/_tiling.py) and two
     real steps run without exceeding the budget; the largest accepted size of each is trained.
 (b) the same question answered by the working-memory formula alone at --paper-limit (256 MB,
     the device of the figure; training those sizes would need tens of GB of host memory here).
@@ -34,8 +34,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity._accelerator import DeviceOutOfMemory  # noqa: E402
-from infinity._engine import engine_of  # noqa: E402
+from infinity._runtime._accelerator import DeviceOutOfMemory  # noqa: E402
+from infinity._zero._engine import engine_of  # noqa: E402
 from infinity.config import _parse_bytes  # noqa: E402
 from infinity.tiling import tile_params_to_fit, working_memory_bytes  # noqa: E402
 

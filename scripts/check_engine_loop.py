@@ -1,8 +1,8 @@
 """Engines in a loop: initialize a GPT-2 (4 x 512, fp32, everything on NVMe), train one step,
 let go of the model and the optimizer without ``close``, and print after each iteration the
 resident set above the start and the files left under ``nvme_path``. With this tree both stay
-flat (Note [parameter side objects] in infinity/_param.py, Note [hooks the collector cannot
-see] in infinity/_engine.py); ``--tree`` runs another checkout (e.g. an earlier commit with its
+flat (Note [parameter side objects] in infinity/_zero/_param.py, Note [hooks the collector cannot
+see] in infinity/_zero/_engine.py); ``--tree`` runs another checkout (e.g. an earlier commit with its
 native libraries copied in) in the same way.
 
     python scripts/check_engine_loop.py [--iterations 8] [--tree DIR]

@@ -1,4 +1,4 @@
-"""Know before you run, checked: the run model's predictions (Note [run model] in infinity/_runmodel.py)
+"""Know before you run, checked: the run model's predictions (Note [run model] in infinity/_apps/_runmodel.py)
 against measured runs, in one run of this script.
 
 For each model (tiny 2 x 256, GPT-2 124M, and with --big a 1B GPT) and each placement (cpu: parameters
@@ -43,7 +43,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import infinity
-    from infinity import _runmodel as rm
+    from infinity._apps import _runmodel as rm
     from infinity.testing import peak_rss
 
     torch.set_num_threads(2)
@@ -107,7 +107,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from infinity import _runmodel as rm
+    from infinity._apps import _runmodel as rm
 
     models = args.models.split(",") + (["1b"] if args.big else [])
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)

@@ -8,9 +8,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The emulated accelerator (Note [emulated accelerator]) is registered with torch before any
 # test runs a backward: autograd sizes its per-device queues at the first one. It computes
-# only inside ``infinity._accelerator.using("emulated")``.
-from infinity import _accelerator  # noqa: E402
-from infinity._accelerator import _emulated  # noqa: E402
+# only inside ``infinity._runtime._accelerator.using("emulated")``.
+from infinity._runtime import _accelerator  # noqa: E402
+from infinity._runtime._accelerator import _emulated  # noqa: E402
 
 if _accelerator.kind() != "cuda":  # beside CUDA a second accelerator confuses autograd's streams and is_pinned
     _emulated.setup()
@@ -33,7 +33,7 @@ def glibc_serves_torch():
     blocks are kept. Yields the native module, or None where it was not built."""
     import gc
 
-    from infinity import _memory
+    from infinity._offload import _memory
 
     gc.collect()
     lib = _memory._block_cache()

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import infinity
-from infinity._activation_offload import DEFAULT_DEPTH
-from infinity._engine import engine_of
+from infinity._zero._activation_offload import DEFAULT_DEPTH
+from infinity._zero._engine import engine_of
 
 VOCAB, HIDDEN, LAYERS, LR = 64, 32, 4, 1e-2
 BATCH, SEQ = 4, 10

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from infinity._log import logger
+from infinity._runtime._log import logger
 from infinity.aio import AioError, AsyncIO
 
 BACKENDS = ["io_uring", "threads"]

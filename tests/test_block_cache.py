@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import infinity
-from infinity import _memory
-from infinity._memory import BLOCK_MIN, stop_block_cache, use_block_cache
+from infinity._offload import _memory
+from infinity._offload._memory_plan import BLOCK_MIN, stop_block_cache, use_block_cache
 from infinity.aio._memory import HUGE_PAGE
 
 MiB = 1 << 20
@@ -168,7 +168,7 @@ def test_initialize_installs_it_for_the_engine_and_close_removes_it(infinity_log
 
 
 def test_without_the_module_release_falls_back_to_glibc_and_says_so(monkeypatch, infinity_logs):
-    from infinity import _initialize
+    from infinity._zero import _initialize
 
     calls = []
     monkeypatch.setattr(_memory, "_block_cache", lambda: None)

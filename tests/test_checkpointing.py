@@ -1,6 +1,6 @@
 """Activation checkpointing is exact on every stage and parameter tier: both flavours of
 torch.utils.checkpoint, nested checkpoints, and a module shared by two checkpointed blocks
-(Note [aborted forward] and Note [used again in one backward] in infinity/_engine.py)."""
+(Note [aborted forward] and Note [used again in one backward] in infinity/_zero/_engine.py)."""
 import copy
 
 import pytest
@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import infinity
-from infinity._phase import Phase
+from infinity._zero._phase import Phase
 
 LR = 1e-2
 
@@ -262,7 +262,7 @@ class _SharedInput(nn.Module):
 def test_frozen_units_are_released_after_their_own_backward_call():
     """A unit waits for the input gradients of its own call, not for the total gradient of a
     tensor other modules also read; a forward without a backward leaves no wait behind."""
-    from infinity._param import ParamState
+    from infinity._zero._param import ParamState
 
     torch.manual_seed(0)
     model, opt = infinity.initialize(_SharedInput(), config={"zero": {"stage": 3, "prefetch": {

@@ -1,5 +1,5 @@
-"""Compressed Adam moments on NVMe (Note [compressed moments] in infinity/_moments.py,
-Note [compressed moments on disk] in infinity/_optimizer_swapper.py).
+"""Compressed Adam moments on NVMe (Note [compressed moments] in infinity/_offload/_moments.py,
+Note [compressed moments on disk] in infinity/_offload/_nvme_optimizer_store.py).
 
 The codes' round-trip errors are bounded element by element (native and torch paths); training
 with bf16 / int8 moments stays close to fp32 moments; the bytes moved per step for the moments
@@ -17,9 +17,9 @@ from _models import batches, gpt2
 
 import infinity
 from infinity._checkpoint._format import rank_file
-from infinity._memory import OPT_FILES
-from infinity._moments import BLOCK, Codec, _native, file_bytes
-from infinity._preflight import plan
+from infinity._offload._memory_plan import OPT_FILES
+from infinity._offload._moments import BLOCK, Codec, _native, file_bytes
+from infinity._offload._preflight import plan
 from infinity.config import Config, ConfigError
 
 CHUNK = 1 << 16  # int8 records: 64 Ki codes + 128 B of scales, padded to 4 KiB: 3.76x fewer bytes than fp32
@@ -303,7 +303,7 @@ def test_memory_plan_equals_the_bytes_mapped(tmp_path, mode):
     """The record buffers (one per moment in each buffer set and each cached chunk) are in the
     plan, exactly as the ledger counts them where they are mapped (Note [host memory ledger]);
     the run model's bytes per step are the counters'."""
-    from infinity import _runmodel as rm
+    from infinity._apps import _runmodel as rm
     from infinity.aio._memory import ledger
 
     before = dict(ledger.snapshot()["live"])

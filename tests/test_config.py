@@ -399,7 +399,7 @@ def test_deepspeed_non_strict_warns_and_records(nvme_dir, infinity_logs):
 def test_deepspeed_auto_values_keep_defaults(flags, dtype, monkeypatch):
     """``auto`` keeps every default; bf16 auto follows the CPU (pinned here, so the test reads
     the same on every machine): bf16 where it multiplies bf16 natively, else fp32."""
-    from infinity import _accelerator
+    from infinity._runtime import _accelerator
 
     monkeypatch.setattr(_accelerator, "_cpu_flags", lambda: set(flags))
     ds = {
@@ -523,7 +523,7 @@ def test_examples_load(path, monkeypatch):
 def test_dtype_auto_follows_the_cpu_features_of_this_machine(monkeypatch, flags, expected):
     """precision.dtype auto: bf16 only where the CPU multiplies bf16 natively (read at run
     time from its flags), else fp32; resolved once, so the engine sees a concrete dtype."""
-    import infinity._accelerator as acc
+    import infinity._runtime._accelerator as acc
 
     monkeypatch.setattr(acc, "has_cuda", lambda: False)
     monkeypatch.setattr(acc, "_cpu_flags", lambda: flags)
@@ -531,7 +531,7 @@ def test_dtype_auto_follows_the_cpu_features_of_this_machine(monkeypatch, flags,
 
 
 def test_dtype_auto_on_this_machine_matches_its_flags():
-    import infinity._accelerator as acc
+    import infinity._runtime._accelerator as acc
 
     fast, why = acc.native_bf16()
     assert infinity.Config.from_dict({"precision": {"dtype": "auto"}}).precision.dtype == ("bf16" if fast else "fp32")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinity._schedule import make_scheduler
+from infinity._runtime._schedule import make_scheduler
 from infinity.config import Config, ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ def _messages(logs, level):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_example_loads_by_default_with_one_warning(name, infinity_logs, monkeypatch):
-    from infinity import _accelerator
+    from infinity._runtime import _accelerator
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(_accelerator, "_cpu_flags", set)  # a CPU without native bf16 (AVX2), on every machine

@@ -35,7 +35,7 @@ from test_param_groups import Net, _groups
 from torch import nn
 
 import infinity
-from infinity import _accelerator as acc
+from infinity._runtime import _accelerator as acc
 
 pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True:UserWarning")
 
@@ -147,7 +147,7 @@ def test_exports_hold_the_trained_weights(tmp_path, device):
     ``export_safetensors`` of the model on the device write the weights it trained to."""
     from safetensors.torch import load_file
 
-    from infinity._safetensors_export import export_safetensors
+    from infinity._checkpoint._safetensors_export import export_safetensors
     from infinity.export import main as export_main
 
     cell = Cell(3, "nvme", "cpu", kind="llama")
@@ -244,7 +244,7 @@ def _edit(model):
 
 # With the optimizer on NVMe (s3 nvme/nvme, s2 nvme) the edit is refused: the engine hands the
 # device tensor of the edited shard to the NVMe store, whose aio write takes host tensors only
-# (infinity/_engine.py repartition -> _optimizer_swapper.py load_master -> aio pwrite).
+# (infinity/_zero/_engine.py repartition -> _nvme_optimizer_store.py load_master -> aio pwrite).
 EDITS = [Cell(3, "nvme", "nvme"), Cell(3, "nvme", "cpu"), Cell(3, "none", "none"), Cell(2, optim="nvme"),
          Cell(2, optim="cpu"), Cell(1)]
 
@@ -277,7 +277,7 @@ OFFLOAD = [Cell(3, "nvme", "nvme", kind="llama", mode="reentrant"),
 
 @pytest.mark.parametrize("cell", OFFLOAD, ids=_ids(OFFLOAD))
 def test_hf_checkpointing_with_activation_offload_at_stage3(cell, tmp_path, device):
-    from infinity._engine import engine_of
+    from infinity._zero._engine import engine_of
 
     ref_losses, ref_params = reference(cell, device)
     cfg = {**cell.config(str(tmp_path)), "activation_checkpointing": {"offload": "cpu"}}
@@ -316,7 +316,7 @@ def _plain_module(base, dev, inputs, groups=None, loss=lambda m, x: m(x), **adam
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "nonreentrant"])
 def test_torch_checkpoint_with_activation_offload_at_stage2(reentrant, device):
-    from infinity._engine import engine_of
+    from infinity._zero._engine import engine_of
 
     torch.manual_seed(0)
     base = Stack("reentrant" if reentrant else "nonreentrant")
@@ -458,7 +458,7 @@ class _Tiled(nn.Module):
 def test_tiled_linear_matches_plain_pytorch_and_exports_untiled(tmp_path, device):
     from safetensors.torch import load_file
 
-    from infinity._safetensors_export import export_safetensors
+    from infinity._checkpoint._safetensors_export import export_safetensors
 
     torch.manual_seed(0)
     base = _Tiled()

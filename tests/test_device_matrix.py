@@ -19,7 +19,7 @@ import torch
 from _hf_models import batches, build, loss_of
 
 import infinity
-from infinity import _accelerator as acc
+from infinity._runtime import _accelerator as acc
 from infinity.errors import NonFiniteError
 
 pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True:UserWarning")
@@ -186,7 +186,7 @@ def test_the_emulator_bites_when_a_copy_wait_is_removed(tmp_path, device, monkey
     the parameters of stage 3 on the CPU tier are read before they land and training is wrong."""
     if KIND != "emulated":
         pytest.skip("on CUDA a missing wait is a race, not a certainty")
-    from infinity._accelerator import _emulated
+    from infinity._runtime._accelerator import _emulated
 
     cell = Cell(3, "cpu", "cpu")
     ref_losses, _ = reference(cell, device)
@@ -205,7 +205,7 @@ def test_a_placement_that_does_not_fit_the_device_is_refused_before_allocating(t
     """Finding 13: the preflight checks the device's free memory, so stage 2 with its states on
     a device too small for them is refused with the numbers and what to change, before any of
     them is allocated (not an out-of-memory error in the middle of ``initialize``)."""
-    from infinity._accelerator import _emulated
+    from infinity._runtime._accelerator import _emulated
     from infinity.errors import InsufficientResourcesError
 
     if KIND != "emulated":

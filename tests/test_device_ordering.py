@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from infinity import _accelerator as acc
+from infinity._runtime import _accelerator as acc
 from infinity.aio import aligned_empty
 from infinity.aio._memory import ledger
 
@@ -82,7 +82,7 @@ def test_a_use_without_the_wait_reads_what_has_not_landed():
     destination before the copy lands (poison, or the memory's old contents), never the value."""
     if KIND != "emulated":
         pytest.skip("on CUDA an unordered read is a race, not a certainty")
-    from infinity._accelerator import _emulated
+    from infinity._runtime._accelerator import _emulated
 
     _emulated.set_delay(1.0)  # far longer than the read below takes, however loaded the machine
     try:
@@ -97,7 +97,7 @@ def test_a_use_without_the_wait_reads_what_has_not_landed():
 
 
 def _slow_copies(seconds: float):
-    from infinity._accelerator import _emulated
+    from infinity._runtime._accelerator import _emulated
 
     if KIND != "emulated":
         pytest.skip("the copy's duration is set on the emulated device only")
@@ -109,7 +109,7 @@ def test_a_staging_buffer_under_a_copy_is_not_handed_out_again(device):
     """Finding 6: a staging buffer given back while its copy to the device may still read it is
     reused only after the copy's event (Note [buffers under a copy]); the CPU waits only when
     no other buffer is free, and the copy delivers the values it was given."""
-    from infinity._param_store import HostPool
+    from infinity._offload._param_store import HostPool
 
     emulated = _slow_copies(0.3)
     try:
@@ -135,8 +135,8 @@ def test_a_handed_off_shard_under_a_copy_is_not_recycled(device, tmp_path):
     store until its copy's event, so the recycler cannot give its memory to the next step's
     outputs while the copy reads it; ``wait_copies`` holds the step until every copy landed."""
     import infinity
-    from infinity._param_store import ParamStore
-    from infinity._swap import SwapDir
+    from infinity._offload._param_store import ParamStore
+    from infinity._offload._swap import SwapDir
 
     emulated = _slow_copies(0.3)
     try:
@@ -171,10 +171,10 @@ def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device):
     bucket's."""
     from types import SimpleNamespace
 
-    from infinity._optimizer import GradSink
-    from infinity._optimizer_store import MemoryOptimizerStore
-    from infinity._telemetry_counters import Counters
-    from infinity._tiers import Tier
+    from infinity._offload._optimizer_store import MemoryOptimizerStore
+    from infinity._runtime._telemetry_counters import Counters
+    from infinity._runtime._tiers import Tier
+    from infinity._zero._zero_optimizer import GradSink
 
     emulated = _slow_copies(0.2)
     try:

@@ -1,5 +1,5 @@
 """An engine lives as long as its user holds it (Note [parameter side objects] in
-infinity/_param.py, Note [hooks the collector cannot see] in infinity/_engine.py).
+infinity/_zero/_param.py, Note [hooks the collector cannot see] in infinity/_zero/_engine.py).
 
 A user who lets go of the model and the optimizer, closed or not, gets back everything the
 engine held: the model and its parameters, the engine, its swap files and its hold on the
@@ -17,9 +17,9 @@ from _configs import zero_config
 from _models import batches, build, loss_of, train_losses
 
 import infinity
-from infinity import _memory
-from infinity._engine import engine_of
-from infinity._param import info_of
+from infinity._offload import _memory
+from infinity._zero._engine import engine_of
+from infinity._zero._param import info_of
 from infinity.errors import EngineError
 
 CASES = {  # name -> (stage, parameter tier, optimizer tier, built under infinity.Init)
@@ -130,7 +130,7 @@ def test_copies_of_managed_parameters_are_not_managed(tmp_path):
 @pytest.mark.parametrize("optim", ["nvme", "cpu"])
 def test_close_frees_the_buffers_of_a_kept_model(optim, tmp_path):
     """Note [closed engines]: a stage-3 model kept after close keeps none of the engine's buffers."""
-    from infinity._memory import host_account
+    from infinity._offload._memory_plan import host_account
 
     cfg = zero_config(3, param="nvme", optim=optim, nvme=str(tmp_path), chunk=2048)
     gc.collect()

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 import infinity
-from infinity._estimate import EstimateError, estimate, parse_count, parse_size
+from infinity._apps._estimator import EstimateError, estimate, parse_count, parse_size
 
 TiB, GiB = 2**40, 2**30
 DGX2 = dict(gpus=16, gpu_mem="32GB", cpu_mem="1.5TB", nvme="28TB")   # 002 Fig. 2b, one node

@@ -1,5 +1,5 @@
 """Frozen parameters cost nothing in the optimizer (Note [frozen parameters] in
-infinity/_layout.py): with LoRA (peft) on a Hugging Face Llama, or any requires_grad=False
+infinity/_offload/_layout.py): with LoRA (peft) on a Hugging Face Llama, or any requires_grad=False
 parameter, master weights, moments and gradient shards exist for the trainable parameters
 only, on every tier, in the preflight and in infinity.estimate; training stays exact."""
 import copy
@@ -11,7 +11,7 @@ from _configs import zero_config
 from torch import nn
 
 import infinity
-from infinity._preflight import plan
+from infinity._offload._preflight import plan
 
 peft = pytest.importorskip("peft")  # installed by scripts/setup_env.sh
 
@@ -187,5 +187,5 @@ def test_estimate_counts_optimizer_states_for_trainable_parameters_only():
     assert lora.terms.model_states == 2 * 7 * 10**9 + 18 * 20 * 10**6
     by = {(p.stage, str(p.param_tier), str(p.optimizer_tier)): p for p in lora.placements}
     assert by[(3, "nvme", "nvme")].nvme_bytes == 2 * 7 * 10**9 + 18 * 20 * 10**6
-    with pytest.raises(infinity._estimate.EstimateError, match="trainable"):
+    with pytest.raises(infinity._apps._estimator.EstimateError, match="trainable"):
         infinity.estimate("7B", gpus=1, gpu_mem="80GB", cpu_mem="256GB", nvme="1TB", trainable="8B")

@@ -75,7 +75,7 @@ GLOO_RESET = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [
 
 def test_a_dead_peer_is_reported_as_such_not_as_a_timeout():
     """What gloo raises 0.3 s after a peer is killed names a dead peer, not a 600 s timeout."""
-    from infinity._comm import failure_message
+    from infinity._runtime._comm import failure_message
 
     message = failure_message("all-gather of head", RuntimeError(GLOO_RESET), 0.3, 600)
     assert "failed after 0.3s" in message and "peer closed its connection" in message

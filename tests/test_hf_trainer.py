@@ -141,7 +141,7 @@ def test_save_kill_resume_continues_exactly(tmp_path):
 
 
 def _generate_two_ranks(nvme: str):
-    from infinity import _comm as comm
+    from infinity._runtime import _comm as comm
     from infinity.integrations.transformers import synced_generate
 
     reference = tiny_llama(seed=0).eval()

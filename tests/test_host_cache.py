@@ -1,4 +1,4 @@
-"""The optimizer store's host cache (Note [host cache] in infinity/_optimizer_swapper.py).
+"""The optimizer store's host cache (Note [host cache] in infinity/_offload/_nvme_optimizer_store.py).
 
 With the optimizer states on NVMe, the first chunks of the flat space (by default the first
 fetch unit's range) keep their master weights and moments in host memory as a write-through
@@ -14,7 +14,7 @@ from _configs import zero_config
 from _models import batches, build, loss_of, train_accumulated, train_losses
 
 import infinity
-from infinity._preflight import plan
+from infinity._offload._preflight import plan
 from infinity.testing import run_ranks
 
 STEPS = 3

@@ -82,7 +82,7 @@ def test_world_size_mismatch_is_refused(tmp_path):
     with infinity.Init(offload="cpu"):
         model = build("stack")
     # Pretend Init ran over two ranks: initialize in a one-rank job must refuse, not mis-shard.
-    from infinity._param import info_of
+    from infinity._zero._param import info_of
 
     for p in model.parameters():
         info_of(p).unit.world_size = 2

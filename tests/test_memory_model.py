@@ -1,4 +1,4 @@
-"""One memory model (Note [one memory model] in infinity/_memory.py): the bytes the plan states
+"""One memory model (Note [one memory model] in infinity/_offload/_memory_plan.py): the bytes the plan states
 before anything is allocated are the bytes the stores then really map, category by category,
 as counted where the memory is mapped and unmapped (Note [host memory ledger] in
 infinity/aio/_memory.py), over a real run with real swap files; the telemetry reports the same
@@ -9,8 +9,8 @@ from _configs import zero_config
 from _models import build, train_losses
 
 import infinity
-from infinity._memory import GATHERED, host_account
-from infinity._preflight import plan
+from infinity._offload._memory_plan import GATHERED, host_account
+from infinity._offload._preflight import plan
 from infinity.aio._memory import ledger
 
 # Fixed once allocated: the plan is exact. Bounded caches and pools: the plan is their cap.
@@ -86,7 +86,7 @@ def test_account_without_a_plan_counts_a_new_mapping():
 def test_estimate_reads_the_store_plan():
     """The estimator's host bytes of an NVMe placement are the stores' plan for a layout made
     from the model's shape (same chunk, host cache and staging rules as a run)."""
-    from infinity._estimate import estimate
+    from infinity._apps._estimator import estimate
 
     est = estimate(layers=2, hidden=512, heads=8, gpus=1, cpu_mem="64GB", gpu_mem="64GB", nvme="1TB", dtype="fp32")
     p = next(p for p in est.placements if (p.stage, p.param_tier.value, p.optimizer_tier.value) == (3, "nvme", "nvme"))
@@ -101,7 +101,7 @@ def test_run_model_counts_the_bytes_a_step_moves(tmp_path, dtype):
     are the master's (Note [parameters from the master] in _placement.py): none written."""
     from _models import VOCAB
 
-    from infinity import _runmodel as rm
+    from infinity._apps import _runmodel as rm
 
     cfg = zero_config(3, param="nvme", optim="nvme", nvme=str(tmp_path), dtype=dtype)  # default chunk and host cache
     model, opt = infinity.initialize(build("gpt2"), cfg)
@@ -129,7 +129,7 @@ def test_run_model_peak_rss_agrees_with_a_measured_run(tmp_path, tier):
     import subprocess
     import sys
 
-    from infinity import _runmodel as rm
+    from infinity._apps import _runmodel as rm
 
     layers, hidden, batch, seq = 2, 256, 4, 128  # check_run_model.MODELS["tiny"]
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "check_run_model.py")
@@ -149,7 +149,7 @@ def test_released_allocator_keeps_no_freed_blocks(glibc_serves_torch):
     block cache was not built), blocks
     of MMAP_THRESHOLD bytes or more are mappings of their own: freeing every other of 64 blocks of
     2 MiB leaves no free pages in the C heap, where the arenas would keep the holes."""
-    from infinity._memory import malloc_bytes, release_freed_blocks
+    from infinity._offload._memory_plan import malloc_bytes, release_freed_blocks
 
     assert release_freed_blocks() and malloc_bytes() is not None  # this project runs on glibc
     start = malloc_bytes()

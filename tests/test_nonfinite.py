@@ -1,4 +1,4 @@
-"""No step trains on inf/NaN (Note [non-finite steps] in _optimizer.py).
+"""No step trains on inf/NaN (Note [non-finite steps] in _zero_optimizer.py).
 
 A poisoned batch is either a NaN gradient with a finite loss (an identity whose backward
 returns NaN, as a corrupt activation would) or an inf loss with finite gradients (a constant

@@ -92,7 +92,7 @@ class _TailHeavy(torch.nn.Module):
 
 
 def _train_tail_heavy(cfg, monkeypatch=None):
-    from infinity import _optimizer
+    from infinity._zero import _optimizer
 
     torch.manual_seed(0)
     model, opt = infinity.initialize(_TailHeavy(), cfg)
@@ -130,7 +130,7 @@ def test_backward_overlaps_the_running_step(tmp_path, monkeypatch, handoff, opti
     the hand-off every fetch reads shards the step published before their writes landed.
     With the optimizer states in host memory the step overlaps too (its parameter writes)."""
     if not handoff:
-        import infinity._param_store as stores
+        import infinity._offload._param_store as stores
 
         monkeypatch.setattr(stores.ParamStore, "take_handoff", lambda self, offset, numel: None)
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
@@ -153,7 +153,7 @@ def test_swap_dirs_are_per_run(tmp_path):
 
 
 def test_preflight_refuses_what_does_not_fit(tmp_path, monkeypatch):
-    import infinity._preflight as pf
+    import infinity._offload._preflight as pf
 
     class _Tiny:
         free = 1 << 16  # far below the swap files of the smallest model
@@ -206,7 +206,7 @@ def test_host_memory_flat_over_many_steps(tmp_path):
 def test_io_wait_timeout_names_the_shard_and_rank(tmp_path, monkeypatch):
     """Every NVMe wait has a timeout (INFINITY_COMM_TIMEOUT seconds); its error names what
     was awaited. A 64 MiB shard read cannot land within the 1 ms timeout set here."""
-    from infinity import _comm
+    from infinity._runtime import _comm
 
     torch.manual_seed(0)
     # bf16: fp32 parameters would be read from the master weights in memory (Note [parameters from the master])
@@ -248,8 +248,8 @@ def test_param_reads_wait_for_their_own_writes(tmp_path):
     """Note [write ordering]: writes rotate over several handles; a read right after the
     writes returns exactly what was written, whichever handle carried it, and a prefetch
     (non-blocking) read of a range still being written is refused instead of reading it."""
-    from infinity._param_store import WRITE_HANDLES, ParamStore
-    from infinity._swap import SwapDir
+    from infinity._offload._param_store import WRITE_HANDLES, ParamStore
+    from infinity._offload._swap import SwapDir
 
     n, count = 1 << 16, 3 * WRITE_HANDLES
     swap = SwapDir(str(tmp_path), 0)  # the directory lives as long as this object
@@ -276,7 +276,7 @@ def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, mon
     proceeds; the units that chunk completes are published together, not only the first."""
     import threading
 
-    from infinity._optimizer_store import MemoryOptimizerStore
+    from infinity._offload._optimizer_store import MemoryOptimizerStore
 
     release = threading.Event()
     real_tail = MemoryOptimizerStore.update_tail
@@ -303,7 +303,7 @@ def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, mon
 def test_preflight_plan_equals_what_the_stores_hold(tmp_path, stage, param, optim, dtype):
     """One memory model: the bytes the preflight checks before allocating are the bytes the
     stores and buffers then hold (Engine.tier_bytes), tier by tier."""
-    from infinity._preflight import plan
+    from infinity._offload._preflight import plan
 
     model, opt = infinity.initialize(build("gpt2"), _config(stage, param, optim, str(tmp_path), dtype=dtype))
     need = plan(opt.placement, opt.cfg)
@@ -365,7 +365,7 @@ def test_swap_directories_of_killed_runs_are_reclaimed(tmp_path):
 def test_phased_swap_io_takes_turns_and_matches_no_offload(tmp_path, monkeypatch):
     """Note [phased swap I/O]: with ``swap_io: phased`` no chunk's reads are submitted while
     a write of the swapper is in flight, and training is the same as without offload."""
-    from infinity._optimizer_swapper import NvmeOptimizerStore
+    from infinity._offload._nvme_optimizer_store import NvmeOptimizerStore
 
     submitted = []  # per tail read: was a write in flight?
     read_chunk = NvmeOptimizerStore._read_chunk

@@ -1,4 +1,4 @@
-"""The parameter cache (Note [parameter cache] in infinity/_param_store.py): shards fetched from
+"""The parameter cache (Note [parameter cache] in infinity/_offload/_param_store.py): shards fetched from
 NVMe stay in host memory up to ``zero.offload_param.max_in_cpu`` elements and serve backward's
 re-reads (and, updated in place by the step, the next forward's reads). Training is exact
 against plain ``torch.optim.AdamW``; the NVMe bytes read per step are counted; the cache's
@@ -12,7 +12,7 @@ from _configs import zero_config
 from _models import batches, build, loss_of, train_losses
 
 import infinity
-from infinity._memory import PARAM_CACHE
+from infinity._offload._memory_plan import PARAM_CACHE
 
 STEPS, LR, WD = 4, 2e-3, 0.01
 

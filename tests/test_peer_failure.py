@@ -96,7 +96,7 @@ def test_a_hung_peer_ends_at_the_configured_timeout(stage):
 
 
 def test_the_config_key_wins_over_the_variable(monkeypatch):
-    from infinity import _comm
+    from infinity._runtime import _comm
     from infinity.config import Config
 
     monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 600.0)  # restored after the test: the setting is per process

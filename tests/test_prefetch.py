@@ -19,7 +19,7 @@ from _models import Stack, build, train_losses
 from torch import nn
 
 import infinity
-import infinity._param_store as stores
+import infinity._offload._param_store as stores
 from infinity.testing import run_ranks
 
 STEPS = 4
@@ -245,7 +245,7 @@ def test_backward_keeps_what_forward_ended_with(tmp_path):
     """The last module of forward is the first of backward: with the prefetcher on it stays
     gathered across the turn instead of being fetched again, and nothing stays gathered after
     backward. (A fetch either reads the disk or takes the shard the step handed off.)"""
-    from infinity._param import ParamState
+    from infinity._zero._param import ParamState
 
     reads = {}
     for prefetch in (False, True):
@@ -276,7 +276,7 @@ def _tied_fetches(tmp_path, prefetch, max_live=None):
     in a training iteration and in a forward under no_grad; the losses."""
     from _models import gpt2
 
-    from infinity import _unit
+    from infinity._zero import _unit
 
     extra = {} if max_live is None else {"max_live_parameters": max_live}
     model, opt = infinity.initialize(gpt2(), _config(3, "nvme", "nvme", str(tmp_path), prefetch=prefetch,

@@ -37,7 +37,7 @@ def _save(kind, directory, dtype=torch.float32, shard=None):
 
 
 def _tensor_bytes(directory):
-    from infinity._pretrained import read_header
+    from infinity._zero._pretrained import read_header
 
     files = [os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors")]
     return sum(s.numel * s.dtype.itemsize for f in files for s in read_header(f).values())
@@ -134,7 +134,7 @@ import json, sys
 import torch
 from transformers import AutoModelForCausalLM
 import infinity
-from infinity._preflight import plan
+from infinity._offload._preflight import plan
 from infinity.testing import peak_rss, reset_peak_rss, rss_now
 torch.set_num_threads(2)
 base = rss_now()

@@ -6,7 +6,7 @@ import torch
 from _models import build, train_losses
 
 import infinity
-from infinity._recycle import Recycler
+from infinity._runtime._recycle import Recycler
 from infinity.aio import aligned_empty
 
 

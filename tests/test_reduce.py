@@ -3,8 +3,8 @@ the bucket plan, the launch order, units that join as zeros, late gradients."""
 import torch
 from torch import nn
 
-from infinity import _comm as comm
-from infinity._reduce import GradReducer, plan_buckets
+from infinity._runtime import _comm as comm
+from infinity._zero._reduce import GradReducer, plan_buckets
 
 
 class FakeUnit:

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import infinity
-from infinity import _accelerator as acc
-from infinity._memory import GRADIENTS, OPT_BUFFERS, OPT_HOST_CACHE, PARAM_HANDOFF
+from infinity._offload._memory_plan import GRADIENTS, OPT_BUFFERS, OPT_HOST_CACHE, PARAM_HANDOFF
+from infinity._runtime import _accelerator as acc
 from infinity.aio import aligned_empty
 from infinity.aio._memory import HUGE_PAGE, ledger, release_pages
 from infinity.testing import run_ranks
@@ -146,7 +146,7 @@ def test_idle_buffers_hold_no_pages_through_the_peak_and_training_is_exact(tmp_p
 
 
 def test_step_gate_knows_when_it_is_waited_on():
-    from infinity._step_gate import StepGate
+    from infinity._zero._step_gate import StepGate
 
     gate = StepGate(0, lambda stage: _null())
     gate.open()
@@ -172,7 +172,7 @@ class _null:
 
 
 def test_release_says_how_to_fault_the_allocators_blocks_in_huge_pages(monkeypatch):
-    from infinity._memory import huge_page_hint
+    from infinity._offload._memory_plan import huge_page_hint
     from infinity.aio import _memory as aio_memory
 
     monkeypatch.setattr(aio_memory, "_thp_mode", lambda: "madvise")

@@ -1,12 +1,12 @@
-"""The step-time half of Note [run model] (infinity/_runmodel.py): its counts and how its terms
+"""The step-time half of Note [run model] (infinity/_apps/_runmodel.py): its counts and how its terms
 combine, and the projections of ``python -m infinity.estimate --hardware ... --step-time``.
 Timings are never asserted: scripts/check_run_model.py compares predictions with measured steps."""
 import math
 
 import pytest
 
-from infinity import _runmodel as rm
-from infinity._estimate import main as estimate_main
+from infinity._apps import _runmodel as rm
+from infinity._apps._estimator import main as estimate_main
 
 GPT2 = dict(layers=12, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
 

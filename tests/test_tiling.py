@@ -2,7 +2,7 @@
 replaces large layers at initialize, a model whose largest layer exceeds device_memory_limit is
 refused without tiling and trains exactly like plain PyTorch with it.
 
-Tolerances (Note [tiled numerics] in infinity/tiling.py): the forward with in_splits == 1 is
+Tolerances (Note [tiled numerics] in infinity/_zero/_tiling.py): the forward with in_splits == 1 is
 bitwise; a sum of partial products (in_splits > 1 forward, the input gradient with
 out_splits > 1) differs from the one-GEMM result by fp32 rounding of the partial sums:
 compared at rtol 1e-5, atol 1e-6 on O(1) data. After a few AdamW steps parameters are compared
@@ -20,7 +20,7 @@ from _models import rank_losses
 from torch import nn
 
 import infinity
-from infinity._engine import engine_of
+from infinity._zero._engine import engine_of
 from infinity.errors import OutOfMemory, UsageError
 from infinity.tiling import TiledEmbedding, TiledLinear, linear_splits
 
@@ -417,7 +417,7 @@ def test_estimate_names_the_tiling_factor_that_makes_the_largest_operator_fit(ca
     assert est.tiling_needed.tiling_factor == 16  # 8 B x 268M / 16 = 134 MB; / 8 would be 268 MB > 256 MB
     assert est.tiling_needed.recommended.placement.stage == 3
     assert est.to_dict()["tiling_needed"]["max_tile_params"] == 4 * 8192 * 8192 // 16
-    from infinity._estimate import main
+    from infinity._apps._estimator import main
 
     main(["--layers", "1", "--hidden", "8192", "--gpus", "1", "--gpu-mem", "256MB", "--cpu-mem", "64GB", "--nvme",
           "1TB", "--dtype", "fp32", "--seq-len", "16"])

@@ -1,4 +1,4 @@
-"""A tiled model saves and exports as the model it was: Note [untiled export] in infinity/tiling.py.
+"""A tiled model saves and exports as the model it was: Note [untiled export] in infinity/_zero/_tiling.py.
 
 Checkpoints keep the tiles (resume needs the same tiling) and record where each sits; the
 streamed ``python -m infinity.export`` and the live ``export_safetensors`` write the original
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import infinity
-from infinity._safetensors_export import export_safetensors
+from infinity._checkpoint._safetensors_export import export_safetensors
 from infinity.export import export_checkpoint
 from infinity.testing import run_ranks
 from infinity.tiling import TiledLinear

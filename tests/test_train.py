@@ -17,8 +17,8 @@ import torch
 
 import infinity
 from infinity import train
-from infinity._safetensors_export import INDEX_FILE, export_safetensors
-from infinity._train_data import Batches, ByteTokenizer, DataError, read_texts, token_windows
+from infinity._apps._train_data import Batches, ByteTokenizer, DataError, read_texts, token_windows
+from infinity._checkpoint._safetensors_export import INDEX_FILE, export_safetensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4

@@ -9,19 +9,19 @@ import torch
 from torch import nn
 
 import infinity
-from infinity._engine import plan_units
-from infinity._layout import ALIGN_ELEMS, Layout
-from infinity._ledger import GatherLedger, Hold
-from infinity._param import ParamState, make_partitioned, raw_data
-from infinity._param_store import ParamStore
-from infinity._phase import Calls, ModuleState, Phase
-from infinity._prefetch import Prefetcher
-from infinity._reduce import GradReducer, plan_buckets
-from infinity._step_gate import StepGate
-from infinity._swap import SwapDir
-from infinity._telemetry_counters import Counters
-from infinity._tiers import Tier
-from infinity._unit import FetchUnit, UnitContext
+from infinity._offload._layout import ALIGN_ELEMS, Layout
+from infinity._offload._param_store import ParamStore
+from infinity._offload._swap import SwapDir
+from infinity._runtime._telemetry_counters import Counters
+from infinity._runtime._tiers import Tier
+from infinity._zero._engine import plan_units
+from infinity._zero._ledger import GatherLedger, Hold
+from infinity._zero._param import ParamState, make_partitioned, raw_data
+from infinity._zero._phase import Calls, ModuleState, Phase
+from infinity._zero._prefetch import Prefetcher
+from infinity._zero._reduce import GradReducer, plan_buckets
+from infinity._zero._step_gate import StepGate
+from infinity._zero._unit import FetchUnit, UnitContext
 from infinity.errors import InvariantError, WaitTimeout
 
 
@@ -169,7 +169,7 @@ def test_step_gate_holds_a_fetch_until_the_step_published_its_range():
 
 
 def test_step_gate_times_out_with_the_unit_named(monkeypatch):
-    from infinity import _comm
+    from infinity._runtime import _comm
 
     monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 0.2)
     parts = Parts(Chain(1))

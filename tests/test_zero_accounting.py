@@ -25,7 +25,7 @@ from _configs import zero_config
 from _models import batches, build, loss_of
 
 import infinity
-from infinity import _comm
+from infinity._runtime import _comm
 from infinity.testing import run_ranks
 
 STAGES = [1, 2, 3]

@@ -21,7 +21,7 @@ from _models import batches, build, loss_of
 from torch import nn
 
 import infinity
-from infinity._param import info_of
+from infinity._zero._param import info_of
 from infinity.errors import UsageError, UsageTypeError
 from infinity.testing import run_ranks
 

@@ -30,7 +30,7 @@ from _models import batches, build, loss_of
 from torch import nn
 
 import infinity
-from infinity._loss_scale import LossScaler
+from infinity._zero._loss_scale import LossScaler
 from infinity.testing import run_ranks
 
 LR = 2e-3

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .._swap import new_aio, wait_io
+from .._offload._swap import new_aio, wait_io
 from ..aio import AsyncIO, aligned_empty
 from ..errors import StorageError
 

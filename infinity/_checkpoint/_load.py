@@ -15,9 +15,9 @@ from typing import Dict, List
 
 import torch
 
-from .. import _accelerator as acc
-from .. import _comm as comm
-from .._param import raw_data
+from .._runtime import _accelerator as acc
+from .._runtime import _comm as comm
+from .._zero._param import raw_data
 from ..errors import StorageError, UsageError
 from ._format import STATE_ARRAYS, CheckpointReader, itemsize, merged, pieces, rank_file, resolve
 from ._io import Mover, copy_into

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from typing import List
 
-from .. import _comm as comm
-from .._engine import engine_of
+from .._runtime import _comm as comm
+from .._zero._engine import engine_of
 from ..errors import StorageError, UsageError
 
 
 def engine_and_optimizer(model, optimizer, what: str):
     """The engine of ``model`` and its optimizer, both from ``infinity.initialize``."""
-    from .._optimizer import ZeroOptimizer
+    from .._zero._zero_optimizer import ZeroOptimizer
 
     engine = engine_of(model)
     if engine is None:

@@ -24,13 +24,12 @@ from typing import Dict, Optional
 
 import torch
 
-from .. import _accelerator as acc
-from .. import _comm as comm
-from .._param import raw_data
-from .._safetensors_export import _persistent_buffers
-from .._swap import OWNER, _owner_gone, _owner_line
+from .._offload._swap import OWNER, _owner_gone, _owner_line
+from .._runtime import _accelerator as acc
+from .._runtime import _comm as comm
+from .._zero._param import raw_data
+from .._zero._tiling import untiled_layout
 from ..errors import InfinityError, InsufficientResourcesError, UsageError
-from ..tiling import untiled_layout
 from ._format import (
     FORMAT,
     LATEST,
@@ -47,6 +46,7 @@ from ._format import (
 )
 from ._io import FileSink, Mover, fsync_path
 from ._model import agree, engine_and_optimizer, failure, param_entries
+from ._safetensors_export import _persistent_buffers
 
 EXTRA, RNG = "extra.pt", "rng.pt"
 SMALL_FILES_BYTES = 64 << 20  # room kept for the manifest, RNG states, extra and config files

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import _comm as comm
+from .._runtime import _comm as comm
 from ..errors import UsageError
 from ._format import LATEST, MANIFEST, complete_checkpoints
 from ._load import load_checkpoint

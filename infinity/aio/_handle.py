@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .._log import logger
+from .._runtime._log import logger
 from ..errors import EngineError, UsageError, UsageTypeError, WaitTimeout
 from ._checksum import BlockSums, sums_of
 from ._errors import AioError, CorruptionError

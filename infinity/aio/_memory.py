@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import torch
 
-from .. import _accelerator as acc
-from .._log import logger
+from .._runtime import _accelerator as acc
+from .._runtime._log import logger
 from ..errors import OutOfMemory, StorageError, UsageError, UsageTypeError
 from ._native import ffi, lib
 
@@ -35,7 +35,7 @@ class HostLedger:
     """Note [host memory ledger]: bytes of aligned host memory mapped now and at their peak,
     by the category the caller named (``aligned_empty(..., what=)``). The count is kept where
     the memory is mapped and unmapped, so it is what the process really holds, not what a
-    formula expects: the memory model (_memory.py) is tested against it, and the telemetry
+    formula expects: the memory model (_memory_plan.py) is tested against it, and the telemetry
     reports it beside the resident set. A mapping counts from its allocation to the moment
     its last tensor goes (its unmap)."""
 

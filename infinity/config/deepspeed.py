@@ -37,8 +37,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from .._accelerator import native_bf16
-from .._log import logger
+from .._runtime._accelerator import native_bf16
+from .._runtime._log import logger
 from .validate import FP16_KNOBS, ConfigError, _base_type, _describe, _leaf_fields
 
 RENAMES = {

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Tuple, Union
 
-from .._log import logger
+from .._runtime._log import logger
 from .deepspeed import _deepspeed_alias, _looks_like_deepspeed, map_deepspeed
 from .validate import (
     _INTERNAL,
@@ -100,7 +100,7 @@ class OptimizerOffloadConfig:
     moments: Literal["fp32", "bf16", "int8"] = _opt(
         "fp32", "nvme: how Adam's two moments are stored in their swap files: fp32 (exact), bf16 (half the bytes) or "
         "int8 (block-quantised, about a quarter); the master weights stay fp32 and Adam computes in fp32")
-    # Note [phased swap I/O] in _optimizer_swapper.py
+    # Note [phased swap I/O] in _nvme_optimizer_store.py
     swap_io: Literal["overlap", "phased"] = _opt(
         "overlap", "nvme: overlap: a chunk's reads run while the previous chunk's writes drain (NVMe devices serve "
         "both at once); phased: reads and writes take turns, the update's arithmetic overlapping the reads only "
@@ -156,7 +156,7 @@ class ZeroConfig:
     prefetch: PrefetchConfig = _opt(PrefetchConfig, "prefetcher")
     fetch_units: FetchUnitsConfig = _opt(FetchUnitsConfig, "grouping of parameters into fetch units")
     tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
-    # Note [block cache] in native/host_alloc/host_alloc.cpp; Note [allocator retained pages] in _memory.py
+    # Note [block cache] in native/host_alloc/host_alloc.cpp; Note [allocator retained pages] in _memory_plan.py
     host_allocator: Literal["release", "cache", "keep"] = _opt(
         "release", "where torch's CPU blocks of 1 MiB or more come from while an engine runs (process-wide): release: "
         "the block cache, keeping at most 256 MiB of freed blocks, and the optimizer's host cache gives its pages back "
@@ -186,7 +186,7 @@ class PrecisionConfig:
 
     def __post_init__(self):
         if self.dtype == "auto":  # resolved once, here: everything downstream sees a concrete dtype
-            from .._accelerator import native_bf16
+            from .._runtime._accelerator import native_bf16
 
             fast, why = native_bf16()
             object.__setattr__(self, "dtype", "bf16" if fast else "fp32")
@@ -267,7 +267,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR, with their parameter names,
-    defaults and formulas (infinity/_schedule.py); stepped after every optimizer step."""
+    defaults and formulas (infinity/_runtime/_schedule.py); stepped after every optimizer step."""
 
     type: Literal["none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = _opt(
         "none", "none = constant lr (with train.lr_warmup_steps), or one of DeepSpeed's schedules")

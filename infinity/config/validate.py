@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
-from .._log import logger
+from .._runtime._log import logger
 from ..errors import UsageError
 
 

@@ -57,11 +57,11 @@ from transformers import Trainer
 
 import infinity
 
-from .. import _comm as comm
-from .._engine import engine_of
-from .._log import logger
-from .._safetensors_export import export_safetensors
-from .._schedule import make_scheduler
+from .._checkpoint._safetensors_export import export_safetensors
+from .._runtime import _comm as comm
+from .._runtime._log import logger
+from .._runtime._schedule import make_scheduler
+from .._zero._engine import engine_of
 from ..config import Config, _looks_like_deepspeed, _read_file
 from ..config.deepspeed import _get, hidden_size_of
 from ..errors import UsageError
@@ -309,7 +309,7 @@ class InfinityTrainer(Trainer):
 
     def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)
-        if self.optimizer is not None:  # checked with the gradients: Note [non-finite steps] in _optimizer.py
+        if self.optimizer is not None:  # checked with the gradients: Note [non-finite steps] in _zero_optimizer.py
             self.optimizer.note_loss(loss)
         return loss.to(self.args.device)  # the Trainer sums the losses on args.device (Note [InfinityTrainer seams])
 

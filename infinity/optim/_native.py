@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
-from .._log import logger
+from .._runtime._log import logger
 from ..errors import NativeLibraryMissing, UsageError, UsageTypeError
 
 ENV_SIMD = "INFINITY_CPU_ADAM_SIMD"

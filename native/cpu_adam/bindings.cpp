@@ -80,7 +80,7 @@ PYBIND11_MODULE(_cpu_adam, m) {
   m.def("step", &step, py::arg("segments"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("decay_factor"), py::arg("l2"), py::arg("decay_mode"), py::arg("grad_dtype"),
         py::arg("out_dtype"), py::arg("isa"), py::arg("hw_bf16"), py::arg("threads"));
-  // Compressed moments (Note [compressed moments] in infinity/_moments.py): addresses and counts.
+  // Compressed moments (Note [compressed moments] in infinity/_offload/_moments.py): addresses and counts.
   m.def("encode_bf16", [](uintptr_t x, uintptr_t out, int64_t n, uint32_t seed, int threads) {
     check_threads(threads);
     py::gil_scoped_release release;

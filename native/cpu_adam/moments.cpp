@@ -1,6 +1,6 @@
-// Compressed Adam moments (Note [compressed moments] in infinity/_moments.py): bf16 and
+// Compressed Adam moments (Note [compressed moments] in infinity/_offload/_moments.py): bf16 and
 // 8-bit block-quantised records, encoded with stochastic rounding and decoded, one pass
-// each. infinity/_moments.py holds the same codes in torch (the reference and the fallback).
+// each. infinity/_offload/_moments.py holds the same codes in torch (the reference and the fallback).
 //
 // The rounding noise of element i is a hash of (seed, i): the result does not depend on the
 // thread count or on how blocks are shared out, and one seed per call decorrelates steps.
@@ -18,7 +18,7 @@ namespace infinity_adam {
 
 namespace {
 
-constexpr int64_t kQBlock = 2048;  // elements per int8 scale (infinity/_moments.py BLOCK)
+constexpr int64_t kQBlock = 2048;  // elements per int8 scale (infinity/_offload/_moments.py BLOCK)
 constexpr int64_t kPerTask = 1 << 16;  // elements a thread claims at a time (whole quantisation blocks)
 
 // 32 uniform bits from (seed, index): the "lowbias32" integer hash of their mix.

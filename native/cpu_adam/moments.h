@@ -1,5 +1,5 @@
 // Compressed Adam moments: bf16 and 8-bit block-quantised codes (Note [compressed moments]
-// in infinity/_moments.py). Raw pointers and counts, no torch.
+// in infinity/_offload/_moments.py). Raw pointers and counts, no torch.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,393 @@
+"""Know before you run: the host memory and the step time of one run, from the engine's own bytes.
+
+Note [run model]: for a model shape, a batch and a stage-3 placement on one node, this
+predicts (1) the peak resident set of a rank and (2) the time of a training step and its
+bottleneck, from the same numbers the engine uses:
+
+- Host memory: the stores' plan (Note [one memory model] in _memory_plan.py, the very function
+  the preflight calls, with a layout made from the shape), the gathered buffers of the
+  prefetch window and the largest unit's full gradient (002 eq. 4, MSWM), the activations
+  and a baseline (interpreter, torch, transformers: ``BASELINE``). Activations without
+  checkpointing, measured for Hugging Face GPT-2 blocks in fp32 (``scripts/check_run_model.py``
+  prints the fit): at the peak of backward about ``ACT_PER_LAYER``·hd bytes per token and
+  layer (forward saves ~22·hd floats; backward's transients add the rest) and
+  ``ACT_LOGITS``·vocab for the logits, their log-softmax and their gradients; with
+  checkpointing, 002 eq. 3 + eq. 5. The hand-off outputs count as the parameter space or their
+  cap, whichever is smaller (their typical figure, not the preflight's cap). The sum is the
+  bytes in use; with glibc's heap (``zero.host_allocator: keep``) its retained pages come on
+  top (0.5-0.7 GiB at the peak of GPT-2 124M on NVMe, Note [allocator retained pages] in
+  _memory_plan.py); with the block cache (``release``, the default: Note [block cache] in
+  native/host_alloc/host_alloc.cpp) at most 256 MiB of freed blocks do.
+- Step time (002 §4): compute 6·Ψ·tokens + 12·nl·bsz·seq²·hd FLOPs per rank (8 and 16 with
+  activation checkpointing: the forward runs twice), the blocks' share at the FLOP rate of a
+  GPT-2 block (layer norms, attention, GELU MLP) forward and backward at the run's hidden size
+  and sequence, the LM head's share (6·vocab·hd·tokens) at the rate of the logits' matmuls with
+  their cross-entropy (a single MLP matmul, the earlier probe, leaves out attention, the norms
+  and the 50257-wide softmax, which run below a matmul's rate on a CPU); the optimizer's Adam over the
+  trainable shard at the measured elements/s; the NVMe bytes a step moves, counted as the stores
+  move them (parameters: backward re-reads every unit and the step writes every shard, while
+  the forward takes the step's hand-off; the optimizer: master weights and moments read past
+  the host cache and all written; gradients written and read unless in host memory) at the
+  measured read and write bandwidths. With an accelerator the three overlap and the slowest is
+  the bottleneck. Without one (the device is the CPU) compute and Adam share the cores, so
+  they add, and the disk's time hides under them only as far as the measured ``overlap``
+  allows (a read beside a matmul loop: the share of the read's time the loop lost nothing
+  to; on the 2-core machine of the figures, O_DIRECT at 2 GB/s slows the loop 1.7x):
+  predicted = cpu + disk - overlap·min(cpu, disk). Every term is a measured rate times a
+  counted FLOP, element or byte; nothing is fitted to the measured steps.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+BASELINE = 450 << 20  # bytes: python + torch + transformers + the model's objects, measured on CPU hosts
+ACT_PER_LAYER = 28 * 4  # bytes per token per layer per hidden unit, fp32 (Note [run model])
+ACT_LOGITS = 1.6 * 4  # bytes per token per vocabulary entry, fp32 (Note [run model])
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per rank: FLOP/s of the device on the model's own layers, NVMe read / write bytes/s of
+    its share of the node's drives, Adam elements/s of its share of the host's cores, and how
+    much of the disk's time hides under computation (``overlap``: 1 with an accelerator, whose
+    copies and the host's I/O run beside its kernels; measured where the device is the CPU)."""
+
+    flops: float
+    nvme_read: float
+    nvme_write: float
+    adam: float
+    overlap: float = 1.0
+    name: str = "measured"
+
+    @classmethod
+    def measure(cls, nvme_path: Optional[str], run: Optional["Run"] = None) -> "Rates":
+        """This machine, now (Note [run model]): the FLOP rate of one transformer block's
+        forward and backward and of the LM head with its loss at the run's shapes, the native
+        Adam over 8M elements, O_DIRECT reads and writes of 256 MiB under ``nvme_path``, and
+        the share of a disk read that overlaps a matmul loop."""
+        run = run or Run(params=0, layers=1, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
+        flops = compute_rate(run)
+        adam = _adam_rate()
+        read = write = float("inf")
+        overlap = 1.0
+        if nvme_path:
+            from ..config import AioConfig
+            from ..train import probe_disk
+
+            bw = probe_disk(nvme_path, AioConfig(), 256 << 20)
+            read, write = bw["read"], bw["write"]
+            overlap = io_overlap(nvme_path, read, write)
+        return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam, overlap=overlap)
+
+
+def _rate(fn, reps: int = 3) -> float:
+    """Calls per second: the median of ``reps`` timed calls after one untimed (a loaded
+    machine's bursts move a median less than a mean or a best)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1.0 / sorted(times)[len(times) // 2]
+
+
+def _adam_rate(n: int = 8 << 20) -> float:
+    import torch
+
+    from .._zero._zero_optimizer import _native_adam, torch_adam_step
+
+    step = _native_adam() or torch_adam_step
+    p, g, m, v = (torch.rand(n) for _ in range(4))
+    hyper = dict(step=1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True)
+    return n * _rate(lambda: step(p, g, m, v, **hyper))
+
+
+PROBE_MAX_HIDDEN = 2048  # wider blocks are probed at this width (their matmuls only run faster)
+PROBE_MAX_TOKENS = 4096
+
+
+def compute_flops(run: "Run") -> tuple:
+    """(FLOPs of the blocks, FLOPs of the LM head) of one step (002 §4): 6 per parameter and
+    token, the attention's 12·bsz·seq²·hd per layer, twice the forward's under checkpointing."""
+    passes = 8 if run.ckpt_interval else 6  # forward, backward (2x), and the forward again under checkpointing
+    head = passes * run.vocab * run.hidden * run.tokens
+    blocks = passes * max(0, run.params - run.vocab * run.hidden) * run.tokens
+    blocks += 2 * passes * run.layers * run.micro_batch * run.seq_len**2 * run.hidden
+    return blocks, head
+
+
+def compute_rate(run: "Run") -> float:
+    """FLOP/s of this run's own arithmetic on this machine: a GPT-2 block (layer norms, fused
+    qkv, causal attention, the 4·hd MLP with GELU) forward and backward at the run's hidden
+    size, batch and sequence, and the LM head with its cross-entropy at the run's vocabulary;
+    each timed alone, weighted by its share of the step's FLOPs (Note [run model])."""
+    import torch
+    import torch.nn.functional as F
+
+    hd = min(run.hidden, PROBE_MAX_HIDDEN)
+    bsz = max(1, min(run.micro_batch, PROBE_MAX_TOKENS // max(1, run.seq_len)))
+    seq = min(run.seq_len, PROBE_MAX_TOKENS)
+    probe = Run(params=12 * hd * hd + (run.vocab or 0) * hd, layers=1, hidden=hd, heads=max(1, hd // 64), vocab=run.vocab or 0,
+                micro_batch=bsz, seq_len=seq, ckpt_interval=0)
+    g = torch.Generator().manual_seed(0)
+    w = {n: (torch.randn(*s, generator=g) * 0.02).requires_grad_() for n, s in
+         (("qkv", (hd, 3 * hd)), ("proj", (hd, hd)), ("fc", (hd, 4 * hd)), ("out", (4 * hd, hd)))}
+    x = torch.randn(bsz, seq, hd, generator=g, requires_grad=True)
+    heads = probe.heads
+
+    def block():
+        h = F.layer_norm(x, (hd,))
+        q, k, v = (h @ w["qkv"]).view(bsz, seq, 3, heads, hd // heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(bsz, seq, hd)
+        y = x + a @ w["proj"]
+        y = y + F.gelu(F.layer_norm(y, (hd,)) @ w["fc"], approximate="tanh") @ w["out"]
+        y.sum().backward()
+
+    t_block = 1.0 / _rate(block)
+    blocks, head = compute_flops(probe)
+    t_head = 0.0
+    if run.vocab:
+        emb = (torch.randn(run.vocab, hd, generator=g) * 0.02).requires_grad_()
+        labels = torch.randint(run.vocab, (bsz * seq,), generator=g)
+
+        def lm_head():
+            F.cross_entropy(x.view(-1, hd) @ emb.t(), labels).backward()
+
+        t_head = 1.0 / _rate(lm_head)
+    # The run's FLOPs at the probe's rates: blocks at the block's, the head at the head's.
+    run_blocks, run_head = compute_flops(run)
+    seconds = run_blocks * t_block / blocks + (run_head * t_head / head if head else 0.0)
+    return (run_blocks + run_head) / seconds
+
+
+def io_overlap(nvme_path: str, read: float, write: float, nbytes: int = 256 << 20) -> float:
+    """The share of an O_DIRECT read's time that a matmul loop on the same cores hides: 1 when
+    the loop runs no slower beside the read, 0 when the two take as long as one after the other
+    (Note [run model]). ``read`` and ``write``: the disk's bytes/s alone."""
+    import threading
+
+    import torch
+
+    from ..config import AioConfig
+    from ..train import probe_disk
+
+    a, b = torch.randn(1024, 768), torch.randn(768, 3072)
+    alone = _rate(lambda: [a @ b for _ in range(8)], reps=5)  # loops/s
+    done, loops = threading.Event(), [0]
+
+    def spin():
+        while not done.is_set():
+            [a @ b for _ in range(8)]
+            loops[0] += 1
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    start = time.perf_counter()
+    probe_disk(nvme_path, AioConfig(), nbytes)
+    wall = time.perf_counter() - start
+    done.set()
+    t.join()
+    disk = 3 * nbytes * (1 / read + 1 / write)  # the probe's I/O alone (PROBE_REPS writes and reads)
+    lost = max(0.0, wall - loops[0] / alone)  # the compute the loop did not get done in the window
+    return float(min(1.0, max(0.0, 1.0 - lost / disk)))
+
+
+# Projections (per GPU; Note [run model]). DGX-2 as ZeRO-Infinity states it (002 §5.2, §6.1,
+# footnote 6, Fig. 2b, Fig. 5c): 16 V100 with 32 GB, 1.5 TB of host memory; 70 TFLOP/s peak
+# achievable, of which its largest single-node models reached 40-49 (we use 45); NVMe about
+# 25 GB/s per node, 1.6 GB/s per GPU when all read at once (the paper gives no separate write
+# figure: the same is assumed). CPU Adam (an assumption: the paper gives no rate): memory-bound
+# at ~28 bytes per element over about half of two sockets' DDR4 (~256 GB/s), ~4e9 elements/s
+# per node.
+DGX2 = Rates(flops=45e12, nvme_read=25e9 / 16, nvme_write=25e9 / 16, adam=4e9 / 16, name="DGX-2 (002)")
+# 8 x H100 SXM 80 GB, 2 TB host (DGX H100 datasheet); ~400 TFLOP/s of 989 dense bf16 reached
+# (an assumed 40% of peak); its 8 x 3.84 TB U.2 PCIe Gen4 NVMe (datasheet) in RAID 0 at an
+# assumed ~6.5 GB/s read and ~3.5 GB/s write per drive (Gen4 data-center drives' sequential
+# figures), ~52 / 28 GB/s together; CPU Adam over two sockets' DDR5 (~600 GB/s), ~1e10/s.
+H100_RAID = Rates(flops=400e12, nvme_read=52e9 / 8, nvme_write=28e9 / 8, adam=1e10 / 8, name="8xH100 + NVMe RAID")
+# The nodes themselves, for the memory estimate of the same run: (GPUs, GPU memory, host memory, NVMe).
+NODES = {"dgx2": (DGX2, 16, "32GB", "1.5TB", "28TB"), "h100x8": (H100_RAID, 8, "80GB", "2TB", "30.72TB")}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One stage-3 run per rank: model shape, batch, dtype, where the states live."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    micro_batch: int
+    seq_len: int
+    dtype: str = "fp32"
+    param_tier: str = "nvme"
+    optimizer_tier: str = "nvme"
+    ranks: int = 1
+    device_is_host: bool = True
+    ckpt_interval: int = 0  # 0: no activation checkpointing
+    host_mem: int = 0  # bytes of host memory per node, for the gradients' "auto" rule; 0: this machine's
+    moments: str = "fp32"  # zero.offload_optimizer.moments (Note [compressed moments] in _moments.py)
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def _layout(run: Run):
+    """The numbers a real layout would give the store plan: shard sizes, the largest unit
+    (the embedding of a GPT, or the MLP's 4·hd² matrix), the chunk, the host cache."""
+    from .._offload._layout import ALIGN_ELEMS, round_up
+    from .._offload._optimizer_store import chunk_elems, head_elems
+    from .._offload._placement import gradients_in_host
+    from ..config import Config
+
+    z = Config().zero
+    largest = max(run.vocab * run.hidden, 4 * run.hidden * run.hidden)
+    shard = math.ceil(run.params / run.ranks)
+    total = round_up(shard, ALIGN_ELEMS)
+    max_shard = math.ceil(largest / run.ranks)
+    chunk = chunk_elems(z.offload_optimizer.chunk_size, total)
+    head = head_elems(z.offload_optimizer.host_cache, [(0, max_shard)], chunk, total)
+    if run.host_mem:  # the rule of gradients_in_host, for another machine
+        grads_in_memory = run.optimizer_tier == "nvme" and 4 * total * run.ranks <= run.host_mem // 4
+    else:
+        grads_in_memory = run.optimizer_tier == "nvme" and gradients_in_host("auto", total)
+    return z, total, largest, max_shard, chunk, head, grads_in_memory
+
+
+def host_memory(run: Run) -> dict:
+    """Bytes of a rank's peak resident set by category (Note [run model])."""
+    from .._offload._memory_plan import PARAM_HANDOFF
+    from .._offload._placement import GATHERED_REUSE
+    from .._offload._preflight import staging_buffers, store_plan
+    from .._runtime._tiers import Tier
+
+    z, total, largest, max_shard, chunk, head, gim = _layout(run)
+    isz = run.itemsize
+    direct = run.ranks == 1 and run.device_is_host
+    fp32_master, in_file = _params_from_master(run)
+    plan = store_plan(opt_tier=Tier(run.optimizer_tier), param_tier=Tier(run.param_tier), opt_total=total,
+                      param_total=total, itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme",
+                      lazy_grad=False, chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
+                      staging_count=0 if direct else staging_buffers(z), params_are_master=fp32_master,
+                      params_in_master_file=in_file, param_cache=_param_cache(run, total),
+                      gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0,
+                      moments=run.moments)
+    out = dict(plan["host"])
+    if PARAM_HANDOFF in out:
+        out[PARAM_HANDOFF] = min(out[PARAM_HANDOFF], total * isz)  # typical: at most the parameter space
+    device = dict(plan["device"])
+    # The largest unit's full gradient (heap), and gathered units beyond what the recycler keeps:
+    # the largest unit and the prefetch window of block matrices (4·hd² each).
+    window = (largest + (z.prefetch.depth + 1) * 4 * run.hidden**2) * isz
+    device["working"] = largest * isz + max(0, window - device.get("gathered", 0))
+    device["activations"] = activation_bytes(run)
+    if run.device_is_host:
+        out.update({f"device_{k}": v for k, v in device.items()})
+    out["baseline"] = BASELINE
+    return out
+
+
+def activation_bytes(run: Run) -> int:
+    """Activations at the peak of backward, per rank (Note [run model])."""
+    scale = run.itemsize / 4
+    logits = ACT_LOGITS * run.vocab * run.tokens * scale
+    if run.ckpt_interval:  # 002 eq. 3 (the checkpoints) and eq. 5 (one interval recomputed), 2-byte figures
+        ckpt = 2 * run.tokens * run.hidden * math.ceil(run.layers / run.ckpt_interval)
+        awm = run.tokens * run.ckpt_interval * (16 * run.hidden + 2 * run.heads * run.seq_len)
+        return int((ckpt + awm) * run.itemsize / 2 + logits)
+    return int(run.tokens * scale * ACT_PER_LAYER * run.layers * run.hidden + logits)
+
+
+def _param_cache(run: Run, total: int) -> int:
+    """Elements of the automatic parameter cache (Note [parameter cache] in _param_store.py)."""
+    from .._offload._placement import param_cache_elems
+
+    if run.param_tier != "nvme" or _params_from_master(run)[0]:
+        return 0
+    return param_cache_elems(None, total, run.itemsize, available=run.host_mem or None, ranks=run.ranks)
+
+
+def _params_from_master(run: Run) -> tuple:
+    """(parameters are the master tensor, parameters live in master.swp): Note [parameters
+    from the master] in _placement.py, for a model without frozen parameters."""
+    if run.dtype != "fp32":
+        return False, False
+    in_host = run.optimizer_tier == "cpu" or run.optimizer_tier == "none" and run.device_is_host
+    aliased = run.param_tier == run.optimizer_tier != "nvme" or run.param_tier == "nvme" and in_host
+    return aliased, run.param_tier == run.optimizer_tier == "nvme"
+
+
+def nvme_bytes(run: Run) -> dict:
+    """NVMe bytes a rank moves per step, as its stores move them (Note [run model])."""
+    from .._offload._moments import file_bytes
+
+    _, total, _, _, chunk, head, gim = _layout(run)
+    per_elem = 4 + 2 * file_bytes(run.moments, total, chunk) / total  # master + both moments as stored
+    read = write = 0
+    aliased, in_file = _params_from_master(run)
+    if run.param_tier == "nvme" and not aliased:
+        # backward's re-reads of what the parameter cache does not hold; the forward takes the step's hand-off
+        read += (total - _param_cache(run, total)) * run.itemsize
+        write += 0 if in_file else total * run.itemsize  # in master.swp: the optimizer's master write
+    if run.optimizer_tier == "nvme":
+        cached = min(head, total)  # the head is whole chunks: it may end past the last element
+        states = int(per_elem * (total - cached))
+        read += states
+        write += states + int(per_elem * cached)  # the host cache is write-through (Note [host cache])
+        if not gim:
+            read += 4 * (total - cached)
+            write += 4 * (total - cached)
+    return {"read": read, "write": write}
+
+
+def step_time(run: Run, rates: Rates) -> dict:
+    """Seconds per step: each term, the prediction and the bottleneck (Note [run model])."""
+    flops = sum(compute_flops(run))
+    io = nvme_bytes(run)
+    terms = {"compute": flops / rates.flops, "adam": math.ceil(run.params / run.ranks) / rates.adam,
+             "nvme_read": io["read"] / rates.nvme_read, "nvme_write": io["write"] / rates.nvme_write}
+    disk = terms["nvme_read"] + terms["nvme_write"]  # one device: reads and writes share it
+    if run.device_is_host:
+        cpu = terms["compute"] + terms["adam"]  # the same cores
+        terms["hidden_io"] = rates.overlap * min(cpu, disk)  # the disk time the cores' work hides
+        predicted = cpu + disk - terms["hidden_io"]
+        bottleneck = "compute" if terms["compute"] >= max(terms["adam"], disk) else (
+            "adam" if terms["adam"] >= disk else "nvme")
+    else:
+        predicted = max(terms["compute"], terms["adam"], disk)
+        bottleneck = max((("compute", terms["compute"]), ("adam", terms["adam"]), ("nvme", disk)), key=lambda x: x[1])[0]
+    return {**terms, "flops": flops, "nvme_bytes": io, "predicted": predicted, "bottleneck": bottleneck,
+            "tokens_per_s": run.tokens * run.ranks / predicted, "tflops_per_rank": flops / predicted / 1e12}
+
+
+def describe(run: Run, rates: Rates) -> str:
+    mem = host_memory(run)
+    st = step_time(run, rates)
+    lines = [f"run: {run.params / 1e6:.0f}M parameters, {run.micro_batch} x {run.seq_len} tokens per rank, {run.dtype}, "
+             f"params on {run.param_tier}, optimizer on {run.optimizer_tier}, {run.ranks} rank(s)",
+             f"rates ({rates.name}): {rates.flops / 1e9:.0f} GFLOP/s, NVMe read {rates.nvme_read / 1e9:.2f} GB/s, "
+             f"write {rates.nvme_write / 1e9:.2f} GB/s, Adam {rates.adam / 1e6:.0f} M elements/s",
+             f"predicted step: {st['predicted']:.2f} s ({st['tokens_per_s']:.0f} tokens/s, {st['tflops_per_rank']:.2f} "
+             f"TFLOP/s per rank), bottleneck: {st['bottleneck']} "
+             f"(compute {st['compute']:.2f} s, adam {st['adam']:.2f} s, NVMe read {st['nvme_read']:.2f} s of "
+             f"{st['nvme_bytes']['read'] / GiB:.2f} GiB, write {st['nvme_write']:.2f} s of "
+             f"{st['nvme_bytes']['write'] / GiB:.2f} GiB)"]
+    if run.device_is_host:
+        lines.append(f"predicted peak RSS per rank: {sum(mem.values()) / GiB:.2f} GiB ("
+                     + ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(mem.items(), key=lambda kv: -kv[1]) if v) + ")")
+    return "\n".join(lines)
+
+
+def to_dict(run: Run, rates: Rates) -> dict:
+    return {"run": asdict(run), "rates": asdict(rates), "host_memory": host_memory(run), "step": step_time(run, rates)}

@@ -1,0 +1,97 @@
+"""Where each unit's shard lives in the two flat spaces of a rank.
+
+Note [frozen parameters]: the parameter store holds the compute-dtype shard of every unit;
+the optimizer's flat fp32 space (master weights, gradient shards, Adam moments) holds those
+of trainable units only, so a frozen parameter costs its low-precision shard and nothing
+else (LoRA: the optimizer's bytes scale with the adapters, not with the model). The engine
+never puts trainable and frozen parameters in one unit (a module with both gets two units),
+so a unit is in the optimizer's space whole or not at all. Each unit has a *slot* in each
+space: its shard rounded up to ``align`` elements (NVMe transfers stay aligned); a trainable
+unit's two slots have the same length, so a range of the optimizer's space maps to the
+parameter store's piece by piece, one shift per unit (``Layout.param_pieces``).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from ..errors import UsageError
+
+ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
+
+
+def padded(numel: int, world_size: int) -> int:
+    """Note [shard layout] in _unit.py: a parameter's elements rounded up to a multiple of the world size."""
+    return -(-numel // world_size) * world_size
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of every unit in both spaces, computed once by ``assign``."""
+
+    param_total: int
+    opt_total: int
+    opt_starts: Tuple[int, ...]  # per trainable unit, in order: its slot in the optimizer's space ...
+    param_starts: Tuple[int, ...]  # ... and in the parameter store's
+    slots: Tuple[int, ...]  # slot lengths
+    param_ranges: Tuple[Tuple[int, int], ...]  # (param_offset, shard_numel) of every unit
+    opt_ranges: Tuple[Tuple[int, int], ...]  # (opt_offset, shard_numel) of every trainable unit
+    opt_offsets: Tuple[int, ...]  # every unit's offset in the optimizer's space (a frozen one's: where it would go)
+
+    @classmethod
+    def assign(cls, specs, align: int) -> "Layout":
+        """The offsets of units with these ``shard_numel`` and ``trainable`` (``UnitSpec``s),
+        in order, each slot rounded up to ``align`` elements."""
+        param_total = opt_total = 0
+        opt_starts, param_starts, slots, param_ranges, opt_offsets = [], [], [], [], []
+        for spec in specs:
+            slot = round_up(spec.shard_numel, align)
+            param_ranges.append((param_total, spec.shard_numel))
+            opt_offsets.append(opt_total)
+            if spec.trainable:
+                opt_starts.append(opt_total)
+                param_starts.append(param_total)
+                slots.append(slot)
+                opt_total += slot
+            param_total += slot
+        opt_ranges = tuple((o, s.shard_numel) for o, s in zip(opt_offsets, specs) if s.trainable)
+        return cls(param_total, opt_total, tuple(opt_starts), tuple(param_starts), tuple(slots),
+                   tuple(param_ranges), opt_ranges, tuple(opt_offsets))
+
+    @property
+    def max_shard(self) -> int:
+        """Elements of the largest unit's shard."""
+        return max((n for _, n in self.param_ranges), default=0)
+
+    @property
+    def same_spaces(self) -> bool:
+        """No frozen unit: the two spaces coincide."""
+        return self.param_total == self.opt_total
+
+    def param_slots(self) -> List[Tuple[int, int]]:
+        """(start, length) of every trainable unit's slot in the parameter store."""
+        return list(zip(self.param_starts, self.slots))
+
+    def param_pieces(self, lo: int, hi: int) -> List[Tuple[int, int, int]]:
+        """(opt start, opt end, param start) of the pieces of [lo, hi) of the optimizer's space."""
+        out = []
+        i = max(0, bisect.bisect_right(self.opt_starts, lo) - 1)
+        while i < len(self.opt_starts) and self.opt_starts[i] < hi:
+            a, b = max(lo, self.opt_starts[i]), min(hi, self.opt_starts[i] + self.slots[i])
+            if a < b:
+                out.append((a, b, self.param_starts[i] + (a - self.opt_starts[i])))
+            i += 1
+        return out
+
+    def to_opt(self, p: int) -> int:
+        """The optimizer-space offset of parameter-space offset ``p`` (inside a trainable
+        unit's slot, or at its end)."""
+        i = max(0, bisect.bisect_right(self.param_starts, p) - 1)
+        if i < len(self.param_starts) and p > self.param_starts[i] + self.slots[i]:
+            raise UsageError(f"offset {p} of the parameter store is not in a trainable unit's slot")
+        return self.opt_starts[i] + (p - self.param_starts[i]) if self.param_starts else 0

@@ -1,0 +1,493 @@
+"""The compute-dtype parameter shards of stage 3 on their tier, and the pool that stages NVMe reads.
+
+``ParamStore`` holds this rank's shards flat, unit after unit at ``unit.param_offset`` (Note
+[shard layout] in _unit.py, Note [frozen parameters] in _layout.py): device memory (``none``),
+host memory (``cpu``) or a swap file (``nvme``), read into ``HostPool`` buffers when fetched.
+The optimizer's fused low-precision output for a chunk of its flat space lands here piece by
+piece, one shift per unit, without another pass (Note [hand-off]).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import threading
+from typing import List, Optional
+
+import torch
+
+from .._runtime import _accelerator as acc
+from .._runtime._recycle import Recycler
+from .._runtime._tiers import Tier
+from ..aio import aligned_empty
+from ..aio._checksum import checksummed, sums_of
+from ..aio._handle import close_handles
+from ..errors import InfinityError, UsageError
+from ._layout import ALIGN_ELEMS, round_up
+from ._memory_plan import PARAM_CACHE, PARAM_FILES, PARAM_HANDOFF, PARAM_SHARDS, PARAM_STAGING, totals
+from ._swap import SwapDir, nbytes_of, new_aio, wait_io
+
+WRITE_HANDLES = 4  # the parameter tier's writes rotate over these (Note [write ordering])
+HANDOFF_BUFFERS = 2  # staging buffers' worth of the step's fresh parameter output kept in memory (Note [hand-off])
+
+
+
+class PoolExhausted(InfinityError, RuntimeError):
+    pass
+
+
+class HostPool:
+    """A fixed set of equal, aligned host buffers reused for every staged transfer.
+
+    Note [buffers under a copy]: a buffer that a host->device copy may still be reading comes
+    back with the copy's event (``put(buf, after=event)``) and is handed out again only once the
+    event has happened; the CPU waits for it only when a ``get`` finds no other buffer. A DMA
+    holds no reference, so nothing but the event can tell that the buffer is still in use."""
+
+    def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str, category: str = "other"):
+        self.numel, self.count, self.dtype, self.what = numel, count, dtype, what
+        self.category = category  # Note [host memory ledger] in aio/_memory.py
+        self._free: List[torch.Tensor] = []
+        self._copying: List[tuple] = []  # (event, buffer) returned while a copy may read it, oldest first
+        self._made = 0  # buffers are allocated on first need (a one-rank CPU run reads elsewhere)
+        self._cond = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * nbytes_of(self.numel, self.dtype)
+
+    def get(self, numel: int, timeout: float = 600.0, *, block: bool = True) -> Optional[torch.Tensor]:
+        if numel > self.numel:
+            raise PoolExhausted(f"{self.what}: a request of {numel} elements exceeds the buffer size {self.numel}; "
+                                f"set the buffer size to at least {numel} (or leave it unset to size it automatically)")
+        with self._cond:
+            self._settle(wait=False)
+            if not self._free and self._made < self.count:
+                self._made += 1
+                return aligned_empty(self.numel, self.dtype, what=self.category)
+            if not self._free and self._copying and block:
+                self._settle(wait=True)  # the oldest copy: the only CPU wait on a staging buffer
+            if not block and not self._free:
+                return None
+            if not self._cond.wait_for(lambda: self._free, timeout):
+                raise PoolExhausted(f"{self.what}: all {self.count} buffers stayed in use for {timeout:.0f}s")
+            return self._free.pop()
+
+    def put(self, buf: torch.Tensor, after=None) -> None:
+        """Give ``buf`` back; ``after``: the event of a copy that may still read it (Note
+        [buffers under a copy])."""
+        with self._cond:
+            if after is None or after.query():
+                self._free.append(buf)
+                self._cond.notify()
+            else:
+                self._copying.append((after, buf))
+
+    def _settle(self, wait: bool) -> None:
+        """Buffers whose copies have landed become free; ``wait``: the oldest at least."""
+        if wait and self._copying:
+            self._copying[0][0].synchronize()
+        landed = [buf for event, buf in self._copying if event.query()]
+        self._copying = [(e, b) for e, b in self._copying if not any(b is x for x in landed)]
+        self._free.extend(landed)
+
+    def clear(self) -> None:
+        """Drop the returned buffers (the engine closed); a later ``get`` makes them again."""
+        with self._cond:
+            self._settle(wait=False)
+            for event, _ in self._copying:
+                event.synchronize()  # nothing is unmapped under a copy
+            self._settle(wait=False)
+            self._made -= len(self._free)
+            self._free.clear()
+
+    @property
+    def free(self) -> int:
+        """Buffers a ``get`` would return now without waiting (made or not yet made)."""
+        with self._cond:
+            self._settle(wait=False)
+            return len(self._free) + self.count - self._made
+
+
+
+class ParamStore:
+    """Compute-dtype parameter shards of stage 3 on their tier.
+
+    Note [hand-off]: on the NVMe tier, the shards the optimizer step has just written
+    also stay in host memory, up to HANDOFF_BUFFERS staging buffers' worth, oldest dropped
+    first. The next forward fetches units in the order the step produces them, so most
+    fetches take their shard from there (``take_handoff``: a view) instead of an NVMe read that
+    would compete with the step's own I/O, and without a staging buffer. The step puts its
+    fresh values straight into one tensor per unit (``step_outputs``), whatever its
+    chunking, and writes and keeps each once complete (``step_outputs_done``): so no fetch
+    assembles a unit from two pieces, and a unit is published as soon as it is complete
+    (merging small units would delay the first fetches). A fetch drops the unit it used up
+    (not needed again before the next step); any other write over a range drops what was
+    kept. The unit tensors come back through a Recycler (Note [recycled host memory] in
+    _recycle.py).
+
+    Note [parameter cache]: backward fetches every unit again, in reverse order, and without
+    a cache each is an NVMe read of the shard forward just read. So a fetch also keeps a copy
+    of its shard in host memory (``remember``), whole units first come first kept, up to
+    ``cache_elems`` elements (``zero.offload_param.max_in_cpu``, DeepSpeed's knob and unit:
+    elements; per rank); a fetch takes its shard from there first (``cached``: a view, no
+    read). Entries are never stale: a write over a cached shard (the step's fresh output,
+    a checkpoint load, an edit) updates it in place, under the same lock, before the step
+    publishes the range (the step gate orders every fetch after that), so the next forward
+    is served from it too, and nothing on the disk is read again while the cache covers the
+    model. In-place updates are safe for the same reason as the step's in-place master
+    update: no fetch holds a unit's shard while the step rewrites it. The cache's memory is
+    its own ledger category (``param_cache``), allocated as it fills and never more than
+    the cap.
+    """
+
+    def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
+                 alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
+                 buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
+                 update_chunk: int = 0, master=None, cache_elems: int = 0):
+        tier = Tier.of(tier)
+        self._master = master  # the NVMe optimizer store whose master.swp this tier shares (Note [parameters from the master])
+        self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
+        self.direct_reads = direct_reads  # reads land in the caller's buffers: the pool stays empty (Note [one memory model])
+        self.tier, self.dtype, self.total = tier, dtype, total
+        self.flat: Optional[torch.Tensor] = None
+        self.pool: Optional[HostPool] = None
+        self._copying: List[tuple] = []  # (event, host shard) a copy to the device may still read: Note [buffers under a copy]
+        self._lock_copies = threading.Lock()  # the forward gives shards back while the step's thread takes outputs
+        self.bytes_read = 0
+        self.bytes_written = 0
+        if tier is Tier.NVME:
+            if master is not None:  # fp32 on the master's layout: the step hands its master values to this tier
+                self.path = master.paths["master"]
+                master.master_written_by(self)
+            else:
+                self.path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
+                                        aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
+            self._writers = [new_aio(aio_cfg) for _ in range(WRITE_HANDLES)]  # Note [write ordering]
+            self._next_writer = 0
+            self._writes: List[tuple] = []  # (start, end, handle) of writes not yet seen to land
+            self._rank = swap.rank
+            size = buffer_size or max_unit
+            if size < max_unit:
+                raise UsageError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
+                                 f"unit's shard ({max_unit} elements); set it to at least {max_unit} or leave it unset")
+            count = buffer_count or 2
+            if count < 2:
+                raise UsageError(f"zero.offload_param.buffer_count={buffer_count}: at least 2 staging buffers are "
+                                 f"needed (one being gathered, one being read); leave it unset to size it automatically")
+            self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool", PARAM_STAGING)
+            self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
+            self._all_readers = list(self._readers)  # a reader is out of the list while its read is pending
+            self._handoff: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
+            self._handoff_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
+            self._lock = threading.Lock()  # the step's thread writes while the forward reads
+            self._spans = [(a, a + n) for a, n in slots or []]  # each trainable unit's slot (Note [frozen parameters])
+            self._span_starts = [a for a, _ in self._spans]
+            self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
+            self._outputs = Recycler(self._handoff_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
+            self.cache_elems = cache_elems  # Note [parameter cache]
+            self._cache: dict = {}  # unit offset -> its shard in host memory
+            self._cached = 0  # elements in _cache
+        elif alias is not None:
+            self.flat = alias
+        elif tier is Tier.CPU:
+            self.flat = aligned_empty(total, dtype, what=PARAM_SHARDS)
+        else:
+            self.flat = torch.empty(total, dtype=dtype, device=acc.device())
+
+    @property
+    def resident(self) -> bool:
+        return self.flat is not None
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def view(self, offset: int, numel: int) -> torch.Tensor:
+        return self.flat[offset : offset + numel]
+
+    def write(self, offset: int, values: torch.Tensor, *, keep: bool = False) -> None:
+        """Store ``values`` (any float dtype; cast here) at ``offset``; async on NVMe. With
+        ``keep`` (the optimizer step's fresh output, never modified afterwards) the values
+        also stay in memory for the next fetch (Note [hand-off])."""
+        if self.flat is not None:
+            self.flat[offset : offset + values.numel()].copy_(values)
+            return
+        if values.dtype != self.dtype:
+            values = values.to(self.dtype)
+        end = offset + values.numel()
+        with self._lock:
+            handle = self._writers[self._next_writer]
+            self._next_writer = (self._next_writer + 1) % len(self._writers)
+        self._reap(handle)  # outside the lock: a fetch must not wait for this write's predecessor
+        with self._lock:
+            handle.pwrite(values, self.path, offset * values.element_size())
+            self._writes.append((offset, end, handle))
+            if self._master is None:
+                self.bytes_written += values.numel() * values.element_size()
+            else:  # master weights: the optimizer's bytes (Note [parameters from the master])
+                self._master.count_master_write(values.numel() * values.element_size())
+            self._handoff = [(o, t) for o, t in self._handoff if o + t.numel() <= offset or o >= end]
+            cached = self._update_cache(offset, values)
+            if keep and not cached and values.numel() * values.element_size() <= self._handoff_cap:
+                self._handoff.append((offset, values))
+                while sum(t.numel() for _, t in self._handoff) * values.element_size() > self._handoff_cap:
+                    self._handoff.pop(0)
+
+    def _reap(self, handle) -> None:
+        """Collect ``handle``'s earlier writes before it takes another (they were submitted
+        WRITE_HANDLES writes ago, so have mostly landed): a handle keeps the tensors it wrote
+        alive until collected, and the step's output tensors would otherwise stay mapped, up
+        to the whole parameter space of them, until some read waited for them. So at most
+        WRITE_HANDLES written outputs are uncollected (Note [one memory model] in _memory_plan.py).
+        Only the step's thread writes; a read waiting on the same handle meanwhile is fine
+        (``_writes_landed`` drops only the writes it saw)."""
+        with self._lock:
+            mine = [w for w in self._writes if w[2] is handle]
+        if mine:
+            wait_io(handle, f"parameter shard writes on rank {self._rank}")
+            done = {id(w) for w in mine}
+            with self._lock:
+                self._writes = [w for w in self._writes if id(w) not in done]
+
+    def _spans_in(self, offset: int, end: int):
+        """The unit spans [a, b) overlapping [offset, end)."""
+        i = bisect.bisect_right(self._span_starts, offset) - 1
+        while i < len(self._spans) and self._spans[i][0] < end:
+            yield self._spans[i]
+            i += 1
+
+    def keep_until_copied(self, shard: torch.Tensor, event) -> None:
+        """A fetch is done with ``shard`` (a view of host memory: a hand-off, the cache, the
+        resident store) but its copy to the device may still read it: the view is kept, so the
+        memory is not recycled, until the copy's event; ``wait_copies`` before rewriting in
+        place (Note [buffers under a copy])."""
+        with self._lock_copies:
+            self._copying = [(e, t) for e, t in self._copying if not e.query()]
+            if not event.query():
+                self._copying.append((event, shard))
+
+    def wait_copies(self) -> None:
+        """Before the step rewrites host shards in place: every copy still reading one has landed."""
+        with self._lock_copies:
+            copying, self._copying = self._copying, []
+        for event, _ in copying:
+            event.synchronize()
+
+    def step_outputs(self, offset: int, numel: int) -> List[tuple]:
+        """(start, view) pieces covering [offset, offset + numel): where the optimizer step
+        puts its fresh values of that range, slices of one output tensor per unit (Note
+        [hand-off]). Report them with ``step_outputs_done`` once written."""
+        with self._lock_copies:  # views whose copies landed let their tensors be recycled
+            self._copying = [(e, t) for e, t in self._copying if not e.query()]
+        out, end = [], offset + numel
+        for a, b in self._spans_in(offset, end):
+            if a not in self._filling:
+                self._filling[a] = [self._outputs.take(b - a, self.dtype), 0]
+            lo, hi = max(a, offset), min(b, end)
+            out.append((lo, self._filling[a][0][lo - a : hi - a]))
+        return out
+
+    def step_outputs_done(self, offset: int, numel: int) -> int:
+        """The values of [offset, offset + numel) are in their ``step_outputs`` views: write
+        and keep every unit now complete. Returns the offset below which every range the
+        step has produced is written (a unit still filling is not, nor anything after it)."""
+        end = upto = offset + numel
+        for a, b in self._spans_in(offset, end):
+            fill = self._filling[a]
+            fill[1] += min(b, end) - max(a, offset)
+            if fill[1] == b - a:
+                del self._filling[a]
+                self.write(a, fill[0][:], keep=True)  # a view: the write and the kept entry count as users
+                self._outputs.give(fill[0])  # reused once they and every fetch's view let go
+            else:
+                upto = min(upto, a)
+        return upto
+
+    def _update_cache(self, offset: int, values: torch.Tensor) -> bool:
+        """Note [parameter cache]: a write covering a cached shard (the step writes a unit's
+        slot, padding included) updates it; one covering part of it drops it (caller holds
+        the lock). True when the cache holds the unit starting at ``offset``, now updated: the
+        next fetch is served from it, so keeping the write for it too (Note [hand-off]) would
+        hold the same values twice."""
+        end = offset + values.numel()
+        for o in [o for o, t in self._cache.items() if o < end and o + t.numel() > offset]:
+            t = self._cache[o]
+            if offset <= o and o + t.numel() <= end:
+                t.copy_(values[o - offset : o - offset + t.numel()])
+            else:
+                self._cached -= self._cache.pop(o).numel()
+        return offset in self._cache
+
+    def cached(self, offset: int, numel: int) -> Optional[torch.Tensor]:
+        """The shard at ``offset`` from the parameter cache, if it holds it (Note [parameter cache])."""
+        if not self.cache_elems:
+            return None
+        with self._lock:
+            t = self._cache.get(offset)
+        return t if t is not None and t.numel() == numel else None
+
+    def remember(self, offset: int, shard: torch.Tensor) -> None:
+        """Keep a copy of a fetched shard in the parameter cache while it has room (Note
+        [parameter cache]); a full cache keeps what it has."""
+        n = shard.numel()
+        with self._lock:
+            if offset in self._cache or self._cached + n > self.cache_elems:
+                return
+            self._cached += n
+        t = aligned_empty(n, self.dtype, what=PARAM_CACHE, hugepage=n * self.itemsize >= 2 << 20)
+        t.copy_(shard)
+        with self._lock:
+            self._cache[offset] = t
+
+    def release_idle(self) -> None:
+        """The step's returned output tensors give their pages back until it takes them again
+        (Note [released pages] in aio/_memory.py)."""
+        if self.flat is None:
+            self._outputs.release_idle()
+
+    def take_handoff(self, offset: int, numel: int) -> Optional[torch.Tensor]:
+        """[offset, offset + numel) as a view of the step's kept output, if a kept unit
+        tensor holds it all. A fetch of that unit (the range starts where the tensor does)
+        uses it up, so it is dropped (Note [hand-off])."""
+        end = offset + numel
+        with self._lock:
+            for i, (o, t) in enumerate(self._handoff):
+                if o <= offset and end <= o + t.numel():
+                    if o == offset:
+                        del self._handoff[i]
+                    return t[offset - o : end - o]
+        return None
+
+    def flush(self, offset: int = 0, numel: Optional[int] = None, *, block: bool = True) -> bool:
+        """Wait for every write so far (over [offset, offset + numel) only, if given). Without
+        ``block``, False instead of waiting while one is still in flight."""
+        if self.flat is None:
+            return self._writes_landed(offset, self.total - offset if numel is None else numel, block=block)
+        return True
+
+    def checkpoint_source(self):
+        """The shards for a checkpoint (Note [checkpoint layout] in _checkpoint/_format.py):
+        the flat tensor, or the swap file once every write to it has landed."""
+        if self.flat is not None:
+            return self.flat
+        self.flush()
+        return self.path
+
+    def checkpoint_loaded(self) -> None:
+        """A checkpoint rewrote the shards: what the step handed off is stale (Note [hand-off])."""
+        if self.flat is None:
+            with self._lock:
+                self._handoff = []
+                self._cache, self._cached = {}, 0
+
+    def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:
+        """Note [write ordering]: the overlapped step publishes a range before its write has
+        landed, so a read waits for the writes that overlap its range, and only for those:
+        writes rotate over WRITE_HANDLES handles, and a read waits for the handles holding an
+        overlapping write (a prefetch, ``block`` off, does not wait: it tries again later).
+        Waiting also raises a failed write's error, so none goes unseen."""
+        end = offset + numel
+        with self._lock:
+            mine = [w for w in self._writes if w[0] < end and w[1] > offset]
+        handles = list({id(h): h for _, _, h in mine}.values())
+        if not block and any(h.in_flight() for h in handles):
+            return False
+        for h in handles:
+            wait_io(h, f"parameter shard writes on rank {self._rank}")
+        done = {id(w) for w in mine}
+        with self._lock:
+            self._writes = [w for w in self._writes if id(w) not in done]
+        return True
+
+    def start_read(self, offset: int, numel: int, *, block: bool = True, into: Optional[torch.Tensor] = None):
+        """Submit NVMe -> a pool buffer (or ``into``, aligned host memory of the caller's);
+        None when ``block`` is off and the range's writes are still landing or no buffer is
+        free. ``finish_read`` returns the buffer; the caller gives a pool buffer back with
+        ``pool.put``."""
+        if not self._writes_landed(offset, numel, block=block):
+            return None
+        buf = self.pool.get(numel, block=block) if into is None else into
+        if buf is None:
+            return None
+        reader = self._readers.pop()
+        reader.pread(buf[:numel], self.path, offset * self.itemsize)
+        self.bytes_read += numel * self.itemsize
+        return buf, reader, into is None
+
+    def read(self, offset: int, numel: int) -> torch.Tensor:
+        """A copy of [offset, offset + numel), once every write to it has landed."""
+        if self.flat is not None:
+            return self.flat[offset : offset + numel].clone()
+        pending = self.start_read(offset, numel)
+        buf = self.finish_read(pending, f"reading back parameter shards at element {offset}")
+        out = buf[:numel].clone()
+        if pending[2]:
+            self.pool.put(buf)
+        return out
+
+    @staticmethod
+    def read_done(pending) -> bool:
+        """The read has landed (``finish_read`` will not block)."""
+        return pending[1].in_flight() == 0
+
+    def finish_read(self, pending, what: str = "") -> torch.Tensor:
+        buf, reader, pooled = pending
+        try:
+            wait_io(reader, what or "a parameter shard read")
+        except Exception:
+            if pooled:
+                self.pool.put(buf)
+            raise
+        finally:
+            self._readers.append(reader)
+        return buf
+
+    def nbytes(self) -> dict:
+        pool = self.pool or HostPool(0, 0, self.dtype, "")
+        return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
+                                self.update_chunk, files=self._master is None,
+                                cache=getattr(self, "cache_elems", 0)))
+
+    def close(self) -> None:
+        """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
+        if self.tier is Tier.NVME:
+            close_handles(self._writers + self._all_readers)
+            # Note [closed engines] in _engine.py: the cache, hand-off and staging memory goes now
+            self._cache, self._cached = {}, 0
+            self._handoff = []
+            self._filling = {}
+            self._outputs.clear()
+            self.pool.clear()
+
+    def checksums(self) -> dict:
+        """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
+        sums = sums_of(getattr(self, "path", None)) if self._master is None else None  # master.swp: the optimizer's
+        return {"params": sums} if sums else {}
+
+    @staticmethod
+    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0,
+             files: bool = True, cache: int = 0) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory_plan.py): the shards on their tier;
+        on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
+        ``files`` off: the shards are the optimizer's master.swp (Note [parameters from the master]);
+        ``cache``: elements of the parameter cache (Note [parameter cache])."""
+        own = total * itemsize
+        if tier is Tier.NVME:
+            return {"nvme": {PARAM_FILES: own if files else 0}, "host": {PARAM_CACHE: min(cache, total) * itemsize,
+                                                                        PARAM_STAGING: buffer_count * buffer_numel * itemsize,
+                                                         PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
+        return {tier.memory: {PARAM_SHARDS: own}}
+
+
+def handoff_bound(total: int, buffer_numel: int, chunk: int) -> int:
+    """Elements of the step's output tensors alive at once (Note [hand-off]): those the
+    recycler holds, kept ones among them (HANDOFF_BUFFERS buffers' worth), those written and
+    not yet collected (WRITE_HANDLES units: ``_reap``), those filling (the units of one
+    update chunk, and one unit at each end), and as many again as a forward may still read
+    after taking them. A cap, not a typical figure: a model whose units are all small holds
+    about its whole parameter space of them (``total``), a large one less."""
+    slot = round_up(buffer_numel, ALIGN_ELEMS)  # an output tensor spans a unit's slot, padding included
+    return (2 * HANDOFF_BUFFERS + WRITE_HANDLES + 2) * slot + chunk
+
+

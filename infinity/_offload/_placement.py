@@ -1,0 +1,105 @@
+"""The placement plan: which tier holds which state, and the flat layout on those tiers.
+
+Computed by ``initialize`` from the config and the unit specs before anything is allocated;
+the preflight checks it, the stores are built from it, and the optimizer and engine read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+import torch
+
+from .._runtime import _accelerator as acc
+from .._runtime._log import logger
+from .._runtime._tiers import Tier
+from ._layout import ALIGN_ELEMS, Layout
+from ._preflight import ranks_here
+
+GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Note [parameters from the master]: in fp32 the compute-dtype parameter shards and the
+    master weights hold the same values, so where the optimizer's flat space and the
+    parameter store's coincide (``Layout.same_spaces``: no frozen unit) the parameter tier
+    keeps no copy of its own. With the master weights in memory (``params_are_master``) the
+    parameter store *is* the master tensor, whatever ``offload_param.device`` says: a fetch
+    reads it once the step gate has published its range, and an NVMe parameter tier would
+    only write 4 bytes per parameter per step that nobody needs. With both on NVMe
+    (``params_in_master_file``) the parameter store reads and writes ``master.swp``: the
+    step hands its fresh master values to the parameter store (Note [hand-off] in
+    _param_store.py), which writes them, so the optimizer store writes only the moments, and
+    Note [write ordering] orders a fetch's read after the master write of its range exactly
+    as it did for ``params.swp``. Either way no ``params.swp`` exists: the disk holds 16
+    bytes per parameter instead of 20, and the step writes 4 fewer."""
+
+    opt_tier: Tier  # fp32 master weights, gradient shards, Adam moments
+    param_tier: Tier  # stage 3's compute-dtype shards (DEVICE in stages 1-2: parameters stay whole)
+    partition_params: bool
+    dtype: torch.dtype  # the compute dtype
+    layout: Layout
+    overlap: bool  # Note [overlapped step] in _zero_optimizer.py
+    grads_in_memory: bool  # Note [gradients in host memory] in _nvme_optimizer_store.py
+    params_are_master: bool  # fp32, master weights in memory: they are the parameter shards (Note [parameters from the master])
+    params_in_master_file: bool  # fp32, both on NVMe: the parameter tier's file is master.swp (same note)
+    param_cache_elems: int  # Note [parameter cache] in _param_store.py
+    gathered_reuse_bytes: int  # recycled gathered buffers (Note [recycled host memory] in _recycle.py)
+    direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
+
+    @classmethod
+    def of(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int) -> "Placement":
+        z = cfg.zero
+        opt_tier = Tier.of(z.offload_optimizer.device)
+        param_tier = Tier.of(z.offload_param.device) if partition_params else Tier.DEVICE
+        align = ALIGN_ELEMS if Tier.NVME in (opt_tier, param_tier) else 1
+        layout = Layout.assign(specs, align)
+        states_in_host = opt_tier is Tier.CPU or (opt_tier is Tier.DEVICE and acc.device().type == "cpu")
+        overlap = partition_params and (opt_tier is Tier.NVME or (param_tier is Tier.NVME and states_in_host))
+        grads_in_memory = opt_tier is Tier.NVME and gradients_in_host(z.offload_optimizer.gradients, layout.opt_total)
+        fp32_same = partition_params and dtype == torch.float32 and layout.same_spaces
+        params_are_master = fp32_same and (opt_tier.resident and param_tier is opt_tier
+                                           or param_tier is Tier.NVME and states_in_host)
+        params_in_master_file = fp32_same and param_tier is Tier.NVME and opt_tier is Tier.NVME
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        reuse = GATHERED_REUSE * layout.max_shard * world_size * itemsize \
+            if partition_params and not acc.has_accelerator() else 0  # a device caching allocator already reuses memory
+        direct = partition_params and world_size == 1 and not acc.has_accelerator()  # FetchUnit._direct_read_buffer
+        cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total, itemsize) \
+            if param_tier is Tier.NVME and not params_are_master else 0
+        return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, params_are_master,
+                   params_in_master_file, cache, reuse, direct)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def gradients_in_host(choice: str, total: int) -> bool:
+    """``zero.offload_optimizer.gradients`` for an NVMe optimizer tier (Note [gradients in host
+    memory] in _nvme_optimizer_store.py): ``auto`` keeps the gradient shards in host memory when those of
+    every rank on this node take at most a quarter of the available host memory."""
+    if choice != "auto":
+        return choice == "cpu"
+    need, avail = 4 * total * ranks_here(), psutil.virtual_memory().available
+    logger.info("zero.offload_optimizer.gradients auto: %s (%.2f GiB of gradient shards on this node, %.2f GiB of "
+                "host memory available; host memory when at most a quarter)", "host memory" if need <= avail // 4
+                else "swap file", need / 2**30, avail / 2**30)
+    return need <= avail // 4
+
+
+PARAM_CACHE_SHARE = 8  # the automatic parameter cache takes at most 1/8 of the available host memory
+
+
+def param_cache_elems(choice, total: int, itemsize: int, available: Optional[int] = None,
+                      ranks: Optional[int] = None) -> int:
+    """Elements of the parameter cache (``zero.offload_param.max_in_cpu``; Note [parameter
+    cache] in _param_store.py): the cap given, or automatically what fits in an eighth of the
+    host memory available (now, unless given) shared by the ranks on the node (this node's,
+    unless given); never more than the shards."""
+    if choice is None:
+        available = psutil.virtual_memory().available if available is None else available
+        choice = available // PARAM_CACHE_SHARE // (ranks or ranks_here()) // itemsize
+    return min(int(choice), total)

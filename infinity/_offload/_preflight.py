@@ -1,0 +1,150 @@
+"""Preflight: before the first byte is allocated, check that every tier has room.
+
+The bytes each tier needs follow from the shard sizes and the chosen placement; they are
+checked against free host memory (psutil) and free disk under each ``nvme_path``. A plan
+that does not fit is refused with the numbers and what to change, instead of dying halfway
+through the first step.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+import psutil
+
+from .._runtime import _accelerator as acc
+from .._runtime import _comm as comm
+from .._runtime._tiers import Tier
+from ..errors import InsufficientResourcesError
+from ._memory_plan import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
+from ._nvme_optimizer_store import NvmeOptimizerStore
+from ._optimizer_store import MemoryOptimizerStore, chunk_elems, head_elems
+from ._param_store import ParamStore
+from ._swap import reclaim_stale, stale_elsewhere
+
+if TYPE_CHECKING:
+    from ._placement import Placement
+
+
+GiB = float(1 << 30)
+
+
+def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsize: int, overlapped: bool,
+               lazy_grad: bool, chunk: int, head: int, grads_in_memory: bool, staging_numel: int,
+               staging_count: int, params_are_master: bool, gathered_bytes: int, moments: str = "fp32",
+               params_in_master_file: bool = False, param_cache: int = 0) -> Plan:
+    """The bytes of every store for a plan (Note [one memory model]). ``param_tier`` is None
+    when parameters stay whole (stages 1-2); ``gathered_bytes`` is the gathered recycler's
+    capacity (0 with an accelerator, whose caching allocator reuses device memory)."""
+    if opt_tier is Tier.NVME:
+        plans = [NvmeOptimizerStore.plan(opt_total, chunk, head, grads_in_memory, moments)]
+    else:
+        plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
+    if param_tier is not None:
+        if not params_are_master:
+            plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count, chunk,
+                                         files=not params_in_master_file,  # Note [parameters from the master]
+                                         cache=param_cache))  # Note [parameter cache] in _param_store.py
+        plans.append({"device": {GATHERED: gathered_bytes}})
+    return merge(*plans)
+
+
+def plan(placement: "Placement", cfg) -> dict:
+    """Bytes per tier this rank will hold, and per nvme_path on disk, from the one memory model
+    (Note [one memory model] in _memory_plan.py); ``categories`` says what they are."""
+    z = cfg.zero
+    layout = placement.layout
+    n = layout.opt_total
+    chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
+    cats = store_plan(
+        opt_tier=placement.opt_tier, param_tier=placement.param_tier if placement.partition_params else None,
+        opt_total=n, param_total=layout.param_total, itemsize=placement.itemsize, overlapped=placement.overlap,
+        lazy_grad=z.stage < 2, chunk=chunk,
+        head=head_elems(z.offload_optimizer.host_cache, list(layout.opt_ranges), chunk, n),  # Note [host cache]
+        grads_in_memory=placement.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, layout.max_shard),
+        staging_count=0 if placement.direct_reads else staging_buffers(z),
+        params_are_master=placement.params_are_master, gathered_bytes=placement.gathered_reuse_bytes,
+        moments=z.offload_optimizer.moments, params_in_master_file=placement.params_in_master_file,
+        param_cache=placement.param_cache_elems)
+    need: dict = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
+                  "categories": cats}
+    for cat, path in ((OPT_FILES, z.offload_optimizer.nvme_path), (PARAM_FILES, z.offload_param.nvme_path)):
+        if cats["nvme"].get(cat):
+            need["nvme"][path] = need["nvme"].get(path, 0) + cats["nvme"][cat]
+    return need
+
+
+def staging_buffers(z) -> int:
+    """Staging buffers of the NVMe parameter tier (``zero.offload_param.buffer_count``)."""
+    return z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2)
+
+
+def ranks_here() -> int:
+    """Ranks on this node: they share its host memory and local disks."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
+
+
+def free_disk(path: str) -> int:
+    """Free bytes on the disk under ``path`` (or its nearest existing parent), once what crashed
+    runs left there is reclaimed (Note [swap directories])."""
+    reclaim_stale(path)
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe or ".").free
+
+
+def preflight(placement: "Placement", cfg) -> dict:
+    need = plan(placement, cfg)
+    ranks = ranks_here()
+    problems = []
+    host_total = need["host"] + (need["device"] if engine_device_is_host() else 0)
+    avail = psutil.virtual_memory().available
+    if host_total * ranks > avail:
+        problems.append(
+            f"host memory: {ranks} rank(s) x {_amounts(host_total, avail, ranks)} available; "
+            f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
+            f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, keep gradients on "
+            f"NVMe (zero.offload_optimizer.gradients: nvme), or run fewer ranks per node")
+    if acc.has_accelerator():  # each rank has a device of its own
+        on_device, free_device = device_need(placement, need), acc.device_memory_free() or 0
+        if on_device > free_device:
+            problems.append(
+                f"device memory ({acc.device()}): {_amounts(on_device, free_device, 1, 'of model states ')} free, "
+                f"before activations; offload states (zero.offload_optimizer.device / zero.offload_param.device: "
+                f"cpu or nvme), partition parameters (zero.stage: 3), or use a device with more memory")
+    for path, nbytes in need["nvme"].items():
+        free = free_disk(path)
+        if nbytes * ranks > free:
+            others = stale_elsewhere(path)
+            note = (f"; {len(others)} other run director{'y' if len(others) == 1 else 'ies'} there "
+                    f"({', '.join(others[:3])}) belong to live runs or other hosts") if others else ""
+            problems.append(
+                f"disk under {path}: {ranks} rank(s) x {_amounts(nbytes, free, ranks, 'of swap files ')} free{note}; "
+                f"point nvme_path at a larger disk or free space")
+    if problems:
+        raise InsufficientResourcesError("this placement does not fit on this machine:\n  - " + "\n  - ".join(problems))
+    return need
+
+
+def _amounts(need: int, have: int, ranks: int, what: str = "") -> str:
+    """"<need> <what>needed, <have>" in a unit and with digits that show the shortfall: MiB
+    below a GiB, and exact bytes when the rounded figures would read the same."""
+    unit, name = (GiB, "GiB") if max(need * ranks, have) >= GiB else (float(1 << 20), "MiB")
+    a, b = f"{need / unit:.2f} {name}", f"{have / unit:.2f} {name}"
+    if f"{need * ranks / unit:.2f}" == f"{have / unit:.2f}":
+        a, b = f"{need:,} bytes", f"{have:,} bytes"
+    return f"{a} {what}needed, {b}"
+
+
+def engine_device_is_host() -> bool:
+    return not acc.has_accelerator()
+
+
+def device_need(placement: "Placement", need: dict) -> int:
+    """Bytes of model state on this rank's accelerator: the plan's device stores, and for
+    stages 1-2 the whole parameters (in the compute dtype, every rank's shard of them)."""
+    whole = 0 if placement.partition_params else \
+        placement.layout.param_total * comm.world_size() * placement.itemsize
+    return need["device"] + whole

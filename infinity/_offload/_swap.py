@@ -1,0 +1,230 @@
+"""Swap files on the NVMe tier: one directory per run and rank, removed on clean exit.
+
+Note [swap directories]: every engine writes under ``<nvme_path>/infinity-<run id>/rank<r>``
+with a fresh random run id, so a second run on the same ``nvme_path`` never reads the files
+of a first (crashed or concurrent) one. The directory is removed when the engine is garbage
+collected or the interpreter exits normally. A crashed run (``kill -9``, a power loss) leaves
+it behind: each rank directory therefore holds an ``owner`` file (host, pid, process start
+time) on which its process holds an exclusive flock for as long as it lives (the kernel drops
+it when the process dies, however it dies), and the next run that uses the ``nvme_path``
+removes the run directories whose every owner on this host is gone (``reclaim_stale``),
+before its preflight counts the free space, and says what it removed and how much. Gone
+means: the owner file's lock can be taken (a pid reused by another process does not fool
+it), or, for a directory of an older layout without the lock, the pid is gone. The owner
+file is written and locked under a temporary name and renamed into place, so a reclaimer
+never sees an owner file that is not yet locked. Directories of live processes, or of other
+hosts sharing the disk (whose locks this host cannot see), are left alone. The train job's
+disk probe writes inside its run directory, so it goes with it.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import uuid
+import weakref
+from typing import Optional
+
+import torch
+
+from ..errors import StorageError, UsageError
+
+
+class SwapDir:
+    def __init__(self, nvme_path: str, rank: int, run_id: Optional[str] = None):
+        if not nvme_path:
+            raise UsageError("NVMe offload needs nvme_path: set zero.offload_param.nvme_path / "
+                             "zero.offload_optimizer.nvme_path to a directory on a fast local disk")
+        self.rank = rank
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.path = os.path.join(os.path.abspath(nvme_path), f"infinity-{self.run_id}", f"rank{rank}")
+        try:
+            os.makedirs(nvme_path, exist_ok=True)
+            reclaim_stale(nvme_path)
+            os.makedirs(self.path, exist_ok=False)
+            lock_fd = _write_owner(self.path)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create the swap directory {self.path}: {e.strerror} "
+                                        f"({e.filename}); give a writable directory as nvme_path") from None
+        self._finalizer = weakref.finalize(self, _remove, os.path.dirname(self.path), self.path, lock_fd)
+
+    def file(self, name: str, nbytes: int) -> str:
+        """Create (preallocated to ``nbytes``) and return the path of a swap file."""
+        path = os.path.join(self.path, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if nbytes:
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    raise StorageError(e.errno, f"cannot reserve {nbytes} bytes for swap file {path}: {e.strerror}; "
+                                           f"free space under the nvme_path or point it at a larger disk") from e
+        finally:
+            os.close(fd)
+        return path
+
+    def remove(self) -> None:
+        self._finalizer()
+
+
+class SwapDirs:
+    """This run's swap directory under each ``nvme_path``, made on first use; removed together."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._dirs: dict = {}
+
+    def under(self, nvme_path: str) -> SwapDir:
+        if nvme_path not in self._dirs:
+            self._dirs[nvme_path] = SwapDir(nvme_path, self._rank)
+        return self._dirs[nvme_path]
+
+    def values(self):
+        return self._dirs.values()
+
+    def remove(self) -> None:
+        for d in self._dirs.values():
+            d.remove()
+
+
+def _write_owner(rank_dir: str) -> int:
+    """Note [swap directories]: the owner file, locked before it appears under its name;
+    returns the descriptor that holds the lock (closed when the directory is removed)."""
+    tmp = os.path.join(rank_dir, OWNER + ".tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, _owner_line(os.getpid()).encode())
+    os.rename(tmp, os.path.join(rank_dir, OWNER))
+    return fd
+
+
+def _remove(run_dir: str, rank_dir: str, lock_fd: int = -1) -> None:
+    shutil.rmtree(rank_dir, ignore_errors=True)
+    if lock_fd >= 0:
+        os.close(lock_fd)  # after the removal: no reclaimer takes a directory still being removed
+    try:
+        os.rmdir(run_dir)  # the last rank out removes the run directory
+    except OSError:
+        pass
+
+
+OWNER = "owner"  # in each rank directory: "<host> <pid> <process start time>"
+PROBE_PREFIX = "infinity-probe-"  # the train job's disk probe file: infinity-probe-<pid>.bin
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time (clock ticks since boot), or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_line(pid: int) -> str:
+    return f"{socket.gethostname()} {pid} {_start_time(pid)}\n"
+
+
+def _owner_gone(rank_dir: str) -> bool:
+    """The process that owned ``rank_dir`` ran on this host and is gone (a recycled pid does
+    not count as alive: its start time differs)."""
+    try:
+        fd = os.open(os.path.join(rank_dir, OWNER), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False  # not ours to judge (older layout, or being created right now)
+    try:
+        try:
+            host, pid, started = os.read(fd, 4096).decode().split()
+        except (OSError, ValueError, UnicodeDecodeError):
+            return False
+        if host != socket.gethostname():
+            return False  # another host's: its lock is not visible from here
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its owner holds the lock: alive
+        except OSError:
+            pass  # no flock on this file system: judge by the pid
+        else:
+            return True  # nobody holds the lock: the owner is gone
+        if not os.path.exists("/proc/self/stat"):
+            return False  # no way to tell here
+        now = _start_time(int(pid))
+        return now is None or (started != "None" and now != started)
+    finally:
+        os.close(fd)
+
+
+def _size(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def reclaim_stale(nvme_path: str) -> list:
+    """Note [swap directories]: remove what crashed runs on this host left under
+    ``nvme_path``; return (path, bytes) of what was removed."""
+    from .._runtime._log import logger
+
+    removed: list = []
+    try:
+        entries = os.listdir(nvme_path)
+    except OSError:
+        return removed
+    for name in entries:
+        path = os.path.join(nvme_path, name)
+        if name.startswith("infinity-") and os.path.isdir(path):
+            ranks = [os.path.join(path, r) for r in os.listdir(path) if r.startswith("rank")]
+            if ranks and all(_owner_gone(r) for r in ranks):
+                removed.append((path, _size(path)))
+                shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(PROBE_PREFIX) and name.endswith(".bin"):
+            pid = name[len(PROBE_PREFIX):-len(".bin")]
+            if pid.isdigit() and _start_time(int(pid)) is None:
+                removed.append((path, _size(path)))
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+    if removed:
+        total = sum(n for _, n in removed)
+        logger.warning("reclaimed %.1f MiB (%d bytes) under %s left by crashed runs: removed %d swap director%s and "
+                       "probe files (%s)", total / (1 << 20), total, nvme_path, len(removed),
+                       "y" if len(removed) == 1 else "ies", ", ".join(os.path.basename(p) for p, _ in removed))
+    return removed
+
+
+def stale_elsewhere(nvme_path: str) -> list:
+    """Run directories under ``nvme_path`` that are not this process's and were not
+    reclaimed (live runs, other hosts): named by a refusal for lack of disk space."""
+    try:
+        return [n for n in os.listdir(nvme_path) if n.startswith("infinity-")]
+    except OSError:
+        return []
+
+
+def new_aio(cfg, *, backend: Optional[str] = None):
+    """An AsyncIO handle configured from the ``aio`` config section."""
+    from ..aio import AsyncIO
+
+    return AsyncIO(block_size=cfg.block_size, queue_depth=cfg.queue_depth, threads=cfg.threads,
+                   direct=cfg.direct, backend=backend or cfg.backend, timeout=cfg.timeout)
+
+
+def wait_io(handle, what: str) -> None:
+    """Wait for a handle's requests, at most its ``timeout`` (``aio.timeout``), else the
+    engine's wait timeout (INFINITY_COMM_TIMEOUT seconds); a timeout raises TimeoutError
+    naming ``what`` and the files still in flight."""
+    from .._runtime._comm import DEFAULT_TIMEOUT_S
+
+    handle.wait(timeout=handle.timeout if handle.timeout is not None else DEFAULT_TIMEOUT_S, what=what)
+
+
+def nbytes_of(numel: int, dtype: torch.dtype) -> int:
+    return numel * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,300 @@
+"""Thin functions over torch.distributed, with a byte counter per collective.
+
+The data-parallel group is the default group when torch.distributed is initialized; with
+torchrun's environment variables it is initialized here (gloo on CPU, NCCL on GPU);
+otherwise the job is one rank without a process group and collectives are local copies.
+
+Note [communication volume]: the counters record, per collective kind, the number of
+elements of the *full* (unsharded) tensor each call moves: the output of an all-gather and
+the input of a reduce-scatter. Summed over a step this is the paper's volume (ZeRO §7):
+2Ψ for stages 1 and 2 (reduce-scatter + all-gather) and 3Ψ for stage 3 (two all-gathers
+plus a reduce-scatter), independent of the world size.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InfinityError, UsageError
+from . import _accelerator as acc
+from ._log import logger
+
+
+def _env_timeout() -> float:
+    text = os.environ.get("INFINITY_COMM_TIMEOUT", "600")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"INFINITY_COMM_TIMEOUT={text!r} is not a number of seconds > 0; unset it or set e.g. 600 "
+                         f"(or the config key comm.timeout, which wins over the variable)")
+    return value
+
+
+# Note [comm timeout]: every collective, every wait on the overlapped step and on NVMe I/O
+# fails after this many seconds, naming what it waited for. The config key ``comm.timeout``
+# wins over the INFINITY_COMM_TIMEOUT variable (a config is the run's record; the variable is
+# the fallback for code without one); ``configure`` sets it per process when a config is
+# used (initialize, Init, the train job). It also bounds the process group that infinity
+# creates itself, so a sync collective on it cannot outwait it either.
+DEFAULT_TIMEOUT_S = _env_timeout()
+_TIMEOUT_SOURCE = "INFINITY_COMM_TIMEOUT"
+
+
+def configure(cfg) -> None:
+    """Take ``comm.timeout`` from ``cfg`` when it sets one: Note [comm timeout]."""
+    global DEFAULT_TIMEOUT_S, _TIMEOUT_SOURCE
+    value = getattr(getattr(cfg, "comm", None), "timeout", None)
+    if value is not None:
+        DEFAULT_TIMEOUT_S, _TIMEOUT_SOURCE = float(value), "comm.timeout"
+
+
+def timeout_s() -> float:
+    return DEFAULT_TIMEOUT_S
+
+
+class CommTimeout(InfinityError, RuntimeError):
+    """A collective did not finish in time; the message names what it was moving."""
+
+
+# ---------------------------------------------------------------- group
+
+
+def ensure_initialized() -> None:
+    """Initialize the default group from torchrun's env vars if needed; else stay one rank."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        backend = acc.comm_backend()
+        acc.set_device()  # before the group: NCCL and the side streams on this rank's GPU, not GPU 0
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
+                                device_id=acc.comm_device_id())
+        logger.info("initialized torch.distributed (%s), world size %d", backend, dist.get_world_size())
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+# ---------------------------------------------------------------- counters
+
+
+class CommCounters:
+    """Elements and bytes moved per collective kind (see Note [communication volume])."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.elements = collections.Counter()
+        self.bytes = collections.Counter()
+        self.calls = collections.Counter()
+
+    def add(self, kind: str, full: torch.Tensor) -> None:
+        with self._lock:
+            self.elements[kind] += full.numel()
+            self.bytes[kind] += full.numel() * full.element_size()
+            self.calls[kind] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.elements.clear()
+            self.bytes.clear()
+            self.calls.clear()
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"elements": dict(self.elements), "bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+
+counters = CommCounters()
+
+
+# ---------------------------------------------------------------- handles
+
+
+@dataclass
+class CommHandle:
+    """An in-flight collective. ``wait`` raises CommTimeout naming ``what`` on timeout."""
+
+    work: Optional[dist.Work]
+    what: str
+    on_device: bool = False  # a collective of device tensors (NCCL): Note [stream waits]
+
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Note [stream waits]: for a collective of device tensors, the current stream waits
+        for it and the CPU goes on (NCCL's ``wait`` with a timeout would poll on the CPU until
+        the collective ends, a host sync at every gather); the process group's own timeout
+        (comm.timeout) bounds it. Host collectives (gloo) wait on the CPU, bounded here."""
+        if self.work is None:
+            return
+        if self.on_device:
+            self.work.wait()
+            self.work = None
+            return
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        start = time.monotonic()
+        try:
+            ok = self.work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise CommTimeout(failure_message(self.what, e, time.monotonic() - start, timeout_s)) from None
+        if ok is False:
+            raise CommTimeout(_timed_out(self.what, timeout_s, "check the other ranks' logs"))
+        self.work = None
+
+    def done(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+_PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe", "connection closed by peer", "EOF")
+
+
+def _peer() -> str:
+    """The peer a failed collective lost: named when there is only one other rank (gloo's
+    error gives the peer's address, not its rank)."""
+    if world_size() == 2:
+        return f"rank {1 - rank()}"
+    return "a peer"
+
+
+def _timed_out(what: str, timeout_s: float, tail: str) -> str:
+    return (f"rank {rank()}: {what} timed out after {timeout_s:g}s ({_TIMEOUT_SOURCE}); a peer is hung or far "
+            f"behind: {tail}")
+
+
+def failure_message(what: str, error: BaseException, waited_s: float, timeout_s: float) -> str:
+    """What a failed collective tells the user: a peer that died is not a timeout."""
+    text = str(error).strip()
+    if any(marker.lower() in text.lower() for marker in _PEER_GONE):
+        return (f"rank {rank()}: {what} failed after {waited_s:.1f}s: {_peer()} died (the peer closed its connection: "
+                f"its process exited or was killed); the error that stopped it is in that rank's log. ({text})")
+    if waited_s < timeout_s * 0.9:
+        return f"rank {rank()}: {what} failed after {waited_s:.1f}s: {text}"
+    return _timed_out(what, timeout_s, text)
+
+
+def _run(what: str, launch) -> None:
+    """Run a collective issued with ``async_op=True`` and wait for it at most the timeout,
+    so a dead peer and a hung one both end in an error naming ``what``."""
+    try:
+        work = launch()
+    except RuntimeError as e:  # gloo may fail at launch when the peer is already gone
+        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+    CommHandle(work, what).wait()
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _staged(what: str, outs, ins, collective) -> bool:
+    """The emulated device has no collective backend: a collective of its tensors runs on host
+    copies through gloo (synchronously) and the results are copied back. False (nothing done)
+    for host tensors and on real devices."""
+    if not (acc.stage_collectives() and any(t.device.type != "cpu" for t in outs + ins)):
+        return False
+    host_outs = [t.cpu() for t in outs]
+    host_ins = [t.cpu() for t in ins]
+    _run(what, lambda: collective(*host_outs, *host_ins))
+    for t, h in zip(outs, host_outs):
+        t.copy_(h)
+    return True
+
+
+def _nccl(t: torch.Tensor) -> bool:
+    """Whether a collective of ``t`` runs on NCCL (a CUDA tensor): Note [stream waits]."""
+    return acc.kind() == "cuda" and t.device.type == "cuda"
+
+
+def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *, async_op: bool = True,
+                           what: str = "all-gather") -> CommHandle:
+    """Gather equal shards from every rank into ``out`` (rank order)."""
+    if out.numel() != shard.numel() * world_size(group):
+        raise UsageError(f"{what}: output has {out.numel()} elements, expected {shard.numel()} x {world_size(group)}")
+    counters.add("all_gather", out)
+    if not is_distributed():
+        if out.data_ptr() != shard.data_ptr():  # one rank may gather in place
+            out.copy_(shard)
+        return CommHandle(None, what)
+    if _staged(what, [out], [shard], lambda o, i: dist.all_gather_into_tensor(o, i, group=group, async_op=True)):
+        return CommHandle(None, what)
+    if not async_op:
+        _run(what, lambda: dist.all_gather_into_tensor(out, shard, group=group, async_op=True))
+        return CommHandle(None, what)
+    try:
+        work = dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+    except RuntimeError as e:
+        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+    return CommHandle(work, what, _nccl(out))
+
+
+def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, async_op: bool = True,
+                          what: str = "reduce-scatter") -> CommHandle:
+    """Sum ``full`` across ranks and leave this rank's shard in ``out``."""
+    if full.numel() != out.numel() * world_size(group):
+        raise UsageError(f"{what}: input has {full.numel()} elements, expected {out.numel()} x {world_size(group)}")
+    counters.add("reduce_scatter", full)
+    if not is_distributed():
+        if out.data_ptr() != full.data_ptr():  # one rank may reduce in place
+            out.copy_(full)
+        return CommHandle(None, what)
+    if _staged(what, [out], [full], lambda o, i: dist.reduce_scatter_tensor(o, i, op=dist.ReduceOp.SUM, group=group,
+                                                                            async_op=True)):
+        return CommHandle(None, what)
+    if not async_op:
+        _run(what, lambda: dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        return CommHandle(None, what)
+    try:
+        work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    except RuntimeError as e:
+        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+    return CommHandle(work, what, _nccl(out))
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum", group=None, *, what: str = "all-reduce") -> torch.Tensor:
+    """In-place all-reduce (sum or max); synchronous. Small tensors only (norms, flags)."""
+    if is_distributed():
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        if not _staged(what, [t], [], lambda h: dist.all_reduce(h, op=red, group=group, async_op=True)):
+            _run(what, lambda: dist.all_reduce(t, op=red, group=group, async_op=True))
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int, group=None, *, what: str = "broadcast") -> torch.Tensor:
+    if is_distributed() and not _staged(what, [t], [], lambda h: dist.broadcast(h, src=src, group=group,
+                                                                                 async_op=True)):
+        _run(what, lambda: dist.broadcast(t, src=src, group=group, async_op=True))
+    return t
+
+
+def barrier(group=None, *, what: str = "barrier") -> None:
+    if is_distributed():
+        _run(what, lambda: dist.barrier(group=group, async_op=True))
+
+
+def all_gather_object(obj, group=None, *, what: str = "all-gather of objects") -> list:
+    """torch's all_gather_object has no async form: its waits are bounded by the process
+    group's timeout (infinity's own group: comm.timeout); failures are named here."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * world_size(group)
+    start = time.monotonic()
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as e:
+        raise CommTimeout(failure_message(what, e, time.monotonic() - start, DEFAULT_TIMEOUT_S)) from None
+    return out

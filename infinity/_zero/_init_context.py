@@ -1,0 +1,559 @@
+"""``infinity.Init``: partition (and offload) each submodule's parameters right after its
+``__init__``, so the full model never exists in memory.
+
+Note [partitioned construction]: inside the context every ``nn.Module`` subclass's
+``__init__`` is wrapped; when the outermost ``__init__`` of a module returns, each of its
+direct parameters is flattened, padded and cut into world-size chunks (Note [shard layout]);
+this rank's fp32 chunk goes to the Init store (memory, or a swap file on NVMe) and the
+parameter keeps a placeholder. Later code that touches such a parameter (Hugging Face's
+``post_init`` / ``_init_weights``, ``tie_weights``, ``torch.nn.init``) runs on the full
+tensor: it is materialized (all-gathered), the operation runs, and in-place results are
+re-partitioned. So initialization takes effect exactly as without Init, and at most one
+parameter is materialized at a time. ``infinity.initialize`` then adopts the chunks as its
+shards, one unit at a time, and the Init store is released.
+
+Parameters assigned to a module after its ``__init__`` (a loader's ``setattr``) are
+partitioned at once, through torch's global parameter-registration hook; with Hugging Face's
+``from_pretrained`` that is how each rank's chunks are streamed from the checkpoint files
+(Note [streamed load] in _pretrained.py). The Init store keeps each chunk in its parameter's
+dtype.
+
+Note [Init preflight]: the store is given its room when Init starts: free disk under
+``nvme_path`` (after reclaiming what crashed runs left) or 80% of the available host memory,
+divided among the ranks on this node. Every new chunk is checked against it before it is
+stored, and refused with the numbers and the knob to change, naming the parameter. A model
+built on the meta device (``from_pretrained``) is checked whole, before the first byte of the
+checkpoint is read: the sum of its unloaded parameters' chunks.
+
+Note [chunks left in the checkpoint]: on the NVMe tier a chunk loaded from a checkpoint is not
+copied into ``init.swp``: the store records where it is (file, element range, the file's size,
+modification time and inode) and ``initialize`` reads it from there straight into the
+optimizer's and the parameter store's files. The checkpoint's bytes are read once, by the rank
+that keeps them, and nothing is written twice. A chunk that is changed before ``initialize``
+(an in-place ``torch.nn.init``, an assignment) gets a slot of its own; a checkpoint file that
+changed in between is refused by name instead of being read.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import weakref
+from typing import Dict, List, Optional
+
+import psutil
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from .._offload._layout import padded
+from .._offload._preflight import free_disk, ranks_here
+from .._offload._swap import SwapDir, new_aio
+from .._runtime import _accelerator as acc
+from .._runtime import _comm as comm
+from .._runtime._log import logger
+from .._runtime._tiers import Tier
+from ..aio import aligned_empty
+from ..aio._checksum import checksummed, sums_of
+from ..errors import InsufficientResourcesError, StorageError, UsageError
+from ._ledger import Hold
+from ._param import (
+    ParamInfo,
+    ParamState,
+    first_arg,
+    info_of,
+    make_partitioned,
+    raw_data,
+    register,
+    set_data,
+)
+from ._pretrained import PendingTensor, SourceReader, open_lazily
+
+_INPLACE_SUFFIX = "_"
+
+
+class InitStore:
+    """This rank's chunks of Init-partitioned parameters, in each parameter's dtype: in memory or
+    in one swap file. Each chunk is checked against the room this rank has on its tier before
+    it is stored (Note [Init preflight])."""
+
+    def __init__(self, tier: Tier, nvme_path: Optional[str], aio_cfg, rank: int):
+        tier = self.tier = Tier.of(tier)
+        self._mem: Dict[int, torch.Tensor] = {}
+        self._offsets: Dict[int, int] = {}
+        self._end = 0
+        self.used = 0
+        self._in_flight = 0
+        self._files: Dict[int, tuple] = {}
+        self._names: Dict[int, str] = {}  # NVMe: slot offset -> parameter name, for error messages
+        self.swap = None  # NVMe: made by the first chunk written (loaded chunks stay in the checkpoint)
+        if tier is Tier.NVME:
+            self._swap_args = (nvme_path, rank, aio_cfg)
+        self.room, self.where = room_for(tier, nvme_path)
+
+    def slot_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        nbytes = numel * dtype.itemsize
+        return -(-nbytes // 4096) * 4096 if self.tier is Tier.NVME else nbytes
+
+    def check_room(self, nbytes: int, what: str) -> None:
+        """Refuse, before storing anything more, if ``nbytes`` more do not fit (Note [Init preflight])."""
+        if self.used + nbytes > self.room:
+            raise InsufficientResourcesError(
+                f"infinity.Init: {what} needs {(self.used + nbytes) / GiB:.2f} GiB of {self.where} on this rank, "
+                f"{self.room / GiB:.2f} GiB available ({ranks_here()} rank(s) on this node share it); "
+                f"{_ADVICE[self.tier]}")
+
+    def new_chunk(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for a chunk that ``put`` stores without a copy: mapped memory, and on NVMe the
+        whole aligned slot, so the write is one O_DIRECT request."""
+        return aligned_empty(self.slot_bytes(numel, dtype), torch.uint8)[: numel * dtype.itemsize].view(dtype)
+
+    def put(self, key: int, chunk: torch.Tensor, name: str, copy: bool = True) -> None:
+        """Store ``chunk`` (``copy=False``: hand it over, e.g. from ``new_chunk``). Writes to NVMe
+        are asynchronous, at most ``_WRITES_IN_FLIGHT`` bytes at a time; ``get`` waits for them."""
+        if chunk.device.type != "cpu":  # values made on the device (an init run on a gathered parameter)
+            chunk, copy = acc.to_host(chunk), False  # the store's chunks live in host memory or on NVMe
+        nbytes = self.slot_bytes(chunk.numel(), chunk.dtype)
+        self._files.pop(key, None)  # new values: no longer the checkpoint's
+        if key not in self._offsets and key not in self._mem:
+            self.check_room(nbytes, f"parameter {name}")
+            self.used += nbytes
+            if self.tier is Tier.NVME:
+                self._offsets[key] = self._end
+                self._end += nbytes
+        if self.tier is not Tier.NVME:
+            self._mem[key] = chunk.clone() if copy and chunk.data_ptr() else chunk
+            return
+        slot = _whole_slot(chunk, nbytes)
+        if slot is None or copy:
+            fresh = self.new_chunk(chunk.numel(), chunk.dtype)
+            fresh.copy_(chunk.reshape(-1))
+            slot = _whole_slot(fresh, nbytes)
+        if self._in_flight + nbytes > _WRITES_IN_FLIGHT:
+            self.settle()
+        if self.swap is None:
+            nvme_path, rank, aio_cfg = self._swap_args
+            self.swap = SwapDir(nvme_path, rank)
+            # Note [swap checksums] in aio/_checksum.py: the file grows up to the room it was given
+            self.path = checksummed(self.swap.file("init.swp", 0), self.room, aio_cfg.checksums)
+            self._label()
+            self.io = new_aio(aio_cfg)
+        self._names[self._offsets[key]] = name
+        self.io.pwrite(slot, self.path, self._offsets[key])
+        self._in_flight += nbytes
+
+    def _label(self) -> None:
+        sums = sums_of(self.path)
+        if sums is not None:
+            def describe(offset: int) -> str:
+                starts = sorted(self._names)
+                i = bisect.bisect_right(starts, offset) - 1
+                return f"this rank's chunk of parameter {self._names[starts[i]]}" if i >= 0 else ""
+
+            sums.describe, sums.when = describe, lambda: "while building the model under infinity.Init"
+
+    def settle(self) -> None:
+        """Wait for the writes in flight."""
+        if self._in_flight:
+            self.io.wait(what="Init store writes")
+            self._in_flight = 0
+
+    def refer(self, key: int, pending: PendingTensor, lo: int, hi: int, numel: int) -> None:
+        """Keep a chunk where it already is: elements ``[lo, hi)`` of a checkpoint tensor, padded
+        to ``numel`` (Note [chunks left in the checkpoint])."""
+        self._files[key] = (pending, lo, hi, numel, _stamp(pending.source.path))
+
+    def get(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        ref = self._files.get(key)
+        if ref is not None:
+            pending, lo, hi, numel, stamp = ref
+            if _stamp(pending.source.path) != stamp:
+                raise StorageError(
+                    f"{pending.source.path} changed after it was loaded under infinity.Init (size or modification "
+                    f"time differ); the partitions still read from it: call infinity.initialize before changing "
+                    f"or removing the checkpoint")
+            return pending.read_chunk(lo, hi, aligned_empty(numel, dtype))
+        if self.tier is not Tier.NVME:
+            return self._mem[key]
+        self.settle()
+        out = torch.empty(numel, dtype=dtype)
+        self.io.sync_pread(out, self.path, self._offsets[key])
+        return out
+
+    def close(self) -> None:
+        self._mem.clear()
+        self._files.clear()
+        if self.swap is not None:
+            self.settle()
+            self.io.close()
+            self.swap.remove()
+
+
+_WRITES_IN_FLIGHT = 256 << 20
+
+
+def _stamp(path: str):
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _whole_slot(chunk: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
+    """The ``nbytes`` bytes of a page-aligned buffer that starts with ``chunk``, or None."""
+    storage = chunk.untyped_storage()
+    start = chunk.storage_offset() * chunk.element_size()
+    if not chunk.is_contiguous() or chunk.data_ptr() % 4096 or storage.nbytes() - start < nbytes:
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
+
+
+GiB = float(1 << 30)
+_ADVICE = {
+    Tier.DEVICE: "partition to host memory or NVMe instead (Init(offload='cpu' or 'nvme')), or run more ranks",
+    Tier.CPU: "partition to NVMe instead (Init(offload='nvme', nvme_path=...)), or run more ranks",
+    Tier.NVME: "point nvme_path at a larger disk or free space there",
+}
+
+
+def room_for(tier: Tier, nvme_path: Optional[str]):
+    """Bytes this rank may store on ``tier`` and a name for where (Note [Init preflight])."""
+    if tier is Tier.NVME:
+        if not nvme_path:
+            raise UsageError("Init(offload='nvme') needs nvme_path: pass nvme_path= or set zero.offload_param.nvme_path "
+                             "to a directory on a fast local disk")
+        try:
+            os.makedirs(nvme_path, exist_ok=True)
+        except OSError as err:
+            raise StorageError(err.errno, f"nvme_path {nvme_path!r} cannot be created ({err.strerror}); "
+                                          f"point it at a writable directory") from None
+        return free_disk(nvme_path) // ranks_here(), f"disk under {nvme_path}"
+    return int(psutil.virtual_memory().available * _HOST_SHARE) // ranks_here(), "host memory"
+
+
+# The share of the available host memory the Init store may take: the rest is for the model's
+# construction itself, the loader, and what initialize() allocates next to it.
+_HOST_SHARE = 0.8
+
+
+class InitUnit:
+    """The fetch unit of one Init-partitioned parameter until ``initialize`` adopts it.
+
+    A parameter built on the meta device (``from_pretrained`` builds that way) has no values
+    until the loader assigns them; its unit is *unloaded*: it materializes as a meta tensor,
+    and ``chunk`` refuses."""
+
+    def __init__(self, init: "Init", param: nn.Parameter, name: str, dtype: torch.dtype, shape: torch.Size):
+        self.init = init
+        self.index = init.counter
+        init.counter += 1
+        self.world_size = init.world_size
+        self.module_name = name
+        self.params = [param]
+        self.dtype = dtype
+        numel = shape.numel()
+        self.info = ParamInfo(name, shape, numel, padded(numel, self.world_size), 0, self)
+        self.loaded = False
+        self._state = ParamState.RELEASED
+        self._refs = 0
+
+    @property
+    def state(self) -> ParamState:
+        return self._state
+
+    def on_unavailable(self, func, args, kwargs, infos):
+        """Note [parameter owners] in _param.py: Init runs the op on the full tensors."""
+        return self.init.on_unavailable(func, args, kwargs, infos)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.init.store.slot_bytes(self.info.chunk, self.dtype)
+
+    def chunk(self) -> torch.Tensor:
+        if not self.loaded:
+            raise UsageError(
+                f"parameter {self.info.name!r} {tuple(self.info.shape)} was built on the meta device under "
+                f"infinity.Init and never given values (it is not in the checkpoint and nothing initialized it); "
+                f"load or initialize it before infinity.initialize")
+        return self.init.store.get(self.index, self.info.chunk, self.dtype)
+
+    def materialize(self) -> torch.Tensor:
+        """All-gather the chunks into the full tensor (in the parameter's dtype)."""
+        if not self.loaded:
+            return torch.empty(self.info.shape, dtype=self.dtype, device="meta")
+        mine = self.chunk().to(torch.float32)
+        full = torch.empty(self.info.padded_numel, dtype=torch.float32, device=acc.device())
+        comm.all_gather_into_tensor(full, acc.to_device(mine), async_op=False, what=f"Init gather of {self.info.name}")
+        return full[: self.info.numel].view(self.info.shape).to(self.dtype)
+
+    def store_full(self, full: torch.Tensor) -> None:
+        if full.is_meta:
+            return  # still without values (Note [streamed load])
+        rows = _chunks(full.detach().to(self.dtype), self.info, self.world_size)
+        self.init.store.put(self.index, rows[self.init.rank].contiguous(), self.info.name)
+        self.loaded = True
+
+    def load(self, pending) -> None:
+        """This rank's chunk, read from the checkpoint file (Note [streamed load])."""
+        chunk, rank, store = self.info.chunk, self.init.rank, self.init.store
+        lo, hi = min(rank * chunk, self.info.numel), min((rank + 1) * chunk, self.info.numel)
+        self.loaded = True
+        if store.tier is Tier.NVME:  # Note [chunks left in the checkpoint]
+            store.refer(self.index, pending, lo, hi, chunk)
+            return
+        mine = pending.read_chunk(lo, hi, store.new_chunk(chunk, self.dtype))  # mapped memory: no heap left behind
+        store.put(self.index, mine, self.info.name, copy=False)
+
+    def placeholder(self) -> torch.Tensor:
+        """The empty data of the parameter while partitioned; a parameter built on the meta device
+        keeps meta data (torch cannot switch a tensor's data between meta and a real device)."""
+        return torch.empty(0, dtype=self.dtype, device="meta" if self._on_meta() else acc.device())
+
+    def _on_meta(self) -> bool:
+        return raw_data(self.params[0]).is_meta
+
+    def acquire(self, why: Hold = Hold.GATHERED) -> None:
+        self._refs += 1  # only GatheredParameters acquires a unit before initialize
+        if self._state is not ParamState.AVAILABLE:
+            full = self.materialize()
+            if self._on_meta() and not full.is_meta:
+                raise UsageError(
+                    f"parameter {self.info.name!r} was built on the meta device; it can be replaced (a loader's "
+                    f"setattr, module.weight = nn.Parameter(...)) but not used in place once it has values")
+            set_data(self.params[0], full)
+            self._state = ParamState.AVAILABLE
+
+    def release(self, why: Hold = Hold.GATHERED) -> None:
+        self._refs -= 1
+        if self._refs == 0:
+            set_data(self.params[0], self.placeholder())
+            self._state = ParamState.RELEASED
+
+
+def _chunks(full: torch.Tensor, info: ParamInfo, world: int) -> torch.Tensor:
+    flat = full.reshape(-1)
+    pad = info.padded_numel - info.numel
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(world, info.chunk)
+
+
+def _all_subclasses(cls) -> List[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        for s in c.__subclasses__():
+            if s not in out:
+                out.append(s)
+                todo.append(s)
+    return out
+
+
+class Init:
+    """Build a model partitioned from the start: ``with infinity.Init(config=cfg): model = M()``.
+
+    ``offload`` ("none" | "cpu" | "nvme") and ``nvme_path`` override the config's
+    ``zero.offload_param``. Collective: every rank must build the same model inside it."""
+
+
+    def __init__(self, config=None, *, offload: Optional[str] = None, nvme_path: Optional[str] = None,
+                 enabled: bool = True):
+        from ..config import Config
+
+        cfg = Config.coerce(config)
+        overrides = {}
+        if offload is not None:
+            overrides["zero.offload_param.device"] = offload
+        if nvme_path is not None:
+            overrides["zero.offload_param.nvme_path"] = nvme_path
+        if overrides:
+            cfg = cfg.with_overrides(overrides)
+        self.cfg = cfg
+        self.enabled = enabled
+        self.counter = 0
+        self.units: List[InitUnit] = []
+        self._saved: Dict[type, object] = {}
+        self._depth: Dict[int, int] = {}
+        self._shadows: Dict[int, torch.Tensor] = {}
+        self._built: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._checked_load = False
+
+    # ------------------------------------------------------------ context
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        comm.configure(self.cfg)  # Note [comm timeout] in _comm.py
+        comm.ensure_initialized()
+        self.rank, self.world_size = comm.rank(), comm.world_size()
+        off = self.cfg.zero.offload_param
+        self.store = InitStore(Tier.of(off.device), off.nvme_path, self.cfg.aio, self.rank)
+        for cls in [nn.Module] + _all_subclasses(nn.Module):
+            if "__init__" in cls.__dict__:
+                self._wrap(cls)
+        self._saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+        init = self
+
+        def _init_subclass(cls, **kwargs):
+            super(nn.Module, cls).__init_subclass__(**kwargs)
+            if "__init__" in cls.__dict__:
+                init._wrap(cls)
+
+        nn.Module.__init_subclass__ = classmethod(_init_subclass)
+        self._hook = register_module_parameter_registration_hook(self._on_register)
+        self.reader = SourceReader(self.cfg.aio)
+        self._undo_lazy = None
+        return self
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        for cls, orig in self._saved.items():
+            cls.__init__ = orig
+        self._saved.clear()
+        if self._saved_init_subclass is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = self._saved_init_subclass
+        self._hook.remove()
+        self._stop_lazy_files()
+        self.reader.close()
+        logger.info("Init: %d parameters partitioned over %d rank(s) on tier %s", len(self.units), self.world_size,
+                    self.store.tier)
+        return False
+
+    def _wrap(self, cls) -> None:
+        if cls in self._saved:
+            return
+        orig = cls.__dict__["__init__"]
+        self._saved[cls] = orig
+        init = self
+
+        def wrapped(module, *args, **kwargs):
+            key = id(module)
+            init._depth[key] = init._depth.get(key, 0) + 1
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                init._depth[key] -= 1
+            if init._depth[key] == 0:
+                del init._depth[key]
+                init._partition_module(module)
+
+        wrapped.__wrapped__ = orig
+        cls.__init__ = wrapped
+
+    # ------------------------------------------------------------ partitioning
+
+    def _partition_module(self, module: nn.Module) -> None:
+        self._built.add(module)
+        for pname, p in module._parameters.items():
+            if p is not None and info_of(p) is None:
+                self._partition(module, pname, p)
+
+    def _partition(self, module: nn.Module, pname: str, p: nn.Parameter) -> None:
+        data = raw_data(p)
+        unit = InitUnit(self, p, f"{type(module).__name__}.{pname}", data.dtype, data.shape)
+        if data.is_meta:
+            self._start_lazy_files()  # a loader will assign the values (Note [streamed load])
+        unit.store_full(data)
+        self._manage(p, unit)
+        set_data(p, unit.placeholder())
+
+    def _on_register(self, module: nn.Module, name: str, param: nn.Parameter):
+        """torch's parameter-registration hook: a parameter assigned to a module this Init built,
+        after its ``__init__`` (a loader's ``setattr``), is partitioned at once."""
+        if id(module) in self._depth or module not in self._built or info_of(param) is not None:
+            return None  # partitioned when its __init__ returns, not ours, or already partitioned (tied)
+        if isinstance(param, PendingTensor):
+            return self._adopt_pending(module, name, param)
+        self._partition(module, name, param)
+        return None
+
+    def _adopt_pending(self, module: nn.Module, name: str, pending: PendingTensor) -> nn.Parameter:
+        """A parameter whose values are read from the checkpoint, this rank's chunk only."""
+        if not self._checked_load and self.store.tier is not Tier.NVME:  # NVMe: Note [chunks left in the checkpoint]
+            self._checked_load = True
+            need = sum(u.chunk_bytes for u in self.units if not u.loaded)
+            self.store.check_room(need, f"loading the checkpoint ({len(self.units)} parameters)")
+        param = nn.Parameter(torch.empty(0, dtype=pending.dtype, device=acc.device()), pending.requires_grad)
+        param.__dict__.update({k: v for k, v in pending.__dict__.items() if k not in ("source", "reader", "_is_param")})
+        unit = InitUnit(self, param, f"{type(module).__name__}.{name}", pending.dtype, pending.shape)
+        unit.load(pending)
+        self._manage(param, unit)
+        return param
+
+    def _manage(self, param: nn.Parameter, unit: InitUnit) -> None:
+        register(param, unit.info)
+        make_partitioned(param)
+        self.units.append(unit)
+
+    def _start_lazy_files(self) -> None:
+        if self._undo_lazy is None:
+            self._undo_lazy = open_lazily(self.reader) or (lambda: None)
+
+    def _stop_lazy_files(self) -> None:
+        if self._undo_lazy is not None:
+            self._undo_lazy()
+            self._undo_lazy = None
+
+    # ------------------------------------------------------------ ops on partitioned params
+
+    def on_unavailable(self, func, args, kwargs, infos):
+        """Run ``func`` on the full tensors; re-partition what it changed in place."""
+        owner = getattr(func, "__self__", None)
+        if owner is torch._C.TensorBase.data:
+            info = infos[0]
+            if func.__name__ == "__set__":
+                info.unit.store_full(args[1])
+                return None
+            return self._shadow(args[0], info)
+        fulls = {id(p): (p, info_of(p).unit, info_of(p).unit.materialize()) for p in _params_in(args, kwargs)}
+        args2 = _substitute(args, fulls)
+        kwargs2 = _substitute(kwargs, fulls)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args2, **kwargs2)
+        name = getattr(func, "__name__", "")
+        if name.endswith(_INPLACE_SUFFIX) or name in ("__setitem__", "__iadd__", "__imul__", "__isub__", "__itruediv__"):
+            target = fulls.get(id(first_arg(args, kwargs)))
+            if target is not None:
+                target[1].store_full(target[2])
+                return target[0]
+        return out
+
+    def _shadow(self, param, info) -> torch.Tensor:
+        """``param.data`` of a partitioned parameter: a tensor whose ops reach the chunks."""
+        shadow = self._shadows.get(id(info))
+        if shadow is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                shadow = torch.Tensor._make_subclass(type(param), raw_data(param), False)
+            register(shadow, info)
+            self._shadows[id(info)] = shadow
+        return shadow
+
+    def repartition(self, unit: InitUnit) -> None:
+        unit.store_full(raw_data(unit.params[0]))
+
+    def close(self) -> None:
+        self.store.close()
+        self._shadows.clear()
+
+
+def _params_in(args, kwargs):
+    from ._param import _iter_params
+
+    seen = []
+    for p in itertools.chain(_iter_params(args), _iter_params(kwargs)):
+        i = info_of(p)
+        if i is not None and i.state is not ParamState.AVAILABLE and all(p is not q for q in seen):
+            seen.append(p)
+    return seen
+
+
+def _substitute(obj, fulls):
+    if isinstance(obj, torch.Tensor):
+        hit = fulls.get(id(obj))
+        return hit[2] if hit is not None else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_substitute(x, fulls) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _substitute(v, fulls) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,504 @@
+"""A fetch unit: the parameters owned directly by one submodule, gathered and released together.
+
+Note [shard layout]: bandwidth-centric partitioning (paper 002 §6.1). Every parameter is
+flattened, padded to a multiple of the world size N and split into N equal chunks; rank r
+holds chunk r of every parameter of the unit, concatenated in parameter order, as the unit's
+*shard* (``shard_numel`` elements). An all-gather of the shards yields an (N, shard_numel)
+buffer whose column block [offset, offset + chunk) holds one parameter, rank-major; copying
+that block out (a view when N == 1) rebuilds the full parameter. The reduce-scatter of
+gradients uses the same layout in reverse, so rank r receives exactly the gradient of its
+chunks. The parameter store holds every unit's shard at ``FetchUnit.param_offset``; the
+optimizer's fp32 master weights, moments and gradient shards of a trainable unit use the
+same shard layout at ``FetchUnit.opt_offset`` (a frozen unit has none: Note [frozen
+parameters] in _zero_optimizer.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._offload._layout import padded
+from .._runtime import _accelerator as acc
+from .._runtime import _comm as comm
+from ..aio import aligned_empty
+from ..errors import EngineError, InvariantError
+from ._init_context import InitUnit
+from ._ledger import GatherLedger, Hold
+from ._param import ParamInfo, ParamState, info_of, raw_data, register, set_data
+
+if TYPE_CHECKING:
+    from .._offload._param_store import ParamStore
+    from .._runtime._recycle import Recycler
+    from .._runtime._telemetry_counters import Counters
+    from ._phase import Calls
+    from ._step_gate import StepGate
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """What a fetch unit will hold, known before anything is allocated: the layout, the
+    preflight and the stores are computed from these (Note [shard layout])."""
+
+    index: int  # position in the unit list: the order of collectives
+    module_name: str
+    params: Tuple[Tuple[str, nn.Parameter], ...]
+    shard_numel: int
+    trainable: bool
+
+
+def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter]], world_size: int) -> UnitSpec:
+    shard = sum(padded(p.numel(), world_size) // world_size for _, p in params)
+    return UnitSpec(index, module_name, tuple(params), shard, any(p.requires_grad for _, p in params))
+
+
+@dataclass(frozen=True)
+class UnitContext:
+    """The services a fetch unit uses, built before the units by ``initialize`` (the
+    composition root) and shared by all of them; a unit never sees the engine or the
+    optimizer."""
+
+    world_size: int
+    rank: int
+    dtype: torch.dtype  # the compute dtype of the gathered parameters
+    itemsize: int
+    partitioned: bool  # stage 3: parameters live as shards between uses
+    persistence_threshold: int  # units smaller than this stay gathered (zero.prefetch.persistence_threshold)
+    counters: "Counters"
+    ledger: GatherLedger
+    gathered: Optional["Recycler"]  # recycled gathered buffers (CPU-only runs)
+    param_store: Optional["ParamStore"]  # stage 3's shards
+    params_are_master: bool  # the parameter store is the fp32 master itself: nothing to write at partition
+    step_gate: "StepGate"  # Note [step gate]: has the step updated this range yet
+    make_room: Callable[["FetchUnit"], None]  # the prefetcher releases kept units before a gather
+    calls: "Calls"  # a released parameter touched inside a module call is fetched on demand
+
+
+@dataclass(eq=False)
+class _Staging:
+    """The payload of HOST and DEVICE: this rank's shard on its way to the device."""
+
+    read: object = None  # HOST on NVMe: the read in flight
+    pool_buffer: Optional[torch.Tensor] = None  # the staging buffer the read lands in, given back after the copy
+    direct: Optional[torch.Tensor] = None  # one rank: a recycled gathered buffer the shard is read straight into
+    handoff: Optional[torch.Tensor] = None  # the shard the step handed off (Note [hand-off] in _param_store.py)
+    cached: bool = False  # ``handoff`` is the parameter cache's copy (Note [parameter cache] in _param_store.py)
+    device_shard: Optional[torch.Tensor] = None  # DEVICE: the shard on the device
+    h2d: object = None  # DEVICE: the event of its host->device copy
+    source: Optional[torch.Tensor] = None  # DEVICE: the host tensor its copy reads (None: no copy, the host
+    # tensor is the device shard)
+
+    @property
+    def copied(self) -> bool:
+        return self.source is not None
+
+
+@dataclass(eq=False)
+class _Gathered:
+    """The payload of GATHERING and AVAILABLE: the full parameters' buffer."""
+
+    recycled: Optional[torch.Tensor] = None  # from the recycler: given back when freed (None: in place, or CUDA)
+    charged: int = 0  # device bytes charged to the budget for it
+    out: Optional[torch.Tensor] = None  # GATHERING: the all-gather's output
+    handle: Optional[comm.CommHandle] = None  # GATHERING: the all-gather in flight
+
+
+# Note [unit payloads]: a unit's data beyond its shard lives in the payload of its state, and
+# ``_expect`` checks the payload with the state on every transition:
+#   RELEASED   no payload (the shard is in the parameter store)
+#   HOST       _Staging with a read in flight (NVMe), a hand-off view, or nothing (resident store)
+#   DEVICE     _Staging with the device shard and its copy event (the read has landed)
+#   GATHERING  _Gathered with the all-gather's output and handle, and the _Staging it reads from
+#   AVAILABLE  _Gathered (or None before the first partition and for stages 1-2: the model's own tensors)
+_PAYLOAD = {ParamState.RELEASED: (None, None), ParamState.HOST: (True, None), ParamState.DEVICE: (True, None),
+            ParamState.GATHERING: (True, True), ParamState.AVAILABLE: (None, "maybe")}
+
+
+class FetchUnit:
+    """The directly-owned parameters of one module and their shard on this rank."""
+
+    def __init__(self, ctx: UnitContext, spec: UnitSpec, param_offset: int, opt_offset: int):
+        self.ctx = ctx
+        self.index = spec.index  # position in the engine's unit list: the order of collectives
+        self.module_name = spec.module_name
+        self.world_size = ctx.world_size
+        self.rank = ctx.rank
+        self.partitioned = ctx.partitioned
+        self.params: List[nn.Parameter] = []
+        self.infos: List[ParamInfo] = []
+        offset = 0
+        params = list(spec.params)
+        self._init_units = [_init_unit_of(p) for _, p in params]  # built under infinity.Init
+        for init_unit, (name, _) in zip(self._init_units, params):
+            if init_unit is not None and init_unit.world_size != self.world_size:
+                raise EngineError(
+                    f"{name} was partitioned by infinity.Init over {init_unit.world_size} rank(s) but this job "
+                    f"has {self.world_size}: build the model under Init in the same job (same world size) that "
+                    f"calls infinity.initialize")
+        for name, p in params:
+            info = ParamInfo(name, p.shape, p.numel(), padded(p.numel(), self.world_size), offset, self)
+            register(p, info)
+            self.params.append(p)
+            self.infos.append(info)
+            offset += info.chunk
+        self.shard_numel = offset
+        self.trainable = spec.trainable  # the engine never mixes the two in a unit
+        self.param_offset = param_offset  # start of this unit's shard in the parameter store's flat space
+        self.opt_offset = opt_offset  # start of its range in the optimizer's flat fp32 space (trainable units)
+        self._state = ParamState.AVAILABLE  # the model's own full tensors until partition()
+        self._staging: Optional[_Staging] = None  # HOST, DEVICE: Note [unit payloads]
+        self._gathered: Optional[_Gathered] = None  # GATHERING, AVAILABLE (None: nothing of ours to free)
+        self.grads_pending = 0  # params whose gradient has not arrived in this backward
+
+    def on_unavailable(self, func, args, kwargs, infos):
+        """A parameter of this unit reached an operator while released (Note [partitioned parameter])."""
+        return self.ctx.calls.on_unavailable(func, args, kwargs, infos)
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def state(self) -> ParamState:
+        return self._state
+
+    def _expect(self, state: ParamState, transition: str) -> None:
+        """The precondition of a transition, checked always (not an ``assert``: ``python -O``
+        would drop it and a wrong state would corrupt a gather silently), payload included
+        (Note [unit payloads])."""
+        if self._state is not state:
+            raise InvariantError(f"{transition}: {self!r} is {self._state.name}, expected {state.name}")
+        staging, gathered = _PAYLOAD[state]
+        if (self._staging is not None) != bool(staging) or (gathered is None and self._gathered is not None) \
+                or (gathered is True and self._gathered is None):
+            raise InvariantError(f"{transition}: {self!r} has the payload of another state (staging "
+                                 f"{self._staging is not None}, gathered {self._gathered is not None})")
+
+    @property
+    def full_numel(self) -> int:
+        return self.world_size * self.shard_numel
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the gathered parameters."""
+        return self.full_numel * self.ctx.itemsize
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ctx.dtype
+
+    def __repr__(self) -> str:
+        return f"FetchUnit({self.module_name or '<root>'}, {len(self.params)} params, {self.state.name})"
+
+    # ------------------------------------------------------------ shard <-> full
+
+    def local_shard(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard, from the full parameters or from chunks made by infinity.Init."""
+        if not any(self._init_units):
+            return self.shard_of([raw_data(p) for p in self.params], dtype)
+        out = aligned_empty(self.shard_numel, dtype)  # mapped, not heap: a build shard by shard leaves no heap behind
+        for info, p, iu in zip(self.infos, self.params, self._init_units):
+            src = iu.chunk() if iu is not None else self.chunks_of(raw_data(p), info)[self.rank]
+            out[info.shard_offset : info.shard_offset + info.chunk].copy_(src)
+        return out
+
+    def materialize_init_params(self) -> None:
+        """Stages 1-2 keep parameters whole: gather what Init partitioned."""
+        from ._param import make_plain
+
+        for p, iu in zip(self.params, self._init_units):
+            if iu is not None:
+                set_data(p, iu.materialize())
+                make_plain(p)
+        self._init_units = [None] * len(self.params)
+
+    def forget_init(self) -> None:
+        self._init_units = [None] * len(self.params)
+
+    def chunks_of(self, full: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+        """The (N, chunk) view of one parameter's padded, flattened values."""
+        flat = full.reshape(-1)
+        pad = info.padded_numel - info.numel
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(self.world_size, info.chunk)
+
+    def shard_of(self, tensors: List[torch.Tensor], dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's shard of full tensors laid out like the unit's parameters, where the
+        tensors are (host tensors before ``initialize`` moved anything: the shard goes to its
+        store's tier from there)."""
+        where = tensors[0].device if tensors else acc.device()
+        out = torch.empty(self.shard_numel, dtype=dtype, device=where) if out is None else out
+        with torch.no_grad():
+            for info, t in zip(self.infos, tensors):
+                out[info.shard_offset : info.shard_offset + info.chunk].copy_(self.chunks_of(t, info)[self.rank])
+        return out
+
+    @property
+    def store(self):
+        return self.ctx.param_store
+
+    def partition(self) -> None:
+        """AVAILABLE -> RELEASED for the first time: keep only this rank's shard (stage 3),
+        written to the parameter store (unless that store is the fp32 master itself)."""
+        self._expect(ParamState.AVAILABLE, "partition")
+        if not self.partitioned:
+            raise InvariantError(f"partition: {self!r} is not partitioned (stages 1-2 keep parameters whole)")
+        if not self.ctx.params_are_master:
+            self.store.write(self.param_offset, self.local_shard(self.dtype))
+        self._drop_full()
+
+    def shard(self) -> torch.Tensor:
+        """This rank's compute-dtype shard where it is resident (device or cpu tier)."""
+        return self.store.view(self.param_offset, self.shard_numel)
+
+    def _placeholder(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=acc.device())
+
+    def _drop_full(self) -> None:
+        for p in self.params:
+            set_data(p, self._placeholder())
+        self._state = ParamState.RELEASED
+
+    # ------------------------------------------------------------ fetch / release
+
+    @property
+    def refs(self) -> int:
+        """How many holds the unit has (Note [hold ledger] in _ledger.py)."""
+        return self.ctx.ledger.count(self)
+
+    @property
+    def persistent(self) -> bool:
+        """Small units stay gathered between uses (zero.prefetch.persistence_threshold)."""
+        return self.partitioned and self.full_numel < self.ctx.persistence_threshold
+
+    def acquire(self, why: Hold) -> None:
+        """Hold the unit for ``why``; gather it if needed (waiting for what the prefetcher
+        started). Pairs with ``release(why)``."""
+        self.ctx.ledger.take(self, why)
+        counters = self.ctx.counters
+        if self._state is ParamState.AVAILABLE:
+            if self.partitioned:
+                counters.hits += 1
+            return
+        if self._state is ParamState.RELEASED:
+            counters.misses += 1
+        else:
+            counters.hits += 1
+        if self._state is not ParamState.GATHERING:
+            self.ctx.make_room(self)
+            self.start_gather()
+        self.wait_gather()
+
+    def hold(self, why: Hold, until: Optional[int] = None) -> None:
+        """Hold a gathered unit for ``why`` (no fetch); pairs with ``release(why)``."""
+        self._expect(ParamState.AVAILABLE, "hold")
+        self.ctx.ledger.take(self, why, until)
+
+    def release(self, why: Hold) -> None:
+        """Drop the hold for ``why``; free the full tensors when it was the last (unless persistent)."""
+        left = self.ctx.ledger.drop(self, why)
+        if left == 0 and self.partitioned and self._state is ParamState.AVAILABLE and not self.persistent:
+            self._free_full()
+
+    def _free_full(self) -> None:
+        """AVAILABLE -> RELEASED: drop the full tensors and give their buffer back."""
+        gathered, self._gathered = self._gathered, None
+        self._drop_full()
+        if gathered is not None:
+            if gathered.recycled is not None:  # reused once nothing else (say, autograd) still holds a view of it
+                self.ctx.gathered.give(gathered.recycled)
+            self.ctx.ledger.budget.release(gathered.charged)
+            self.ctx.ledger.freed(self)
+
+    def abandon(self) -> None:
+        """Undo a prefetch nobody used: back to RELEASED, buffers returned (refs must be 0)."""
+        if self.refs:
+            raise InvariantError(f"abandon: {self!r} is still held for {self.ctx.ledger.describe(self)}")
+        if self._state is ParamState.GATHERING:
+            self.wait_gather()
+        if self._state is ParamState.AVAILABLE:
+            if self.partitioned:
+                self._free_full()
+            return
+        if self._state is ParamState.HOST:
+            self.stage_to_device()  # completes an in-flight read before its buffer is reused
+        if self._state is ParamState.DEVICE:
+            staging = self._drop_staging()
+            if staging.direct is not None:  # read straight into a gathered buffer
+                self.ctx.gathered.give(staging.direct)
+            self._state = ParamState.RELEASED
+
+    def stage_to_host(self, *, block: bool = True) -> bool:
+        """RELEASED -> HOST: submit the read of the shard from NVMe into a pool buffer
+        (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
+        self._expect(ParamState.RELEASED, "stage_to_host")
+        if self.trainable and not self.ctx.step_gate.wait(self.opt_offset + self.shard_numel, block=block,
+                                                          what=self._what()):
+            return False  # a frozen unit's shard is never rewritten
+        staging = _Staging()
+        if not self.store.resident:
+            nbytes = self.shard_numel * self.store.itemsize
+            staging.handoff = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache]
+            staging.cached = staging.handoff is not None
+            if staging.cached:
+                self.ctx.counters.bytes["param_cache"] += nbytes
+            else:
+                staging.handoff = self.store.take_handoff(self.param_offset, self.shard_numel)  # Note [hand-off]
+                if staging.handoff is not None:
+                    self.ctx.counters.bytes["param_handoff"] += nbytes
+            if staging.handoff is None:
+                into = self._direct_read_buffer()
+                with self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
+                    staging.read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
+                if staging.read is None:
+                    if into is not None:
+                        self.ctx.gathered.give(into)
+                    return False
+                staging.direct = into  # the gathered buffer from the start (None: a pool buffer)
+                self.ctx.counters.bytes["nvme_read"] += nbytes
+        self._staging = staging
+        self._state = ParamState.HOST
+        return True
+
+    def _direct_read_buffer(self) -> Optional[torch.Tensor]:
+        """One rank without an accelerator: the gathered parameters would be a copy of the
+        shard as read, so the read goes straight into a recycled gathered buffer (the
+        parameters become views of it) instead of a staging buffer; None elsewhere."""
+        if self.world_size != 1 or self.ctx.gathered is None:
+            return None
+        return self.ctx.gathered.take(self.full_numel, self.dtype)
+
+    def stage_to_device(self, *, block: bool = True) -> bool:
+        """HOST -> DEVICE: once the shard's read has landed (waiting for it when ``block``),
+        start its copy to the device on the host->device stream (without an accelerator the
+        host buffer is the device shard). False when ``block`` is off and the read is still
+        in flight."""
+        self._expect(ParamState.HOST, "stage_to_device")
+        staging = self._staging
+        if staging.read is not None:
+            if not block and not self.store.read_done(staging.read):
+                return False
+            with self.ctx.counters.blocked("nvme_read"):
+                buf = self.store.finish_read(staging.read, what=self._what())
+            staging.read = None
+            if staging.direct is None:
+                staging.pool_buffer = buf
+        if staging.pool_buffer is not None:
+            src = staging.pool_buffer[: self.shard_numel]
+        elif staging.direct is not None:  # read straight into the gathered buffer
+            src = staging.direct[: self.shard_numel]
+        else:
+            src = staging.handoff if staging.handoff is not None else self.shard()
+        if not self.store.resident and not staging.cached:
+            self.store.remember(self.param_offset, src)  # Note [parameter cache]
+        staging.device_shard, staging.h2d = acc.start_copy_to_device(src)
+        staging.source = src if staging.device_shard is not src else None
+        if staging.copied:
+            self.ctx.counters.bytes["host_to_device"] += src.numel() * src.element_size()
+        self._state = ParamState.DEVICE
+        return True
+
+    def _drop_staging(self) -> _Staging:
+        """The device shard was consumed (gathered, or abandoned): its host source goes back
+        with the copy's event, reused only once the copy has landed (Note [buffers under a
+        copy] in _param_store.py); no CPU wait here."""
+        staging, self._staging = self._staging, None
+        if staging.pool_buffer is not None:
+            self.store.pool.put(staging.pool_buffer, after=staging.h2d)
+        elif staging.copied:
+            self.store.keep_until_copied(staging.source, staging.h2d)
+        return staging
+
+    def _what(self) -> str:
+        return f"the shard of {self.module_name or '<root>'} ({len(self.params)} params, first " \
+               f"{self.infos[0].name}) on rank {self.rank}"
+
+    def start_gather(self) -> None:
+        """RELEASED/HOST/DEVICE -> GATHERING: launch the all-gather of this unit's shards."""
+        if self._state is ParamState.RELEASED:
+            self.stage_to_host()
+        if self._state is ParamState.HOST:
+            self.stage_to_device()
+        self._expect(ParamState.DEVICE, "start_gather")
+        st = self._staging
+        shard = acc.finish_copy_to_device(st.device_shard, st.h2d)
+        nbytes = self.full_nbytes
+        gathered = _Gathered(recycled=st.direct)
+        # One rank: the parameters are views of the device shard unless it is a staging buffer
+        # (no accelerator, NVMe tier); it is new memory when it is a copy, was handed off or
+        # read straight into a gathered buffer.
+        in_place = self.world_size == 1 and (st.pool_buffer is None or st.copied)
+        if not in_place or st.copied or st.handoff is not None or st.direct is not None:
+            self.ctx.ledger.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
+            gathered.charged = nbytes
+        self.ctx.ledger.gathered(self)
+        self.ctx.counters.bytes["all_gather"] += nbytes
+        if in_place:
+            gathered.out = shard
+        elif self.ctx.gathered is not None:  # a buffer to give back to the recycler when freed
+            gathered.out = gathered.recycled = self.ctx.gathered.take(self.full_numel, self.dtype)
+        else:  # CUDA: the caching allocator reuses the memory
+            gathered.out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
+        gathered.handle = comm.all_gather_into_tensor(
+            gathered.out, shard, async_op=True,
+            what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
+        self._gathered = gathered
+        self._state = ParamState.GATHERING
+
+    def wait_gather(self) -> None:
+        """GATHERING -> AVAILABLE: wait, then point every parameter at its full tensor."""
+        self._expect(ParamState.GATHERING, "wait_gather")
+        gathered = self._gathered
+        with self.ctx.counters.blocked("all_gather"):
+            gathered.handle.wait()
+        rows = gathered.out.view(self.world_size, self.shard_numel)
+        for p, info in zip(self.params, self.infos):
+            block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
+            set_data(p, block.reshape(-1)[: info.numel].view(info.shape))
+        gathered.out = gathered.handle = None
+        self._drop_staging()  # the shard was read by the all-gather: its staging buffer is free again
+        self._state = ParamState.AVAILABLE
+
+    def refresh(self) -> None:
+        """After the optimizer step: a persistent unit's gathered copy is stale; drop it."""
+        if self._state is ParamState.AVAILABLE and self.partitioned and not self.refs:
+            self._free_full()
+
+    # ------------------------------------------------------------ gradients
+
+    def grads_into(self, rows: torch.Tensor) -> None:
+        """Copy the full gradients into an (N, shard_numel) block (zeros where absent)."""
+        with torch.no_grad():
+            for p, info in zip(self.params, self.infos):
+                block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
+                if p.grad is None:
+                    block.zero_()
+                else:
+                    block.copy_(self.chunks_of(p.grad, info))
+
+    def own_shard_grad(self) -> Optional[torch.Tensor]:
+        """On one rank, a unit of one unpadded fp32 parameter: its gradient, flat, is already
+        its shard gradient (a view, no copy); None otherwise."""
+        if self.world_size != 1 or len(self.params) != 1:
+            return None
+        g = self.params[0].grad
+        if g is None or g.dtype != torch.float32 or not g.is_contiguous() or g.numel() != self.shard_numel:
+            return None
+        return g.view(-1)
+
+    def drop_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def load_full_into_params(self, rows: torch.Tensor) -> None:
+        """Stage 1/2: copy gathered (N, shard_numel) values into the whole parameters."""
+        with torch.no_grad():
+            for p, info in zip(self.params, self.infos):
+                block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
+                raw_data(p).copy_(block.reshape(-1)[: info.numel].view(info.shape))
+
+
+def _init_unit_of(param) -> Optional[InitUnit]:
+    info = info_of(param)
+    return info.unit if info is not None and isinstance(info.unit, InitUnit) else None

@@ -1,0 +1,509 @@
+"""The partitioned optimizer returned by ``infinity.initialize``.
+
+Each rank owns a flat fp32 space laid out unit after unit in the shard layout (Note [shard
+layout] in _unit.py): master weights, gradient shards and Adam moments for its chunks only.
+``step()`` unscales (fp16), skips on overflow, clips by the global norm across ranks, runs
+Adam on the flat shards (the native CPU Adam when the shards are CPU-resident, else the same
+math in torch) over the parameters that got a gradient, each with its group's
+hyperparameters and its own step count (Note [update plan] in _param_groups.py), and writes
+the updated low-precision values back to the parameters.
+
+Note [non-finite steps]: no step trains on inf/NaN. The check costs nothing extra: the
+stores fold finiteness into the squared norm they compute anyway for clipping (one pass
+over the gradient shards, fused with their accumulation on NVMe), the loss flag
+(``note_loss``, a device-side ``isfinite`` with no synchronisation; ``step(closure)`` notes
+the closure's loss) rides in the same all-reduce as the norm, so every rank sees the same
+verdict and skips or raises together. fp16 keeps its loss scaler: an overflow backs the scale
+off and skips the step. In bf16/fp32 ``precision.on_nonfinite`` decides: ``error`` raises
+NonFiniteError naming the step (``step()`` calls so far) and, when the gradients are in
+memory, the first parameter whose shard is bad; ``skip`` drops the gradients and leaves
+parameters, Adam moments and step counts untouched, like GradScaler skipping
+``optimizer.step()``: the bias correction of the next applied step is as if the skipped
+step had never happened. A non-finite loss whose gradients are finite (a constant inf term)
+is caught only through a noted loss.
+"""
+from __future__ import annotations
+
+import collections
+import math
+from typing import TYPE_CHECKING, List, Optional
+
+import torch
+
+from .._offload._optimizer_store import Chunk, MemoryOptimizerStore, OptimizerStore, state_bytes
+from .._runtime import _accelerator as acc
+from .._runtime import _comm as comm
+from .._runtime._log import logger
+from .._runtime._tiers import Tier
+from ..aio import aligned_empty
+from ..errors import EngineError, InvariantError, NonFiniteError, NotSupportedError, UsageError
+from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
+from ._step_gate import StepGate
+
+if TYPE_CHECKING:
+    from .._offload._param_store import ParamStore
+    from ._engine import Engine
+    from ._unit import FetchUnit
+
+
+def _native_adam():
+    try:
+        from ..optim import adam_step
+    except ImportError as e:  # the native library was not built
+        logger.warning("native CPU Adam unavailable (%s); using torch's Adam math", e)
+        return None
+    return adam_step
+
+
+def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw):
+    """torch.optim.Adam/AdamW's single-tensor math, elementwise identical."""
+    beta1, beta2 = betas
+    if adamw:
+        param.mul_(1 - lr * weight_decay)
+    elif weight_decay:
+        grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A torch Optimizer over this rank's flat fp32 shards; LR schedulers work on it.
+
+    The shards live in an optimizer store on the tier ``zero.offload_optimizer.device``
+    chooses; stage 3's compute-dtype parameter shards live in a ParamStore on the tier of
+    ``zero.offload_param.device``. Both are laid out unit after unit (``unit.opt_offset``,
+    ``unit.param_offset``); frozen units have no optimizer state (Note [frozen parameters]
+    in _layout.py).
+    """
+
+    def __init__(self, engine: "Engine", cfg, groups: List[dict], *, sink: "GradSink", gate: StepGate):
+        self.engine = engine
+        self.cfg = cfg
+        self.placement = placement = engine.placement
+        self.opt_tier = placement.opt_tier
+        self.param_tier = placement.param_tier
+        self.layout = placement.layout
+        self.total = self.layout.opt_total
+        self.overlap = placement.overlap
+        self.grads_in_memory = placement.grads_in_memory
+        self.store = engine.opt_store
+        self.param_store = engine.param_store
+        self.scaler = engine.scaler
+        self.sink = sink
+        self.gate = gate  # Note [step gate]: this step owns it
+        oc = cfg.optimizer
+        named = named_parameters(engine.units)  # groups: torch-style, resolved against the model by initialize
+        defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
+        self._building = True  # torch's __init__ adds the groups; add_param_group refuses afterwards
+        super().__init__(groups, defaults)
+        self._building = False
+        self.adamw = oc.type == "adamw"
+        check_group_hyper(self.param_groups, self.adamw)
+        self.steps = StepCounts(slots_of(engine.units, self.param_groups), len(named))
+        self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
+        self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier is not Tier.DEVICE else None
+        self.last_grad_norm: Optional[float] = None
+        self.skipped = False
+        self._step = 0  # steps applied (skipped ones excluded, as GradScaler skips optimizer.step)
+        self._calls = 0  # step() calls, skipped ones included: the step named by errors
+        self.nonfinite_skipped = 0  # steps skipped for inf/NaN under precision.on_nonfinite: skip
+        self._loss_ok: Optional[torch.Tensor] = None  # all losses noted since the last step were finite
+
+    @property
+    def grad_scale(self) -> float:
+        """The factor applied to each gradient as it is accumulated: 1 / (ranks x
+        accumulation steps), so the update averages over both. A caller that already divides
+        its loss by the accumulation steps (Hugging Face's Trainer) sets 1 / ranks."""
+        return self.sink.grad_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: float) -> None:
+        self.sink.grad_scale = float(value)
+
+    @property
+    def params_are_master(self) -> bool:
+        """fp32 with parameters and optimizer states on one resident tier: the master
+        weights are the parameter shards (no second copy)."""
+        return self.placement.params_are_master
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_building", False):
+            return super().add_param_group(param_group)
+        raise EngineError("infinity's optimizer lays out its states for the parameter groups it was built with; "
+                           "pass every group to infinity.initialize(model, config=cfg, param_groups=[...]) instead "
+                           "of calling add_param_group afterwards")
+
+    @property
+    def aliased(self) -> bool:
+        """The parameter store is the fp32 master itself."""
+        return self.placement.params_are_master
+
+    # ------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        engine = self.engine
+        self.wait_step()
+        if self.param_store is not None:
+            self.param_store.wait_copies()  # the step rewrites host shards a fetch's copy may still read
+        if not engine.policy.reduce_in_backward:  # stages 2-3 reduced at the end of each backward
+            for unit in engine.units:
+                engine.reducer.add(unit)
+            engine.reducer.finish()
+        self.sink.flush()
+        with engine.counters.blocked("grad_offload"):
+            self.store.finalize_grads()
+        self._calls += 1
+        if loss is not None:
+            self.note_loss(loss)
+        sq, finite = self.store.grad_stats()  # Note [non-finite steps]
+        bad_loss = 0.0 if self._loss_ok is None or bool(self._loss_ok) else 1.0
+        self._loss_ok = None
+        head = torch.tensor([sq, 0.0 if finite else 1.0, bad_loss], dtype=torch.float64)
+        stats = torch.cat([head, self.sink.got_grad])
+        # the norm, non-finite flags and which parameters got a gradient, in one collective
+        comm.all_reduce(stats, "sum", what=f"gradient norm of step {self._calls}")
+        self.sink.got_grad.zero_()  # the step consumes this backward's gradients (the store's are sealed below)
+        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        nonfinite = bool(stats[1].item() > 0 or stats[2].item() > 0)
+        if self.scaler is not None:
+            self.scaler.update(nonfinite)  # fp16: an overflow backs the loss scale off, as always
+        elif nonfinite:
+            self._on_nonfinite(grads_bad=not finite, loss_bad=bool(bad_loss), any_grad_bad=stats[1].item() > 0)
+        if nonfinite:
+            self.skipped = True
+            self._finish_step()
+            return loss
+        self.skipped = False
+        self.last_grad_norm = math.sqrt(stats[0].item()) * inv_scale
+        coef = inv_scale
+        clip = self.cfg.gradient_clipping
+        if clip > 0:
+            clip_coef = clip / (self.last_grad_norm + 1e-6)
+            if clip_coef < 1.0:
+                coef *= clip_coef
+        if coef != 1.0:
+            self.store.scale_grads(coef)
+        self._step += 1
+        plan = self.steps.advance(stats[3:], self.param_groups, self.adamw)  # Note [update plan]
+        out_flat = None  # stages 1-2: the updated compute-dtype shards, gathered after the update
+        if not engine.policy.partition_params:
+            in_memory_fp32 = engine.dtype == torch.float32 and isinstance(self.store, MemoryOptimizerStore)
+            # the fresh values are written where Adam runs (host memory for a native CPU Adam), then
+            # all-gathered on the device into the whole parameters
+            out_flat = self.store.master if in_memory_fp32 else (
+                aligned_empty(self.total, engine.dtype, what="step outputs") if self.opt_tier is not Tier.DEVICE
+                else torch.empty(self.total, dtype=engine.dtype, device=acc.device()))
+        self.store.seal_grads()
+        if self.overlap:
+            self._launch_step(plan)
+            return loss
+        self.store.update(lambda chunk: self._update_chunk(chunk, plan, out_flat))
+        if self.param_store is not None:
+            self.param_store.flush()
+            engine.after_step()
+        else:
+            gather_into_whole_params(engine, out_flat)
+        self._finish_step()
+        return loss
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Have the next ``step()`` check ``loss`` (and any other noted since the last step)
+        for inf/NaN along with the gradients: Note [non-finite steps]. No synchronisation
+        here; ``step`` reads the flag with the norm it reads anyway."""
+        ok = torch.isfinite(loss.detach()).all()
+        self._loss_ok = ok if self._loss_ok is None else self._loss_ok & ok
+
+    def _on_nonfinite(self, *, grads_bad: bool, loss_bad: bool, any_grad_bad: bool) -> None:
+        """Note [non-finite steps]: bf16/fp32 (fp16 has its loss scaler) with an inf/NaN loss
+        or gradient: raise, or skip the step (the caller leaves parameters and states as they
+        are) with a warning and a count."""
+        what = " and ".join(w for w, bad in (("the loss", loss_bad), ("the gradients", any_grad_bad)) if bad)
+        where = self._nonfinite_parameter() if grads_bad else None
+        at = (f"; first in this rank's shard of {where}" if where else
+              "; in another rank's gradient shard" if any_grad_bad and not grads_bad else "")
+        rank = self.engine.rank
+        if self.cfg.precision.on_nonfinite == "error":
+            raise NonFiniteError(
+                f"rank {rank}: step {self._calls}: inf or NaN in {what}{at} ({self.engine.dtype}); nothing was "
+                f"updated. Look for bad values in that step's batch or a diverging run (lower optimizer.lr, set "
+                f"gradient_clipping), or set precision.on_nonfinite: skip to skip such steps")
+        self.nonfinite_skipped += 1
+        logger.warning("rank %d: step %d skipped: inf or NaN in %s%s (%d skipped so far; "
+                       "precision.on_nonfinite: skip)", rank, self._calls, what, at, self.nonfinite_skipped)
+
+    def _nonfinite_parameter(self) -> Optional[str]:
+        """The first parameter whose gradient shard on this rank holds inf/NaN, when the
+        gradients are in memory (only on this error path: one more pass over them)."""
+        flat = getattr(self.store, "grad", None)
+        if flat is None:
+            flat = getattr(self.store, "grad_mem", None)
+        if not isinstance(flat, torch.Tensor):
+            return None  # streamed from NVMe: the step's number is named, not the parameter
+        for unit in self.engine.units:
+            if not unit.trainable:
+                continue
+            shard = flat[unit.opt_offset : unit.opt_offset + unit.shard_numel]
+            if bool(torch.isfinite(shard).all()):
+                continue
+            for info in unit.infos:
+                if not bool(torch.isfinite(shard[info.shard_offset : info.shard_offset + info.chunk]).all()):
+                    return info.name
+        return None
+
+    # ------------------------------------------------------------ overlapped step
+
+    def _launch_step(self, plan: Plan) -> None:
+        """Note [overlapped step]: with the optimizer states on NVMe, or the parameters on NVMe
+        and the optimizer states in host memory, the step is bound by its reads and writes
+        rather than by its arithmetic, so it runs on a background thread, chunk by chunk in
+        flat (= unit) order, while the next forward and backward run. The step gate's published
+        offset (Note [step gate] in _step_gate.py) is the flat offset below which every shard
+        is updated (its write to the parameter tier may still be in flight: a fetch that reads
+        the tier waits for the writes first); a unit is fetched only once its range is below it
+        (``StepGate.wait``), so no computation ever sees a stale parameter. The next backward
+        needs no wait either: it writes the gradients of a unit only after computing with
+        that unit, which was fetched, hence updated, hence its gradient range (whole chunks)
+        already read by the step. A second step, GatheredParameters edits, reading master
+        weights and close wait for the whole step (``wait_step``). Time the main thread
+        spends waiting on the step is telemetry's ``optimizer_io`` stall."""
+        self.engine.after_step()  # persistent units' gathered copies are about to be stale
+        self.gate.open()
+        # The cached head (Note [host cache] in _nvme_optimizer_store.py) is what the next forward needs first:
+        # update it here, on every core, from memory; the background thread streams the rest.
+        self.store.update_head(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
+        self.gate.run_in_background(lambda: self._run_tail(plan))
+
+    def _run_tail(self, plan: Plan) -> None:
+        # One thread for the math while the next forward computes on the other cores; every
+        # thread while the forward waits for this step (the large-model regime: the step is
+        # then the critical path, and its arithmetic would otherwise run on one core).
+        alone = plan.with_hyper(num_threads=1) if self._adam is not None else plan
+
+        def update(chunk: Chunk) -> None:
+            self._update_chunk(chunk, plan if self.gate.waited_on else alone, None, publish=True)
+
+        self.store.update_tail(update)
+        self._stage3_params().flush()
+        self._stage3_params().release_idle()  # every output written: idle until the next step (Note [released pages])
+
+    def wait_step(self) -> None:
+        """Join an in-flight overlapped step; re-raise its error, if any."""
+        self.gate.join()
+
+    def _update_chunk(self, chunk: Chunk, plan: Plan, out_flat: Optional[torch.Tensor],
+                      publish: bool = False) -> None:
+        """Adam on the parts of one chunk the plan covers (Note [update plan]); the chunk's
+        fresh compute-dtype values go where they belong (fused into Adam's pass where the
+        native Adam can write them)."""
+        n = chunk.master.numel()
+        end = chunk.offset + n
+        ps = self.param_store
+        targets = self._step_targets(chunk.offset, n, out_flat)  # (start, view) for the fresh values
+        fused = (self._adam is not None and self.engine.dtype != torch.float32 and bool(targets)
+                 and all(out.device.type == "cpu" for _, out in targets))  # the native Adam writes host memory
+        done = []  # ranges whose fresh values a fused Adam wrote
+        for lo, hi, hyper in runs_in(plan, chunk.offset, end):
+            sl = slice(lo - chunk.offset, hi - chunk.offset)
+            args = (chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl])
+            if self._adam is None:
+                torch_adam_step(*args, **hyper)
+            elif not fused:
+                self._adam(*args, **hyper)
+            else:  # one native call per target piece, each writing its own output
+                for a, b, out in _pieces(lo, hi, targets):
+                    s = slice(a - chunk.offset, b - chunk.offset)
+                    self._adam(chunk.master[s], chunk.grad[s], chunk.exp_avg[s], chunk.exp_avg_sq[s], params_out=out,
+                               **hyper)
+                done.append((lo, hi))
+        for lo, hi in gaps(chunk.offset, end, done):  # what Adam did not write
+            for a, b, out in _pieces(lo, hi, targets):
+                out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])
+        upto = chunk.offset + n
+        if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
+            upto = self._outputs_done(chunk.offset, end)
+        if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
+            self.gate.publish(upto)
+
+    def _stage3_params(self) -> "ParamStore":
+        """The parameter store, which exists at stage 3, the only stage whose step overlaps or
+        writes parameter outputs (Note [overlapped step])."""
+        if self.param_store is None:
+            raise InvariantError("the step reached stage 3's parameter store in a run without one")
+        return self.param_store
+
+    def _outputs_done(self, lo: int, hi: int) -> int:
+        """Report [lo, hi) of the optimizer's space written to the NVMe parameter tier's step
+        outputs; the optimizer-space offset below which everything the step produced is
+        written (the start of the first unit still filling, else ``hi``)."""
+        upto = hi
+        for a, b, p in self.layout.param_pieces(lo, hi):
+            done = self._stage3_params().step_outputs_done(p, b - a)
+            if done < p + (b - a) and upto == hi:
+                upto = self.layout.to_opt(done)
+        return upto
+
+    def _step_targets(self, offset: int, n: int, out_flat: Optional[torch.Tensor]) -> list:
+        """(start, view) pieces of [offset, offset + n) that receive the updated compute-dtype
+        values: the gathered flat of stages 1-2, the resident parameter shards, the NVMe
+        parameter tier's output tensors; none where the master weights are the parameters."""
+        if out_flat is not None:
+            same = out_flat.dtype == torch.float32 and out_flat is getattr(self.store, "master", None)
+            return [] if same else [(offset, out_flat[offset : offset + n])]
+        ps = self.param_store
+        if ps is None or self.aliased:
+            return []
+        out = []
+        for a, b, p in self.layout.param_pieces(offset, offset + n):  # Note [frozen parameters] in _layout.py
+            if ps.resident:
+                out.append((a, ps.view(p, b - a)))
+            else:
+                out += [(a + (start - p), view) for start, view in ps.step_outputs(p, b - a)]
+        return out
+
+    def _finish_step(self) -> None:
+        self.store.zero_grads()
+        for unit in self.engine.units:
+            unit.drop_grads()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.store.zero_grads()  # the accumulating gradients; an overlapped step reads sealed ones
+        for unit in self.engine.units:
+            unit.drop_grads()
+
+    def state_dict(self):
+        raise NotSupportedError(_NO_STATE_DICT)
+
+    def load_state_dict(self, state_dict) -> None:
+        raise NotSupportedError(_NO_STATE_DICT)
+
+    def step_count(self, param) -> int:
+        """Optimizer steps ``param`` has taken (0 if it never had a gradient): torch's
+        ``state[param]["step"]`` (Note [update plan] in _param_groups.py)."""
+        index = self._index_of.get(id(param))
+        if index is None:
+            raise UsageError("step_count: not a parameter of this optimizer's model")
+        return self.steps.step_of(index)
+
+    # ------------------------------------------------------------ accounting
+
+    def state_bytes(self) -> dict:
+        """Optimizer states (fp32 master unless it is the parameter shard, Adam moments) and
+        gradient shards this rank holds in memory."""
+        return state_bytes(self.store, self.aliased)
+
+
+
+
+
+GRADS_IN_FLIGHT = 4  # device->host gradient copies the sink lets run ahead of the CPU (Note [gradients to the host])
+
+
+class GradSink:
+    """Where the reducer delivers gradients: each unit's shard gradient accumulated into the
+    optimizer store (scaled by 1 / (ranks x accumulation steps)), and which parameters got a
+    gradient in this backward (Note [update plan] in _param_groups.py), consumed by the step.
+
+    Note [gradients to the host]: a store in host memory or on NVMe adds gradients on the CPU.
+    A shard gradient on the device is copied into pinned memory on the device->host stream;
+    before the reducer reuses a bucket (``consumers_done``) the compute stream waits for the
+    last copy's event, the CPU does not. The sink adds a landed copy to the store when a later
+    gradient arrives, waits for the oldest only when GRADS_IN_FLIGHT are in flight, and lands
+    all of them before the step reads the gradients (``flush``), in the order they came (a
+    range accumulated twice keeps its order)."""
+
+    def __init__(self, store: OptimizerStore, units: List["FetchUnit"], grad_scale: float, counters):
+        self._store = store
+        self._host_store = store.tier is not Tier.DEVICE  # the CPU and NVMe tiers read gradients on the CPU
+        self._landing: collections.deque = collections.deque()  # (unit, host copy, event, scale), oldest first
+        self.grad_scale = grad_scale
+        self._counters = counters
+        self._unit_first = _first_param_index(units)
+        self.got_grad = torch.zeros(sum(len(u.params) for u in units), dtype=torch.float64)
+
+    def note(self, unit: "FetchUnit") -> None:
+        """The reducer takes ``unit``'s gradients: flag the parameters that have one."""
+        first = self._unit_first[unit.index]
+        for j, p in enumerate(unit.params):
+            if p.grad is not None:
+                self.got_grad[first + j] = 1.0
+
+    def accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
+        self._counters.bytes["grad_offload"] += shard_grad.numel() * 4
+        if self._host_store and shard_grad.device.type != "cpu":  # Note [gradients to the host]
+            host, event = acc.start_copy_to_host(shard_grad)
+            self._landing.append((unit, host, event, self.grad_scale))
+            self._land(wait=len(self._landing) > GRADS_IN_FLIGHT)
+            return
+        with self._counters.blocked("grad_offload"):
+            self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
+
+    def _land(self, wait: bool, every: bool = False) -> None:
+        """Add the landed copies to the store, oldest first; ``wait``: the oldest at least,
+        ``every``: all of them."""
+        while self._landing and (wait or self._landing[0][2].query()):
+            unit, host, event, scale = self._landing.popleft()
+            with self._counters.blocked("grad_offload"):
+                acc.wait_copy_to_host(event)
+                self._store.accumulate(unit.opt_offset, host, scale)
+            wait = every
+
+    def flush(self) -> None:
+        """Every gradient delivered so far is in the store."""
+        self._land(wait=True, every=True)
+
+    def consumers_done(self) -> None:
+        """The reducer is about to rewrite a bucket: device work from here on runs after the
+        copies reading it (a stream wait on the newest, which follows the others on its
+        stream), and the store's own writes of gradients have landed."""
+        if self._landing:
+            acc.stream_waits(self._landing[-1][2])
+        self._store.wait_grad_writes()
+
+
+_NO_STATE_DICT = (
+    "infinity's optimizer keeps its states (fp32 master weights, Adam moments, step counts) sharded across ranks and "
+    "tiers, which a torch state_dict cannot hold; save and resume them with infinity.save_checkpoint(dir, model, "
+    "optimizer) and infinity.load_checkpoint(dir, model, optimizer), and export the weights with "
+    "`python -m infinity.export CHECKPOINT OUT_DIR`.")
+
+
+def _first_param_index(units) -> List[int]:
+    """Per unit: the index (unit order) of its first parameter, where its gradient flags start."""
+    out, n = [], 0
+    for unit in units:
+        out.append(n)
+        n += len(unit.params)
+    return out
+
+
+def _pieces(lo: int, hi: int, targets: list):
+    """(start, end, view) of the parts of [lo, hi) that the ``(start, view)`` targets cover."""
+    for start, view in targets:
+        a, b = max(lo, start), min(hi, start + view.numel())
+        if a < b:
+            yield a, b, view[a - start : b - start]
+
+
+def gather_into_whole_params(engine: "Engine", flat: torch.Tensor) -> None:
+    """Stages 1-2: all-gather the updated shards in buckets and copy into the whole params."""
+    budget = engine.cfg.zero.reduce_bucket_size
+    group, cols = [], 0
+    for unit in [u for u in engine.units if u.trainable] + [None]:  # frozen units keep their values
+        if unit is not None:
+            group.append(unit)
+            cols += unit.shard_numel
+        if group and (unit is None or cols * engine.world_size >= budget):
+            first, last = group[0], group[-1]
+            span = flat[first.opt_offset : last.opt_offset + last.shard_numel].to(acc.device(), engine.dtype)
+            full = torch.empty(engine.world_size * span.numel(), dtype=engine.dtype, device=acc.device())
+            comm.all_gather_into_tensor(full, span, async_op=False, what="all-gather of updated parameters")
+            rows = full.view(engine.world_size, span.numel())
+            for u in group:
+                start = u.opt_offset - first.opt_offset
+                u.load_full_into_params(rows[:, start : start + u.shard_numel])
+            group, cols = [], 0
