@@ -33,22 +33,22 @@ def glibc_serves_torch():
     blocks are kept. Yields the native module, or None where it was not built."""
     import gc
 
-    from infinity._offload import _memory
+    from infinity._offload import _memory_plan
 
     gc.collect()
-    lib = _memory._block_cache()
+    lib = _memory_plan._block_cache()
     if lib is None:
         yield None
         return
-    users, st = _memory._BLOCK_USERS[0], lib.stats()
+    users, st = _memory_plan._BLOCK_USERS[0], lib.stats()
     if st["installed"]:
         lib.uninstall()
     lib.release_cached()
-    _memory._BLOCK_USERS[0] = 0
+    _memory_plan._BLOCK_USERS[0] = 0
     try:
         yield lib
     finally:
         assert not lib.stats()["installed"]
         if st["installed"]:
             lib.install(st["min_bytes"], True, st["cache_cap"])
-        _memory._BLOCK_USERS[0] = users
+        _memory_plan._BLOCK_USERS[0] = users

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import infinity
-from infinity._offload import _memory
+from infinity._offload import _memory_plan
 from infinity._offload._memory_plan import BLOCK_MIN, stop_block_cache, use_block_cache
 from infinity.aio._memory import HUGE_PAGE
 
 MiB = 1 << 20
-lib = _memory._block_cache()  # built by scripts/setup_env.sh (setup.py, torch importable at build time)
+lib = _memory_plan._block_cache()  # built by scripts/setup_env.sh (setup.py, torch importable at build time)
 assert lib is not None, "infinity._host_alloc is not built: pip install --no-build-isolation -e ."
 
 
@@ -161,7 +161,7 @@ def test_initialize_installs_it_for_the_engine_and_close_removes_it(infinity_log
         if installed:
             assert lib.stats()["hits"] + lib.stats()["misses"] > 0
             if policy == "release":
-                assert acct["blocks_cached"] <= _memory.RELEASE_CACHE_CAP
+                assert acct["blocks_cached"] <= _memory_plan.RELEASE_CACHE_CAP
     finally:
         opt.engine.close()
     assert not lib.stats()["installed"] and lib.stats()["cached_bytes"] == 0

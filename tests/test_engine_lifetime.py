@@ -17,7 +17,7 @@ from _configs import zero_config
 from _models import batches, build, loss_of, train_losses
 
 import infinity
-from infinity._offload import _memory
+from infinity._offload import _memory_plan
 from infinity._zero._engine import engine_of
 from infinity._zero._param import info_of
 from infinity.errors import EngineError
@@ -57,13 +57,13 @@ def _swap_files(root):
 @pytest.mark.parametrize("case", list(CASES))
 def test_letting_go_frees_the_engine(case, close, tmp_path):
     gc.collect()
-    users = _memory._BLOCK_USERS[0]
+    users = _memory_plan._BLOCK_USERS[0]
     model, engine = _train_and_let_go(case, str(tmp_path), close)
     gc.collect()
     assert model() is None, "the model outlived every reference of the user's"
     assert engine() is None, "the engine outlived every reference of the user's"
     assert _swap_files(tmp_path) == [], "a collected engine left swap files behind"
-    assert _memory._BLOCK_USERS[0] == users, "a collected engine kept its hold on the block cache"
+    assert _memory_plan._BLOCK_USERS[0] == users, "a collected engine kept its hold on the block cache"
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -92,7 +92,7 @@ class _TailHeavy(torch.nn.Module):
 
 
 def _train_tail_heavy(cfg, monkeypatch=None):
-    from infinity._zero import _optimizer
+    from infinity._zero import _zero_optimizer as _optimizer
 
     torch.manual_seed(0)
     model, opt = infinity.initialize(_TailHeavy(), cfg)
