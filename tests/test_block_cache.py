@@ -171,7 +171,7 @@ def test_without_the_module_release_falls_back_to_glibc_and_says_so(monkeypatch,
     from infinity._zero import _initialize
 
     calls = []
-    monkeypatch.setattr(_memory, "_block_cache", lambda: None)
+    monkeypatch.setattr(_memory_plan, "_block_cache", lambda: None)
     monkeypatch.setattr(_initialize, "release_freed_blocks", lambda: calls.append(1) or True)
     assert _initialize._start_host_allocator("release") is False
     assert _initialize._start_host_allocator("cache") is False
