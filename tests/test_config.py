@@ -12,6 +12,8 @@ import infinity
 import infinity.config as config_mod
 from infinity.config import Config, ConfigError
 
+pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
 
 

@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
+
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infinity")
 
 # Lowest first; within a layer, a module imports only modules listed before it. A package's

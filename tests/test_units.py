@@ -24,6 +24,8 @@ from infinity._zero._step_gate import StepGate
 from infinity._zero._unit import FetchUnit, UnitContext
 from infinity.errors import InvariantError, WaitTimeout
 
+pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
+
 
 @pytest.fixture(autouse=True)
 def hang_guard():
