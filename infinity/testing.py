@@ -60,8 +60,10 @@ def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
         import torch.distributed as dist
 
         from ._runtime import _accelerator as acc
+        from ._runtime import _comm
 
         torch.set_num_threads(threads)
+        _comm.release_captured_groups()  # Note [process group at exit]: imported before the group
         acc.set_device()  # this rank's GPU before the group: NCCL binds to it
         # the backend a torchrun job gets (cpu:gloo,cuda:nccl on CUDA; gloo elsewhere)
         dist.init_process_group(acc.comm_backend(), rank=rank, world_size=world_size, device_id=acc.comm_device_id())

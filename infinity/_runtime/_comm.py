@@ -12,6 +12,7 @@ plus a reduce-scatter), independent of the world size.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import os
@@ -69,15 +70,63 @@ class CommTimeout(InfinityError, RuntimeError):
 # ---------------------------------------------------------------- group
 
 
+# Note [process group at exit]: a rank of a two-rank gloo job could die by SIGABRT after its
+# training was done ("terminate called without an active exception"): a gloo worker thread,
+# releasing the last reference to a finished collective's tensors, took the GIL while the
+# main thread was finalizing the interpreter, and CPython's forced exit of that thread unwound
+# through a noexcept frame. The worker threads were alive at all because the process group
+# outlived ``destroy_process_group()``: ``torch.distributed.nn.functional`` writes
+# ``group=group.WORLD`` as the default argument of ten functions, so importing it after the
+# group exists (transformers does, while it builds a model) keeps the default group in those
+# defaults for the life of the process. So: that module is imported before infinity creates
+# a group (its defaults are then None, which means the same default group when called), any
+# group object already captured there is replaced by None when infinity sees a group and again
+# at exit, and a group infinity created itself is destroyed at exit, before finalization, so
+# its threads drain their queues and are joined while the interpreter is whole. Every wait
+# drops its work at once (CommHandle.wait), so no finished work waits for a worker either.
+def release_captured_groups() -> int:
+    """Replace process groups held as default arguments of ``torch.distributed.nn.functional``
+    by None (the default group, as before); returns how many functions held one."""
+    import torch.distributed.nn.functional as dist_nn  # light: it is part of torch.distributed
+
+    held = 0
+    for fn in list(vars(dist_nn).values()):
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(v, dist.ProcessGroup) for v in defaults):
+            fn.__defaults__ = tuple(None if isinstance(v, dist.ProcessGroup) else v for v in defaults)
+            held += 1
+    return held
+
+
+_created_group = False
+_exit_hook = False
+
+
+def _at_exit() -> None:
+    """Note [process group at exit]: before the interpreter finalizes."""
+    release_captured_groups()
+    if _created_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def ensure_initialized() -> None:
-    """Initialize the default group from torchrun's env vars if needed; else stay one rank."""
-    if not dist.is_available() or dist.is_initialized():
+    """Initialize the default group from torchrun's env vars if needed; else stay one rank.
+    Either way a group is released before the interpreter exits: Note [process group at exit]."""
+    global _created_group, _exit_hook
+    if not dist.is_available():
+        return
+    if not _exit_hook:
+        atexit.register(_at_exit)
+        _exit_hook = True
+    release_captured_groups()  # before a group exists: the defaults stay None
+    if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         backend = acc.comm_backend()
         acc.set_device()  # before the group: NCCL and the side streams on this rank's GPU, not GPU 0
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
                                 device_id=acc.comm_device_id())
+        _created_group = True
         logger.info("initialized torch.distributed (%s), world size %d", backend, dist.get_world_size())
 
 
