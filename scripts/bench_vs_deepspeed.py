@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,8 +60,25 @@ def default_venv() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "infinity", f"deepspeed-{DEEPSPEED}")
 
 
+def ensure_libaio() -> None:
+    """DeepSpeed's async_io op (its NVMe contenders) builds against Debian's libaio-dev; as
+    root it is installed here, otherwise the command to run is printed and those contenders
+    fail with DeepSpeed's "Unable to JIT load the async_io op"."""
+    if os.path.exists("/usr/include/libaio.h"):
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("installing libaio-dev (DeepSpeed's async_io op builds against it)", flush=True)
+        subprocess.run(["apt-get", "update", "-qq"], check=False, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "libaio-dev"], check=False, capture_output=True,
+                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    if not os.path.exists("/usr/include/libaio.h"):
+        print("libaio-dev is missing and could not be installed: DeepSpeed's NVMe contenders will fail; "
+              "run `apt-get install libaio-dev` as root", flush=True)
+
+
 def ensure_deepspeed(venv: str) -> str:
     """The venv's python, with DeepSpeed installed (once)."""
+    ensure_libaio()
     python = os.path.join(venv, "bin", "python")
     probe = [python, "-c", "import deepspeed, sys; sys.exit(deepspeed.__version__ != %r)" % DEEPSPEED]
     if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
