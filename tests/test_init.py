@@ -9,6 +9,7 @@ import torch
 from _models import build, train_losses
 
 import infinity
+from infinity.errors import InsufficientResourcesError
 from infinity.testing import run_ranks
 
 
@@ -132,3 +133,28 @@ def test_modifier_rank_edit_under_init_reaches_every_rank():
     expected = torch.arange(15.0).view(3, 5)
     for seen, after in run_ranks(_modify_under_init, 2):
         assert torch.equal(seen, expected) and torch.equal(after, expected)
+
+
+def test_a_model_whose_states_cannot_fit_is_refused_before_its_parameters_exist():
+    """Note [Init preflight]: a Hugging Face GPT-2 whose parameters would fit in host memory but
+    whose optimizer states and gradients (Init(cpu), optimizer on cpu: 16 more bytes per
+    parameter) would not is refused at Init, from a copy built on the meta device, before its
+    first parameter is allocated: RSS stays flat and nothing was partitioned."""
+    import psutil
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d = 2048
+    per_layer = 12 * d * d
+    avail = psutil.virtual_memory().available
+    layers = int(1.5 * avail) // (16 * per_layer)  # their states alone take 1.5x what is available
+    assert 4 * layers * per_layer < avail * 0.8, "the parameters alone must fit: the refusal is about the states"
+    cfg = {"zero": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    init = infinity.Init(config=cfg)
+    with pytest.raises(InsufficientResourcesError, match=r"(?s)GPT2LMHeadModel \(.*B parameters\).*refused "
+                       r"before its parameters are allocated.*host memory"):
+        with init:
+            GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=d, n_head=16, vocab_size=1024, n_positions=128))
+    assert init.units == []
+    assert proc.memory_info().rss - before < 512 << 20

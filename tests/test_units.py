@@ -14,7 +14,6 @@ from infinity._offload._param_store import ParamStore
 from infinity._offload._swap import SwapDir
 from infinity._runtime._telemetry_counters import Counters
 from infinity._runtime._tiers import Tier
-from infinity._zero._engine import plan_units
 from infinity._zero._ledger import GatherLedger, Hold
 from infinity._zero._param import ParamState, make_partitioned, raw_data
 from infinity._zero._phase import Calls, ModuleState, Phase
@@ -22,6 +21,7 @@ from infinity._zero._prefetch import Prefetcher
 from infinity._zero._reduce import GradReducer, plan_buckets
 from infinity._zero._step_gate import StepGate
 from infinity._zero._unit import FetchUnit, UnitContext
+from infinity._zero._unit_plan import plan_units
 from infinity.errors import InvariantError, WaitTimeout
 
 pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit

@@ -97,7 +97,8 @@ from ._ledger import Hold
 from ._loss_scale import scale_outputs
 from ._param import info_of, make_partitioned, raw_data, set_data
 from ._phase import Frame, ModuleState, Phase, tensors_in
-from ._unit import FetchUnit, UnitContext, UnitSpec, unit_spec
+from ._unit import FetchUnit, UnitContext
+from ._unit_plan import DTYPES, StagePolicy, block_modules, plan_units  # noqa: F401 - the engine's planning, re-exported
 
 if TYPE_CHECKING:
     from .._offload._optimizer_store import OptimizerStore
@@ -108,25 +109,10 @@ if TYPE_CHECKING:
     from ._prefetch import Prefetcher
     from ._reduce import GradReducer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 # external parameters registered before initialize (e.g. inside a model's __init__)
 _pending_external: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
 _PARTITION_WRITES_IN_FLIGHT = 128 << 20  # bytes of shards written by cast_and_partition before it waits
-
-
-@dataclass(frozen=True)
-class StagePolicy:
-    """What a ZeRO stage partitions beyond the optimizer states."""
-
-    stage: int
-    partition_params: bool  # stage 3: parameters live as shards between uses
-    reduce_in_backward: bool  # stages 2-3: gradients reduce-scattered as backward produces them
-
-    @classmethod
-    def of(cls, stage: int) -> "StagePolicy":
-        return cls(stage, partition_params=stage >= 3, reduce_in_backward=stage >= 2)
 
 
 class _InputGrads(torch.autograd.Function):
@@ -634,68 +620,6 @@ def check_same_model_on_all_ranks(model: nn.Module) -> None:
             raise EngineError(
                 f"rank {comm.rank()} and rank {r} built different models (first difference: {diff[0]} vs "
                 f"{diff[1]}); every data-parallel rank must construct the same model")
-
-
-def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
-    """The fetch units of a model (Note [fetch unit grouping]): one per block in ``blocks``
-    holding every parameter inside it (nested blocks apart), one per other module that owns
-    parameters; each split into trainable, then frozen. And per module, the units it holds in
-    its forward and backward: those owning its own parameters (tied ones: the owner's unit)
-    and, for a block, all of the block's."""
-    blocks = set(blocks)
-    names = dict(model.named_modules())
-    name_of = {id(m): n for n, m in names.items()}
-    key_of: Dict[nn.Module, nn.Module] = {}  # module -> the block it belongs to, or itself
-    members: Dict[nn.Module, list] = {}  # key -> its parameters in module order (first owner wins)
-    seen = set()
-    for name, module in names.items():
-        parent = names.get(name.rsplit(".", 1)[0] if "." in name else "") if name else None
-        key = module if module in blocks or parent is None else key_of[parent]
-        if key is not module and key not in blocks:  # outside every block: a unit of its own
-            key = module
-        key_of[module] = key
-        for pn, p in module._parameters.items():
-            if p is not None and p not in seen:
-                seen.add(p)
-                members.setdefault(key, []).append((f"{name}.{pn}" if name else pn, p))
-    specs: List[UnitSpec] = []
-    owner: Dict[nn.Parameter, int] = {}
-    key_units: Dict[nn.Module, List[int]] = {}
-    for key, params in members.items():
-        name = name_of[id(key)]
-        for group in _by_requires_grad(params):  # Note [frozen parameters] in _layout.py
-            specs.append(unit_spec(len(specs), name, group, world_size))
-            key_units.setdefault(key, []).append(specs[-1].index)
-            for _, p in group:
-                owner[p] = specs[-1].index
-    uses = []
-    for name, module in names.items():
-        used = list(key_units.get(module, [])) if module in blocks else []
-        for p in module._parameters.values():
-            if p is not None and owner[p] not in used:
-                used.append(owner[p])
-        uses.append((name, module, used))
-    return specs, uses
-
-
-def block_modules(model: nn.Module, cfg) -> list:
-    """Note [fetch unit grouping]: the modules that each form one fetch unit."""
-    if cfg.group == "module":
-        return []
-    classes = set(cfg.classes)
-    out = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            out += [m for m in module.children() if any(True for _ in m.parameters())]
-        elif type(module).__name__ in classes:
-            out.append(module)
-    return out
-
-
-def _by_requires_grad(params: list) -> list:
-    """A module's own parameters as up to two groups, trainable first: a unit is either
-    trainable or frozen."""
-    return [g for g in ([x for x in params if x[1].requires_grad], [x for x in params if not x[1].requires_grad]) if g]
 
 
 def _needs_grad(x) -> bool:

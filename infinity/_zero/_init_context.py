@@ -23,7 +23,11 @@ Note [Init preflight]: the store is given its room when Init starts: free disk u
 divided among the ranks on this node. Every new chunk is checked against it before it is
 stored, and refused with the numbers and the knob to change, naming the parameter. A model
 built on the meta device (``from_pretrained``) is checked whole, before the first byte of the
-checkpoint is read: the sum of its unloaded parameters' chunks.
+checkpoint is read: the sum of its unloaded parameters' chunks. A Hugging Face model built from
+its config is checked whole before its first parameter is allocated, for everything
+``initialize`` will then allocate as well (its optimizer states and gradients on their tiers):
+``_check_whole_model`` builds it on the meta device once and runs the engine's own preflight on
+that copy's placement (``_unit_plan.placement_of``).
 
 Note [chunks left in the checkpoint]: on the NVMe tier a chunk loaded from a checkpoint is not
 copied into ``init.swp``: the store records where it is (file, element range, the file's size,
@@ -47,7 +51,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .._offload._layout import padded
-from .._offload._preflight import free_disk, ranks_here
+from .._offload._preflight import free_disk, preflight, ranks_here
 from .._offload._swap import SwapDir, new_aio
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
@@ -68,6 +72,7 @@ from ._param import (
     set_data,
 )
 from ._pretrained import PendingTensor, SourceReader, open_lazily
+from ._unit_plan import placement_of
 
 _INPLACE_SUFFIX = "_"
 
@@ -375,6 +380,7 @@ class Init:
         self._shadows: Dict[int, torch.Tensor] = {}
         self._built: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._checked_load = False
+        self._probing = False  # building the meta copy of _check_whole_model
 
     # ------------------------------------------------------------ context
 
@@ -428,6 +434,10 @@ class Init:
         init = self
 
         def wrapped(module, *args, **kwargs):
+            if init._probing:  # the meta build of _check_whole_model: nothing to partition
+                return orig(module, *args, **kwargs)
+            if not init._depth:  # the outermost module: the model itself
+                init._check_whole_model(type(module), args, kwargs)
             key = id(module)
             init._depth[key] = init._depth.get(key, 0) + 1
             try:
@@ -440,6 +450,30 @@ class Init:
 
         wrapped.__wrapped__ = orig
         cls.__init__ = wrapped
+
+    def _check_whole_model(self, cls: type, args: tuple, kwargs: dict) -> None:
+        """Note [Init preflight]: a Hugging Face model is built once on the meta device first
+        (its config gives every shape, no weight is allocated), and what ``initialize`` will
+        allocate for it (the placement's stores, through the same preflight) is checked against
+        this machine before the real build allocates its first parameter. Models built on the
+        meta device already (``from_pretrained``) are checked whole when their load starts."""
+        if torch.empty(()).device.type == "meta" or not any(
+                c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in cls.__mro__):
+            return
+        self._probing = True
+        try:
+            with torch.device("meta"):
+                probe = cls(*args, **kwargs)
+        finally:
+            self._probing = False
+        placement, _, _ = placement_of(probe, self.cfg, self.world_size)
+        try:
+            preflight(placement, self.cfg)
+        except InsufficientResourcesError as err:
+            n = sum(p.numel() for p in probe.parameters())
+            raise InsufficientResourcesError(
+                f"infinity.Init: {cls.__name__} ({n / 1e9:.2f}B parameters) does not fit with the states this config "
+                f"places; refused before its parameters are allocated. {err}") from None
 
     # ------------------------------------------------------------ partitioning
 
@@ -461,7 +495,7 @@ class Init:
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter):
         """torch's parameter-registration hook: a parameter assigned to a module this Init built,
         after its ``__init__`` (a loader's ``setattr``), is partitioned at once."""
-        if id(module) in self._depth or module not in self._built or info_of(param) is not None:
+        if self._probing or id(module) in self._depth or module not in self._built or info_of(param) is not None:
             return None  # partitioned when its __init__ returns, not ours, or already partitioned (tied)
         if isinstance(param, PendingTensor):
             return self._adopt_pending(module, name, param)

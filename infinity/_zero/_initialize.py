@@ -46,7 +46,7 @@ from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ..errors import EngineError, UsageTypeError
 from ._activation_offload import ActivationOffloader
-from ._engine import DTYPES, Engine, EngineParts, StagePolicy, check_same_model_on_all_ranks, engine_of, forget_engine
+from ._engine import Engine, EngineParts, check_same_model_on_all_ranks, engine_of, forget_engine
 from ._ledger import GatherLedger
 from ._loss_scale import LossScaler
 from ._param_groups import resolve_groups
@@ -57,6 +57,7 @@ from ._step_gate import StepGate
 from ._swap_labels import label_swap_files
 from ._tiling import check_working_memory, retarget_groups, tile_model
 from ._unit import FetchUnit, UnitContext
+from ._unit_plan import DTYPES, StagePolicy, placement_of
 from ._zero_optimizer import GradSink, ZeroOptimizer
 
 
@@ -98,14 +99,10 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
 
 def _build_engine(model: nn.Module, cfg):
     """Note [build order], up to the engine."""
-    from ._engine import block_modules, plan_units
-
     policy = StagePolicy.of(cfg.zero.stage)
     world, rank = comm.world_size(), comm.rank()
     dtype = DTYPES[cfg.precision.dtype]
-    blocks = block_modules(model, cfg.zero.fetch_units)  # every stage: the same units, the same flat layout
-    specs, uses = plan_units(model, world, blocks)  # Note [fetch unit grouping] in _engine.py
-    placement = Placement.of(cfg, policy.partition_params, dtype, specs, world)
+    placement, specs, uses = placement_of(model, cfg, world)
     if policy.partition_params:  # Note [operator working memory] in tiling.py: refused before anything is allocated
         check_working_memory([(s.module_name, s.shard_numel * world) for s in specs], placement.itemsize, cfg)
     memory_plan = preflight(placement, cfg)  # Note [one memory model] in _memory_plan.py

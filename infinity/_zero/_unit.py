@@ -15,7 +15,7 @@ parameters] in _zero_optimizer.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from ..errors import EngineError, InvariantError
 from ._init_context import InitUnit
 from ._ledger import GatherLedger, Hold
 from ._param import ParamInfo, ParamState, info_of, raw_data, register, set_data
+from ._unit_plan import UnitSpec
 
 if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
@@ -35,23 +36,6 @@ if TYPE_CHECKING:
     from .._runtime._telemetry_counters import Counters
     from ._phase import Calls
     from ._step_gate import StepGate
-
-
-@dataclass(frozen=True)
-class UnitSpec:
-    """What a fetch unit will hold, known before anything is allocated: the layout, the
-    preflight and the stores are computed from these (Note [shard layout])."""
-
-    index: int  # position in the unit list: the order of collectives
-    module_name: str
-    params: Tuple[Tuple[str, nn.Parameter], ...]
-    shard_numel: int
-    trainable: bool
-
-
-def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter]], world_size: int) -> UnitSpec:
-    shard = sum(padded(p.numel(), world_size) // world_size for _, p in params)
-    return UnitSpec(index, module_name, tuple(params), shard, any(p.requires_grad for _, p in params))
 
 
 @dataclass(frozen=True)

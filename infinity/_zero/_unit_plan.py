@@ -1,0 +1,118 @@
+"""What a model will become, computed from its modules before anything is allocated: the
+stage's policy, the fetch units (Note [fetch unit grouping] in _engine.py) as ``UnitSpec``s,
+and the placement of every state (``_placement.Placement``). ``initialize`` builds the engine
+from it, and ``Init`` checks a model built on the meta device against it before the real one
+allocates (Note [Init preflight] in _init_context.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from .._offload._layout import padded
+from .._offload._placement import Placement
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """What a ZeRO stage partitions beyond the optimizer states."""
+
+    stage: int
+    partition_params: bool  # stage 3: parameters live as shards between uses
+    reduce_in_backward: bool  # stages 2-3: gradients reduce-scattered as backward produces them
+
+    @classmethod
+    def of(cls, stage: int) -> "StagePolicy":
+        return cls(stage, partition_params=stage >= 3, reduce_in_backward=stage >= 2)
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """What a fetch unit will hold, known before anything is allocated: the layout, the
+    preflight and the stores are computed from these (Note [shard layout])."""
+
+    index: int  # position in the unit list: the order of collectives
+    module_name: str
+    params: Tuple[Tuple[str, nn.Parameter], ...]
+    shard_numel: int
+    trainable: bool
+
+
+def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter]], world_size: int) -> UnitSpec:
+    shard = sum(padded(p.numel(), world_size) // world_size for _, p in params)
+    return UnitSpec(index, module_name, tuple(params), shard, any(p.requires_grad for _, p in params))
+
+
+def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
+    """The fetch units of a model (Note [fetch unit grouping]): one per block in ``blocks``
+    holding every parameter inside it (nested blocks apart), one per other module that owns
+    parameters; each split into trainable, then frozen. And per module, the units it holds in
+    its forward and backward: those owning its own parameters (tied ones: the owner's unit)
+    and, for a block, all of the block's."""
+    blocks = set(blocks)
+    names = dict(model.named_modules())
+    name_of = {id(m): n for n, m in names.items()}
+    key_of: Dict[nn.Module, nn.Module] = {}  # module -> the block it belongs to, or itself
+    members: Dict[nn.Module, list] = {}  # key -> its parameters in module order (first owner wins)
+    seen = set()
+    for name, module in names.items():
+        parent = names.get(name.rsplit(".", 1)[0] if "." in name else "") if name else None
+        key = module if module in blocks or parent is None else key_of[parent]
+        if key is not module and key not in blocks:  # outside every block: a unit of its own
+            key = module
+        key_of[module] = key
+        for pn, p in module._parameters.items():
+            if p is not None and p not in seen:
+                seen.add(p)
+                members.setdefault(key, []).append((f"{name}.{pn}" if name else pn, p))
+    specs: List[UnitSpec] = []
+    owner: Dict[nn.Parameter, int] = {}
+    key_units: Dict[nn.Module, List[int]] = {}
+    for key, params in members.items():
+        name = name_of[id(key)]
+        for group in _by_requires_grad(params):  # Note [frozen parameters] in _layout.py
+            specs.append(unit_spec(len(specs), name, group, world_size))
+            key_units.setdefault(key, []).append(specs[-1].index)
+            for _, p in group:
+                owner[p] = specs[-1].index
+    uses = []
+    for name, module in names.items():
+        used = list(key_units.get(module, [])) if module in blocks else []
+        for p in module._parameters.values():
+            if p is not None and owner[p] not in used:
+                used.append(owner[p])
+        uses.append((name, module, used))
+    return specs, uses
+
+
+def block_modules(model: nn.Module, cfg) -> list:
+    """Note [fetch unit grouping]: the modules that each form one fetch unit."""
+    if cfg.group == "module":
+        return []
+    classes = set(cfg.classes)
+    out = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            out += [m for m in module.children() if any(True for _ in m.parameters())]
+        elif type(module).__name__ in classes:
+            out.append(module)
+    return out
+
+
+def _by_requires_grad(params: list) -> list:
+    """A module's own parameters as up to two groups, trainable first: a unit is either
+    trainable or frozen."""
+    return [g for g in ([x for x in params if x[1].requires_grad], [x for x in params if not x[1].requires_grad]) if g]
+
+
+def placement_of(model: nn.Module, cfg, world_size: int) -> Tuple[Placement, List[UnitSpec], list]:
+    """The placement of ``model``'s states under ``cfg`` on ``world_size`` ranks, with its
+    units and each module's uses: what ``initialize`` allocates (Note [build order])."""
+    policy = StagePolicy.of(cfg.zero.stage)
+    blocks = block_modules(model, cfg.zero.fetch_units)  # every stage: the same units, the same flat layout
+    specs, uses = plan_units(model, world_size, blocks)  # Note [fetch unit grouping] in _engine.py
+    return Placement.of(cfg, policy.partition_params, DTYPES[cfg.precision.dtype], specs, world_size), specs, uses
