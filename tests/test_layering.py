@@ -16,7 +16,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # own docstring-only ``__init__`` comes first. Public packages (errors, config, aio, optim,
 # integrations) are one entry each: their insides are checked by their own tests.
 LAYERS = {
-    "runtime": ["_runtime.__init__", "errors", "_runtime._log", "_runtime._accelerator", "_runtime._comm",
+    "runtime": ["_runtime.__init__", "errors", "_runtime._cpu_isa", "_runtime._log", "_runtime._accelerator", "_runtime._comm",
                 "_runtime._telemetry_counters", "_runtime._telemetry", "_runtime._tiers", "config", "_runtime._schedule",
                 "_aio_cffi", "aio", "_runtime._recycle", "_cpu_adam", "_host_alloc", "optim"],
     "offload": ["_offload.__init__", "_offload._layout", "_offload._moments", "_offload._memory_plan", "_offload._swap",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
+from .._runtime import _cpu_isa
 from .._runtime._log import logger
 from ..errors import NativeLibraryMissing, UsageError, UsageTypeError
 
@@ -47,8 +48,20 @@ def cpu_features() -> dict:
 
 
 def _best() -> str:
+    """The best path of this CPU (CPUID, in the extension), capped by INFINITY_CPU_ISA (Note [CPU
+    feature level] in _runtime/_cpu_isa.py): below avx512_bf16 the AVX512 path rounds bf16 in
+    integer arithmetic, as on CPUs without it."""
     f = cpu_features()
-    return "avx512" if f["avx512"] else "avx2" if f["avx2"] else "scalar"
+    best = "avx512" if f["avx512"] else "avx2" if f["avx2"] else "scalar"
+    cap = _cpu_isa.capped()
+    if cap is None:
+        return best
+    _cpu_isa.level()  # refuses a level this CPU lacks
+    if cap in ("scalar", "avx2"):
+        return cap if ISA_CODES[cap] <= ISA_CODES[best] else best
+    if cap == "avx512" and best == "avx512" and f["avx512bf16"]:
+        return "avx512_nobf16"
+    return best
 
 
 def resolve(simd: str | None) -> tuple[int, bool, str]:
@@ -56,11 +69,12 @@ def resolve(simd: str | None) -> tuple[int, bool, str]:
 
     None means the environment's choice, else the best path of this CPU.
     """
-    return _resolve(simd, os.environ.get(ENV_SIMD) if simd is None else None)
+    return _resolve(simd, os.environ.get(ENV_SIMD) if simd is None else None, _cpu_isa.capped())
 
 
 @functools.lru_cache(maxsize=64)
-def _resolve(simd: str | None, env: str | None) -> tuple[int, bool, str]:
+def _resolve(simd: str | None, env: str | None, isa_cap: str | None = None) -> tuple[int, bool, str]:
+    """``isa_cap`` (INFINITY_CPU_ISA) is read by ``_best``; it is an argument so the cache keys on it."""
     if simd is not None and not isinstance(simd, str):
         raise UsageTypeError(f"simd must be a string ({', '.join(SIMD_CHOICES)}) or None, got {simd!r}")
     name = (simd if simd is not None else env or "auto").strip().lower()

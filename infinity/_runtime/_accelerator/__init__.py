@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 import torch
 
 from ...errors import InvariantError, OutOfMemory, UsageError
+from .. import _cpu_isa
 
 KINDS = ("cuda", "emulated", "cpu")
 
@@ -116,23 +117,21 @@ def native_bf16() -> Tuple[bool, str]:
     if kind() == "cuda":
         ok = _backend.is_bf16_supported()
         return ok, (f"the CUDA device {'supports bf16 in hardware' if ok else 'has no bf16 in hardware (only emulated)'}")
-    native = sorted({"avx512_bf16", "amx_bf16"} & _cpu_flags())
-    if native:
+    flags = _cpu_flags()
+    native = sorted({"avx512_bf16", "amx_bf16"} & flags)
+    capped = _cpu_isa.capped()  # Note [CPU feature level]: INFINITY_CPU_ISA may leave bf16 out
+    if native and (capped is None or _cpu_isa.at_least("avx512_bf16", flags)):
         return True, f"this CPU multiplies bf16 natively ({', '.join(native)})"
+    if native:
+        return False, (f"{_cpu_isa.ENV}={capped} leaves out this CPU's native bf16 ({', '.join(native)}); "
+                       f"treated as a CPU without it")
     return False, ("this CPU has no native bf16 matmul (no avx512_bf16 or amx_bf16; torch's bf16 matmul runs "
                    "tens of times slower than fp32 on it)")
 
 
-def _cpu_flags() -> set:
-    """The CPU's feature flags (Linux); empty where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def _cpu_flags() -> frozenset:
+    """The CPU's feature flags (Note [CPU feature level] in _cpu_isa.py)."""
+    return _cpu_isa.cpu_flags()
 
 
 def comm_backend() -> str:
