@@ -9,7 +9,8 @@ function of the same name; the module is therefore callable and calls that funct
 import sys
 import types
 
-from ._apps._estimator import estimate, main
+from ._apps._estimate_cli import main
+from ._apps._estimator import estimate
 
 
 class _CallableModule(types.ModuleType):

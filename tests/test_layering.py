@@ -28,8 +28,9 @@ LAYERS = {
              "_zero._activation_offload", "_zero._swap_labels", "_zero._engine", "_zero._gathered", "_zero._initialize"],
     "checkpoint": ["_checkpoint._safetensors_export", "_checkpoint._io", "_checkpoint._format", "_checkpoint._model",
                    "_checkpoint._save", "_checkpoint._load", "_checkpoint.__init__", "_checkpoint._train"],
-    "apps": ["_apps.__init__", "_apps._train_data", "tiling", "export", "train", "_apps._runmodel", "_apps._estimator",
-             "estimate", "testing", "integrations", "__init__"],
+    "apps": ["_apps.__init__", "_apps._train_data", "tiling", "export", "train", "_apps._runmodel",
+             "_apps._estimate_model", "_apps._estimate_hardware", "_apps._estimator", "_apps._estimate_cli", "estimate",
+             "testing", "integrations", "__init__"],
 }
 LAYER_PACKAGES = {"_runtime", "_offload", "_zero", "_checkpoint", "_apps"}
 ORDER = [name for layer in LAYERS.values() for name in layer]

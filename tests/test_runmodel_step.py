@@ -6,7 +6,7 @@ import math
 import pytest
 
 from infinity._apps import _runmodel as rm
-from infinity._apps._estimator import main as estimate_main
+from infinity._apps._estimate_cli import main as estimate_main
 
 GPT2 = dict(layers=12, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
 

@@ -417,7 +417,7 @@ def test_estimate_names_the_tiling_factor_that_makes_the_largest_operator_fit(ca
     assert est.tiling_needed.tiling_factor == 16  # 8 B x 268M / 16 = 134 MB; / 8 would be 268 MB > 256 MB
     assert est.tiling_needed.recommended.placement.stage == 3
     assert est.to_dict()["tiling_needed"]["max_tile_params"] == 4 * 8192 * 8192 // 16
-    from infinity._apps._estimator import main
+    from infinity._apps._estimate_cli import main
 
     main(["--layers", "1", "--hidden", "8192", "--gpus", "1", "--gpu-mem", "256MB", "--cpu-mem", "64GB", "--nvme",
           "1TB", "--dtype", "fp32", "--seq-len", "16"])

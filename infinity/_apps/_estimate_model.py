@@ -1,0 +1,230 @@
+"""What ``infinity.estimate`` is given: sizes and counts as text (``parse_size``,
+``parse_count``), and the model's shape, from a parameter count (interpolated between the
+paper's shapes), from explicit layers / hidden / heads, or from a Hugging Face config or
+directory (Note: the formulas, in _estimator.py)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .._runtime._log import logger
+from ..errors import UsageError
+
+_NVME_PATH_PLACEHOLDER = "/local_nvme"
+
+
+class EstimateError(UsageError):
+    """Bad input to the estimator; the message says what to change."""
+
+
+# --------------------------------------------------------------------------- parsing sizes
+
+_SIZE_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtp", start=1):
+    _SIZE_UNITS[_p + "b"] = 1000 ** _i
+    _SIZE_UNITS[_p + "ib"] = 1024 ** _i
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_SIZE_RE = re.compile(r"^\s*" + _NUMBER + r"\s*([A-Za-z]*)\s*$")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Bytes from ``32GB`` (10⁹), ``512MiB`` (2²⁰), ``1.5TB``, ``1e9`` or an int."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = _SIZE_RE.match(str(value))
+        if match is None:
+            raise EstimateError(f"{what}: cannot read {value!r} as a size; write e.g. 32GB, "
+                                "1.5TB, 512MiB or a number of bytes")
+        number, unit = float(match.group(1)), match.group(2)
+    scale = _SIZE_UNITS.get(unit.lower())
+    if scale is None:
+        units = "B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB"
+        raise EstimateError(f"{what}: unknown unit {unit!r} in {value!r}; use one of {units}")
+    if not math.isfinite(number) or number < 0:
+        raise EstimateError(f"{what}: {value!r} must be a non-negative size")
+    return int(number * scale)
+
+
+def parse_count(value: Any, what: str = "params") -> int:
+    """A parameter count from ``1e12``, ``70B``, ``1.5T``, ``350M`` or an int."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.match(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]?)\s*$",
+                         str(value))
+        if match is None or match.group(2).lower() not in _COUNT_UNITS:
+            raise EstimateError(f"{what}: cannot read {value!r} as a count; write e.g. 1e12, "
+                                "70B, 1.5T or 350M")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    count = number * _COUNT_UNITS[unit]
+    if not math.isfinite(count) or count < 1:
+        raise EstimateError(f"{what}: {value!r} must be a positive number")
+    return int(round(count))
+
+
+def _format_bytes(n: float) -> str:
+    for unit, scale in (("PiB", 1024**5), ("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB" if n >= 1024 else f"{int(n)} B"
+
+
+def _format_count(n: int) -> str:
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+# --------------------------------------------------------------------------- model shape
+
+@dataclass(frozen=True)
+class Shape:
+    """The transformer dimensions that the activation and working-memory terms need."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: Optional[int] = None        # unknown when only a parameter count was given
+    ffn: Optional[int] = None          # MLP width; 4·hidden when unknown
+    derived: bool = False              # True when guessed from the parameter count
+
+    @property
+    def largest_operator_numel(self) -> int:
+        """Elements of the biggest single weight: the hd→4hd linear of 002 eq. 4, or wider."""
+        candidates = [self.hidden * (self.ffn or 4 * self.hidden), 3 * self.hidden**2]
+        if self.vocab:
+            candidates.append(self.vocab * self.hidden)
+        return max(candidates)
+
+
+# (layers, hidden, heads) of the paper's models: GPT-2 small, Fig. 6a's 1.4B and 10B, and the
+# five rows of Fig. 2a (0.1T, 0.5T, 1T, 10T, 100T). Between them the number of layers and heads
+# is interpolated in log space against Ψ = 12·nl·hd², and hd follows from that same rule.
+_PAPER_SHAPES = ((12, 768, 12), (40, 1536, 16), (50, 4096, 16), (80, 10240, 128),
+                 (100, 20480, 160), (128, 25600, 256), (195, 65536, 512), (315, 163840, 1024))
+
+
+def _interpolate_log(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    lx = math.log(x)
+    lxs = [math.log(v) for v in xs]
+    i = 1
+    while i < len(lxs) - 1 and lx > lxs[i]:
+        i += 1
+    t = (lx - lxs[i - 1]) / (lxs[i] - lxs[i - 1])   # extrapolates with the end segments
+    return math.exp(math.log(ys[i - 1]) + t * (math.log(ys[i]) - math.log(ys[i - 1])))
+
+
+def _shape_for_params(params: int, layers: Optional[int] = None,
+                      hidden: Optional[int] = None, heads: Optional[int] = None) -> Shape:
+    """A GPT-3-like shape for Ψ parameters following the paper's model sizes (Fig. 2a).
+
+    Layers and heads are interpolated between the paper's models, heads rounded to a power of
+    two, and hd = √(Ψ / 12·nl) rounded to a multiple of the heads (at least of 64).
+    """
+    sizes = [12 * nl * hd * hd for nl, hd, _ in _PAPER_SHAPES]
+    if layers is None and hidden is not None:
+        layers = max(1, round(params / (12 * hidden * hidden)))
+    if layers is None:
+        layers = max(1, round(_interpolate_log(params, sizes, [s[0] for s in _PAPER_SHAPES])))
+    if heads is None:
+        guess = _interpolate_log(params, sizes, [s[2] for s in _PAPER_SHAPES])
+        heads = 2 ** max(0, round(math.log2(guess)))
+        if hidden is not None:    # the divisor of the given width nearest the guess
+            divisors = [h for h in range(1, hidden + 1) if hidden % h == 0]
+            heads = min(divisors, key=lambda h: abs(math.log(h / guess)))
+    if hidden is None:
+        step = max(64, heads)
+        hidden = max(step, step * round(math.sqrt(params / (12 * layers)) / step))
+    return Shape(layers=layers, hidden=hidden, heads=heads, derived=True)
+
+
+_CONFIG_KEYS = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+    "vocab": ("vocab_size",),
+}
+
+
+def _config_dict(model: Any) -> tuple[dict, Any]:
+    """(fields, transformers config object or None) from any accepted ``model`` form."""
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise EstimateError(f"model: {model!r} is neither a config.json nor a directory "
+                                "holding one")
+        try:
+            with open(path, encoding="utf-8") as f:
+                fields = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise EstimateError(f"model: cannot read {path}: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise EstimateError(f"model: {path} must hold a JSON object of config fields")
+        return fields, None
+    if isinstance(model, dict):
+        return dict(model), None
+    if hasattr(model, "to_dict"):     # a transformers PretrainedConfig
+        return model.to_dict(), model
+    raise EstimateError(f"model: expected a transformers config, a dict, or a path to a "
+                        f"config.json, got {type(model).__name__}")
+
+
+def _field(fields: dict, name: str) -> Optional[int]:
+    for key in _CONFIG_KEYS[name]:
+        if isinstance(fields.get(key), int) and fields[key] > 0:
+            return fields[key]
+    return None
+
+
+def _count_with_transformers(fields: dict, config: Any) -> Optional[int]:
+    """Exact parameter count of the model built on the meta device (no memory used)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return None
+    try:
+        if config is None:
+            if "model_type" not in fields:
+                return None
+            rest = {k: v for k, v in fields.items() if k != "model_type"}
+            config = AutoConfig.for_model(fields["model_type"], **rest)
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in built.parameters())
+    except Exception as exc:  # unknown architecture, bad fields: the closed formula stands in
+        logger.info("estimate: transformers could not build the model (%s); "
+                    "counting parameters with 12·nl·hd² + vocab·hd", exc)
+        return None
+
+
+def _shape_from_model(model: Any) -> tuple[Shape, int]:
+    fields, config = _config_dict(model)
+    dims = {name: _field(fields, name) for name in _CONFIG_KEYS}
+    if dims["layers"] is None or dims["hidden"] is None:
+        raise EstimateError("model: the config must give the number of layers "
+                            "(num_hidden_layers / n_layer) and the hidden size "
+                            "(hidden_size / n_embd)")
+    heads = dims["heads"] or max(1, dims["hidden"] // 128)
+    shape = Shape(layers=dims["layers"], hidden=dims["hidden"], heads=heads,
+                  vocab=dims["vocab"], ffn=dims["ffn"])
+    params = _count_with_transformers(fields, config)
+    if params is None:
+        params = _closed_form_params(shape)
+    return shape, params
+
+
+def _closed_form_params(shape: Shape) -> int:
+    """002 eq. 1 (12·nl·hd², or 2·nl·hd·ffn + 4·nl·hd² for a known MLP width) + embedding."""
+    per_layer = 4 * shape.hidden**2 + 2 * shape.hidden * (shape.ffn or 4 * shape.hidden)
+    return shape.layers * per_layer + (shape.vocab or 0) * shape.hidden
