@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 class _Pass:
     """One direction (forward or backward) of one iteration."""
 
-    def __init__(self, trace: Optional[list]):
+    def __init__(self, phase: Phase, trace: Optional[list]):
+        self.phase = phase  # the pass's direction: the trace it records or follows
         self.trace = trace  # what to expect; None while recording the first iteration
         self.seen: List["ModuleState"] = []
         self.diverged = False
@@ -80,8 +81,7 @@ class Prefetcher:
         self.bucket = cfg.bucket_size
         self.max_live = cfg.max_live_parameters
         self.traces = {Phase.FORWARD: None, Phase.BACKWARD: None}
-        self._pass: Optional[_Pass] = None
-        self._direction: Optional[Phase] = None  # the pass recording or following a trace
+        self._pass: Optional[_Pass] = None  # the pass now recording or following a trace, with its phase
         self._prefetched: List["FetchUnit"] = []
 
     # ------------------------------------------------------------ iteration boundaries
@@ -90,17 +90,16 @@ class Prefetcher:
         self._finish_pass()
         if direction is Phase.FORWARD:
             self.release_held()
-        self._direction = direction
-        self._pass = _Pass(self.traces[direction])
+        self._pass = _Pass(direction, self.traces[direction])
         if self.enabled and self._pass.trace:
             self._ahead(0)
 
     def end(self) -> None:
+        backward = self._pass is not None and self._pass.phase is Phase.BACKWARD
         self._finish_pass()
-        if self._direction is Phase.BACKWARD:
+        if backward:
             self.release_held()
         self._pass = None
-        self._direction = None
 
     def release_held(self) -> None:
         self._release_kept()
@@ -150,7 +149,7 @@ class Prefetcher:
             if not p.diverged:
                 self._counters.divergences += 1  # a shorter pass (early exit)
         if p.seen and (p.trace is None or p.seen != p.trace):
-            self.traces[self._direction] = list(p.seen)
+            self.traces[p.phase] = list(p.seen)
         self._release_kept()
         self._abandon_unused()
 
@@ -163,7 +162,7 @@ class Prefetcher:
             return
         pos = len(p.seen)
         p.seen.append(state)
-        if self._direction is Phase.BACKWARD:
+        if p.phase is Phase.BACKWARD:
             for unit in self._ledger.held_for(Hold.INTO_BACKWARD):
                 if unit in state.units:  # acquired by its module now
                     unit.release(Hold.INTO_BACKWARD)
@@ -174,13 +173,13 @@ class Prefetcher:
             self._counters.divergences += 1
             self._release_kept()
             self._abandon_unused()
-            if self._direction is Phase.BACKWARD:
+            if p.phase is Phase.BACKWARD:
                 self.release_held()  # backward went another way: do not keep them through it
             return
         if self.enabled:
             self._keep_until_next_use(pos)
             self._ahead(pos + 1)
-            if self._direction is Phase.FORWARD and pos == len(p.trace) - 1:
+            if p.phase is Phase.FORWARD and pos == len(p.trace) - 1:
                 self._hold_for_backward()
 
     def _window(self, nxt: int, depth: int) -> list:
