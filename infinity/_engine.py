@@ -90,6 +90,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from . import _accelerator as acc
 from . import _comm as comm
+from . import _function_params
 from ._ledger import Hold
 from ._loss_scale import scale_outputs
 from ._memory import host_account, stop_block_cache
@@ -269,6 +270,7 @@ class Engine:
 
     def install_hooks(self) -> None:
         if self.policy.partition_params:
+            _function_params.install()  # Note [parameters read by autograd Functions] in _function_params.py
             for module in self.states:
                 self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 # always_call: Note [aborted forward]
