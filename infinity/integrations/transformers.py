@@ -64,9 +64,9 @@ from .._safetensors_export import export_safetensors
 from .._schedule import make_scheduler
 from ..config import Config, _looks_like_deepspeed, _read_file
 from ..config.deepspeed import _get, hidden_size_of
-from ..errors import UsageError
+from ..errors import UsageError, UsageTypeError
 
-__all__ = ["InfinityTrainer", "synced_generate"]
+__all__ = ["InfinityTrainer", "synced_generate", "with_infinity"]
 
 CHECKPOINT_TAG = "infinity"
 
@@ -377,3 +377,29 @@ class InfinityTrainer(Trainer):
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         return None
+
+
+_WITH_INFINITY: dict = {}
+
+
+def with_infinity(trainer_cls: type) -> type:
+    """``trainer_cls`` (any ``transformers.Trainer`` subclass: TRL's ``SFTTrainer``,
+    ``DPOTrainer``, one of your own) on infinity: the class ``Infinity<Name>(InfinityTrainer,
+    trainer_cls)``, constructed as ``trainer_cls`` is, plus ``infinity_config=`` (and
+    ``strict=``), with everything of Note [InfinityTrainer seams]. For TRL's trainers the
+    class also has ``InfinityTRLMixin`` first (Note [TRL on infinity] in trl.py: the seams
+    checked at construction, the reference model partitioned, features that cannot work
+    refused). The same class is returned for the same ``trainer_cls``."""
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise UsageTypeError(f"with_infinity takes a transformers.Trainer subclass, got {trainer_cls!r}")
+    if issubclass(trainer_cls, InfinityTrainer):
+        return trainer_cls
+    if trainer_cls not in _WITH_INFINITY:
+        bases: tuple = (InfinityTrainer, trainer_cls)
+        if any(c.__module__.startswith("trl.") for c in trainer_cls.__mro__):
+            from .trl import InfinityTRLMixin
+
+            bases = (InfinityTRLMixin,) + bases
+        _WITH_INFINITY[trainer_cls] = type(f"Infinity{trainer_cls.__name__}", bases,
+                                           {"__module__": __name__, "__doc__": with_infinity.__doc__})
+    return _WITH_INFINITY[trainer_cls]
