@@ -14,7 +14,9 @@ pre-backward gathers it again before the Function's backward runs (the saved par
 parameter object itself, whose data is then full), and the gradient, accumulated into
 ``.grad`` once, reaches the reducer through the parameter's post-accumulate-grad hook as any
 other. Outside every module call it raises, saying to apply the Function inside the model's
-forward (TRL's fused losses already run there). The wrapper is installed once per process, by
+forward (TRL's fused losses already run there); so does a parameter of another model than the
+one whose forward is running (each engine gathers only inside its own model's calls). The
+wrapper is installed once per process, by
 the first stage-3 engine, and costs one scan of the arguments per ``apply``.
 """
 from __future__ import annotations
@@ -55,8 +57,12 @@ def _fetch(cls: type, infos: list) -> None:
         return None
 
     fetched.__name__ = op
+    by_owner: dict = {}  # each model's parameters through its own engine: another model's have no call running
+    for info in infos:
+        by_owner.setdefault(id(getattr(info.unit, "ctx", info.unit)), []).append(info)
     try:
-        infos[0].unit.on_unavailable(fetched, (), {}, infos)
+        for group in by_owner.values():
+            group[0].unit.on_unavailable(fetched, (), {}, group)
     except ParameterNotAvailableError as e:
         raise ParameterNotAvailableError(
             f"{e} A custom autograd Function ({op}) given partitioned parameters must be applied inside the forward of "

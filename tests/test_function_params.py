@@ -151,3 +151,22 @@ def test_function_outside_every_forward_says_where_to_apply_it(tmp_path):
     hidden = torch.randn(3, 24)
     with pytest.raises(infinity.ParameterNotAvailableError, match="inside the forward of a module"):
         FusedLinearCrossEntropy.apply(hidden, model.head.weight, torch.zeros(3, dtype=torch.long))
+
+
+class Borrower(nn.Module):
+    """A model whose forward hands another model's head weight to the Function."""
+
+    def __init__(self, other: nn.Module):
+        super().__init__()
+        self.proj = nn.Linear(24, 24)
+        self.__dict__["other"] = other  # not a submodule: another engine's model
+
+    def forward(self, hidden, targets):
+        return FusedLinearCrossEntropy.apply(self.proj(hidden), self.other.head.weight, targets)
+
+
+def test_another_models_parameter_is_refused(tmp_path):
+    other, _ = infinity.initialize(_model("function"), config=zero_config(3, param="cpu", nvme=str(tmp_path / "a")))
+    model, _ = infinity.initialize(Borrower(other), config=zero_config(3, param="cpu", nvme=str(tmp_path / "b")))
+    with pytest.raises(infinity.ParameterNotAvailableError, match="FusedLinearCrossEntropy.apply"):
+        model(torch.randn(3, 24), torch.zeros(3, dtype=torch.long))

@@ -72,7 +72,7 @@ def _two_ranks(kind: str, out: str):
     return losses(plain), losses(ours), ours.optimizer.engine.world_size
 
 
-@pytest.mark.slow  # about 3 minutes each on two shared cores
+@pytest.mark.slow  # about a minute each on two shared cores
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_two_ranks_same_losses_as_plain_trl_with_ddp(kind, tmp_path):
     for expected, got, world in run_ranks(_two_ranks, 2, kind, str(tmp_path), timeout=590):
