@@ -5,7 +5,9 @@ Switching is one line: ``InfinityTrainer(..., infinity_config=cfg)`` where ``cfg
 ``"auto"`` values resolved from the model and the ``TrainingArguments`` as transformers
 resolves them: Note [auto values] in config/deepspeed.py). Covered: transformers 5.x (tested
 with the installed 5.23); the Trainer's private ``_prepare_for_training`` is the one seam
-whose shape is version-specific, and its absence is refused at construction.
+whose shape is version-specific, and its absence is refused at construction. Any other
+Trainer subclass (TRL's ``SFTTrainer``, ``DPOTrainer``, ...) runs on infinity as
+``with_infinity(TrainerClass)(..., infinity_config=cfg)``: Note [TRL on infinity] in trl.py.
 
 Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where it happens here.
 - model: ``model_init`` runs under ``infinity.Init`` (the model is built partitioned); a

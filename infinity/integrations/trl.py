@@ -18,7 +18,12 @@ non-DeepSpeed path is the right one here:
   evaluation-mode preparation, then, when the policy is handed to ``infinity.initialize``, the
   reference is frozen and handed to it too with the same config, so it is partitioned on the
   same tiers, never trained and has no optimizer state (``ReferenceModel``);
-- ``generate`` under ZeRO-3 (``synced_gpus``): ``synced_generate``, as for ``InfinityTrainer``.
+- generation (``unwrap_model_for_generation`` of the online trainers, which under ZeRO-3
+  gathers the whole model or not): the plain path, the model as it is, so ``generate`` runs
+  with stage 3's per-module gathers, and ``synced_gpus`` (transformers' ZeRO-3 question) is
+  answered by ``synced_generate`` as for ``InfinityTrainer``; only the GRPO-style trainers'
+  construction is covered by a test (the vLLM refusal), not their training;
+- ``SyncRefModelCallback`` (gathers both models under ZeRO-3): refused, see below.
 
 The seams used, each checked at construction (``check_seams``): TRL's
 ``trl.kernels.ChunkedLogProbFunction`` (a ``torch.autograd.Function`` that keeps torch's
