@@ -14,8 +14,8 @@ pre-backward gathers it again before the Function's backward runs (the saved par
 parameter object itself, whose data is then full), and the gradient, accumulated into
 ``.grad`` once, reaches the reducer through the parameter's post-accumulate-grad hook as any
 other. The price of going through the module's external parameters: from the second iteration
-on, the module (for TRL's fused head, the model itself) gathers the unit in its pre-forward,
-prefetched like its own, and holds it to its post-forward, so a big head stays gathered through
+on, the module (for TRL's fused head, the model itself) gathers the unit in its pre-forward
+and holds it to its post-forward, so a big head stays gathered through
 the whole forward rather than only around the Function (counted in the gathered budget as
 every hold is). Outside every module call it raises, saying to apply the Function inside the model's
 forward (TRL's fused losses already run there); so does a parameter of another model than the
