@@ -2,26 +2,25 @@
 
 Note [parameters read by autograd Functions]: fused losses (TRL's chunked log-probabilities,
 Liger's fused linear cross-entropy, hand-written kernels) read a head's weight directly and
-pass it to ``Function.apply``, outside the head's own forward. A released parameter touched
-by an operator is gathered on demand (Note [partitioned parameter] in _param.py), but
+pass it to ``Function.apply``, outside the head's own forward. A released parameter touched by
+an operator is gathered on demand (Note [partitioned parameter] in _param.py), but
 ``Function.apply`` is no operator: torch records each input's shape when the Function is
-applied, before its ``forward`` touches anything, so it would record the empty placeholder
-and reject the full-shape gradient the backward returns ("expected shape compatible with
-[0]"). So ``Function.apply`` itself fetches its released parameters first, through the same
-on-demand path as an operator: inside a module call the unit is gathered, held until that
-call's post-forward and recorded as an external parameter of the module, so the module's
-pre-backward gathers it again before the Function's backward runs (the saved parameter is the
-parameter object itself, whose data is then full), and the gradient, accumulated into
-``.grad`` once, reaches the reducer through the parameter's post-accumulate-grad hook as any
-other. The price of going through the module's external parameters: from the second iteration
-on, the module (for TRL's fused head, the model itself) gathers the unit in its pre-forward
-and holds it to its post-forward, so a big head stays gathered through
-the whole forward rather than only around the Function (counted in the gathered budget as
-every hold is). Outside every module call it raises, saying to apply the Function inside the model's
-forward (TRL's fused losses already run there); so does a parameter of another model than the
-one whose forward is running (each engine gathers only inside its own model's calls). The
-wrapper is installed once per process, by
-the first stage-3 engine, and costs one scan of the arguments per ``apply``.
+applied, before its ``forward`` touches anything, so it would record the empty placeholder and
+reject the full-shape gradient the backward returns ("expected shape compatible with [0]"). So
+``Function.apply`` itself fetches its released parameters first, through the same on-demand
+path as an operator: inside a module call the unit is gathered, held until that call's
+forward and recorded as an external parameter of the module, so the module's pre-backward
+gathers it again before the Function's backward runs (the saved parameter is the parameter
+object itself, whose data is then full), and the gradient, accumulated into ``.grad`` once,
+reaches the reducer through the parameter's post-accumulate-grad hook as any other. The price
+of going through the module's external parameters: from the second iteration on, the module
+(for TRL's fused head, the model itself) gathers the unit in its pre-forward and holds it to
+its post-forward, so a big head stays gathered through the whole forward rather than only
+around the Function (counted in the gathered budget as every hold is). Outside every module
+call it raises, saying to apply the Function inside the model's forward (TRL's fused losses
+already run there); so does a parameter of another model than the one whose forward is running
+(each engine gathers only inside its own model's calls). The wrapper is installed once per
+process, by the first stage-3 engine, and costs one scan of the arguments per ``apply``.
 """
 from __future__ import annotations
 
