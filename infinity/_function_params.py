@@ -9,7 +9,7 @@ applied, before its ``forward`` touches anything, so it would record the empty p
 reject the full-shape gradient the backward returns ("expected shape compatible with [0]"). So
 ``Function.apply`` itself fetches its released parameters first, through the same on-demand
 path as an operator: inside a module call the unit is gathered, held until that call's
-forward and recorded as an external parameter of the module, so the module's pre-backward
+post-forward and recorded as an external parameter of the module, so the module's pre-backward
 gathers it again before the Function's backward runs (the saved parameter is the parameter
 object itself, whose data is then full), and the gradient, accumulated into ``.grad`` once,
 reaches the reducer through the parameter's post-accumulate-grad hook as any other. The price
