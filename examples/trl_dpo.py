@@ -6,7 +6,7 @@ chosen completion is the line that really follows it, the rejected one a line fr
 Tokenizer and tiny Llama come from ``trl_sft.py`` (trained and built here, nothing
 downloaded):
 
-    python examples/trl_dpo.py --out /tmp/dpo --nvme /local_nvme [--steps 20] [--plain]
+    python examples/trl_dpo.py --out OUT --nvme /local_nvme [--steps 20] [--plain]
 """
 import argparse
 import copy

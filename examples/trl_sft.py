@@ -5,7 +5,7 @@ follows it (prompt -> completion, trained with the completion-only loss), or the
 into full-length rows (``--packing``). The tokenizer is trained here with ``tokenizers`` and the
 model is a tiny Llama built from a config, so nothing is downloaded:
 
-    python examples/trl_sft.py --out /tmp/sft --nvme /local_nvme [--steps 20] [--packing] [--plain]
+    python examples/trl_sft.py --out OUT --nvme /local_nvme [--steps 20] [--packing] [--plain]
 
 ``--plain`` runs TRL's own trainer without infinity, for comparison; both print their losses.
 Several ranks: ``torchrun --nproc_per_node 2 examples/trl_sft.py ...``.
