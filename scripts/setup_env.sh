@@ -22,15 +22,18 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 
-# Build and runtime dependencies (torch already satisfied, so nothing pulls another build).
+# Build and runtime dependencies, and the test ones (TRL and datasets for tests/test_trl.py and the TRL
+# examples). The installed torch is named with them, so no requirement can pull another build.
 need=""
 for mod in cffi:cffi pybind11:pybind11 psutil:psutil yaml:pyyaml tqdm:tqdm safetensors:safetensors \
-           transformers:transformers peft:peft pytest:pytest ruff:ruff mypy:mypy==2.4.1 setuptools:setuptools wheel:wheel; do
+           transformers:transformers peft:peft trl:trl==1.16.0 datasets:datasets==5.2.0 tokenizers:tokenizers \
+           pytest:pytest ruff:ruff mypy:mypy==2.4.1 setuptools:setuptools wheel:wheel; do
   "$PY" -c "import ${mod%%:*}" 2>/dev/null || need="$need ${mod##*:}"
 done
 if [ -n "$need" ]; then
   echo "[setup] installing$need"
-  "$PY" -m pip install -q $need
+  torch_pin="torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+  "$PY" -m pip install -q $need "$torch_pin"
 fi
 
 # The package itself, rebuilt only when its sources or build files change.

@@ -22,7 +22,7 @@ LAYERS = {
     "offload": ["_offload.__init__", "_offload._layout", "_offload._moments", "_offload._memory_plan", "_offload._swap",
                 "_offload._optimizer_store", "_offload._nvme_optimizer_store", "_offload._param_store", "_offload._preflight",
                 "_offload._placement"],
-    "zero": ["_zero.__init__", "_zero._unit_plan", "_zero._ledger", "_zero._param", "_zero._phase",
+    "zero": ["_zero.__init__", "_zero._unit_plan", "_zero._ledger", "_zero._param", "_zero._function_params", "_zero._phase",
              "_zero._pretrained", "_zero._init_context", "_zero._unit", "_zero._step_gate", "_zero._prefetch",
              "_zero._reduce", "_zero._loss_scale", "_zero._param_groups", "_zero._zero_optimizer", "_zero._tiling",
              "_zero._activation_offload", "_zero._swap_labels", "_zero._engine", "_zero._gathered", "_zero._initialize"],

@@ -93,6 +93,7 @@ from .._offload._optimizer_store import state_bytes
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from ..errors import EngineError
+from . import _function_params
 from ._ledger import Hold
 from ._loss_scale import scale_outputs
 from ._param import info_of, make_partitioned, raw_data, set_data
@@ -255,6 +256,7 @@ class Engine:
 
     def install_hooks(self) -> None:
         if self.policy.partition_params:
+            _function_params.install()  # Note [parameters read by autograd Functions] in _function_params.py
             for module in self.states:
                 self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
                 # always_call: Note [aborted forward]

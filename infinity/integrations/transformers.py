@@ -5,7 +5,9 @@ Switching is one line: ``InfinityTrainer(..., infinity_config=cfg)`` where ``cfg
 ``"auto"`` values resolved from the model and the ``TrainingArguments`` as transformers
 resolves them: Note [auto values] in config/deepspeed.py). Covered: transformers 5.x (tested
 with the installed 5.23); the Trainer's private ``_prepare_for_training`` is the one seam
-whose shape is version-specific, and its absence is refused at construction.
+whose shape is version-specific, and its absence is refused at construction. Any other
+Trainer subclass (TRL's ``SFTTrainer``, ``DPOTrainer``, ...) runs on infinity as
+``with_infinity(TrainerClass)(..., infinity_config=cfg)``: Note [TRL on infinity] in trl.py.
 
 Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where it happens here.
 - model: ``model_init`` runs under ``infinity.Init`` (the model is built partitioned); a
@@ -64,9 +66,9 @@ from .._runtime._schedule import make_scheduler
 from .._zero._engine import engine_of
 from ..config import Config, _looks_like_deepspeed, _read_file
 from ..config.deepspeed import _get, hidden_size_of
-from ..errors import UsageError
+from ..errors import UsageError, UsageTypeError
 
-__all__ = ["InfinityTrainer", "synced_generate"]
+__all__ = ["InfinityTrainer", "synced_generate", "with_infinity"]
 
 CHECKPOINT_TAG = "infinity"
 
@@ -377,3 +379,29 @@ class InfinityTrainer(Trainer):
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         return None
+
+
+_WITH_INFINITY: dict = {}
+
+
+def with_infinity(trainer_cls: type) -> type:
+    """``trainer_cls`` (any ``transformers.Trainer`` subclass: TRL's ``SFTTrainer``,
+    ``DPOTrainer``, one of your own) on infinity: the class ``Infinity<Name>(InfinityTrainer,
+    trainer_cls)``, constructed as ``trainer_cls`` is, plus ``infinity_config=`` (and
+    ``strict=``), with everything of Note [InfinityTrainer seams]. For TRL's trainers the
+    class also has ``InfinityTRLMixin`` first (Note [TRL on infinity] in trl.py: the seams
+    checked at construction, the reference model partitioned, features that cannot work
+    refused). The same class is returned for the same ``trainer_cls``."""
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise UsageTypeError(f"with_infinity takes a transformers.Trainer subclass, got {trainer_cls!r}")
+    if issubclass(trainer_cls, InfinityTrainer):
+        return trainer_cls
+    if trainer_cls not in _WITH_INFINITY:
+        bases: tuple = (InfinityTrainer, trainer_cls)
+        if any(c.__module__.startswith("trl.") for c in trainer_cls.__mro__):
+            from .trl import InfinityTRLMixin
+
+            bases = (InfinityTRLMixin,) + bases
+        _WITH_INFINITY[trainer_cls] = type(f"Infinity{trainer_cls.__name__}", bases,
+                                           {"__module__": __name__, "__doc__": with_infinity.__doc__})
+    return _WITH_INFINITY[trainer_cls]
