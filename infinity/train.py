@@ -123,6 +123,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--resume", metavar="auto|DIR",
                    help="resume from a checkpoint: auto = the latest complete one under --output-dir/checkpoints")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep only the newest N checkpoints")
+    p.add_argument("--save-async", action="store_true",
+                   help="--save-every saves without stopping training: the states are snapshotted at the save "
+                        "(NVMe states cloned where the filesystem can) and written while the next steps run")
     p.add_argument("--strict", action="store_true",
                    help="a DeepSpeed --config: refuse keys that only tune DeepSpeed (default: accept them with "
                         "one warning)")
@@ -711,6 +714,7 @@ def run_job(cfg: Config, checkpoints=None) -> Optional[str]:
             run.first_step = checkpoints.resume_into(run)
             with checkpoints.on_signals():
                 train_loop(run)
+            checkpoints.wait(run)  # the last asynchronous save is committed (or its error raised)
         else:
             train_loop(run)
         if checkpoints is None or checkpoints.stopped_by is None:
@@ -738,7 +742,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = resolve_config(args)
         from ._checkpoint._train import TrainCheckpoints
 
-        checkpoints = TrainCheckpoints.from_args(args.save_every, args.resume, args.keep_last, cfg.train.output_dir)
+        checkpoints = TrainCheckpoints.from_args(args.save_every, args.resume, args.keep_last, cfg.train.output_dir,
+                                                  save_async=args.save_async)
         text = run_job(cfg, checkpoints)
         finished = True
     except (UsageError, InsufficientResourcesError) as err:  # TrainError, DataError, ConfigError among them

@@ -16,7 +16,7 @@ LAYERS = {
                 "_preflight", "_placement"],
     "zero": ["_ledger", "_param", "_pretrained", "_init", "_unit", "_phase", "_step_gate", "_prefetch", "_reduce",
              "_loss_scale", "_param_groups", "_optimizer", "tiling", "_activation_offload", "_engine", "_gathered",
-             "_swap_labels", "_initialize"],
+             "_swap_labels", "_save_fence", "_initialize"],
     "apps": ["__init__", "train", "_train_data", "estimate", "_estimate", "export", "_safetensors_export", "_checkpoint",
              "testing", "integrations", "_runmodel"],
 }

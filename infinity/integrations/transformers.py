@@ -58,6 +58,7 @@ from transformers import Trainer
 import infinity
 
 from .. import _comm as comm
+from .._checkpoint._save import finish_pending
 from .._engine import engine_of
 from .._log import logger
 from .._safetensors_export import export_safetensors
@@ -147,7 +148,7 @@ class InfinityTrainer(Trainer):
     """A ``transformers.Trainer`` whose model, optimizer, checkpoints and saved model are
     infinity's. Note [InfinityTrainer seams]."""
 
-    def __init__(self, *args, infinity_config: Any = None, strict: bool = False, **kwargs):
+    def __init__(self, *args, infinity_config: Any = None, strict: bool = False, save_async: bool = False, **kwargs):
         if not hasattr(Trainer, "_prepare_for_training"):
             raise UsageError(f"InfinityTrainer covers transformers 5.x; the installed {transformers.__version__} has "
                              f"no Trainer._prepare_for_training")
@@ -158,6 +159,7 @@ class InfinityTrainer(Trainer):
                              "the schedule as lr_scheduler_type or the config's scheduler section")
         self._infinity_source, self._is_deepspeed = _config_source(infinity_config)
         self._strict = strict
+        self._save_async = save_async  # Note [asynchronous saves] in infinity/_checkpoint/_async.py
         self._precision_flags = (False, False)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None and (training_args.fp16 or training_args.bf16):
@@ -337,7 +339,11 @@ class InfinityTrainer(Trainer):
         in the middle of a save leaves without its infinity states."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        out = super().train(resume_from_checkpoint, *args, **kwargs)
+        engine = engine_of(self.model)
+        if engine is not None:
+            finish_pending(engine, "InfinityTrainer.train")  # the last asynchronous save is committed
+        return out
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # the weights come back with the optimizer states in _prepare_for_training
@@ -354,7 +360,8 @@ class InfinityTrainer(Trainer):
                            output_dir)
             shutil.rmtree(stale)
         infinity.save_checkpoint(output_dir, self.model, self.optimizer, tag=CHECKPOINT_TAG,
-                                 lr_scheduler=self.lr_scheduler.state_dict())
+                                 client_state={"lr_scheduler": self.lr_scheduler.state_dict()},
+                                 blocking=not self._save_async)
 
     def _save_scaler(self, output_dir: str) -> None:
         pass  # fp16 loss scaling lives in infinity's optimizer, saved with its checkpoint
