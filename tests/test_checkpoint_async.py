@@ -11,6 +11,8 @@ unknown keyword is a TypeError naming it.
 import errno
 import hashlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -203,3 +205,15 @@ def test_unknown_keyword_is_a_type_error_naming_it(tmp_path):
 def test_blocking_must_be_a_bool(value):
     with pytest.raises(TypeError):
         infinity.save_checkpoint("unused", torch.nn.Linear(1, 1), None, blocking=value)
+
+
+KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "checkpoint_kill_loop.py")
+
+
+def test_kill_during_async_saves_leaves_latest_complete(tmp_path):
+    """kill -9 while asynchronous saves run beside the steps: ``latest`` names a complete
+    checkpoint that loads."""
+    out = subprocess.run([sys.executable, KILL_SCRIPT, "--trials", "2", "--dir", str(tmp_path), "--seed", "3",
+                          "--async"], capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2/2 trials" in out.stdout
