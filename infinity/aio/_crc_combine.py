@@ -12,6 +12,7 @@ of the bytes.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import List, Tuple
 
 import numpy as np
@@ -60,6 +61,7 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
     return _multmodp(_power(len2), crc1) ^ crc2
 
 
+@lru_cache(maxsize=64)  # one per level: 4 KiB x 2^k, the same for every file and every save
 def _tables(nbytes: int) -> np.ndarray:
     """Four 256-entry tables that apply shift-by-``nbytes`` to each byte of a 32-bit value."""
     c = _power(nbytes)
@@ -69,6 +71,7 @@ def _tables(nbytes: int) -> np.ndarray:
         for bit in range(8):
             t = np.concatenate([t, t ^ np.uint32(_multmodp(c, 1 << (8 * j + bit)))])
         out[j] = t
+    out.flags.writeable = False  # shared by every caller through the cache
     return out
 
 
