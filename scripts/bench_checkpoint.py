@@ -327,7 +327,8 @@ def report_contenders(r: dict) -> None:
           f"{100 * r['clone_load'] / r['copy_load']:.1f}%")
     print(f"  step {r['step']:.2f} s (its overlapped tail, which a save joins first, {r['tail']:.2f} s, counted in "
           f"neither save); asynchronous save: call {r['async_call']:.3f} s, the step during it "
-          f"{r['async_step']:.2f} s, wait left after it {r['async_wait']:.3f} s")
+          f"{r['async_step']:.2f} s, wait left after it {r['async_wait']:.3f} s   steps without a save "
+          f"{r['runs']['step']}, during one {r['runs']['async_step']}")
     print(f"  training time lost per save: blocking copy {r['copy_save']:.3f} s = {100 * r['copy_save'] / r['step']:.1f}% "
           f"of a step; asynchronous {r['async_lost']:.3f} s = {100 * r['async_lost'] / r['step']:.1f}% of a step "
           f"(goal < 10%); ratio async / copy {r['async_lost'] / r['copy_save']:.3f}")
@@ -336,16 +337,18 @@ def report_contenders(r: dict) -> None:
 def contenders(args) -> int:
     base = tempfile.mkdtemp(prefix="infinity-bench-ck-", dir=args.dir)
     targets = []
-    mounted, reason = mount_xfs(base, args.xfs_gib)
+    mounted, reason = mount_xfs(base, args.xfs_gib) if args.only in (None, "xfs") else (None, "--only own")
     if mounted is None:
         print(f"loop XFS: skipped ({reason})")
     else:
         targets.append(mounted[0])
-    targets.append(os.path.join(base, "own"))
+    if args.only in (None, "own"):
+        targets.append(os.path.join(base, "own"))
+    models = ["gpt2-124M"] * (not args.big_only) + ["gpt-1.3B"] * (args.big or args.big_only)
     try:
         for work in targets:
             os.makedirs(work, exist_ok=True)
-            for name in ["gpt2-124M"] + (["gpt-1.3B"] if args.big else []):
+            for name in models:
                 proc = subprocess.run([sys.executable, __file__, "--model", name, "--dir", work, "--contenders",
                                        "--repeats", str(args.repeats)], capture_output=True, text=True)
                 if proc.returncode != 0:
@@ -366,6 +369,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", help="scratch directory on the disk to measure (default: the temp dir)")
     p.add_argument("--contenders", action="store_true", help="cloned and asynchronous saves against the copy")
     p.add_argument("--xfs-gib", type=int, default=16, help="size of the loop XFS image (sparse)")
+    p.add_argument("--only", choices=("xfs", "own"), help="--contenders on one filesystem only")
+    p.add_argument("--big-only", action="store_true", help="only the ~1.3B model")
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.model:  # one model, in its own process

@@ -33,9 +33,11 @@ Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where 
   ``AcceleratedOptimizer`` (infinity's optimizer has no torch state_dict):
   ``_prepare_for_training`` is replaced.
 - checkpoints: ``checkpoint-N/`` holds ``infinity/`` (``infinity.save_checkpoint``: every
-  state on every tier, the scheduler's state as extra), ``trainer_state.json`` and the RNG
-  states; resume loads it with ``infinity.load_checkpoint``; ``save_total_limit`` rotates the
-  directories as usual. ``save_model`` writes a normal Hugging Face directory (safetensors
+  state on every tier, the scheduler's state as its client_state), ``trainer_state.json`` and
+  the RNG states; resume loads it with ``infinity.load_checkpoint``; ``save_total_limit``
+  rotates the directories as usual. ``save_async=True``: infinity's part is saved without
+  stopping (``blocking=False``); the next save, and the end of ``train``, wait for it. Until it
+  commits, the directory has no ``infinity/`` and does not count as complete for a resume. ``save_model`` writes a normal Hugging Face directory (safetensors
   gathered unit by unit, config.json, the tokenizer).
 - generate: under stage 3 every rank must run the same forwards, so a rank whose sequences
   end first must keep stepping until all have ended (transformers' ``synced_gpus``, which it
