@@ -37,8 +37,9 @@ Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where 
   the RNG states; resume loads it with ``infinity.load_checkpoint``; ``save_total_limit``
   rotates the directories as usual. ``save_async=True``: infinity's part is saved without
   stopping (``blocking=False``); the next save, and the end of ``train``, wait for it. Until it
-  commits, the directory has no ``infinity/`` and does not count as complete for a resume. ``save_model`` writes a normal Hugging Face directory (safetensors
-  gathered unit by unit, config.json, the tokenizer).
+  commits, the directory has no ``infinity/`` and does not count as complete for a resume.
+  ``save_model`` writes a normal Hugging Face directory (safetensors gathered unit by unit,
+  config.json, the tokenizer).
 - generate: under stage 3 every rank must run the same forwards, so a rank whose sequences
   end first must keep stepping until all have ended (transformers' ``synced_gpus``, which it
   turns on only for DeepSpeed ZeRO-3 or FSDP). ``synced_generate(model)`` makes ``synced_gpus``
