@@ -18,7 +18,7 @@ LAYERS = {
              "_loss_scale", "_param_groups", "_optimizer", "tiling", "_activation_offload", "_engine", "_gathered",
              "_swap_labels", "_save_fence", "_initialize"],
     "apps": ["__init__", "train", "_train_data", "estimate", "_estimate", "export", "_safetensors_export", "_checkpoint",
-             "testing", "integrations", "_runmodel"],
+             "testing", "integrations", "_runmodel", "_endurance"],
 }
 # Deferred (function-level) imports that close a cycle on purpose, each with its reason.
 DEFERRED_OK: dict = {}

@@ -36,6 +36,7 @@ class TrainCheckpoints:
     stopped_by: Optional[str] = None  # the signal that stopped the job
     _flag: bool = False
     _last_saved: int = -1
+    _uncounted: Optional[str] = None  # a save whose SSD bytes are not counted yet
 
     @classmethod
     def from_args(cls, save_every: Optional[int], resume: Optional[str], keep_last: Optional[int],
@@ -90,11 +91,23 @@ class TrainCheckpoints:
         saved = save_checkpoint(self.directory, run.model, run.optimizer, tag=f"step{step}",
                                 keep_last=self.keep_last, blocking=blocking,
                                 client_state={"step": step, "scheduler": run.scheduler.state_dict()})
-        return saved if isinstance(saved, str) else saved.path
+        self._count(run)  # the save before this one: committed, since this one waited for it
+        path = saved if isinstance(saved, str) else saved.path
+        self._uncounted = path
+        if blocking:
+            self._count(run)
+        return path
+
+    def _count(self, run) -> None:
+        """The SSD bytes of the last save, once it has committed (Note [endurance budget])."""
+        if self._uncounted is not None and getattr(run, "ssd", None) is not None:
+            run.ssd.add_checkpoint(self._uncounted)
+        self._uncounted = None
 
     def wait(self, run) -> None:
         """Collective: the asynchronous save in flight is committed, or its error raised."""
         finish_pending(run.optimizer.engine, "infinity.train")
+        self._count(run)
 
     def after_step(self, run, step: int, last: int) -> bool:
         """Save when due; True when a signal asked to stop (then saved: Note [preemption])."""
