@@ -123,6 +123,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--resume", metavar="auto|DIR",
                    help="resume from a checkpoint: auto = the latest complete one under --output-dir/checkpoints")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep only the newest N checkpoints")
+    p.add_argument("--save-async", action="store_true",
+                   help="--save-every saves without stopping training: the states are snapshotted at the save "
+                        "(NVMe states cloned where the filesystem can) and written while the next steps run")
     p.add_argument("--strict", action="store_true",
                    help="a DeepSpeed --config: refuse keys that only tune DeepSpeed (default: accept them with "
                         "one warning)")
@@ -409,6 +412,8 @@ class Run:
     export_s: float = 0.0
     first_step: int = 1  # after a resume: the step after the checkpoint's
     checkpoints: Any = None  # _checkpoint._train.TrainCheckpoints
+    ssd: Any = None  # _endurance.SsdLedger, with NVMe offload (Note [endurance budget])
+    ssd_seen: Dict[str, int] = field(default_factory=dict)  # its counts at the end of the last step
 
     @property
     def rank0(self) -> bool:
@@ -511,6 +516,23 @@ def _postfix(record: dict) -> Dict[str, str]:
     return out
 
 
+def _count_ssd(run: Run, step: int, record: dict) -> None:
+    """The bytes this step wrote to the SSDs; after the first, the run's projection against
+    the endurance budget (Note [endurance budget] in _endurance.py)."""
+    if run.ssd is None:
+        return
+    written = run.ssd.written()
+    this_step = {p: n - run.ssd_seen.get(p, 0) for p, n in written.items()}
+    record["ssd_written_bytes"] = float(sum(this_step.values()))
+    if step == run.first_step and run.rank0:
+        from ._apps._endurance import budget_warning
+
+        warning = budget_warning(run.cfg.aio, this_step, run.cfg.train.steps - run.first_step + 1)
+        if warning:
+            logger.warning(warning)
+    run.ssd_seen = written
+
+
 def train_loop(run: Run) -> None:
     from tqdm import tqdm
 
@@ -520,6 +542,7 @@ def train_loop(run: Run) -> None:
     try:
         for step in range(run.first_step, cfg.steps + 1):
             record = train_step(run, step)
+            _count_ssd(run, step, record)
             run.stats.add(record)
             if run.rank0:
                 run.telemetry.step({k: v for k, v in record.items() if not k.startswith("_")})
@@ -558,6 +581,11 @@ def start(run: Run) -> None:
     run.model, run.optimizer = infinity.initialize(run.spec.model, config=cfg)
     run.scheduler = make_scheduler(run.optimizer, cfg, cfg.train.steps, cfg.train.lr_warmup_steps)
     paths = nvme_paths(cfg)
+    if paths:
+        from ._apps._endurance import SsdLedger
+
+        run.ssd = SsdLedger(run.optimizer.engine, paths)
+        run.ssd_seen = run.ssd.written()  # what initialize wrote is not a step's
     if run.rank0 and paths:
         # The probe file lives in this run's directory: removed with it, reclaimed with it after a crash.
         where = run.optimizer.engine.swap_dirs.under(paths[0]).path
@@ -633,6 +661,13 @@ def _disk_rows(run: Run, per_rank: List[dict]) -> List[tuple]:
         rows.append((f"  {direction}", achieved, measured))
     moved = sum(r["nvme"].get("total", 0.0) for r in per_rank)
     rows.append(("  moved in training", f"{fmt_bytes(moved)} ({fmt_bytes(moved / max(1, len(run.stats.records)))} per step)"))
+    steps = max(1, len(run.stats.records))
+    tbw = run.cfg.aio.endurance_tbw
+    for path in sorted({p for r in per_rank for p in r.get("ssd", {})}):
+        written = sum(r["ssd"].get(path, 0) for r in per_rank)
+        share = f", {100 * written / (tbw * 1e12):.2g}% of aio.endurance_tbw" if tbw else ""
+        rows.append((f"  SSD writes to {path}", f"{fmt_bytes(written)} this run, initialize and checkpoints "
+                                                f"included ({fmt_bytes(written / steps)} per step{share})"))
     return rows
 
 
@@ -684,13 +719,15 @@ def finish(run: Run) -> Optional[str]:
     engine = run.optimizer.engine
     mine = {"peak_rss": _peak_rss(), "tiers": engine.tier_bytes(),
             "device_peak": engine.device_budget.stats().peak, "allocator_peak": acc.max_memory_allocated(),
-            "nvme": run.stats.tier_totals().get("nvme", {})}
+            "nvme": run.stats.tier_totals().get("nvme", {}), "ssd": run.ssd.written() if run.ssd is not None else {}}
     per_rank = comm.all_gather_object(mine)
     if not run.rank0:
         return None
     text = summary_text(run, per_rank)
     run.telemetry.event({"event": "summary", "peak_rss_per_rank": [r["peak_rss"] for r in per_rank],
                          "disk_probe": run.disk, "tier_totals": run.stats.tier_totals(),
+                         "ssd_written_bytes": {p: sum(r["ssd"].get(p, 0) for r in per_rank)
+                                               for p in sorted({p for r in per_rank for p in r["ssd"]})},
                          "skipped_steps": sum(1 for r in run.stats.records if r.get("skipped")),
                          "export": run.export.__dict__ if run.export else None})
     return text
@@ -711,6 +748,7 @@ def run_job(cfg: Config, checkpoints=None) -> Optional[str]:
             run.first_step = checkpoints.resume_into(run)
             with checkpoints.on_signals():
                 train_loop(run)
+            checkpoints.wait(run)  # the last asynchronous save is committed (or its error raised)
         else:
             train_loop(run)
         if checkpoints is None or checkpoints.stopped_by is None:
@@ -738,7 +776,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = resolve_config(args)
         from ._checkpoint._train import TrainCheckpoints
 
-        checkpoints = TrainCheckpoints.from_args(args.save_every, args.resume, args.keep_last, cfg.train.output_dir)
+        checkpoints = TrainCheckpoints.from_args(args.save_every, args.resume, args.keep_last, cfg.train.output_dir,
+                                                  save_async=args.save_async)
         text = run_job(cfg, checkpoints)
         finished = True
     except (UsageError, InsufficientResourcesError) as err:  # TrainError, DataError, ConfigError among them

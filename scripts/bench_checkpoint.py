@@ -18,7 +18,18 @@ same process, on the same disk:
 Prints our throughput against the disk bandwidth (target >= 70%) and against torch.save,
 as ratios of medians.
 
+``--contenders`` measures instead, for each filesystem (a loop-mounted XFS with reflink that
+the script makes under --dir, with the loop device in direct-I/O mode, when run as root with
+xfsprogs; and the filesystem of --dir itself), in one process per filesystem, against today's
+copy (``clone=False``, blocking) in the same run: the cloned save and load (Note [cloned
+checkpoints] in infinity/_checkpoint/_clone.py), and the asynchronous save (Note [asynchronous
+saves] in infinity/_checkpoint/_async.py): the time of the call, the step that runs while it
+is in flight, the wait left at the end, and the training time lost per save (call + the
+step's slowdown + that wait) against a step without a save. Goals: a cloned save under 5% of
+the copy's time, an asynchronous save costing under 10% of a step.
+
     python scripts/bench_checkpoint.py [--big] [--repeats 3] [--dir DIR]
+    python scripts/bench_checkpoint.py --contenders [--repeats 3] [--dir DIR] [--xfs-gib 16]
 """
 from __future__ import annotations
 
@@ -202,16 +213,172 @@ def report(r: dict) -> None:
           f"growth {(e['peak_rss'] - e['import_rss']) / 2**20:.0f} MiB)")
 
 
+# ---------------------------------------------------------------------------------------- contenders
+
+
+def _sh(*cmd: str) -> str:
+    return subprocess.run(list(cmd), capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+
+
+def mount_xfs(base: str, gib: int):
+    """(mount point, cleanup) of a fresh XFS with reflink on a sparse image under ``base``,
+    its loop device in direct-I/O mode (the image's own page cache would flatter every
+    write); None with the reason when this machine cannot."""
+    if os.geteuid() != 0 or shutil.which("mkfs.xfs") is None:
+        return None, "needs root and xfsprogs (mkfs.xfs)"
+    image, point = os.path.join(base, "xfs.img"), os.path.join(base, "xfs")
+    os.makedirs(point, exist_ok=True)
+    with open(image, "wb") as f:
+        f.truncate(gib * GiB)
+    try:
+        _sh("mkfs.xfs", "-q", "-f", "-m", "reflink=1", image)
+        dev = _sh("losetup", "-f", "--show", "--direct-io=on", image)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return None, f"cannot make or attach the XFS image: {e}"
+
+    def cleanup():
+        subprocess.run(["umount", point], capture_output=True)
+        subprocess.run(["losetup", "-d", dev], capture_output=True)
+        os.remove(image)
+
+    try:
+        _sh("mount", dev, point)
+    except subprocess.CalledProcessError as e:
+        cleanup()
+        return None, f"cannot mount the XFS image: {e.stderr}"
+    return (point, cleanup), ""
+
+
+def _train_step(model, opt, ids) -> float:
+    t = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t
+
+
+def measure_contenders(name: str, work: str, repeats: int) -> dict:
+    """One filesystem: copy vs clone (save, load) and the asynchronous save (module doc)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import infinity
+    from infinity._checkpoint import CheckpointReader
+    from infinity.aio._clone import clone_support, fs_type
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    layers, hidden = MODELS[name]
+    nvme, ck = os.path.join(work, "nvme"), os.path.join(work, "ck")
+    os.makedirs(nvme, exist_ok=True)
+    os.makedirs(ck, exist_ok=True)
+    cfg = config(nvme)
+    with infinity.Init(config=cfg):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=hidden, n_head=hidden // 64, use_cache=False))
+    model, opt = infinity.initialize(model, cfg)
+    ids = torch.randint(0, 50257, (4, 256))
+    _train_step(model, opt, ids)  # the swap files written once
+    support = clone_support(nvme, ck)
+    out = {"model": name, "fs": fs_type(work), "clone_ok": support.ok, "clone_reason": support.reason}
+    timed: dict = {k: [] for k in ("copy_save", "clone_save", "copy_load", "clone_load", "step", "tail", "async_call",
+                                   "async_step", "async_wait", "async_lost")}
+    k = 0
+    for _ in range(repeats):
+        for kind, clone in (("copy", False), ("clone", True)):
+            t = time.perf_counter()
+            path = infinity.save_checkpoint(ck, model, opt, tag=f"{kind}{k}", keep_last=1, clone=clone)
+            timed[f"{kind}_save"].append(time.perf_counter() - t)
+            k += 1
+            t = time.perf_counter()
+            infinity.load_checkpoint(ck, model, opt, clone=clone)
+            timed[f"{kind}_load"].append(time.perf_counter() - t)
+        timed["step"].append(_train_step(model, opt, ids))
+        t = time.perf_counter()
+        opt.engine.settle_writes()  # the step's overlapped tail: any save (or the next forward) waits for it
+        timed["tail"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        handle = infinity.save_checkpoint(ck, model, opt, tag=f"async{k}", keep_last=1, blocking=False)
+        timed["async_call"].append(time.perf_counter() - t)
+        k += 1
+        timed["async_step"].append(_train_step(model, opt, ids))
+        t = time.perf_counter()
+        path = handle.wait()
+        timed["async_wait"].append(time.perf_counter() - t)
+        timed["step"].append(_train_step(model, opt, ids))
+    step = statistics.median(timed["step"])
+    timed["async_lost"] = [c + max(0.0, s - step) + w for c, s, w in
+                           zip(timed["async_call"], timed["async_step"], timed["async_wait"])]
+    out.update({key: statistics.median(v) for key, v in timed.items()})
+    out["runs"] = {key: [round(x, 3) for x in v] for key, v in timed.items()}
+    reader = CheckpointReader(path)
+    out["bytes"] = sum(f["bytes"] for f in reader.manifest["files"].values())
+    reader.close()
+    opt.engine.close()
+    return out
+
+
+def report_contenders(r: dict) -> None:
+    print(f"\n{r['model']} on {r['fs']} (checkpoint {r['bytes'] / GiB:.2f} GiB, every state on NVMe): "
+          f"{'cloning' if r['clone_ok'] else 'no cloning'}: {r['clone_reason']}")
+    print(f"  save: today's copy {r['copy_save']:.3f} s, ours {r['clone_save']:.3f} s -> "
+          f"{100 * r['clone_save'] / r['copy_save']:.1f}% of the copy's time (goal < 5%)   runs {r['runs']['copy_save']} "
+          f"vs {r['runs']['clone_save']}")
+    print(f"  load: today's copy {r['copy_load']:.3f} s, ours {r['clone_load']:.3f} s -> "
+          f"{100 * r['clone_load'] / r['copy_load']:.1f}%")
+    print(f"  step {r['step']:.2f} s (its overlapped tail, which a save joins first, {r['tail']:.2f} s, counted in "
+          f"neither save); asynchronous save: call {r['async_call']:.3f} s, the step during it "
+          f"{r['async_step']:.2f} s, wait left after it {r['async_wait']:.3f} s   steps without a save "
+          f"{r['runs']['step']}, during one {r['runs']['async_step']}")
+    print(f"  training time lost per save: blocking copy {r['copy_save']:.3f} s = {100 * r['copy_save'] / r['step']:.1f}% "
+          f"of a step; asynchronous {r['async_lost']:.3f} s = {100 * r['async_lost'] / r['step']:.1f}% of a step "
+          f"(goal < 10%); ratio async / copy {r['async_lost'] / r['copy_save']:.3f}")
+
+
+def contenders(args) -> int:
+    base = tempfile.mkdtemp(prefix="infinity-bench-ck-", dir=args.dir)
+    targets = []
+    mounted, reason = mount_xfs(base, args.xfs_gib) if args.only in (None, "xfs") else (None, "--only own")
+    if mounted is None:
+        print(f"loop XFS: skipped ({reason})")
+    else:
+        targets.append(mounted[0])
+    if args.only in (None, "own"):
+        targets.append(os.path.join(base, "own"))
+    models = ["gpt2-124M"] * (not args.big_only) + ["gpt-1.3B"] * (args.big or args.big_only)
+    try:
+        for work in targets:
+            os.makedirs(work, exist_ok=True)
+            for name in models:
+                proc = subprocess.run([sys.executable, __file__, "--model", name, "--dir", work, "--contenders",
+                                       "--repeats", str(args.repeats)], capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(proc.stderr[-4000:], file=sys.stderr)
+                    return 1
+                report_contenders(json.loads(proc.stdout.strip().splitlines()[-1]))
+    finally:
+        if mounted is not None:
+            mounted[1]()
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--big", action="store_true", help="also the ~1.3B model (about 60 GB of disk)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", help="scratch directory on the disk to measure (default: the temp dir)")
+    p.add_argument("--contenders", action="store_true", help="cloned and asynchronous saves against the copy")
+    p.add_argument("--xfs-gib", type=int, default=16, help="size of the loop XFS image (sparse)")
+    p.add_argument("--only", choices=("xfs", "own"), help="--contenders on one filesystem only")
+    p.add_argument("--big-only", action="store_true", help="only the ~1.3B model")
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.model:  # one model, in its own process
-        print(json.dumps(measure(args.model, args.dir, args.repeats)))
+        fn = measure_contenders if args.contenders else measure
+        print(json.dumps(fn(args.model, args.dir, args.repeats)))
         return 0
+    if args.contenders:
+        return contenders(args)
     names = ["gpt2-124M"] + (["gpt-1.3B"] if args.big else [])
     for name in names:
         work = tempfile.mkdtemp(prefix="infinity-bench-ck-", dir=args.dir)

@@ -1,6 +1,6 @@
 """kill -9 at random moments of a loop of checkpoint saves; check what is left every time.
 
-    python scripts/checkpoint_kill_loop.py --trials 20 [--dir DIR] [--seed S]
+    python scripts/checkpoint_kill_loop.py --trials 20 [--dir DIR] [--seed S] [--async]
 
 Each trial starts a child that trains a model with every state on NVMe and saves a
 checkpoint after every step (keep_last=2); once it has saved at least once, the child gets
@@ -8,6 +8,8 @@ SIGKILL at a random moment (most land inside a save: a save takes most of a step
 Then, in this process: ``latest`` must name a checkpoint whose every file matches the
 manifest, and that checkpoint must load into a fresh model. Prints ``K/K trials`` and exits
 0 when every trial passed (Note [crash-safe commit] in infinity/_checkpoint/_save.py).
+``--async``: the child saves with ``blocking=False`` (each save waits for the one before), so
+most kills land while a save's thread writes or commits and the next step runs.
 """
 from __future__ import annotations
 
@@ -45,17 +47,22 @@ def config(nvme: str) -> dict:
             "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-3}}
 
 
-def child(directory: str) -> None:
+def child(directory: str, asynchronous: bool) -> None:
     import infinity
 
     torch.manual_seed(0)
     model, opt = infinity.initialize(Stack(), config(os.path.join(directory, "nvme")))
     x = torch.randn(4, DIM)
+    first = True
     while True:
         model(x).backward()
         opt.step()
         opt.zero_grad()
-        infinity.save_checkpoint(os.path.join(directory, "ck"), model, opt, keep_last=2)
+        saved = infinity.save_checkpoint(os.path.join(directory, "ck"), model, opt, keep_last=2,
+                                         blocking=not asynchronous)
+        if first and asynchronous:
+            saved.wait()  # the parent kills only once a checkpoint exists
+        first = False
         print("saved", flush=True)
 
 
@@ -82,9 +89,10 @@ def check(directory: str) -> str:
     return ""
 
 
-def trial(directory: str, rng: random.Random) -> tuple:
+def trial(directory: str, rng: random.Random, asynchronous: bool = False) -> tuple:
     """(what is wrong or '', whether the kill landed inside a save: a partial directory left)"""
-    proc = subprocess.Popen([sys.executable, __file__, "--child", directory], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--child", directory] + (["--async"] if asynchronous else []),
+                            stdout=subprocess.PIPE, text=True)
     try:
         if proc.stdout.readline().strip() != "saved":
             return f"the child exited with {proc.wait()} before its first save", False
@@ -105,10 +113,11 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--dir", help="scratch directory (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async", dest="asynchronous", action="store_true", help="the child saves with blocking=False")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.child)
+        child(args.child, args.asynchronous)
         return 0
     torch.set_num_threads(1)
     base = args.dir or tempfile.mkdtemp(prefix="infinity-kill-")
@@ -118,7 +127,7 @@ def main(argv=None) -> int:
         directory = os.path.join(base, f"trial{t}")
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
-        problem, during_save = trial(directory, rng)
+        problem, during_save = trial(directory, rng, args.asynchronous)
         print(f"trial {t + 1}: {'ok' if not problem else 'FAILED: ' + problem}"
               f"{' (killed during a save)' if during_save else ''}", flush=True)
         passed += not problem

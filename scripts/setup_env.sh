@@ -16,6 +16,13 @@ if ! [ -e /usr/include/liburing.h ]; then
   fi
 fi
 
+# xfsprogs for the cloned-checkpoint tests, which make and loop-mount an XFS with reflink (skipped without it).
+if ! command -v mkfs.xfs >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing xfsprogs"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq xfsprogs) >/dev/null \
+    || echo "[setup] could not install xfsprogs; the cloned-checkpoint tests will be skipped"
+fi
+
 # torch: pinned, because a bare requirement pulls a multi-GB CUDA build.
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0"

@@ -44,15 +44,17 @@ def losses(trainer) -> list:
 
 
 def main(argv):
-    """``python _trainer_job.py OUT NVME MAX_STEPS [resume]``: InfinityTrainer saving every step."""
+    """``python _trainer_job.py OUT NVME MAX_STEPS [resume] [async]``: InfinityTrainer saving every
+    step (``async``: without stopping, ``save_async=True``)."""
     from infinity.integrations.transformers import InfinityTrainer
 
     out, nvme, steps = argv[0], argv[1], int(argv[2])
     cfg = {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                     "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
     args = training_args(out, max_steps=steps, save_strategy="steps", save_steps=1, save_total_limit=2)
-    trainer = InfinityTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), infinity_config=cfg)
-    trainer.train(resume_from_checkpoint=True if len(argv) > 3 else None)
+    trainer = InfinityTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), infinity_config=cfg,
+                              save_async="async" in argv[3:])
+    trainer.train(resume_from_checkpoint=True if "resume" in argv[3:] else None)
     with open(os.path.join(out, "losses.json"), "w") as f:
         json.dump([h for h in trainer.state.log_history if "loss" in h], f)
 

@@ -47,7 +47,7 @@ def _run(combo, steps, nvme, *, seed=0, load=None, save=None, tag=None):
     extra = infinity.load_checkpoint(load, model, opt, tag=tag) if load else None
     losses = _train(model, opt, steps)
     if save:
-        infinity.save_checkpoint(save, model, opt, tag=tag, data_position=len(steps))
+        infinity.save_checkpoint(save, model, opt, tag=tag, client_state={"data_position": len(steps)})
     out = losses, _params(model), extra
     opt.engine.close()
     return out
@@ -210,7 +210,7 @@ def _save_twice(tmp, combo, out):
     except UsageError as e:
         errors.append(str(e))
     try:
-        infinity.save_checkpoint(out, model, opt, tag="bad", callback=lambda: 0)  # not picklable
+        infinity.save_checkpoint(out, model, opt, tag="bad", client_state={"callback": lambda: 0})  # not picklable
     except UsageError as e:
         errors.append(str(e))
     for tag in ("b", "c", "d"):

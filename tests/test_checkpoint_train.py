@@ -63,3 +63,23 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     again = run_cli(["--config", cfg, "--output-dir", out, "--resume", "auto", "--steps", str(step + 1), "--no-save"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"after step {step}" in again.stderr
+
+
+def test_save_async_resumes_like_blocking_saves(tmp_path):
+    """--save-async: each save goes on while the next steps run; the run, and a resume from
+    its checkpoint, log the same losses as with blocking saves."""
+    cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=6))
+    sync_out, async_out = str(tmp_path / "sync"), str(tmp_path / "async")
+    a = run_cli(["--config", cfg, "--output-dir", sync_out, "--steps", "4", "--save-every", "2", "--no-save"])
+    b = run_cli(["--config", cfg, "--output-dir", async_out, "--steps", "4", "--save-every", "2", "--save-async",
+                 "--keep-last", "1", "--no-save"])
+    for proc in (a, b):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _steps(sync_out) == _steps(async_out)
+    assert sorted(os.listdir(os.path.join(async_out, "checkpoints"))) == ["latest", "step4"]
+    c = run_cli(["--config", cfg, "--output-dir", async_out, "--resume", "auto", "--no-save"])
+    d = run_cli(["--config", cfg, "--output-dir", sync_out, "--resume", "auto", "--no-save"])
+    for proc in (c, d):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after step 4" in c.stderr
+    assert _steps(sync_out) == _steps(async_out)

@@ -122,7 +122,7 @@ def test_resume_on_the_device_matches_the_uninterrupted_run(cell, tmp_path, devi
     model, opt = infinity.initialize(build(cell.kind), config=cell.config(nvme))
     try:
         losses = _steps(model, opt, cell.kind, pairs[:2], device)
-        infinity.save_checkpoint(ck, model, opt, data_position=2)
+        infinity.save_checkpoint(ck, model, opt, client_state={"data_position": 2})
     finally:
         opt.engine.close()
     more, params = _resumed(cell, nvme, ck, pairs[2:], device)

@@ -97,9 +97,10 @@ def test_save_model_writes_a_hugging_face_directory(tmp_path):
         assert torch.allclose(loaded(input_ids=ids).logits, ours.model(input_ids=ids).logits, atol=1e-5)
 
 
-def _run_job(out: str, nvme: str, steps: int, resume: bool = False) -> subprocess.Popen:
+def _run_job(out: str, nvme: str, steps: int, resume: bool = False, save_async: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    cmd = [sys.executable, str(HERE / "_trainer_job.py"), out, nvme, str(steps)] + (["resume"] if resume else [])
+    cmd = [sys.executable, str(HERE / "_trainer_job.py"), out, nvme, str(steps)] + (["resume"] if resume else []) \
+        + (["async"] if save_async else [])
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -115,13 +116,14 @@ def _step_losses(path: str) -> dict:
     return {h["step"]: h["loss"] for h in json.loads(Path(path).read_text())}
 
 
-def test_save_kill_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("save_async", [False, True], ids=["blocking", "async"])
+def test_save_kill_resume_continues_exactly(tmp_path, save_async):
     steps = 6
     ref = _run_job(str(tmp_path / "ref"), str(tmp_path / "nvme_ref"), steps)
     assert ref.wait(timeout=300) == 0, ref.stderr.read().decode()[-3000:]
     expected = _step_losses(str(tmp_path / "ref" / "losses.json"))
     out = str(tmp_path / "run")
-    job = _run_job(out, str(tmp_path / "nvme"), steps)
+    job = _run_job(out, str(tmp_path / "nvme"), steps, save_async=save_async)
     deadline = time.monotonic() + 300
     while not _complete_checkpoints(out) or _complete_checkpoints(out)[-1] < 2:
         assert job.poll() is None, "the job ended before it was killed"
@@ -132,7 +134,7 @@ def test_save_kill_resume_continues_exactly(tmp_path):
     assert job.returncode == -signal.SIGKILL
     saved = _complete_checkpoints(out)[-1]
     assert saved < steps
-    resumed = _run_job(out, str(tmp_path / "nvme"), steps, resume=True)
+    resumed = _run_job(out, str(tmp_path / "nvme"), steps, resume=True, save_async=save_async)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
     got = _step_losses(os.path.join(out, "losses.json"))
     after = [s for s in range(1, steps + 1) if s > saved]

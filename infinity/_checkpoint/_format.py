@@ -5,13 +5,14 @@ one subdirectory per tag and a ``latest`` file naming the newest complete one:
 
     <dir>/latest                      the tag of the newest complete checkpoint (one line)
     <dir>/<tag>/manifest.json         written last: what is below, every file's size and CRC-32
+                                      ("crc32"; "crc32c" for a file cloned from a swap file)
     <dir>/<tag>/rank<r>/params.bin    rank r's compute-dtype shards, the parameter store's flat
                                       space (every unit, frozen ones too)
     <dir>/<tag>/rank<r>/master.bin    rank r's fp32 master weights, the optimizer's flat space
     <dir>/<tag>/rank<r>/exp_avg.bin   ... the first Adam moments, same offsets
     <dir>/<tag>/rank<r>/exp_avg_sq.bin  ... the second moments, same offsets
     <dir>/<tag>/rank<r>/rng.pt        rank r's RNG states (torch, cuda, python, numpy)
-    <dir>/<tag>/extra.pt              the caller's ``**extra`` and the model's buffers (rank 0)
+    <dir>/<tag>/extra.pt              the caller's ``client_state`` and the model's buffers (rank 0)
     <dir>/<tag>/hf/                   the Hugging Face config files of the model, if it has them
 
 Every flat space is the shard layout (Note [shard layout] in _unit.py): a parameter of
@@ -30,8 +31,10 @@ import os
 import time
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
+from ..aio._checksum import BLOCK
 from ..errors import StorageError, UsageError
 from ._io import Mover, check_file, copy_into
 
@@ -169,17 +172,23 @@ class CheckpointReader:
         self.params: Dict[str, dict] = {p["name"]: p for p in self.manifest["params"]}
         self.mover = mover or Mover()
         self._checked: set = set()
+        self.blocks: Dict[str, np.ndarray] = {}
 
     def file(self, rel: str) -> str:
         return os.path.join(self.path, rel)
 
-    def verify(self, rels) -> None:
-        """Check the size and CRC-32 of these files (relative paths), each once."""
+    def verify(self, rels, blocks_of=()) -> None:
+        """Check the size and checksum of these files (relative paths), each once; for those
+        in ``blocks_of`` also keep their 4 KiB blocks' CRC32Cs (``self.blocks``), for a clone
+        back (Note [cloned checkpoints] in _clone.py)."""
         files = self.manifest["files"]
         for rel in sorted(set(rels) - self._checked):
             if rel not in files:
                 raise StorageError(f"{self.file(MANIFEST)} lists no file {rel}: the checkpoint is incomplete")
-            check_file(self.mover, self.file(rel), files[rel]["bytes"], files[rel]["crc32"])
+            blocks = np.zeros(-(-files[rel]["bytes"] // BLOCK), dtype=np.uint32) if rel in blocks_of else None
+            check_file(self.mover, self.file(rel), files[rel], blocks)
+            if blocks is not None:
+                self.blocks[rel] = blocks
             self._checked.add(rel)
 
     def read(self, name: str, array: str = "params") -> torch.Tensor:

@@ -13,11 +13,15 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from .._offload._swap import new_aio, wait_io
 from ..aio import AsyncIO, aligned_empty
+from ..aio._checksum import BLOCK
+from ..aio._native import ffi, lib
 from ..errors import StorageError
+from ._clone import block_sums
 
 CHUNK_BYTES = 16 << 20
 BUFFERS = 4
@@ -33,6 +37,12 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def crc_of(t: torch.Tensor, crc: int = 0) -> int:
     """CRC-32 of a CPU tensor's bytes, continuing ``crc`` (zlib releases the GIL meanwhile)."""
     return zlib.crc32(memoryview(as_bytes(t).numpy()), crc)
+
+
+def crc32c_of(t: torch.Tensor, crc: int = 0) -> int:
+    """CRC32C of a CPU tensor's bytes, continuing ``crc``."""
+    data = as_bytes(t).numpy()
+    return int(lib.infinity_aio_crc32c(crc, ffi.from_buffer(data), data.size, 0))
 
 
 def fsync_path(path: str) -> None:
@@ -109,11 +119,20 @@ class Mover:
         for w in self.writers:
             self._wait(w, "checkpoint writes")
 
-    def checksum(self, path: str, nbytes: int) -> int:
-        state = [0]
+    def checksum(self, path: str, nbytes: int, kind: str = "crc32", blocks: Optional[np.ndarray] = None) -> int:
+        """The CRC-32 (``kind`` "crc32") or CRC32C ("crc32c") of the file's first ``nbytes``;
+        ``blocks``: also the CRC32C of each 4 KiB block, into that uint32 array."""
+        state = [0, 0]  # checksum, bytes so far
 
         def fold(buf, _):
-            state[0] = crc_of(buf, state[0])
+            if kind == "crc32c":
+                state[0] = crc32c_of(buf, state[0])
+            else:
+                state[0] = crc_of(buf, state[0])
+            if blocks is not None:
+                first = state[1] // BLOCK
+                block_sums(buf.numpy(), blocks[first : first + -(-buf.numel() // BLOCK)])
+            state[1] += buf.numel()
 
         self.stream([(path, 0, nbytes)], fold)
         return state[0]
@@ -193,8 +212,13 @@ def copy_into(mover: Mover, pieces: List[Tuple[str, int, int]], dest: Place, des
     mover.stream(pieces, put)
 
 
-def check_file(mover: Mover, path: str, nbytes: int, crc: int) -> None:
-    """The file has ``nbytes`` bytes and CRC-32 ``crc``, or StorageError naming it."""
+def check_file(mover: Mover, path: str, entry: dict, blocks: Optional[np.ndarray] = None) -> None:
+    """The file has the manifest ``entry``'s bytes and CRC-32 (``crc32``) or CRC32C
+    (``crc32c``, a cloned file: Note [cloned checkpoints] in _clone.py), or StorageError naming
+    it; ``blocks``: its 4 KiB blocks' CRC32Cs, from the same read."""
+    nbytes = entry["bytes"]
+    kind = "crc32c" if "crc32c" in entry else "crc32"
+    crc = entry[kind]
     try:
         size = os.path.getsize(path)
     except OSError as e:
@@ -203,7 +227,8 @@ def check_file(mover: Mover, path: str, nbytes: int, crc: int) -> None:
     if size != nbytes:
         raise StorageError(f"checkpoint file {path} has {size} bytes, the manifest says {nbytes}: the file is "
                            f"truncated or was changed; load another tag or the previous checkpoint")
-    got = mover.checksum(path, nbytes)
+    got = mover.checksum(path, nbytes, kind, blocks)
     if got != crc:
-        raise StorageError(f"checkpoint file {path} fails its checksum (CRC-32 {got:08x}, the manifest says "
+        name = "CRC32C" if kind == "crc32c" else "CRC-32"
+        raise StorageError(f"checkpoint file {path} fails its checksum ({name} {got:08x}, the manifest says "
                            f"{crc:08x}): its contents are corrupt; load another tag or the previous checkpoint")

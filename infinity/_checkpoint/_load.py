@@ -19,18 +19,22 @@ from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._zero._param import raw_data
 from ..errors import StorageError, UsageError
+from ._clone import Cloner, entries_of
 from ._format import STATE_ARRAYS, CheckpointReader, itemsize, merged, pieces, rank_file, resolve
 from ._io import Mover, copy_into
 from ._model import agree, check_compatible, engine_and_optimizer, failure
-from ._save import EXTRA, RNG
+from ._save import EXTRA, RNG, finish_pending
 
 
-def load_checkpoint(directory, model, optimizer, tag=None) -> dict:
+def load_checkpoint(directory, model, optimizer, tag=None, *, clone: bool = True):
     """Load the checkpoint ``<directory>/<tag>`` (tag None: the latest complete one) into
     ``model`` and ``optimizer`` from ``infinity.initialize``, whatever the world size and the
-    placement it was saved with; return the ``extra`` it was saved with. Collective. The
-    checkpoint's ``extra.pt`` is a pickle: load checkpoints you trust."""
+    placement it was saved with; return the ``client_state`` it was saved with ({} if none).
+    Collective. ``clone``: swap files are cloned from the checkpoint where the filesystem
+    shares extents (Note [cloned checkpoints] in _clone.py), else copied. The checkpoint's
+    ``extra.pt`` is a pickle: load checkpoints you trust."""
     engine, opt = engine_and_optimizer(model, optimizer, "load_checkpoint")
+    finish_pending(engine, "load_checkpoint")  # a save in flight reads the stores this load rewrites
     engine.settle_writes()
     path = agree(_resolve(directory, tag) if comm.rank() == 0 else None, "load_checkpoint")[0]
     reader = CheckpointReader(path, Mover(engine.cfg.aio))
@@ -38,9 +42,15 @@ def load_checkpoint(directory, model, optimizer, tag=None) -> dict:
         manifest = reader.manifest
         check_compatible(engine, opt, manifest, path)
         plan = _plan(engine, opt, reader)
-        agree(_verify(reader, plan, engine.rank), "load_checkpoint")
+        clones = _clones(engine, opt, reader, plan, Cloner(clone))
+        agree(_verify(reader, plan, engine.rank, clones), "load_checkpoint")
         for dest, items in plan:
             if dest is None:
+                continue
+            rel = items[0][0] if items else None
+            if rel in clones:
+                clones[rel].clone_back(reader.file(rel), dest, reader.manifest["files"][rel]["bytes"],
+                                       entries_of(reader.blocks[rel], reader.manifest["files"][rel]["bytes"]))
                 continue
             copy_into(reader.mover, [(reader.file(rel), off, n) for rel, off, _, n in items], dest,
                       [at for _, _, at, _ in items])
@@ -93,14 +103,34 @@ def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
     return plan
 
 
+def _clones(engine, opt, reader: CheckpointReader, plan, cloner: Cloner) -> Dict[str, Cloner]:
+    """{checkpoint file: cloner} of the swap files this rank fills by a clone of a whole
+    checkpoint file: saved at this world size and layout, so the file is the swap file's first
+    bytes, at the same offsets (Note [cloned checkpoints] in _clone.py)."""
+    m = reader.manifest
+    if (m["world_size"], m["param_total"], m["opt_total"]) != (engine.world_size, opt.layout.param_total,
+                                                               opt.layout.opt_total):
+        return {}
+    out = {}
+    for dest, items in plan:
+        rels = {rel for rel, *_ in items}
+        if not isinstance(dest, str) or len(rels) != 1 or any(src != dst for _, src, dst, _ in items):
+            continue
+        rel = rels.pop()
+        if rel == rank_file(engine.rank, os.path.basename(rel)[: -len(".bin")]) and \
+                cloner.can(reader.file(rel), os.path.dirname(dest)):
+            out[rel] = cloner
+    return out
+
+
 def _named(items, array: str) -> List[tuple]:
     return [(rank_file(k, array), src, dst, n) for k, src, dst, n in items]
 
 
-def _verify(reader: CheckpointReader, plan, rank: int):
+def _verify(reader: CheckpointReader, plan, rank: int, clones=()):
     try:
         reader.verify({rel for _, items in plan for rel, *_ in items} | {EXTRA} |
-                      ({f"rank{rank}/{RNG}"} if reader.world == comm.world_size() else set()))
+                      ({f"rank{rank}/{RNG}"} if reader.world == comm.world_size() else set()), blocks_of=clones)
     except (StorageError, OSError) as e:
         return failure(e)
     return None

@@ -14,22 +14,21 @@ names the new one.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
-import random
 import shutil
 import uuid
-import zlib
-from typing import Dict, Optional
-
-import torch
+from typing import Optional, Union
 
 from .._offload._swap import OWNER, _owner_gone, _owner_line
-from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
-from .._zero._param import raw_data
+from .._runtime._log import logger
 from .._zero._tiling import untiled_layout
-from ..errors import InfinityError, InsufficientResourcesError, UsageError
+from ..errors import InfinityError, InsufficientResourcesError, UsageError, UsageTypeError
+from ._async import SaveHandle
+from ._async import start as start_async
+from ._clone import Cloner
 from ._format import (
     FORMAT,
     LATEST,
@@ -39,48 +38,125 @@ from ._format import (
     check_tag,
     complete_checkpoints,
     fsync_dir,
-    itemsize,
     now,
-    rank_file,
     write_atomic,
 )
-from ._io import FileSink, Mover, fsync_path
+from ._io import Mover
 from ._model import agree, engine_and_optimizer, failure, param_entries
-from ._safetensors_export import _persistent_buffers
+from ._snapshot import EXTRA, RNG, finish_rank, run_jobs, snapshot
 
-EXTRA, RNG = "extra.pt", "rng.pt"
+__all__ = ["EXTRA", "RNG", "save_checkpoint", "finish_pending"]
+
 SMALL_FILES_BYTES = 64 << 20  # room kept for the manifest, RNG states, extra and config files
 
 
-def save_checkpoint(directory, model, optimizer, tag=None, *, keep_last: Optional[int] = None, **extra) -> str:
+def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None, keep_last: Optional[int] = None,
+                    blocking: bool = True, clone: bool = True) -> Union[str, SaveHandle]:
     """Save every state of ``model`` and ``optimizer`` (from ``infinity.initialize``) as
     ``<directory>/<tag>`` (tag None: ``step<optimizer steps>``) and point ``latest`` at it.
-    Collective: every rank calls it with the same arguments. ``extra`` (picklable values, e.g.
-    the LR scheduler's state_dict and the data position) comes back from ``load_checkpoint``.
-    ``keep_last``: then remove all but the newest ``keep_last`` complete checkpoints.
-    Returns the checkpoint's path. Note [crash-safe commit], Note [checkpoint layout]."""
+    Collective: every rank calls it with the same arguments. ``client_state`` (a picklable
+    value, e.g. {"scheduler": its state_dict, "data_position": i}) comes back from
+    ``load_checkpoint``. ``keep_last``: then remove all but the newest ``keep_last`` complete
+    checkpoints. ``clone``: NVMe states are cloned where the filesystem shares extents (Note
+    [cloned checkpoints] in _clone.py), else copied. Returns the checkpoint's path; with
+    ``blocking=False`` at once a ``SaveHandle`` (``wait()``, ``done()``) of a save that goes on
+    while training does (Note [asynchronous saves] in _async.py). A save in flight is waited
+    for first, and its failure raised. Note [crash-safe commit], Note [checkpoint layout]."""
+    if not isinstance(blocking, bool) or not isinstance(clone, bool):
+        raise UsageTypeError(f"save_checkpoint: blocking and clone are True or False, got {blocking!r}, {clone!r}")
     engine, opt = engine_and_optimizer(model, optimizer, "save_checkpoint")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise UsageError(f"save_checkpoint: keep_last must be an int >= 1 (or None to keep all), got {keep_last!r}")
+    finish_pending(engine, "save_checkpoint")
     directory = os.path.abspath(os.fspath(directory))
     tag = check_tag(tag if tag is not None else f"step{opt._step}")
     engine.settle_writes()  # the overlapped step and every shard write have landed
     token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # rank 0's
     tmp = os.path.join(directory, f".tmp-{tag}-{token}")
-    agree(_prepare(directory, tag, tmp, _bytes_needed(engine, opt)), "save_checkpoint")
-    try:
-        files = agree(_write_rank(engine, opt, tmp, extra), "save_checkpoint")
-    except InfinityError:
-        if comm.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing refers to it: latest still names the previous one
-        raise
     final = os.path.join(directory, tag)
-    if comm.rank() == 0:
-        error = _commit(engine, opt, tmp, final, tag, token, {k: v for f in files for k, v in f.items()}, keep_last)
-    else:
-        error = None
+    agree(_prepare(directory, tag, tmp, _bytes_needed(engine, opt)), "save_checkpoint")
+    head = _manifest_head(engine, opt, tag) if comm.rank() == 0 else None  # the states as of this call
+    extra = {} if client_state is None else client_state
+    mover = Mover(engine.cfg.aio)
+    taken = _snapshot_rank(engine, opt, tmp, extra, Cloner(clone), mover, stage=not blocking)
+    if not blocking:
+        try:
+            made, jobs = agree_or_abandon(taken, tmp, local=True)
+        except InfinityError:
+            mover.close()
+            raise
+        commit = (lambda files: _commit_or_abandon(head, tmp, final, tag, token, files, keep_last)) \
+            if comm.rank() == 0 else None
+        return start_async(engine, tmp, final, made, jobs, mover, commit, opt.store.checkpoint_done)
+    try:
+        made, jobs = agree_or_abandon(taken, tmp, local=True)
+        files = agree_or_abandon(_write_rank(engine, opt, tmp, made, jobs, mover), tmp)
+    finally:
+        mover.close()
+    error = _commit(head, tmp, final, tag, token, {k: v for f in files for k, v in f.items()}, keep_last) \
+        if comm.rank() == 0 else None
     agree(error, "save_checkpoint")
     return final
+
+
+def finish_pending(engine, what: str) -> None:
+    """Collective: wait for this engine's save in flight, if any (Note [asynchronous saves]
+    in _async.py); a failure on any rank raises on every rank."""
+    pending, engine.save_fence.pending = engine.save_fence.pending, None
+    error = None
+    if pending is not None:
+        try:
+            pending.wait(comm.timeout_s())
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = failure(e)
+            error = (error[0], error[1], f"the asynchronous save before this call failed: {error[2]}")
+    agree(error, what)
+
+
+def agree_or_abandon(result, tmp: str, *, local: bool = False):
+    """``agree`` on each rank's result (``local``: only on whether it failed; this rank's result
+    is returned); on a failure rank 0 removes the temporary directory (nothing refers to it:
+    ``latest`` still names the previous checkpoint)."""
+    try:
+        if local:
+            agree(result if _failed(result) else None, "save_checkpoint")
+            return result
+        return agree(result, "save_checkpoint")
+    except InfinityError:
+        if comm.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _failed(result) -> bool:
+    return isinstance(result, tuple) and len(result) == 3 and result[0] == "failed"
+
+
+def _snapshot_rank(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stage: bool):
+    """This rank's ``snapshot`` (files made now, jobs left), or its failure."""
+    try:
+        made, jobs = snapshot(engine, opt, tmp, extra, cloner, mover, stage=stage)
+        if cloner.cloned_bytes:
+            logger.info(f"checkpoint: rank {engine.rank} cloned {cloner.cloned_bytes / 2**20:.1f} MiB of NVMe "
+                        f"states into {tmp}")
+        return made, jobs
+    except Exception as e:  # noqa: BLE001 - e.g. an unpicklable client_state: every rank must hear of it
+        opt.store.checkpoint_done()
+        return failure(e)
+
+
+def _write_rank(engine, opt, tmp: str, made: dict, jobs, mover: Mover):
+    """This rank's files: {relative path: {bytes, checksum}}, or its failure."""
+    try:
+        try:
+            files = dict(made)
+            files.update(run_jobs(jobs, mover))
+        finally:
+            opt.store.checkpoint_done()  # e.g. compressed moments' staging files
+        finish_rank(tmp, engine.rank, mover)
+        return files
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it
+        return failure(e)
 
 
 def _bytes_needed(engine, opt) -> int:
@@ -120,116 +196,37 @@ def _remove_leftovers(directory: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _write_rank(engine, opt, tmp: str, extra: dict):
-    """This rank's files: {relative path: {bytes, crc32}}, or its failure."""
-    rank = engine.rank
+def _manifest_head(engine, opt, tag: str) -> dict:
+    """The manifest but for its files, as of the call (an asynchronous save commits later)."""
+    return {
+        "format": FORMAT, "version": VERSION, "tag": tag, "step": opt._step,
+        "world_size": engine.world_size, "stage": engine.cfg.zero.stage, "dtype": str(engine.dtype),
+        "param_total": opt.layout.param_total, "opt_total": opt.layout.opt_total,
+        "params": param_entries(engine, opt),
+        "tiled": untiled_layout(engine.model),  # Note [untiled export] in tiling.py
+        "groups": [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in opt.param_groups],
+        "scaler": copy.deepcopy(opt.scaler.state_dict()) if opt.scaler is not None else None,
+    }
+
+
+def _commit_or_abandon(head: dict, tmp: str, final: str, tag: str, token: str, files_of, keep_last):
+    """Rank 0's thread of an asynchronous save: gather the ranks' files, then commit; the
+    temporary directory goes if either fails (the other ranks see it gone)."""
     try:
-        os.makedirs(os.path.join(tmp, f"rank{rank}"), exist_ok=True)
-        mover = Mover(engine.cfg.aio)
-        try:
-            out = {}
-            out[rank_file(rank, "params")] = _write_params(engine, opt, tmp, mover)
-            sources = opt.store.checkpoint_sources()
-            try:
-                for name in STATE_ARRAYS:
-                    out[rank_file(rank, name)] = _write_flat(tmp, rank_file(rank, name), sources[name], 4 * opt.total,
-                                                             mover)
-            finally:
-                opt.store.checkpoint_done()  # e.g. compressed moments' staging files
-            mover.synced()
-        finally:
-            mover.close()
-        out[f"rank{rank}/{RNG}"] = _save_small(rng_states(), os.path.join(tmp, f"rank{rank}", RNG))
-        if rank == 0:
-            out[EXTRA] = _save_small({"extra": extra, "buffers": _buffers(engine.model)}, os.path.join(tmp, EXTRA))
-            out.update(_hf_files(engine.model, tmp))
-        fsync_dir(os.path.join(tmp, f"rank{rank}"))
-        return out
-    except Exception as e:  # noqa: BLE001 - e.g. an unpicklable extra: every rank must hear of it
-        return failure(e)
+        files = files_of()
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    error = _commit(head, tmp, final, tag, token, files, keep_last)
+    if error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return error
 
 
-def _write_flat(tmp: str, rel: str, source, nbytes: int, mover: Mover) -> dict:
-    sink = FileSink(os.path.join(tmp, rel), mover, nbytes)
-    sink.append(source, 0, nbytes)
-    size, crc = sink.close()
-    return {"bytes": size, "crc32": crc}
-
-
-def _write_params(engine, opt, tmp: str, mover: Mover) -> dict:
-    """The compute-dtype shards: the parameter store (stage 3), else each unit's shard cut
-    from its whole parameters, one unit at a time, at the layout's offsets."""
-    rel = rank_file(engine.rank, "params")
-    size = itemsize(engine.dtype)
-    if opt.param_store is not None:
-        return _write_flat(tmp, rel, opt.param_store.checkpoint_source(), size * opt.layout.param_total, mover)
-    sink = FileSink(os.path.join(tmp, rel), mover, opt.layout.param_total * size)
-    for unit in engine.units:
-        sink.zeros(unit.param_offset * size - sink.size)
-        shard = unit.shard_of([raw_data(p) for p in unit.params], engine.dtype)
-        sink.append(shard.cpu(), 0, shard.numel() * size)
-    sink.zeros(opt.layout.param_total * size - sink.size)
-    nbytes, crc = sink.close()
-    return {"bytes": nbytes, "crc32": crc}
-
-
-def _save_small(obj, path: str) -> dict:
-    """A small file through torch.save, fsynced; its size and CRC-32."""
-    torch.save(obj, path)
-    return _small_entry(path)
-
-
-def _small_entry(path: str) -> dict:
-    """Size and CRC-32 of a small file, once fsynced."""
-    fsync_path(path)
-    with open(path, "rb") as f:
-        data = f.read()
-    return {"bytes": len(data), "crc32": zlib.crc32(data)}
-
-
-def _buffers(model) -> Dict[str, torch.Tensor]:
-    """The model's persistent buffers (rank 0's: every rank holds the same)."""
-    return {name: b.detach().cpu().clone() for name, b in _persistent_buffers(model).items()}
-
-
-def _hf_files(model, tmp: str) -> dict:
-    """The Hugging Face config (and generation config) of the model, for export."""
-    out = {}
-    hf = os.path.join(tmp, "hf")
-    for attr in ("config", "generation_config"):
-        cfg = getattr(model, attr, None)
-        if cfg is None or not hasattr(cfg, "save_pretrained"):
-            continue
-        os.makedirs(hf, exist_ok=True)
-        cfg.save_pretrained(hf)
-    for name in sorted(os.listdir(hf)) if os.path.isdir(hf) else []:
-        out[f"hf/{name}"] = _small_entry(os.path.join(hf, name))
-    if out:
-        fsync_dir(hf)
-    return out
-
-
-def rng_states() -> dict:
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "cuda": acc.get_rng_state(),
-            "python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)}
-
-
-def _commit(engine, opt, tmp: str, final: str, tag: str, token: str, files: dict, keep_last) -> Optional[str]:
+def _commit(head: dict, tmp: str, final: str, tag: str, token: str, files: dict, keep_last) -> Optional[tuple]:
     """Rank 0, once every rank's files are written: Note [crash-safe commit]."""
     try:
-        manifest = {
-            "format": FORMAT, "version": VERSION, "tag": tag, "saved_at": now(), "step": opt._step,
-            "world_size": engine.world_size, "stage": engine.cfg.zero.stage, "dtype": str(engine.dtype),
-            "param_total": opt.layout.param_total, "opt_total": opt.layout.opt_total,
-            "params": param_entries(engine, opt),
-            "tiled": untiled_layout(engine.model),  # Note [untiled export] in tiling.py
-            "groups": [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in opt.param_groups],
-            "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
-            "files": dict(sorted(files.items())),
-        }
+        manifest = dict(head, saved_at=now(), files=dict(sorted(files.items())))
         path = os.path.join(tmp, MANIFEST)
         with open(path, "w") as f:
             json.dump(manifest, f, indent=1)

@@ -21,7 +21,7 @@ from .._runtime import _comm as comm
 from ..errors import UsageError
 from ._format import LATEST, MANIFEST, complete_checkpoints
 from ._load import load_checkpoint
-from ._save import save_checkpoint
+from ._save import finish_pending, save_checkpoint
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -32,20 +32,24 @@ class TrainCheckpoints:
     save_every: int = 0
     resume: Optional[str] = None  # "auto", a run's checkpoint directory, or one checkpoint
     keep_last: Optional[int] = None
+    save_async: bool = False  # Note [asynchronous saves] in _async.py; a save on a signal still blocks
     stopped_by: Optional[str] = None  # the signal that stopped the job
     _flag: bool = False
     _last_saved: int = -1
+    _uncounted: Optional[str] = None  # a save whose SSD bytes are not counted yet
 
     @classmethod
     def from_args(cls, save_every: Optional[int], resume: Optional[str], keep_last: Optional[int],
-                  output_dir: Optional[str]) -> "TrainCheckpoints":
+                  output_dir: Optional[str], save_async: bool = False) -> "TrainCheckpoints":
         if save_every is not None and save_every < 1:
             raise UsageError(f"--save-every must be >= 1 (steps between checkpoints), got {save_every}")
         directory = os.path.join(output_dir, "checkpoints") if output_dir else None
         if directory is None and (save_every or resume == "auto"):
             raise UsageError("--save-every and --resume auto keep checkpoints under --output-dir/checkpoints: "
                              "pass --output-dir")
-        return cls(directory, save_every or 0, resume, keep_last)
+        if save_async and not save_every:
+            raise UsageError("--save-async makes the saves of --save-every asynchronous: pass --save-every N too")
+        return cls(directory, save_every or 0, resume, keep_last, save_async)
 
     # ------------------------------------------------------------ resume
 
@@ -80,12 +84,30 @@ class TrainCheckpoints:
 
     # ------------------------------------------------------------ saving
 
-    def save(self, run, step: int) -> Optional[str]:
+    def save(self, run, step: int, *, blocking: bool = True) -> Optional[str]:
         if self.directory is None or step == self._last_saved:
             return None
         self._last_saved = step
-        return save_checkpoint(self.directory, run.model, run.optimizer, tag=f"step{step}",
-                               keep_last=self.keep_last, step=step, scheduler=run.scheduler.state_dict())
+        saved = save_checkpoint(self.directory, run.model, run.optimizer, tag=f"step{step}",
+                                keep_last=self.keep_last, blocking=blocking,
+                                client_state={"step": step, "scheduler": run.scheduler.state_dict()})
+        self._count(run)  # the save before this one: committed, since this one waited for it
+        path = saved if isinstance(saved, str) else saved.path
+        self._uncounted = path
+        if blocking:
+            self._count(run)
+        return path
+
+    def _count(self, run) -> None:
+        """The SSD bytes of the last save, once it has committed (Note [endurance budget])."""
+        if self._uncounted is not None and getattr(run, "ssd", None) is not None:
+            run.ssd.add_checkpoint(self._uncounted)
+        self._uncounted = None
+
+    def wait(self, run) -> None:
+        """Collective: the asynchronous save in flight is committed, or its error raised."""
+        finish_pending(run.optimizer.engine, "infinity.train")
+        self._count(run)
 
     def after_step(self, run, step: int, last: int) -> bool:
         """Save when due; True when a signal asked to stop (then saved: Note [preemption])."""
@@ -93,7 +115,7 @@ class TrainCheckpoints:
         comm.all_reduce(flag, "max", what="stop request")
         stop = bool(flag.item() > 0) and step < last
         if stop or (self.save_every and (step % self.save_every == 0 or step == last)):
-            path = self.save(run, step)
+            path = self.save(run, step, blocking=stop or not self.save_async)
             if stop and comm.rank() == 0:
                 print(_stopped_text(self.stopped_by, step, path), flush=True)
         return stop

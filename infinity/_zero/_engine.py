@@ -92,6 +92,7 @@ from .._offload._memory_plan import host_account, stop_block_cache
 from .._offload._optimizer_store import state_bytes
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
+from .._runtime._save_fence import SaveFence
 from ..errors import EngineError
 from . import _function_params
 from ._ledger import Hold
@@ -173,6 +174,7 @@ class Engine:
         self.ledger = ctx.ledger
         self.gathered = ctx.gathered
         self.gate = ctx.step_gate
+        self.save_fence = SaveFence()  # Note [save fence] in _save_fence.py
         self.param_store = ctx.param_store
         self.opt_store = parts.opt_store
         self.prefetcher = parts.prefetcher
@@ -466,6 +468,7 @@ class Engine:
         """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
         full = [acc.to_host(raw_data(p)) for p in unit.params]  # shards built on the host, as at initialize:
         self.gate.join()  # every store takes host values (the NVMe ones write them with aio)
+        self.save_fence.wait_writes(comm.timeout_s())  # an asynchronous save may still copy the stores
         if unit.trainable:
             self.opt_store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
         if self.policy.partition_params and not self.placement.params_are_master:
@@ -567,7 +570,10 @@ class Engine:
         own shards). Letting go of the model and the optimizer frees the rest (Note
         [parameter side objects] in _param.py)."""
         try:
-            self.gate.join()
+            try:
+                self.save_fence.finish(comm.timeout_s())  # an asynchronous save commits first; its error is raised
+            finally:
+                self.gate.join()
         finally:
             self.prefetcher.release_held()
             for unit in self.units:

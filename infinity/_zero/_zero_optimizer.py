@@ -148,6 +148,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         engine = self.engine
         self.wait_step()
+        engine.save_fence.wait_writes(comm.timeout_s())  # Note [save fence] in _save_fence.py
         if self.param_store is not None:
             self.param_store.wait_copies()  # the step rewrites host shards a fetch's copy may still read
         if not engine.policy.reduce_in_backward:  # stages 2-3 reduced at the end of each backward

@@ -62,6 +62,27 @@ class BlockSums:
         """Blocks written whose sum could not be kept (no memory for the table): unchecked."""
         return int(lib.infinity_aio_sums_unrecorded(self._ptr))
 
+    def entries(self, first: int, count: int):
+        """The entries of blocks [first, first + count) as a uint64 array (Note [block sums]
+        in native/aio/sums.h: CRC32C in the low 32 bits, the prefix length covered above)."""
+        import numpy as np
+
+        out = np.zeros(count, dtype=np.uint64)
+        rc = lib.infinity_aio_sums_get(self._ptr, first, count, ffi.from_buffer("uint64_t[]", out))
+        if rc < 0:
+            raise ValueError(f"bad block range [{first}, {first + count}) of the sums of {self.name}")
+        return out
+
+    def set_entries(self, first: int, entries) -> None:
+        """Vouch for blocks [first, first + len(entries)) with these entries (a clone made
+        the file hold bytes whose sums are known); OutOfMemory if the table cannot hold them."""
+        import numpy as np
+
+        arr = np.ascontiguousarray(entries, dtype=np.uint64)
+        rc = lib.infinity_aio_sums_set(self._ptr, first, len(arr), ffi.from_buffer("uint64_t[]", arr))
+        if rc < 0:
+            raise OutOfMemory(f"no host memory for the checksum table of {self.name}")
+
     @staticmethod
     def bytes_for(file_bytes: int) -> int:
         """Host memory of a table once ``file_bytes`` of its file have been written."""

@@ -228,6 +228,11 @@ class AioConfig:
                                  "(a mismatch raises CorruptionError); 8 bytes of host memory per block")
     timeout: Optional[float] = _opt(None, "seconds a wait for swap-file I/O may last before WaitTimeout names the "
                                           "requests still in flight (a hung disk); null = INFINITY_COMM_TIMEOUT", gt=0)
+    endurance_tbw: Optional[float] = _opt(None, "terabytes the SSD under the nvme_path is rated to write (its TBW); "
+                                                "the train job warns when a run is projected past "
+                                                "endurance_warn_fraction of it; null = no budget", gt=0)
+    endurance_warn_fraction: float = _opt(0.1, "fraction of endurance_tbw one run may write before the train job warns "
+                                               "at its start", gt=0, le=1)
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,13 @@ Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where 
   ``AcceleratedOptimizer`` (infinity's optimizer has no torch state_dict):
   ``_prepare_for_training`` is replaced.
 - checkpoints: ``checkpoint-N/`` holds ``infinity/`` (``infinity.save_checkpoint``: every
-  state on every tier, the scheduler's state as extra), ``trainer_state.json`` and the RNG
-  states; resume loads it with ``infinity.load_checkpoint``; ``save_total_limit`` rotates the
-  directories as usual. ``save_model`` writes a normal Hugging Face directory (safetensors
-  gathered unit by unit, config.json, the tokenizer).
+  state on every tier, the scheduler's state as its client_state), ``trainer_state.json`` and
+  the RNG states; resume loads it with ``infinity.load_checkpoint``; ``save_total_limit``
+  rotates the directories as usual. ``save_async=True``: infinity's part is saved without
+  stopping (``blocking=False``); the next save, and the end of ``train``, wait for it. Until it
+  commits, the directory has no ``infinity/`` and does not count as complete for a resume.
+  ``save_model`` writes a normal Hugging Face directory (safetensors gathered unit by unit,
+  config.json, the tokenizer).
 - generate: under stage 3 every rank must run the same forwards, so a rank whose sequences
   end first must keep stepping until all have ended (transformers' ``synced_gpus``, which it
   turns on only for DeepSpeed ZeRO-3 or FSDP). ``synced_generate(model)`` makes ``synced_gpus``
@@ -60,6 +63,7 @@ from transformers import Trainer
 import infinity
 
 from .._checkpoint._safetensors_export import export_safetensors
+from .._checkpoint._save import finish_pending
 from .._runtime import _comm as comm
 from .._runtime._log import logger
 from .._runtime._schedule import make_scheduler
@@ -149,7 +153,7 @@ class InfinityTrainer(Trainer):
     """A ``transformers.Trainer`` whose model, optimizer, checkpoints and saved model are
     infinity's. Note [InfinityTrainer seams]."""
 
-    def __init__(self, *args, infinity_config: Any = None, strict: bool = False, **kwargs):
+    def __init__(self, *args, infinity_config: Any = None, strict: bool = False, save_async: bool = False, **kwargs):
         if not hasattr(Trainer, "_prepare_for_training"):
             raise UsageError(f"InfinityTrainer covers transformers 5.x; the installed {transformers.__version__} has "
                              f"no Trainer._prepare_for_training")
@@ -160,6 +164,7 @@ class InfinityTrainer(Trainer):
                              "the schedule as lr_scheduler_type or the config's scheduler section")
         self._infinity_source, self._is_deepspeed = _config_source(infinity_config)
         self._strict = strict
+        self._save_async = save_async  # Note [asynchronous saves] in infinity/_checkpoint/_async.py
         self._precision_flags = (False, False)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None and (training_args.fp16 or training_args.bf16):
@@ -339,7 +344,11 @@ class InfinityTrainer(Trainer):
         in the middle of a save leaves without its infinity states."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        out = super().train(resume_from_checkpoint, *args, **kwargs)
+        engine = engine_of(self.model)
+        if engine is not None:
+            finish_pending(engine, "InfinityTrainer.train")  # the last asynchronous save is committed
+        return out
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # the weights come back with the optimizer states in _prepare_for_training
@@ -356,7 +365,8 @@ class InfinityTrainer(Trainer):
                            output_dir)
             shutil.rmtree(stale)
         infinity.save_checkpoint(output_dir, self.model, self.optimizer, tag=CHECKPOINT_TAG,
-                                 lr_scheduler=self.lr_scheduler.state_dict())
+                                 client_state={"lr_scheduler": self.lr_scheduler.state_dict()},
+                                 blocking=not self._save_async)
 
     def _save_scaler(self, output_dir: str) -> None:
         pass  # fp16 loss scaling lives in infinity's optimizer, saved with its checkpoint

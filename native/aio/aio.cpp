@@ -830,6 +830,20 @@ int64_t infinity_aio_sums_mismatches(const infinity_aio_sums *s) { return s->tab
 
 int64_t infinity_aio_sums_unrecorded(const infinity_aio_sums *s) { return s->table.unrecorded.load(); }
 
+int infinity_aio_sums_get(const infinity_aio_sums *s, int64_t first, int64_t count, uint64_t *out) {
+    if (!s || first < 0 || count < 0 || (count > 0 && !out)) return -EINVAL;
+    for (int64_t i = 0; i < count; ++i) out[i] = s->table.get(first + i);
+    return 0;
+}
+
+int infinity_aio_sums_set(infinity_aio_sums *s, int64_t first, int64_t count, const uint64_t *in) {
+    if (!s || first < 0 || count < 0 || (count > 0 && !in)) return -EINVAL;
+    int rc = 0;
+    for (int64_t i = 0; i < count; ++i)
+        if (!s->table.set(first + i, in[i])) rc = -ENOMEM;
+    return rc;
+}
+
 uint32_t infinity_aio_crc32c(uint32_t crc, const void *buf, int64_t n, int32_t impl) {
     if (!buf || n <= 0) return crc;
     const size_t len = static_cast<size_t>(n);

@@ -58,6 +58,12 @@ int64_t infinity_aio_sums_bytes(const infinity_aio_sums *s);
 /* Blocks found bad so far; blocks written whose sum could not be stored (no memory). */
 int64_t infinity_aio_sums_mismatches(const infinity_aio_sums *s);
 int64_t infinity_aio_sums_unrecorded(const infinity_aio_sums *s);
+/* The entries of blocks [first, first + count) into out[0..count) (Note [block sums]: the
+ * CRC32C in the low half, the length of the block prefix it covers above; 0: nothing known),
+ * and setting them, e.g. when a clone made the file hold what another table vouches for.
+ * -EINVAL for a bad range; set: -ENOMEM when an entry could not be stored. */
+int infinity_aio_sums_get(const infinity_aio_sums *s, int64_t first, int64_t count, uint64_t *out);
+int infinity_aio_sums_set(infinity_aio_sums *s, int64_t first, int64_t count, const uint64_t *in);
 /* CRC32C of `n` bytes continuing `crc` (0 to start). `impl`: 0 the fastest this CPU has,
  * 1 the portable scalar code (a reference for tests). */
 uint32_t infinity_aio_crc32c(uint32_t crc, const void *buf, int64_t n, int32_t impl);

@@ -1,0 +1,174 @@
+"""One rank's part of a save: what is taken at the call, and what is written after it.
+
+``snapshot`` creates the rank's files that cost nothing to make at the call (clones of swap
+files where the filesystem shares extents, Note [cloned checkpoints] in _clone.py; the RNG
+states, the client state, the buffers and the Hugging Face config) and returns the rest as
+``Job``s: a state in host memory (written in place by a blocking save, or staged into a copy
+for an asynchronous one, Note [asynchronous saves] in _async.py) or a swap file to copy
+(``reads_swap``: the step must not rewrite it until the job ran, Note [save fence] in
+_save_fence.py). A blocking save runs the jobs at once; either way every file is fsynced
+before the rank reports it (Note [crash-safe commit] in _save.py).
+"""
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from .._runtime import _accelerator as acc
+from .._zero._param import raw_data
+from ..aio import aligned_empty
+from ._clone import Cloner
+from ._format import STATE_ARRAYS, fsync_dir, itemsize, rank_file
+from ._io import FileSink, Mover, as_bytes, fsync_path
+from ._safetensors_export import _persistent_buffers
+
+EXTRA, RNG = "extra.pt", "rng.pt"
+
+
+@dataclass
+class Job:
+    """A file still to write: ``write(mover)`` gives its manifest entry (bytes, checksum)."""
+
+    rel: str
+    write: Callable[[Mover], dict]
+    reads_swap: bool  # it copies a swap file that the next step may rewrite
+
+
+def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stage: bool) -> Tuple[dict, List[Job]]:
+    """This rank's files made now ({relative path: entry}) and the jobs left. ``stage``: host
+    states are copied now, so that the jobs never read what the next step changes."""
+    rank = engine.rank
+    os.makedirs(os.path.join(tmp, f"rank{rank}"), exist_ok=True)
+    made: Dict[str, dict] = {}
+    jobs: List[Job] = []
+    size = itemsize(engine.dtype)
+    params = rank_file(rank, "params")
+    if opt.param_store is not None:
+        _add(made, jobs, tmp, params, opt.param_store.checkpoint_source(), size * opt.layout.param_total, cloner,
+             mover, stage)
+    elif stage:
+        jobs.append(Job(params, _flat_writer(tmp, params, _params_flat(engine, opt), size * opt.layout.param_total),
+                        False))
+    else:
+        jobs.append(Job(params, lambda m: _write_unit_shards(engine, opt, tmp, m), False))
+    sources = opt.store.checkpoint_sources()
+    for name in STATE_ARRAYS:
+        _add(made, jobs, tmp, rank_file(rank, name), sources[name], 4 * opt.total, cloner, mover, stage)
+    made[f"rank{rank}/{RNG}"] = _save_small(rng_states(), os.path.join(tmp, f"rank{rank}", RNG))
+    if rank == 0:
+        made[EXTRA] = _save_small({"extra": extra, "buffers": _buffers(engine.model)}, os.path.join(tmp, EXTRA))
+        made.update(_hf_files(engine.model, tmp))
+    return made, jobs
+
+
+def run_jobs(jobs: List[Job], mover: Mover) -> Dict[str, dict]:
+    return {job.rel: job.write(mover) for job in jobs}
+
+
+def finish_rank(tmp: str, rank: int, mover: Mover) -> None:
+    """Every file of the rank is on disk, and so is its directory."""
+    mover.synced()
+    fsync_dir(os.path.join(tmp, f"rank{rank}"))
+
+
+def _add(made: dict, jobs: List[Job], tmp: str, rel: str, source, nbytes: int, cloner: Cloner, mover: Mover,
+         stage: bool) -> None:
+    dest = os.path.join(tmp, rel)
+    if nbytes and isinstance(source, str) and cloner.can(source, os.path.dirname(dest)):
+        made[rel] = cloner.clone_out(source, dest, nbytes, mover.checksum)
+        mover.sync_soon(dest)
+    elif isinstance(source, str):
+        jobs.append(Job(rel, _flat_writer(tmp, rel, source, nbytes), True))
+    else:
+        jobs.append(Job(rel, _flat_writer(tmp, rel, _staged(source, nbytes) if stage else source, nbytes), False))
+
+
+def _staged(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A copy of the tensor's first ``nbytes`` in aligned host memory (O_DIRECT writes it as is)."""
+    out = aligned_empty(nbytes)
+    out.copy_(as_bytes(t)[:nbytes])
+    return out
+
+
+def _flat_writer(tmp: str, rel: str, source, nbytes: int) -> Callable[[Mover], dict]:
+    def write(mover: Mover) -> dict:
+        sink = FileSink(os.path.join(tmp, rel), mover, nbytes)
+        sink.append(source, 0, nbytes)
+        size, crc = sink.close()
+        return {"bytes": size, "crc32": crc}
+
+    return write
+
+
+def _params_flat(engine, opt) -> torch.Tensor:
+    """Stages 1-2: the rank's compute-dtype shards at the layout's offsets, in host memory."""
+    size = itemsize(engine.dtype)
+    out = aligned_empty(opt.layout.param_total * size)
+    out.zero_()
+    for unit in engine.units:
+        shard = unit.shard_of([raw_data(p) for p in unit.params], engine.dtype).cpu()
+        out[unit.param_offset * size : unit.param_offset * size + shard.numel() * size].copy_(as_bytes(shard))
+    return out
+
+
+def _write_unit_shards(engine, opt, tmp: str, mover: Mover) -> dict:
+    """Stages 1-2: each unit's shard cut from its whole parameters, one unit at a time, at
+    the layout's offsets (no copy of the whole space)."""
+    size = itemsize(engine.dtype)
+    sink = FileSink(os.path.join(tmp, rank_file(engine.rank, "params")), mover, opt.layout.param_total * size)
+    for unit in engine.units:
+        sink.zeros(unit.param_offset * size - sink.size)
+        shard = unit.shard_of([raw_data(p) for p in unit.params], engine.dtype)
+        sink.append(shard.cpu(), 0, shard.numel() * size)
+    sink.zeros(opt.layout.param_total * size - sink.size)
+    nbytes, crc = sink.close()
+    return {"bytes": nbytes, "crc32": crc}
+
+
+def _save_small(obj, path: str) -> dict:
+    """A small file through torch.save, fsynced; its size and CRC-32."""
+    torch.save(obj, path)
+    return small_entry(path)
+
+
+def small_entry(path: str) -> dict:
+    """Size and CRC-32 of a small file, once fsynced."""
+    fsync_path(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def _buffers(model) -> Dict[str, torch.Tensor]:
+    """The model's persistent buffers (rank 0's: every rank holds the same)."""
+    return {name: b.detach().cpu().clone() for name, b in _persistent_buffers(model).items()}
+
+
+def _hf_files(model, tmp: str) -> dict:
+    """The Hugging Face config (and generation config) of the model, for export."""
+    out = {}
+    hf = os.path.join(tmp, "hf")
+    for attr in ("config", "generation_config"):
+        cfg = getattr(model, attr, None)
+        if cfg is None or not hasattr(cfg, "save_pretrained"):
+            continue
+        os.makedirs(hf, exist_ok=True)
+        cfg.save_pretrained(hf)
+    for name in sorted(os.listdir(hf)) if os.path.isdir(hf) else []:
+        out[f"hf/{name}"] = small_entry(os.path.join(hf, name))
+    if out:
+        fsync_dir(hf)
+    return out
+
+
+def rng_states() -> dict:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "cuda": acc.get_rng_state(),
+            "python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)}
