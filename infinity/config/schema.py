@@ -158,11 +158,12 @@ class ZeroConfig:
     tiling: TilingConfig = _opt(TilingConfig, "memory-centric tiling of large linear and embedding layers")
     # Note [block cache] in native/host_alloc/host_alloc.cpp; Note [allocator retained pages] in _memory_plan.py
     host_allocator: Literal["release", "cache", "keep"] = _opt(
-        "release", "where torch's CPU blocks of 1 MiB or more come from while an engine runs (process-wide): release: "
-        "the block cache, keeping at most 256 MiB of freed blocks, and the optimizer's host cache gives its pages back "
-        "through each forward and is read again in backward (the lowest peak); cache: the block cache keeping every "
-        "freed block for reuse (no page faults after the first step, a higher peak); keep: glibc's heap as torch "
-        "uses it, whose freed blocks up to 32 MiB stay in the process, fragmented")
+        "release", "where torch's CPU blocks of 1 MiB or more come from while an engine runs (process-wide; Note "
+        "[block cache] in `native/host_alloc/host_alloc.cpp`): release: the block cache, each block a mapping of its "
+        "own, reused whole by size, at most 256 MiB of freed blocks kept, and the optimizer's host cache gives its "
+        "pages back through each forward and is read again in backward (the lowest peak); cache: the block cache "
+        "keeping every freed block (no page faults after the first step, a higher peak); keep: glibc's heap, whose "
+        "freed blocks up to 32 MiB stay in the process, fragmented")
 
     _cross_check = _check_zero_section
 
