@@ -3,6 +3,8 @@ before anything is allocated are the bytes the stores then really map, category 
 as counted where the memory is mapped and unmapped (Note [host memory ledger] in
 infinity/aio/_memory.py), over a real run with real swap files; the telemetry reports the same
 account; and infinity.estimate reads the same store formulas."""
+import gc
+
 import pytest
 import torch
 from _configs import zero_config
@@ -19,7 +21,10 @@ CAPPED = {"param_staging", "param_handoff"}
 
 
 def _measured_run(tmp_path, cfg, steps=3):
-    """(plan, measured peak bytes per category of this run's own mappings, the engine)."""
+    """(plan, measured peak bytes per category of this run's own mappings, the engine). Earlier
+    engines are collected first: one freed during this run would lower the peak below ``before``
+    plus this run's own bytes (their master weights stay mapped until the engine is collected)."""
+    gc.collect()
     before = dict(ledger.snapshot()["live"])
     ledger.reset_peak()
     model, opt = infinity.initialize(build("gpt2"), cfg)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..errors import OutOfMemory
+from ..errors import InvariantError, OutOfMemory
 from ._native import ffi, lib
 
 BLOCK = 4096
@@ -70,7 +70,7 @@ class BlockSums:
         out = np.zeros(count, dtype=np.uint64)
         rc = lib.infinity_aio_sums_get(self._ptr, first, count, ffi.from_buffer("uint64_t[]", out))
         if rc < 0:
-            raise ValueError(f"bad block range [{first}, {first + count}) of the sums of {self.name}")
+            raise InvariantError(f"bad block range [{first}, {first + count}) of the sums of {self.name}")
         return out
 
     def set_entries(self, first: int, entries) -> None:

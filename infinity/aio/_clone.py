@@ -21,6 +21,8 @@ import struct
 import uuid
 from dataclasses import dataclass
 
+from ..errors import StorageError
+
 FICLONE = 0x40049409
 FICLONERANGE = 0x4020940D  # struct file_clone_range {s64 src_fd; u64 src_offset, src_length, dest_offset}
 
@@ -80,7 +82,8 @@ def clone_range(src: str, src_offset: int, dst: str, dst_offset: int, nbytes: in
     """Make bytes [dst_offset, dst_offset + nbytes) of ``dst`` share the blocks of
     [src_offset, src_offset + nbytes) of ``src`` (Note [cloned ranges]); ``create``: ``dst`` is
     created or truncated first. The offsets must be aligned to the filesystem's block; a tail
-    under one block is copied. Raises OSError (EXDEV, EOPNOTSUPP, EINVAL, ...) if it cannot."""
+    under one block is copied. Raises OSError (EXDEV, EOPNOTSUPP, ...) if it cannot, and
+    StorageError (an OSError too) for misaligned offsets or a short source."""
     flags = os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if create else 0)
     sfd = os.open(src, os.O_RDONLY)
     try:
@@ -88,7 +91,7 @@ def clone_range(src: str, src_offset: int, dst: str, dst_offset: int, nbytes: in
         try:
             block = os.fstatvfs(dfd).f_bsize
             if src_offset % block or dst_offset % block:
-                raise OSError(errno.EINVAL, f"clone offsets {src_offset}, {dst_offset} are not multiples of the "
+                raise StorageError(errno.EINVAL, f"clone offsets {src_offset}, {dst_offset} are not multiples of the "
                                             f"filesystem block ({block} bytes)")
             body = nbytes - nbytes % block
             if body:
@@ -104,6 +107,6 @@ def _copy(sfd: int, src_offset: int, dfd: int, dst_offset: int, nbytes: int) -> 
     while nbytes > 0:
         data = os.pread(sfd, nbytes, src_offset)
         if not data:
-            raise OSError(errno.ENODATA, "the source file ends before the range to clone")
+            raise StorageError(errno.ENODATA, "the source file ends before the range to clone")
         os.pwrite(dfd, data, dst_offset)
         src_offset, dst_offset, nbytes = src_offset + len(data), dst_offset + len(data), nbytes - len(data)
