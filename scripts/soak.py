@@ -23,6 +23,9 @@ import time
 
 import psutil
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+from infinity._offload._swap import dir_bytes  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -56,17 +59,6 @@ def _ranks(proc):
     return sorted((p for p in kids if "infinity.train" in " ".join(p.cmdline())), key=lambda p: p.pid)
 
 
-def _du(path):
-    total = 0
-    for d, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(d, f))
-            except OSError:
-                pass
-    return total
-
-
 def _sample(ranks, nvme):
     rows = []
     for p in ranks:
@@ -75,7 +67,7 @@ def _sample(ranks, nvme):
                 rows.append((p.num_fds(), p.num_threads(), p.memory_info().rss))
         except psutil.NoSuchProcess:
             pass
-    return rows, _du(nvme)
+    return rows, dir_bytes(nvme)
 
 
 def run(args, out, nvme, kill_at=None, resume=False):

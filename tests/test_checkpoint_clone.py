@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from _configs import zero_config
-from _models import batches, build, loss_of, rank_losses
+from _models import batches, build
 from _xfs import xfs_mount
+from test_checkpoint import KIND, _cfg, _params, _train  # the same model, config and training loop
 
 import infinity
 from infinity._checkpoint import CheckpointReader
@@ -26,23 +26,8 @@ from infinity.aio._crc_combine import combine_blocks
 from infinity.testing import run_ranks
 
 N = 3
-KIND = "custom"
 COMBOS = [(3, "nvme", "nvme"), (1, None, "nvme")]
 ARRAYS = ("params", "master", "exp_avg", "exp_avg_sq")
-
-
-def _cfg(stage, param, optim, nvme):
-    return zero_config(stage, param=param, optim=optim, nvme=nvme, lr=2e-3, weight_decay=0.01, adam="adamw",
-                       bucket=2000, chunk=4096)
-
-
-def _train(model, opt, steps):
-    return rank_losses(model, opt, steps, lambda m, ids: loss_of(m, KIND, ids))
-
-
-def _params(model):
-    with infinity.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _digests(path):

@@ -404,6 +404,7 @@ def test_deepspeed_auto_values_keep_defaults(flags, dtype, monkeypatch):
     from infinity._runtime import _accelerator
 
     monkeypatch.setattr(_accelerator, "_cpu_flags", lambda: set(flags))
+    monkeypatch.delenv("INFINITY_CPU_ISA", raising=False)  # the flags above are the whole CPU
     ds = {
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
@@ -529,6 +530,7 @@ def test_dtype_auto_follows_the_cpu_features_of_this_machine(monkeypatch, flags,
 
     monkeypatch.setattr(acc, "has_cuda", lambda: False)
     monkeypatch.setattr(acc, "_cpu_flags", lambda: flags)
+    monkeypatch.delenv("INFINITY_CPU_ISA", raising=False)  # the flags above are the whole CPU
     assert infinity.Config.from_dict({"precision": {"dtype": "auto"}}).precision.dtype == expected
 
 

@@ -32,7 +32,9 @@ def torch_opt(param, adamw, **hp):
 # ---------------------------------------------------------------- path selection
 
 
-def test_simd_path_is_the_best_supported_one():
+def test_simd_path_is_the_best_supported_one(monkeypatch):
+    monkeypatch.delenv("INFINITY_CPU_ISA", raising=False)  # uncapped: the CPU's own best (test_cpu_isa caps it)
+    monkeypatch.delenv(_native.ENV_SIMD, raising=False)
     best = "avx512" if FEATURES["avx512"] else "avx2" if FEATURES["avx2"] else "scalar"
     assert simd_path() == best
 

@@ -156,7 +156,8 @@ def _owner_gone(rank_dir: str) -> bool:
         os.close(fd)
 
 
-def _size(path: str) -> int:
+def dir_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (those that vanish meanwhile count nothing)."""
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
@@ -182,12 +183,12 @@ def reclaim_stale(nvme_path: str) -> list:
         if name.startswith("infinity-") and os.path.isdir(path):
             ranks = [os.path.join(path, r) for r in os.listdir(path) if r.startswith("rank")]
             if ranks and all(_owner_gone(r) for r in ranks):
-                removed.append((path, _size(path)))
+                removed.append((path, dir_bytes(path)))
                 shutil.rmtree(path, ignore_errors=True)
         elif name.startswith(PROBE_PREFIX) and name.endswith(".bin"):
             pid = name[len(PROBE_PREFIX):-len(".bin")]
             if pid.isdigit() and _start_time(int(pid)) is None:
-                removed.append((path, _size(path)))
+                removed.append((path, dir_bytes(path)))
                 try:
                     os.remove(path)
                 except OSError:
