@@ -1,10 +1,12 @@
 """How the accelerator layer orders copies (Note [copy ordering]), on the emulated device in CI
 and on CUDA in ``scripts/gpu_check.sh``: a copy is ordered before its use even while the
-compute stream is busy; a host->device copy does not queue behind compute; pinned memory is
-the package's own mappings, counted in the host ledger; and the emulator bites (a use without
-the wait reads poison)."""
+compute stream is busy; a host->device copy does not queue behind compute; a buffer under a
+copy is not reused until the copy's event; a gather's wait does not block the CPU (CUDA only);
+pinned memory is the package's own mappings, counted in the host ledger; and the emulator
+bites (a use without the wait reads poison)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -96,13 +98,23 @@ def test_a_use_without_the_wait_reads_what_has_not_landed():
     assert dst.sum().item() == 2.0 * 4096
 
 
-def _slow_copies(seconds: float):
+@contextlib.contextmanager
+def _slow_copies(direction: str, seconds: float):
+    """Keep copies in ``direction`` ("h2d" or "d2h") in flight for about ``seconds``: on the
+    emulated device each copy lands after that delay; on CUDA the side stream the copies run on
+    is held by a sleep queued before them, so the next copies wait behind it."""
+    if KIND == "cuda":
+        with torch.cuda.stream(acc._side_stream(direction)):
+            torch.cuda._sleep(int(seconds * 1.5e9))
+        yield
+        return
     from infinity._runtime._accelerator import _emulated
 
-    if KIND != "emulated":
-        pytest.skip("the copy's duration is set on the emulated device only")
     _emulated.set_delay(seconds)
-    return _emulated
+    try:
+        yield
+    finally:
+        _emulated.set_delay(0.0005, 0.004)
 
 
 def test_a_staging_buffer_under_a_copy_is_not_handed_out_again(device):
@@ -111,8 +123,7 @@ def test_a_staging_buffer_under_a_copy_is_not_handed_out_again(device):
     no other buffer is free, and the copy delivers the values it was given."""
     from infinity._offload._param_store import HostPool
 
-    emulated = _slow_copies(0.3)
-    try:
+    with _slow_copies("h2d", 0.3):
         pool = HostPool(4096, 2, torch.float32, "test pool")
         first = pool.get(4096)
         first.fill_(7.0)
@@ -126,8 +137,6 @@ def test_a_staging_buffer_under_a_copy_is_not_handed_out_again(device):
         again.fill_(-1.0)  # reusing it now cannot change what the copy delivered
         acc.finish_copy_to_device(dst, event)
         assert dst.cpu().eq(7.0).all()
-    finally:
-        emulated.set_delay(0.0005, 0.004)
 
 
 def test_a_handed_off_shard_under_a_copy_is_not_recycled(device, tmp_path):
@@ -138,8 +147,7 @@ def test_a_handed_off_shard_under_a_copy_is_not_recycled(device, tmp_path):
     from infinity._offload._param_store import ParamStore
     from infinity._offload._swap import SwapDir
 
-    emulated = _slow_copies(0.3)
-    try:
+    with _slow_copies("h2d", 0.3):
         n = 4096
         swap = SwapDir(str(tmp_path), 0)  # the directory lives as long as this object
         store = ParamStore("nvme", torch.float32, 2 * n, swap=swap,
@@ -160,8 +168,6 @@ def test_a_handed_off_shard_under_a_copy_is_not_recycled(device, tmp_path):
         acc.finish_copy_to_device(dst, event)
         assert dst.cpu().eq(3.0).all()
         store.flush()
-    finally:
-        emulated.set_delay(0.0005, 0.004)
 
 
 def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device):
@@ -176,8 +182,7 @@ def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device):
     from infinity._runtime._tiers import Tier
     from infinity._zero._zero_optimizer import GradSink
 
-    emulated = _slow_copies(0.2)
-    try:
+    with _slow_copies("d2h", 0.2):
         n = 4096
         store = MemoryOptimizerStore(Tier.CPU, n)
         unit = SimpleNamespace(opt_offset=0, index=0, params=[])
@@ -188,8 +193,36 @@ def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device):
         bucket.fill_(-5.0)  # device work on the bucket: after the copy
         sink.flush()
         assert store.grad.eq(2.0).all()
+
+
+def test_a_gather_wait_does_not_block_the_cpu(device):
+    """Finding 10 (Note [stream waits]): waiting for a collective of device tensors makes the
+    compute stream wait for it; the CPU goes on at once. NCCL's ``wait`` given a timeout would
+    poll on the CPU until the gather ends, a host sync at every gather."""
+    if KIND != "cuda":
+        pytest.skip("NCCL's wait is CUDA's: the emulated device stages its collectives through gloo, "
+                    "whose wait is the CPU's by nature")
+    import torch.distributed as dist
+
+    from infinity._runtime._comm import CommHandle
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        shard = torch.full((1 << 20,), 4.0, device=device)
+        gathered = torch.empty_like(shard)
+        _stall_compute(0.5)  # the gather is queued behind it: it cannot end before the stall does
+        work = dist.all_gather_into_tensor(gathered, shard, async_op=True)
+        start = time.monotonic()
+        CommHandle(work, "test gather", on_device=True).wait()
+        waited = time.monotonic() - start
+        assert waited < 0.2, f"the CPU waited {waited:.2f}s for a gather behind a 0.5s stall"
+        assert not acc.current_stream().query(), "the compute stream was not left to wait for the gather"
+        assert gathered.eq(4.0).all()  # read on the compute stream: after the gather
     finally:
-        emulated.set_delay(0.0005, 0.004)
+        if made:
+            dist.destroy_process_group()
 
 
 def test_infinity_device_is_where_this_rank_computes(device):
