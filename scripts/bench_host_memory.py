@@ -35,19 +35,21 @@ GiB, MiB = 2**30, 2**20
 VOCAB = 50257
 
 
-def build_gpt(layers: int, hidden: int):
+def build_gpt(layers: int, hidden: int, model_defaults: bool = False):
+    """GPT-2 with dropout off and no key/value cache, or (``model_defaults``) as users build it:
+    ``GPT2Config()``'s own dropout and ``use_cache``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=hidden // 64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    quiet = {} if model_defaults else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=hidden // 64, **quiet)
     return GPT2LMHeadModel(cfg)
 
 
-def nvme_config(path: str, allocator: str) -> dict:
+def nvme_config(path: str, allocator: str, dtype: str = "fp32") -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
                      "offload_optimizer": {"device": "nvme", "nvme_path": path},
                      "host_allocator": allocator},  # Note [block cache]: release is the default
-            "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
+            "precision": {"dtype": dtype}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
 
 
 # Contenders: name -> zero.host_allocator. "release" is the default configuration.
@@ -92,13 +94,16 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     out = {"base_rss": rss_now(), "steps": [], "accounts": {}}
+    dtype, defaults = spec.get("dtype", "fp32"), spec.get("model_defaults", False)
+    # plain PyTorch in bf16 as the Hugging Face Trainer runs it: fp32 weights and Adam, autocast
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=spec["kind"] == "plain" and dtype == "bf16")
     if spec["kind"] == "plain":
-        model = build_gpt(spec["layers"], spec["hidden"])
+        model = build_gpt(spec["layers"], spec["hidden"], defaults)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        cfg = nvme_config(spec["nvme_path"], spec["allocator"])
+        cfg = nvme_config(spec["nvme_path"], spec["allocator"], dtype)
         with infinity.Init(config=cfg):
-            model = build_gpt(spec["layers"], spec["hidden"])
+            model = build_gpt(spec["layers"], spec["hidden"], defaults)
         model, opt = infinity.initialize(model, cfg)
         out["plan"] = opt.engine.memory_plan["categories"]
     out["setup_rss"] = rss_now()
@@ -116,7 +121,8 @@ def child(spec: dict) -> dict:
             opt.engine.opt_store._release_cache = not i % 2  # even: released and read again (Note [host cache])
         ids = torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
         t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        loss = model(input_ids=ids, labels=ids).loss
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
         if spec["kind"] != "plain" and i == spec["warmup"]:
             out["accounts"]["after_forward"] = host_account()
         loss.backward()
@@ -179,6 +185,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="infinity's precision.dtype; plain PyTorch runs bf16 as fp32 weights under autocast")
+    ap.add_argument("--model-defaults", action="store_true",
+                    help="the model as users build it: GPT2Config()'s dropout and use_cache (default: both off)")
+    ap.add_argument("--contenders", default=None,
+                    help="comma-separated subset of plain,before,release,cache,keep (default: all that apply)")
     ap.add_argument("--before-tree", help="a checkout of an earlier commit (native libraries built) to run as 'before'")
     ap.add_argument("--toggle-steps", type=int, default=0,
                     help="also time N pairs of steps in two processes (release): torch's blocks from the block "
@@ -190,8 +202,12 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
     base = dict(layers=args.layers, hidden=args.hidden, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                steps=args.steps, warmup=args.warmup, nvme_path=args.nvme_path)
+                steps=args.steps, warmup=args.warmup, nvme_path=args.nvme_path, dtype=args.dtype,
+                model_defaults=args.model_defaults)
     runs = {"plain": [], **({"before": []} if args.before_tree else {}), **{k: [] for k in INFINITY}}
+    if args.contenders:
+        wanted = set(args.contenders.split(",")) | {"plain"}  # every ratio is against plain PyTorch
+        runs = {k: v for k, v in runs.items() if k in wanted}
     for r in range(args.rounds):
         for kind in runs:
             res = spawn({**base, "kind": kind, "tree": args.before_tree if kind == "before" else None,
@@ -218,14 +234,15 @@ def main() -> None:
         print(f"  {k:9s} minor page faults per step {faults:.0f}: {faults * cost:.2f} s of faults per step")
     med = {k: {"peak": statistics.median(x["peak_rss"] for x in v),
                "step": statistics.median(s for x in v for s in x["steps"][args.warmup:])} for k, v in runs.items()}
-    print(f"\nGPT-2 {args.layers}x{args.hidden}, fp32, {args.micro_batch} x {args.seq_len} tokens, "
+    print(f"\nGPT-2 {args.layers}x{args.hidden}, {args.dtype}, {args.micro_batch} x {args.seq_len} tokens, "
+          f"{'the model as users build it (dropout, use_cache)' if args.model_defaults else 'dropout and cache off'}, "
           f"medians of {args.rounds} round(s):")
     for k, m in med.items():
         print(f"  {k:9s} peak RSS {m['peak'] / GiB:.2f} GiB   step {m['step']:.2f} s")
     for k in [k for k in runs if k != "plain"]:
         print(f"  ratio {k}/plain: peak RSS {med[k]['peak'] / med['plain']['peak']:.2f}x, "
               f"step time {med[k]['step'] / med['plain']['step']:.2f}x")
-    for k in [k for k in runs if k not in ("plain", "keep")]:
+    for k in [k for k in runs if k not in ("plain", "keep") and "keep" in runs]:
         print(f"  ratio {k}/keep: peak RSS {med[k]['peak'] / med['keep']['peak']:.2f}x, "
               f"step time {med[k]['step'] / med['keep']['step']:.2f}x")
     if "before" in med:
@@ -237,6 +254,8 @@ def main() -> None:
         print(f"\ninfinity's host memory by category ({kind}, last round):")
         for name, acct in runs[kind][-1]["accounts"].items():
             show_account(name, acct)
+    if "release" not in runs:
+        return
     last = runs["release"][-1]
     print("  planned (MiB): " + " ".join(f"{k}={v / MiB:.0f}" for k, v in sorted(last["plan"]["host"].items())))
     peaks = last["accounts"]["end"]["mapped_peak"]

@@ -16,12 +16,13 @@ import pytest
 from infinity.testing import free_port
 
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exit_rank.py")
+ROOT = os.path.dirname(os.path.dirname(RANK))  # the ranks import this checkout's infinity
 
 
 def run_job(stage: int, who: str, timeout: float = 120) -> list:
     """Both ranks' (exit code, report) of one job."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [subprocess.Popen([sys.executable, RANK, str(stage), who], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     results = []
