@@ -59,7 +59,7 @@ from ._swap_labels import label_swap_files
 from ._tiling import check_working_memory, retarget_groups, tile_model
 from ._unit import FetchUnit, UnitContext
 from ._unit_plan import DTYPES, StagePolicy, placement_of
-from ._zero_optimizer import GradSink, ZeroOptimizer
+from ._zero_optimizer import EngineOps, GradSink, ZeroOptimizer
 
 
 def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Module, ZeroOptimizer]:
@@ -85,7 +85,7 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     check_same_model_on_all_ranks(model)
     engine, sink, gate = _build_engine(model, cfg)
     try:
-        optimizer = ZeroOptimizer(engine, cfg, groups, sink=sink, gate=gate)
+        optimizer = ZeroOptimizer(engine, _engine_ops(engine), cfg, groups, sink=sink, gate=gate)
         label_swap_files(optimizer)  # what corrupt bytes would have held (Note [swap checksums] in aio/_checksum.py)
     except BaseException:
         forget_engine(model)  # refused (bad groups): the model may be passed again
@@ -148,6 +148,18 @@ def _build_engine(model: nn.Module, cfg):
         if block_cache:
             stop_block_cache()
         raise
+
+
+def _engine_ops(engine: Engine) -> EngineOps:
+    """What the optimizer asks of the engine (Note [the optimizer's engine] in _zero_optimizer.py)."""
+    reducer, fence = engine.reducer, engine.save_fence
+    return EngineOps(
+        units=engine.units, dtype=engine.dtype, rank=engine.rank, world_size=engine.world_size,
+        partition_params=engine.policy.partition_params, placement=engine.placement, store=engine.opt_store,
+        param_store=engine.param_store, scaler=engine.scaler, counters=engine.counters,
+        wait_for_saves=lambda: fence.wait_writes(comm.timeout_s()),
+        reduce_rest=(lambda: None) if engine.policy.reduce_in_backward else reducer.reduce_all,
+        after_step=engine.after_step)
 
 
 def _start_host_allocator(policy: str) -> bool:
