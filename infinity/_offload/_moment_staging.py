@@ -22,7 +22,7 @@ class MomentStaging:
 
     def __init__(self, files: OptimizerFiles, swap: SwapDir, aio_cfg, pipeline: SwapPipeline, reader):
         self.files = files
-        self._swap, self._aio_cfg = swap, aio_cfg
+        self.swap, self._aio_cfg = swap, aio_cfg  # the staging files go beside the swap files
         self._pipeline = pipeline
         self._reader = reader  # the store's own read handle
         self.paths: dict = {}  # moment -> its staging file
@@ -40,7 +40,7 @@ class MomentStaging:
 
     def stage(self, name: str) -> str:
         """An fp32 file of the expanded moment ``name``."""
-        path = self.paths.get(name) or self._swap.file(f"{name}.fp32.swp", 4 * self.files.total)
+        path = self.paths.get(name) or self.swap.file(f"{name}.fp32.swp", 4 * self.files.total)
         self.paths[name] = path
         records, buf = self._pipeline.records[0], self._pipeline.sets[0][name]
         for off, n in self._chunks():
