@@ -92,7 +92,7 @@ class CodecClock:
 
     def __init__(self, store):
         self.seconds = 0.0
-        codec = store.codec
+        codec = store.files.codec
         if codec is None:
             return
         for name in ("encode", "decode"):

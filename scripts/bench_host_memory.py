@@ -118,7 +118,7 @@ def child(spec: dict) -> dict:
             elif i:  # the engine installed it for step 0
                 use_block_cache(RELEASE_CACHE_CAP)
         elif spec.get("toggle") == "host_cache":  # odd steps: the optimizer's host cache kept through forward
-            opt.engine.opt_store._release_cache = not i % 2  # even: released and read again (Note [host cache])
+            opt.engine.opt_store.release_cache = not i % 2  # even: released and read again (Note [host cache])
         ids = torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
         t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         with autocast:

@@ -125,7 +125,7 @@ def compare_swap_io(model, opt, spec: dict, gen) -> list:
     out = []
     for _ in range(spec["compare"]):
         for phased in (False, True):
-            opt.engine.opt_store._phased = phased
+            opt.engine.opt_store.pipeline.phased = phased
             ids = torch.randint(VOCAB, (spec["batch"], spec["seq"]), generator=gen)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.engine.telemetry()  # reset the byte counts: the update's own follow

@@ -261,7 +261,7 @@ def test_checkpoint_round_trip_fp32_int8_fp32(tmp_path):
     model, opt = _run(str(tmp_path / "b"), "int8")
     infinity.load_checkpoint(ckpt, model, opt, tag="a")
     infinity.save_checkpoint(ckpt, model, opt, tag="b")
-    assert not [f for f in os.listdir(opt.store._swap.path) if f.endswith(".fp32.swp")], "staging files left behind"
+    assert not [f for f in os.listdir(opt.store.staging.swap.path) if f.endswith(".fp32.swp")], "staging files left behind"
     int8_losses = _train(model, opt, 3, seed=2)
     opt.engine.close()
 

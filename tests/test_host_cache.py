@@ -104,11 +104,11 @@ def test_files_stay_complete_and_cached_grads_stay_off_disk(tmp_path):
     cached_elems = sum(max(0, min(u.opt_offset + u.shard_numel, store.head) - u.opt_offset)
                        for u in opt.engine.units)
     for ids in batches(2):
-        before = store._io["grad"][1]
+        before = store.files.io["grad"][1]
         loss_of(model, "gpt2", ids).backward()
         opt.step()
         opt.zero_grad()
-        assert store._io["grad"][1] - before == 4 * (unit_elems - cached_elems)  # only the uncached shards
+        assert store.files.io["grad"][1] - before == 4 * (unit_elems - cached_elems)  # only the uncached shards
     opt.wait_step()
     on_disk = store.read_master(0, store.head)  # from the file, after the write-through landed
     cached = torch.cat([s["master"] for s in store.head_sets])[: store.head]
@@ -125,7 +125,7 @@ def test_gradients_in_host_memory_never_touch_the_disk(tmp_path):
     assert "grad" not in store.paths and not list(tmp_path.rglob("grad.swp"))
     train_losses(model, opt, "gpt2", 2)
     opt.wait_step()
-    assert store._io["grad"] == [0, 0]
+    assert store.files.io["grad"] == [0, 0]
     need = plan(opt.placement, opt.cfg)
     # fp32: the parameters are master.swp (Note [parameters from the master]): no file of their own
     assert store.nbytes()["nvme"] == 12 * store.total == sum(need["nvme"].values())

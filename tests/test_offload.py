@@ -268,7 +268,7 @@ def test_param_reads_wait_for_their_own_writes(tmp_path):
             assert torch.equal(buf[:n], values[i]), f"chunk {i} read back wrong"
             store.pool.put(buf)
     store.flush()
-    assert store._writes == []
+    assert store._file._writes == []  # every write seen to land (Note [write ordering] in _ordered_writes.py)
 
 
 def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, monkeypatch):
@@ -365,16 +365,16 @@ def test_swap_directories_of_killed_runs_are_reclaimed(tmp_path):
 def test_phased_swap_io_takes_turns_and_matches_no_offload(tmp_path, monkeypatch):
     """Note [phased swap I/O]: with ``swap_io: phased`` no chunk's reads are submitted while
     a write of the swapper is in flight, and training is the same as without offload."""
-    from infinity._offload._nvme_optimizer_store import NvmeOptimizerStore
+    from infinity._offload._swap_pipeline import SwapPipeline
 
     submitted = []  # per tail read: was a write in flight?
-    read_chunk = NvmeOptimizerStore._read_chunk
+    read_chunk = SwapPipeline._read_chunk
 
     def watched(self, s, off):
         submitted.append(any(w.in_flight() for w in self.writers))
         read_chunk(self, s, off)
 
-    monkeypatch.setattr(NvmeOptimizerStore, "_read_chunk", watched)
+    monkeypatch.setattr(SwapPipeline, "_read_chunk", watched)
     base = _train("gpt2", _config(3, "none", "none", str(tmp_path)))
     cfg = _config(3, "nvme", "nvme", str(tmp_path))
     cfg["zero"]["offload_optimizer"].update(swap_io="phased", host_cache=0, gradients="nvme")

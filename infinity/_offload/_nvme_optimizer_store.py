@@ -1,32 +1,31 @@
 """The optimizer states on NVMe: master weights, moments and gradient shards in swap files,
 streamed through fixed-size chunks by the step (Note [optimizer swapper]), with a host cache of
 the first chunks (Note [host cache]) and optionally every gradient shard in host memory (Note
-[gradients in host memory]).
+[gradients in host memory]). The store composes parts with one job each: the files
+(_optimizer_files.py), the host cache (_head_cache.py), the gradient shards (_grad_shards.py),
+the swap pipeline (_swap_pipeline.py) and the checkpoint staging (_moment_staging.py).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Callable, List, Optional
 
 import torch
 
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
-from ..aio import aligned_empty
-from ..aio._checksum import checksummed, sums_of
+from ..aio._checksum import sums_of
 from ..aio._handle import close_handles
-from ..aio._memory import release_pages
-from ..errors import InvariantError
+from ._grad_shards import GradShards
+from ._head_cache import HeadCache, HeadState
 from ._memory_plan import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, totals
-from ._moments import Codec, file_bytes, record_bytes
-from ._optimizer_store import Chunk, chunk_elems, head_elems, sq_and_finite, zeros_host
-from ._swap import SwapDir, new_aio, wait_io
-
-_NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")
-_SIGNED = {"exp_avg": True, "exp_avg_sq": False}
-
+from ._moment_staging import MomentStaging
+from ._moments import file_bytes, record_bytes
+from ._optimizer_files import NAMES, STATES, OptimizerFiles
+from ._optimizer_store import Chunk, chunk_elems, head_elems
+from ._ordered_writes import MasterFile
+from ._swap import SwapDir, new_aio
+from ._swap_pipeline import SwapPipeline
 
 
 class NvmeOptimizerStore:
@@ -84,329 +83,160 @@ class NvmeOptimizerStore:
     (``checkpoint_done`` removes them), and after a load ``checkpoint_loaded`` compresses the
     staging files back, so checkpoints move between fp32, bf16 and int8 runs both ways."""
 
-    SETS = 3
+    SETS = SwapPipeline.SETS
 
     def __init__(self, total: int, ranges: List[tuple], swap: SwapDir, aio_cfg, chunk: Optional[int],
                  accumulation_steps: int, host_cache: Optional[int] = None, grads_in_memory: bool = False,
-                 moments: str = "fp32", release_cache: bool = False, phased: bool = False):
+                 moments: str = "fp32", release_cache: bool = False, phased: bool = False,
+                 master: Optional[MasterFile] = None):
         self.tier = Tier.NVME
         self.total = total
         self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
         self.chunk = chunk_elems(chunk, total)
-        self.head = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]
-        # Note [gradients in host memory]: every gradient shard; None = the swap file (and the head sets)
-        self.grad_mem = zeros_host(total, GRADIENTS) if grads_in_memory else None
-        self._swapped = _NAMES[:3] if grads_in_memory else _NAMES  # the arrays with a swap file and a head buffer
-        # Note [compressed moments on disk]: the moments' records, or None for fp32 files
-        self.moments = moments
-        self.codec: Optional[Codec] = Codec(moments, self.chunk) if moments != "fp32" else None
-        self._packed = tuple(_SIGNED) if self.codec else ()
-        self.paths = {n: checksummed(swap.file(f"{n}.swp", self._file_bytes(n)), self._file_bytes(n), aio_cfg.checksums)
-                      for n in self._swapped}  # Note [swap checksums] in aio/_checksum.py
-        self._swap = swap
-        self._staging: dict = {}  # checkpoint staging files of the expanded moments
-        self._aio_cfg = aio_cfg
-        self._staging_io = None  # their own handle: closing it lets go of the removed files' descriptors
-        self._gen = torch.Generator().manual_seed(0x5EED + swap.rank)  # stochastic rounding's noise
-        self.array_io = {n: [0, 0] for n in self._swapped}  # [read, written] bytes per swap file
-        # zeros: the gaps between aligned unit ranges must read as zero gradients
-        self.head_sets = [{n: zeros_host(self.chunk, OPT_HOST_CACHE) for n in self._swapped}
-                          for _ in range(self.head // self.chunk)]
-        self.head_io = new_aio(aio_cfg)
-        self._head = "empty"  # the head sets' master weights and moments: empty, reading or loaded (Note [host cache])
-        self._release_cache = release_cache  # give them back through the activation peak (Note [host cache])
-        self._phased = phased  # reads and writes take turns (Note [phased swap I/O])
-        self._reload_below = total // 2  # a gradient below this offset starts the head's reads (Note [host cache])
-        self._tail_primed = False  # the first tail chunks' reads are in flight
-        self.reader = new_aio(aio_cfg)
-        self.readers = [new_aio(aio_cfg) for _ in range(self.SETS)]  # a read and a write handle per set
-        self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
-        self.grad_reader = new_aio(aio_cfg)
-        self.grad_writer = new_aio(aio_cfg)
-        self.sets = [{n: aligned_empty(self.chunk, torch.float32, what=OPT_BUFFERS) for n in _NAMES} for _ in range(self.SETS)]
-        self.records = [self._record_set(OPT_BUFFERS) for _ in range(self.SETS)]  # Note [compressed moments on disk]
-        self.head_records = [self._record_set(OPT_HOST_CACHE) for _ in self.head_sets]
-        self.accumulation_steps = accumulation_steps
-        self.rank = swap.rank
-        self._written: set = set()  # offsets of gradient ranges written since the last step
-        self._sq, self._finite, self._stats_valid = 0.0, True, accumulation_steps == 1
-        self._io = {"step": [0, 0], "grad": [0, 0]}  # [read, written] bytes by the step's and the grads' handles
-        self._coef = 1.0  # the gradients' scale (unscaling and clipping), applied inside the next update
-        self._master_writer = None  # the parameter store that writes the step's master weights, if any
-        self._zero_files()
+        head = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]
+        # master: master.swp shared with the parameter store (Note [parameters from the master] in _placement.py)
+        self.files = OptimizerFiles(total, self.chunk, swap, aio_cfg, grads_in_memory=grads_in_memory,
+                                    moments=moments, master=master)
+        self.cache = HeadCache(self.files, head, aio_cfg)
+        self.pipeline = SwapPipeline(self.files, head, aio_cfg, phased=phased, grads_in_memory=grads_in_memory)
+        self.grads = GradShards(self.files, self.cache, ranges, in_memory=grads_in_memory,
+                                accumulation_steps=accumulation_steps, aio_cfg=aio_cfg,
+                                scratch=self.pipeline.sets[0]["grad"])
+        self.reader = new_aio(aio_cfg)  # master weights read back, moments staged for a checkpoint
+        self.staging = MomentStaging(self.files, swap, aio_cfg, self.pipeline, self.reader)
+        self.release_cache = release_cache  # give the cache back through the activation peak (Note [host cache])
+        self._reload_below = total // 2  # a gradient below this offset starts the cache's reads (Note [host cache])
+        self.files.zero_fill(self.pipeline.sets[0]["grad"].zero_(), self.pipeline.writers[0])
         # What trades host memory for disk traffic, said once (Note [host cache], [gradients in host memory])
         logger.info("optimizer states on NVMe: host cache of the first %d elements (%.0f MiB; "
                     "zero.offload_optimizer.host_cache: %s), gradient shards in %s (%.0f MiB of host memory), "
-                    "buffer sets %.0f MiB", self.head, 4 * len(self._swapped) * self.head / 2**20,
+                    "buffer sets %.0f MiB", head, 4 * len(self.files.swapped) * head / 2**20,
                     "auto" if host_cache is None else host_cache,
                     "host memory" if grads_in_memory else "a swap file", 4 * total * grads_in_memory / 2**20,
-                    self.SETS * 4 * len(_NAMES) * self.chunk / 2**20)
+                    self.SETS * 4 * len(NAMES) * self.chunk / 2**20)
+
+    # ------------------------------------------------------------ what the parts hold, by name
 
     @property
-    def _code(self) -> Codec:
-        """The moments' codec: reached only for the packed arrays (Note [compressed moments on disk])."""
-        if self.codec is None:
-            raise InvariantError("compressed-moment record used with fp32 moments")
-        return self.codec
+    def head(self) -> int:
+        """Elements at the start of the flat space in the host cache (Note [host cache])."""
+        return self.cache.head
 
-    def master_written_by(self, param_store) -> None:
-        """Note [parameters from the master] in _placement.py: the parameter tier shares
-        master.swp and writes the step's master weights (its hand-off); the step writes only
-        the moments. Readers of the file wait for that store's writes too."""
-        self._master_writer = param_store
+    @property
+    def head_sets(self) -> list:
+        return self.cache.sets
 
-    def count_master_write(self, nbytes: int) -> None:
-        """The parameter store wrote ``nbytes`` of master.swp for the step (Note [parameters from the master])."""
-        self._io["step"][1] += nbytes
-        self.array_io["master"][1] += nbytes
+    @property
+    def grad_mem(self) -> Optional[torch.Tensor]:
+        """Every gradient shard in host memory (Note [gradients in host memory]); None: grad.swp."""
+        return self.grads.mem
 
-    def _master_landed(self) -> None:
-        self._wait(self.head_io, "writing back the cached optimizer chunks")
-        if self._master_writer is not None:
-            self._master_writer.flush()
+    @property
+    def paths(self) -> dict:
+        return self.files.paths
+
+    @property
+    def array_io(self) -> dict:
+        """[read, written] bytes per swap file."""
+        return self.files.bytes_by_file()
 
     @property
     def bytes_read(self) -> int:
-        return sum(r for r, _ in self._io.values())
+        return self.files.bytes_read
 
     @property
     def bytes_written(self) -> int:
-        return sum(w for _, w in self._io.values())
-
-    def _file_bytes(self, name: str) -> int:
-        return file_bytes(self.moments if name in self._packed else "fp32", self.total, self.chunk)
-
-    def _record_set(self, what: str) -> dict:
-        return {n: aligned_empty(self._code.record, torch.uint8, what=what) for n in self._packed}
-
-    def _byte_offset(self, name: str, offset: int) -> int:
-        """Where element ``offset`` (a chunk's start, for a compressed moment) is in its file."""
-        if name in self._packed:
-            return offset // self.chunk * self._code.record
-        return offset * 4
+        return self.files.bytes_written
 
     def element_of(self, name: str, byte_offset: int) -> int:
         """The element at ``byte_offset`` of a swap file (the chunk's first, for a compressed moment)."""
-        if name in self._packed:
-            return byte_offset // self._code.record * self.chunk
-        return byte_offset // 4
+        return self.files.element_of(name, byte_offset)
 
-    def _zero_files(self) -> None:
-        zeros = self.sets[0]["grad"].zero_()
-        for name in (n for n in self._swapped if n != "master"):
-            for off in range(0, self.total, self.chunk):
-                n = min(self.chunk, self.total - off)
-                self._put(self.writers[0], name, off, zeros.view(torch.uint8)[: self._code.length(n)]
-                          if name in self._packed else zeros[:n])
-        self._wait(self.writers[0], "zero-filling the optimizer swap files")
+    def _files_landed(self) -> None:
+        """The files are complete: the cache's write-through and the parameter store's writes
+        of a shared master.swp have landed."""
+        self.cache.wait()
+        self.files.master_landed()
 
-    # -------------------------------------------------------------- I/O helpers
-
-    def _wait(self, handle, what: str) -> None:
-        wait_io(handle, f"{what} (optimizer swapper, rank {self.rank})")
-
-    def _read(self, handle, name: str, offset: int, out: torch.Tensor) -> None:
-        handle.pread(out, self.paths[name], self._byte_offset(name, offset))
-        nbytes = out.numel() * out.element_size()
-        self._io["step"][0] += nbytes
-        self.array_io[name][0] += nbytes
-
-    def _write(self, handle, name: str, offset: int, values: torch.Tensor) -> None:
-        self._put(handle, name, offset, values)
-        self._io["step"][1] += values.numel() * values.element_size()
-
-    def _put(self, handle, name: str, offset: int, values: torch.Tensor) -> None:
-        handle.pwrite(values, self.paths[name], self._byte_offset(name, offset))
-        self.array_io[name][1] += values.numel() * values.element_size()
-
-    def _grad_read(self, offset: int, out: torch.Tensor) -> None:
-        self.grad_reader.pread(out, self.paths["grad"], offset * 4)
-        self._wait(self.grad_reader, f"reading gradient shards at element {offset}")
-        self._io["grad"][0] += out.numel() * 4
-
-    def _grad_write(self, offset: int, values: torch.Tensor) -> None:
-        self.grad_writer.pwrite(values, self.paths["grad"], offset * 4)
-        self._io["grad"][1] += values.numel() * 4
+    # ------------------------------------------------------------ master weights
 
     def load_master(self, offset: int, values: torch.Tensor) -> None:
-        self._master_landed()  # older values must land first
+        self._files_landed()  # older values must land first
         buf = values.contiguous().to(torch.float32)
-        self._write(self.writers[0], "master", offset, buf)
-        self._wait(self.writers[0], f"writing master weights at element {offset}")
+        writer = self.pipeline.writers[0]
+        self.files.write(writer, "master", offset, buf)
+        self.files.wait(writer, f"writing master weights at element {offset}")
         if offset < self.head:
-            self._head = "empty"  # the next update reads the cache afresh (Note [host cache])
+            self.cache.invalidate()  # the next update reads the cache afresh (Note [host cache])
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
-        self._master_landed()  # the files are then complete
+        self._files_landed()
         out = torch.empty(numel, dtype=torch.float32)
-        self._read(self.reader, "master", offset, out)
-        self._wait(self.reader, f"reading master weights at element {offset}")
+        self.files.read(self.reader, "master", offset, out)
+        self.files.wait(self.reader, f"reading master weights at element {offset}")
         return out
 
+    def master_view(self) -> Optional[torch.Tensor]:
+        """None: the master weights are in a file, not one tensor in memory."""
+        return None
+
+    # ------------------------------------------------------------ checkpoints
+
     def checkpoint_sources(self) -> dict:
-        """The swap files of the master weights and moments, complete once the host cache's
-        write-through has landed (Note [host cache]) and so have the parameter store's writes of
-        the master (Note [parameters from the master] in _placement.py), for a checkpoint;
-        compressed moments expanded into fp32 staging files (Note [compressed moments on disk])."""
-        self._master_landed()
-        out = {name: self.paths[name] for name in _NAMES[:3]}
-        for name in self._packed:
-            out[name] = self._stage(name)
+        """The swap files of the master weights and moments, once complete (Note [host cache],
+        Note [parameters from the master] in _placement.py), for a checkpoint; compressed
+        moments expanded into fp32 staging files (Note [compressed moments on disk])."""
+        self._files_landed()
+        out = {name: self.files.paths[name] for name in STATES}
+        for name in self.files.packed:
+            out[name] = self.staging.stage(name)
         return out
 
     def checkpoint_loaded(self) -> None:
         """A checkpoint rewrote the files (compressed moments: their staging files, now
         compressed back into the swap files): the host cache reads them afresh."""
-        for name, path in self._staging.items():
-            rec, buf = self.records[0][name], self.sets[0][name]
-            for off in range(0, self.total, self.chunk):
-                n = min(self.chunk, self.total - off)
-                self._staging_handle().pread(buf[:n], path, off * 4)
-                self._wait(self._staging_io, f"reading the staged {name} at element {off}")
-                self._code.encode(buf[:n], rec[: self._code.length(n)], _SIGNED[name], self._gen)
-                self._put(self.writers[0], name, off, rec[: self._code.length(n)])
-                self._wait(self.writers[0], f"compressing the loaded {name} at element {off}")
-        self.checkpoint_done()
-        self._head = "empty"
+        self.staging.compress_back()
+        self.cache.invalidate()
 
     def checkpoint_done(self) -> None:
         """The checkpoint no longer needs the staging files."""
-        if self._staging_io is not None:
-            close_handles([self._staging_io])
-            self._staging_io = None
-        for path in self._staging.values():
-            os.unlink(path)
-        self._staging.clear()
+        self.staging.done()
 
-    def _staging_handle(self):
-        if self._staging_io is None:
-            self._staging_io = new_aio(self._aio_cfg)
-        return self._staging_io
-
-    def _stage(self, name: str) -> str:
-        """An fp32 file of the expanded moment ``name``, chunk by chunk through buffer set 0."""
-        path = self._staging.get(name) or self._swap.file(f"{name}.fp32.swp", 4 * self.total)
-        self._staging[name] = path
-        rec, buf = self.records[0][name], self.sets[0][name]
-        for off in range(0, self.total, self.chunk):
-            n = min(self.chunk, self.total - off)
-            self._read(self.reader, name, off, rec[: self._code.length(n)])
-            self._wait(self.reader, f"reading {name} at element {off} for a checkpoint")
-            self._code.decode(rec[: self._code.length(n)], buf[:n], _SIGNED[name])
-            self._staging_handle().pwrite(buf[:n], path, off * 4)
-            self._wait(self._staging_io, f"staging {name} at element {off} for a checkpoint")
-        return path
-
-    def _head_pieces(self, offset: int, numel: int):
-        """(head set, start in its chunk, length, start in the range) of the part of
-        [offset, offset + numel) inside the head, which is always a prefix of the range."""
-        end = min(offset + numel, self.head)
-        pos = offset
-        while pos < end:
-            i, lo = divmod(pos, self.chunk)
-            n = min(self.chunk - lo, end - pos)
-            yield self.head_sets[i], lo, n, pos - offset
-            pos += n
-
-    def _in_head(self, offset: int, numel: int) -> int:
-        """Elements of [offset, offset + numel) inside the head."""
-        return max(0, min(offset + numel, self.head) - offset)
-
-    # -------------------------------------------------------------- gradients
+    # ------------------------------------------------------------ gradients
 
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
-        if self._head == "empty" and self.head_sets and offset < self._reload_below:
-            self._read_head()  # backward is past its peak: the head's reads land while it finishes
-        g = shard_grad.mul(scale) if scale != 1.0 else shard_grad.contiguous()
-        again = offset in self._written
-        if again:
-            self._stats_valid = False
-        else:
-            self._written.add(offset)
-        if self._stats_valid:
-            s, f = sq_and_finite(g)
-            self._sq += s
-            self._finite = self._finite and f
-        if self.grad_mem is not None:  # Note [gradients in host memory]
-            dst = self.grad_mem[offset : offset + g.numel()]
-            if again:
-                dst.add_(g)
-            else:
-                dst.copy_(g)
-            return
-        for hs, lo, n, at in self._head_pieces(offset, g.numel()):  # Note [host cache]: in memory only
-            dst, src = hs["grad"][lo : lo + n], g[at : at + n]
-            if again:
-                dst.add_(src)
-            else:
-                dst.copy_(src)
-        h = self._in_head(offset, g.numel())
-        if h == g.numel():
-            return
-        g = g[h:]
-        if again:
-            self._wait(self.grad_writer, "gradient shard writes")  # the earlier write of this range must land
-            old = torch.empty_like(g)
-            self._grad_read(offset + h, old)
-            g = old.add_(g)
-        self._grad_write(offset + h, g)  # the handle keeps g alive until written
+        if self.cache.state is HeadState.EMPTY and self.cache.sets and offset < self._reload_below:
+            self.cache.start_reads()  # backward is past its peak: the cache's reads land while it finishes
+        self.grads.accumulate(offset, shard_grad, scale)
 
     def wait_grad_writes(self) -> None:
         """Gradient buffers handed to ``accumulate`` may be reused once this returns."""
-        self._wait(self.grad_writer, "gradient shard writes")
+        self.grads.wait_writes()
 
     def finalize_grads(self) -> None:
-        """Before the step: ranges that got no gradient this step must read as zeros."""
-        missing = [(o, n) for o, n in self.ranges if o not in self._written and n]
-        if missing:
-            zeros = torch.zeros(max(n for _, n in missing), dtype=torch.float32)
-            for o, n in missing:
-                self._written.add(o)
-                if self.grad_mem is not None:
-                    self.grad_mem[o : o + n].zero_()
-                    continue
-                for hs, lo, k, _ in self._head_pieces(o, n):
-                    hs["grad"][lo : lo + k].zero_()
-                h = self._in_head(o, n)
-                if h < n:
-                    self._grad_write(o + h, zeros[: n - h])
-        self._wait(self.grad_writer, "gradient shard writes")
+        self.grads.finalize()
 
     def grad_stats(self) -> tuple:
         """Of the gradients accumulated so far (call with no step in flight: it borrows a buffer set)."""
-        if self._stats_valid:
-            return self._sq, self._finite
-        sq, finite = 0.0, True
-        for off in range(0, self.total, self.chunk):
-            n = min(self.chunk, self.total - off)
-            if self.grad_mem is not None:
-                buf = self.grad_mem[off : off + n]
-            elif off < self.head:
-                buf = self.head_sets[off // self.chunk]["grad"][:n]
-            else:
-                buf = self.sets[0]["grad"][:n]
-                self._grad_read(off, buf)
-            s, f = sq_and_finite(buf)
-            sq += s
-            finite = finite and f
-        return sq, finite
+        return self.grads.grad_stats()
+
+    def grads_flat(self) -> Optional[torch.Tensor]:
+        """The accumulated gradient shards as one tensor, when they are in host memory."""
+        return self.grads.mem
 
     def scale_grads(self, coef: float) -> None:
-        self._coef = coef  # applied per chunk inside update, saving a pass over the file
+        self.pipeline.coef = coef  # applied per chunk inside update, saving a pass over the file
 
     def zero_grads(self) -> None:
-        """Forget the gradients accumulated so far: the next accumulation overwrites instead of adding."""
-        self._wait(self.grad_writer, "gradient shard writes")
-        self._written.clear()
-        self._sq, self._finite, self._stats_valid = 0.0, True, self.accumulation_steps == 1
+        self.grads.zero()
 
     def seal_grads(self) -> None:
         """The accumulated gradients now belong to the next ``update``; accumulation starts
         afresh (the next backward may run while an overlapped update still reads: Note
         [overlapped step] in _zero_optimizer.py says why it never reads a range being rewritten)."""
-        self.zero_grads()
+        self.grads.zero()
 
-    # -------------------------------------------------------------- the step
+    # ------------------------------------------------------------ the step
 
     def update(self, fn: Callable[[Chunk], None]) -> None:
         """Run ``fn`` over every chunk of the flat space, in order, and write the results back."""
@@ -416,46 +246,15 @@ class NvmeOptimizerStore:
     def update_head(self, fn: Callable[[Chunk], None]) -> None:
         """The cached chunks, on this thread (Note [host cache]). Starts the tail's first
         reads before computing, so that they land meanwhile."""
-        self._prime_tail()
-        if not self.head_sets:
+        self.pipeline.prime()
+        if not self.cache.sets:
             return
-        if self._head == "empty":
-            self._read_head()
-        self._wait(self.head_io, "reading the cached optimizer chunks")  # and their last write-back
-        if self._head == "reading":
-            for i, (_, bufs) in enumerate(self._head_chunks()):
-                self._expand(self.head_records[i], bufs)
-            self._head = "loaded"
-        for i, (off, bufs) in enumerate(self._head_chunks()):
-            self._update_one(fn, off, bufs, self.head_io, self.head_records[i], cached=True)
-
-    def _read_head(self) -> None:
-        """Submit the reads of the cached chunks' master weights and moments (Note [host cache])."""
-        for i, (off, bufs) in enumerate(self._head_chunks()):
-            self._read_arrays(self.head_io, off, bufs, self.head_records[i], ("master", "exp_avg", "exp_avg_sq"))
-        self._head = "reading"
-
-    def release_idle(self, block: bool = True) -> None:
-        """During forward, before the activation peak, with ``release_cache``: the cached
-        chunks' master weights and moments give their pages back once their write-through
-        has landed (without ``block``, only if it has), and are read again late in backward
-        (Note [host cache])."""
-        if not self._release_cache or self._head != "loaded" or not block and self.head_io.in_flight():
-            return
-        if self._master_writer is not None and not self._master_writer.flush(0, self.head, block=block):
-            return  # the head's master weights, written by the parameter store, are still landing
-        self._wait(self.head_io, "writing back the cached optimizer chunks")
-        for hs, recs in zip(self.head_sets, self.head_records):
-            for t in [hs[n] for n in ("master", "exp_avg", "exp_avg_sq")] + list(recs.values()):
-                release_pages(t)
-        self._head = "empty"
-
-    def _head_chunks(self):
-        """(offset, the head set's arrays cut to the chunk's length) of every cached chunk."""
-        for i, hs in enumerate(self.head_sets):
-            off = i * self.chunk
-            n = min(self.chunk, self.total - off)
-            yield off, self._with_grad({name: t[:n] for name, t in hs.items()}, off, n)
+        if self.cache.state is HeadState.EMPTY:
+            self.cache.start_reads()
+        self.cache.land()  # and their last write-back
+        for i, (off, bufs) in enumerate(self.cache.chunks()):
+            bufs = self.grads.with_grad(bufs, off, bufs["master"].numel())
+            self.pipeline.update_one(fn, off, bufs, self.cache.io, self.cache.records[i], cached=True)
 
     def update_tail(self, fn: Callable[[Chunk], None]) -> None:
         """The chunks past the head, streamed through the buffer sets (Note [optimizer swapper]).
@@ -469,113 +268,43 @@ class NvmeOptimizerStore:
         k + 1's reads are submitted, and those reads land before chunk k's moments are
         written; the arithmetic of chunk k overlaps chunk k + 1's reads, and so does the
         write of its master weights where the parameter store writes them as published."""
-        self._prime_tail()
-        starts = self._tail_starts()
-        ahead = self.SETS - 2  # chunks read ahead; one set computes, one set's writes drain
-        for k, off in enumerate(starts):
-            self._wait(self.readers[k % self.SETS], f"reading optimizer chunk at element {off}")  # set k % SETS
-            j = k + ahead
-            if j < len(starts):
-                if self._phased and k:
-                    self._drain_writes(starts[k - 1])
-                self._wait(self.writers[j % self.SETS], "writing back an optimizer chunk")  # set held chunk j - SETS
-                self._read_chunk(j % self.SETS, starts[j])
-            n = min(self.chunk, self.total - off)
-            bufs = self._with_grad({name: t[:n] for name, t in self.sets[k % self.SETS].items()}, off, n)
-            self._expand(self.records[k % self.SETS], bufs)
-            next_read = None  # phased: chunk j's reads land before this chunk's writes start
-            if self._phased and j < len(starts):
-                next_read = functools.partial(self._wait, self.readers[j % self.SETS],
-                                              f"reading optimizer chunk at element {starts[j]}")
-            self._update_one(fn, off, bufs, self.writers[k % self.SETS], self.records[k % self.SETS],
-                             before_writes=next_read)
-        for w in self.writers:
-            self._wait(w, "writing back optimizer chunks")
-        for bufs in self.sets + self.records:  # idle until the next step (Note [released pages])
-            for t in bufs.values():
-                release_pages(t)
-        self._coef = 1.0
-        self._tail_primed = False
+        self.pipeline.run(fn, self.grads.with_grad)
 
-    def _drain_writes(self, off: int) -> None:
-        """Note [phased swap I/O]: every write of the chunk at ``off`` has landed, the master
-        weights' (written by the parameter store) included."""
-        for w in self.writers:
-            self._wait(w, "writing back optimizer chunks")
-        if self._master_writer is not None:
-            self._master_writer.flush(off, min(self.chunk, self.total - off))
-
-    def _update_one(self, fn: Callable[[Chunk], None], off: int, bufs: dict, writer, records: dict,
-                    cached: bool = False, before_writes: Optional[Callable[[], None]] = None) -> None:
-        if self._coef != 1.0:
-            bufs["grad"].mul_(self._coef)
-        fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
-        if before_writes is not None:
-            before_writes()
-        if self.grad_mem is not None or cached:
-            release_pages(bufs["grad"])  # consumed: idle until backward writes it again (Note [released pages])
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            if name == "master" and self._master_writer is not None:
-                continue  # fn handed them to the parameter store, which writes them
-            if name not in self._packed:
-                self._write(writer, name, off, bufs[name])
-                continue
-            rec = records[name][: self._code.length(bufs[name].numel())]
-            self._code.encode(bufs[name], rec, _SIGNED[name], self._gen)
-            if cached:  # the cache holds what the file holds (Note [host cache])
-                self._code.decode(rec, bufs[name], _SIGNED[name])
-            self._write(writer, name, off, rec)
-
-    def _read_arrays(self, handle, off: int, bufs: dict, records: dict, names) -> None:
-        """Submit the reads of a chunk's arrays: fp32 straight into ``bufs``, compressed moments into ``records``."""
-        for name in names:
-            n = bufs[name].numel()
-            self._read(handle, name, off, records[name][: self._code.length(n)] if name in self._packed else bufs[name])
-
-    def _expand(self, records: dict, bufs: dict) -> None:
-        """The landed records of a chunk's compressed moments into its fp32 arrays."""
-        for name in self._packed:
-            self._code.decode(records[name][: self._code.length(bufs[name].numel())], bufs[name], _SIGNED[name])
-
-    def _tail_starts(self) -> list:
-        return list(range(self.head, self.total, self.chunk))
-
-    def _prime_tail(self) -> None:
-        """Submit the reads of the first tail chunks (once per update)."""
-        if self._tail_primed:
+    def release_idle(self, block: bool = True) -> None:
+        """During forward, before the activation peak, with ``release_cache``: the cached
+        chunks' master weights and moments give their pages back once their write-through
+        has landed (without ``block``, only if it has), and are read again late in backward
+        (Note [host cache])."""
+        cache = self.cache
+        if not self.release_cache or cache.state is not HeadState.LOADED or not block and cache.io.in_flight():
             return
-        starts = self._tail_starts()
-        for j in range(min(self.SETS - 2, len(starts))):
-            self._read_chunk(j, starts[j])
-        self._tail_primed = True
+        if not self.files.master_landed(0, cache.head, block=block):
+            return  # the head's master weights, written by the parameter store, are still landing
+        cache.release()
 
-    def _with_grad(self, bufs: dict, offset: int, numel: int) -> dict:
-        """A chunk's arrays, its gradients from host memory where they live there."""
-        if self.grad_mem is not None:
-            bufs["grad"] = self.grad_mem[offset : offset + numel]
-        return bufs
+    # ------------------------------------------------------------ accounting, shutdown
 
-    def _read_chunk(self, s: int, off: int) -> None:
-        n = min(self.chunk, self.total - off)
-        self._read_arrays(self.readers[s], off, {name: t[:n] for name, t in self.sets[s].items()}, self.records[s],
-                          self._swapped)
+    def state_bytes(self, params_are_master: bool) -> dict:
+        """Optimizer states and gradient shards held in memory the way the engine reports
+        them: none, the states being on NVMe."""
+        return {"optimizer": 0, "grads": 0}
 
     def nbytes(self) -> dict:
-        return totals(self.plan(self.total, self.chunk, len(self.head_sets) * self.chunk, self.grad_mem is not None,
-                                self.moments))
+        return totals(self.plan(self.total, self.chunk, len(self.cache.sets) * self.chunk, self.grads.mem is not None,
+                                self.files.moments))
 
     def close(self) -> None:
-        """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
-        close_handles([self.head_io, self.reader, *self.readers, *self.writers, self.grad_reader, self.grad_writer])
+        """Close the I/O handles (Note [closing handles] in aio/_handle.py); the buffer sets,
+        host cache and gradients go now (Note [closed engines] in _engine.py)."""
+        close_handles([self.reader])
+        self.cache.close()
+        self.pipeline.close()
+        self.grads.close()
         self.checkpoint_done()
-        # Note [closed engines] in _engine.py: the buffer sets, host cache and gradients go now
-        self.sets, self.records, self.head_sets, self.head_records = [], [], [], []
-        self.grad_mem = None
-        self.head = 0
 
     def checksums(self) -> dict:
         """The block sums of each swap file by array name (Note [swap checksums] in aio/_checksum.py)."""
-        return {n: sums_of(p) for n, p in self.paths.items() if sums_of(p)}
+        return {n: sums_of(p) for n, p in self.files.paths.items() if sums_of(p)}
 
     @classmethod
     def plan(cls, total: int, chunk: int, head: int, grads_in_memory: bool, moments: str = "fp32") -> dict:
@@ -587,11 +316,11 @@ class NvmeOptimizerStore:
         checkpoint's staging files of compressed moments (8 bytes per element while it runs).
         Compressed moments (Note [compressed moments on disk]) shrink their files and add a
         record buffer per moment to each buffer set and cached chunk."""
-        swapped = len(_NAMES) - (1 if grads_in_memory else 0)
+        swapped = len(NAMES) - (1 if grads_in_memory else 0)
         packed = 2 * (record_bytes(moments, chunk) if moments != "fp32" else 0)  # both moments' records
         files = 4 * (swapped - 2) * total + 2 * file_bytes(moments, total, chunk)
         return {"nvme": {OPT_FILES: files},
-                "host": {OPT_BUFFERS: cls.SETS * (4 * len(_NAMES) * chunk + packed),
+                "host": {OPT_BUFFERS: cls.SETS * (4 * len(NAMES) * chunk + packed),
                          OPT_HOST_CACHE: 4 * swapped * head + head // chunk * packed,
                          GRADIENTS: 4 * total if grads_in_memory else 0}}
 

@@ -50,6 +50,8 @@ class OptimizerStore(Protocol):
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor: ...
 
+    def master_view(self) -> Optional[torch.Tensor]: ...  # the master weights as one tensor in memory, or None
+
     # gradients: accumulated by the sink, inspected and scaled by the step
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None: ...
 
@@ -64,6 +66,8 @@ class OptimizerStore(Protocol):
     def seal_grads(self) -> None: ...
 
     def zero_grads(self) -> None: ...
+
+    def grads_flat(self) -> Optional[torch.Tensor]: ...  # the accumulating gradients as one tensor, or None
 
     # the update: every chunk, or the cached head on this thread and the tail in the background
     def update(self, fn: Callable[[Chunk], None]) -> None: ...
@@ -81,6 +85,8 @@ class OptimizerStore(Protocol):
     def checkpoint_loaded(self) -> None: ...
 
     def checkpoint_done(self) -> None: ...
+
+    def state_bytes(self, params_are_master: bool) -> dict: ...  # held in memory, as the engine reports them
 
     def nbytes(self) -> dict: ...
 
@@ -181,6 +187,12 @@ class MemoryOptimizerStore:
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         return self.master[offset : offset + numel]
 
+    def master_view(self) -> Optional[torch.Tensor]:
+        return self.master
+
+    def grads_flat(self) -> Optional[torch.Tensor]:
+        return self.grad
+
     def checkpoint_sources(self) -> dict:
         """Master weights and moments by name, for a checkpoint (Note [checkpoint layout] in
         _checkpoint/_format.py)."""
@@ -205,6 +217,12 @@ class MemoryOptimizerStore:
 
     def release_idle(self, block: bool = True) -> None:
         """Nothing here sits idle through the activation peak: the states are the only copy."""
+
+    def state_bytes(self, params_are_master: bool) -> dict:
+        """Optimizer states (the fp32 master unless it is the parameter shards) and gradient
+        shards held in memory."""
+        n = self.total * 4
+        return {"optimizer": 2 * n + (0 if params_are_master else n), "grads": self.grad_bytes()}
 
     def nbytes(self) -> dict:
         return totals(self.plan(self.tier, self.total, self.overlapped, self.lazy_grad))
@@ -261,9 +279,6 @@ def sq_and_finite(t: torch.Tensor) -> tuple:
 
 
 
-def state_bytes(store, params_are_master: bool) -> dict:
+def state_bytes(store: OptimizerStore, params_are_master: bool) -> dict:
     """Optimizer states and gradient shards an optimizer store holds in memory."""
-    if not isinstance(store, MemoryOptimizerStore):
-        return {"optimizer": 0, "grads": 0}
-    n = store.total * 4
-    return {"optimizer": 2 * n + (0 if params_are_master else n), "grads": store.grad_bytes()}
+    return store.state_bytes(params_are_master)

@@ -25,9 +25,9 @@ from ..aio._handle import close_handles
 from ..errors import InfinityError, UsageError
 from ._layout import ALIGN_ELEMS, round_up
 from ._memory_plan import PARAM_CACHE, PARAM_FILES, PARAM_HANDOFF, PARAM_SHARDS, PARAM_STAGING, totals
+from ._ordered_writes import WRITE_HANDLES, MasterFile, OrderedWrites
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
 
-WRITE_HANDLES = 4  # the parameter tier's writes rotate over these (Note [write ordering])
 HANDOFF_BUFFERS = 2  # staging buffers' worth of the step's fresh parameter output kept in memory (Note [hand-off])
 
 
@@ -144,9 +144,9 @@ class ParamStore:
     def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
-                 update_chunk: int = 0, master=None, cache_elems: int = 0):
+                 update_chunk: int = 0, master: Optional[MasterFile] = None, cache_elems: int = 0):
         tier = Tier.of(tier)
-        self._master = master  # the NVMe optimizer store whose master.swp this tier shares (Note [parameters from the master])
+        self._master = master  # master.swp, shared with the NVMe optimizer store (Note [parameters from the master])
         self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
         self.direct_reads = direct_reads  # reads land in the caller's buffers: the pool stays empty (Note [one memory model])
         self.tier, self.dtype, self.total = tier, dtype, total
@@ -155,18 +155,14 @@ class ParamStore:
         self._copying: List[tuple] = []  # (event, host shard) a copy to the device may still read: Note [buffers under a copy]
         self._lock_copies = threading.Lock()  # the forward gives shards back while the step's thread takes outputs
         self.bytes_read = 0
-        self.bytes_written = 0
         if tier is Tier.NVME:
             if master is not None:  # fp32 on the master's layout: the step hands its master values to this tier
-                self.path = master.paths["master"]
-                master.master_written_by(self)
+                self._file = master.writes
             else:
-                self.path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
-                                        aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
-            self._writers = [new_aio(aio_cfg) for _ in range(WRITE_HANDLES)]  # Note [write ordering]
-            self._next_writer = 0
-            self._writes: List[tuple] = []  # (start, end, handle) of writes not yet seen to land
-            self._rank = swap.rank
+                path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
+                                   aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
+                self._file = OrderedWrites(path, nbytes_of(1, dtype), aio_cfg, swap.rank)  # Note [write ordering]
+            self.path = self._file.path
             size = buffer_size or max_unit
             if size < max_unit:
                 raise UsageError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
@@ -200,6 +196,12 @@ class ParamStore:
         return self.flat is not None
 
     @property
+    def bytes_written(self) -> int:
+        """Bytes this store wrote to its own file (master.swp's count as the optimizer's:
+        Note [parameters from the master])."""
+        return self._file.bytes_written if self.flat is None and self._master is None else 0
+
+    @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
@@ -216,39 +218,14 @@ class ParamStore:
         if values.dtype != self.dtype:
             values = values.to(self.dtype)
         end = offset + values.numel()
+        self._file.write(offset, values)  # Note [write ordering]
         with self._lock:
-            handle = self._writers[self._next_writer]
-            self._next_writer = (self._next_writer + 1) % len(self._writers)
-        self._reap(handle)  # outside the lock: a fetch must not wait for this write's predecessor
-        with self._lock:
-            handle.pwrite(values, self.path, offset * values.element_size())
-            self._writes.append((offset, end, handle))
-            if self._master is None:
-                self.bytes_written += values.numel() * values.element_size()
-            else:  # master weights: the optimizer's bytes (Note [parameters from the master])
-                self._master.count_master_write(values.numel() * values.element_size())
             self._handoff = [(o, t) for o, t in self._handoff if o + t.numel() <= offset or o >= end]
             cached = self._update_cache(offset, values)
             if keep and not cached and values.numel() * values.element_size() <= self._handoff_cap:
                 self._handoff.append((offset, values))
                 while sum(t.numel() for _, t in self._handoff) * values.element_size() > self._handoff_cap:
                     self._handoff.pop(0)
-
-    def _reap(self, handle) -> None:
-        """Collect ``handle``'s earlier writes before it takes another (they were submitted
-        WRITE_HANDLES writes ago, so have mostly landed): a handle keeps the tensors it wrote
-        alive until collected, and the step's output tensors would otherwise stay mapped, up
-        to the whole parameter space of them, until some read waited for them. So at most
-        WRITE_HANDLES written outputs are uncollected (Note [one memory model] in _memory_plan.py).
-        Only the step's thread writes; a read waiting on the same handle meanwhile is fine
-        (``_writes_landed`` drops only the writes it saw)."""
-        with self._lock:
-            mine = [w for w in self._writes if w[2] is handle]
-        if mine:
-            wait_io(handle, f"parameter shard writes on rank {self._rank}")
-            done = {id(w) for w in mine}
-            with self._lock:
-                self._writes = [w for w in self._writes if id(w) not in done]
 
     def _spans_in(self, offset: int, end: int):
         """The unit spans [a, b) overlapping [offset, end)."""
@@ -382,23 +359,7 @@ class ParamStore:
                 self._cache, self._cached = {}, 0
 
     def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:
-        """Note [write ordering]: the overlapped step publishes a range before its write has
-        landed, so a read waits for the writes that overlap its range, and only for those:
-        writes rotate over WRITE_HANDLES handles, and a read waits for the handles holding an
-        overlapping write (a prefetch, ``block`` off, does not wait: it tries again later).
-        Waiting also raises a failed write's error, so none goes unseen."""
-        end = offset + numel
-        with self._lock:
-            mine = [w for w in self._writes if w[0] < end and w[1] > offset]
-        handles = list({id(h): h for _, _, h in mine}.values())
-        if not block and any(h.in_flight() for h in handles):
-            return False
-        for h in handles:
-            wait_io(h, f"parameter shard writes on rank {self._rank}")
-        done = {id(w) for w in mine}
-        with self._lock:
-            self._writes = [w for w in self._writes if id(w) not in done]
-        return True
+        return self._file.landed(offset, numel, block=block)  # Note [write ordering] in _ordered_writes.py
 
     def start_read(self, offset: int, numel: int, *, block: bool = True, into: Optional[torch.Tensor] = None):
         """Submit NVMe -> a pool buffer (or ``into``, aligned host memory of the caller's);
@@ -452,7 +413,8 @@ class ParamStore:
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
         if self.tier is Tier.NVME:
-            close_handles(self._writers + self._all_readers)
+            self._file.close()
+            close_handles(self._all_readers)
             # Note [closed engines] in _engine.py: the cache, hand-off and staging memory goes now
             self._cache, self._cached = {}, 0
             self._handoff = []
@@ -483,7 +445,7 @@ class ParamStore:
 def handoff_bound(total: int, buffer_numel: int, chunk: int) -> int:
     """Elements of the step's output tensors alive at once (Note [hand-off]): those the
     recycler holds, kept ones among them (HANDOFF_BUFFERS buffers' worth), those written and
-    not yet collected (WRITE_HANDLES units: ``_reap``), those filling (the units of one
+    not yet collected (WRITE_HANDLES units: ``OrderedWrites._reap``), those filling (the units of one
     update chunk, and one unit at each end), and as many again as a forward may still read
     after taking them. A cap, not a typical figure: a model whose units are all small holds
     about its whole parameter space of them (``total``), a large one less."""

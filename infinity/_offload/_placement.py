@@ -32,9 +32,11 @@ class Placement:
     (``params_in_master_file``) the parameter store reads and writes ``master.swp``: the
     step hands its fresh master values to the parameter store (Note [hand-off] in
     _param_store.py), which writes them, so the optimizer store writes only the moments, and
-    Note [write ordering] orders a fetch's read after the master write of its range exactly
+    Note [write ordering] in _ordered_writes.py orders a fetch's read after the master write of its range exactly
     as it did for ``params.swp``. Either way no ``params.swp`` exists: the disk holds 16
-    bytes per parameter instead of 20, and the step writes 4 fewer."""
+    bytes per parameter instead of 20, and the step writes 4 fewer. The shared file and its
+    ordered writes are one ``MasterFile`` (_ordered_writes.py), built before both stores and
+    given to each: neither store refers to the other."""
 
     opt_tier: Tier  # fp32 master weights, gradient shards, Adam moments
     param_tier: Tier  # stage 3's compute-dtype shards (DEVICE in stages 1-2: parameters stay whole)

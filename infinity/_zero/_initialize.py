@@ -5,9 +5,9 @@ services it uses when it is constructed, and nobody assigns another object's att
 afterwards:
 
     unit specs (grouping, shard sizes) -> placement plan (tiers, flat layout) -> preflight
-    -> stores -> shared services (counters, gather ledger, step gate, call stack, prefetcher,
-    recycler) -> fetch units -> master weights -> gradient sink -> reducer -> engine
-    -> optimizer -> cast and partition -> hooks
+    -> the master file both stores share, if they do -> stores -> shared services (counters,
+    gather ledger, step gate, call stack, prefetcher, recycler) -> fetch units -> master weights
+    -> gradient sink -> reducer -> engine -> optimizer -> cast and partition -> hooks
 
 The preflight sees only the plan, so it runs before the first byte is allocated. The fetch
 units never see the engine or the optimizer: the step publishes its progress through the
@@ -16,7 +16,7 @@ step gate (Note [step gate] in _step_gate.py), which the units consult before re
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from .._offload._memory_plan import (
 )
 from .._offload._nvme_optimizer_store import NvmeOptimizerStore
 from .._offload._optimizer_store import MemoryOptimizerStore, OptimizerStore, chunk_elems
+from .._offload._ordered_writes import MasterFile
 from .._offload._param_store import ParamStore
 from .._offload._placement import PARAM_CACHE_SHARE, Placement
 from .._offload._preflight import preflight, staging_buffers
@@ -58,7 +59,7 @@ from ._swap_labels import label_swap_files
 from ._tiling import check_working_memory, retarget_groups, tile_model
 from ._unit import FetchUnit, UnitContext
 from ._unit_plan import DTYPES, StagePolicy, placement_of
-from ._zero_optimizer import GradSink, ZeroOptimizer
+from ._zero_optimizer import EngineOps, GradSink, ZeroOptimizer
 
 
 def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Module, ZeroOptimizer]:
@@ -84,7 +85,7 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     check_same_model_on_all_ranks(model)
     engine, sink, gate = _build_engine(model, cfg)
     try:
-        optimizer = ZeroOptimizer(engine, cfg, groups, sink=sink, gate=gate)
+        optimizer = ZeroOptimizer(engine, _engine_ops(engine), cfg, groups, sink=sink, gate=gate)
         label_swap_files(optimizer)  # what corrupt bytes would have held (Note [swap checksums] in aio/_checksum.py)
     except BaseException:
         forget_engine(model)  # refused (bad groups): the model may be passed again
@@ -109,8 +110,10 @@ def _build_engine(model: nn.Module, cfg):
     swap_dirs = SwapDirs(rank)
     block_cache = _start_host_allocator(cfg.zero.host_allocator)
     try:
-        opt_store = _optimizer_store(placement, cfg, swap_dirs, policy)
-        param_store = _param_store(placement, cfg, swap_dirs, opt_store) if policy.partition_params else None
+        master = MasterFile(swap_dirs.under(cfg.zero.offload_optimizer.nvme_path), placement.layout.opt_total, cfg.aio) \
+            if placement.params_in_master_file else None  # Note [parameters from the master]: shared, built first
+        opt_store = _optimizer_store(placement, cfg, swap_dirs, policy, master)
+        param_store = _param_store(placement, cfg, swap_dirs, opt_store, master) if policy.partition_params else None
         counters, ledger = Counters(), GatherLedger(world, cfg.device_memory_limit)  # this engine's device budget
         gate = StepGate(rank, counters.blocked)
         prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, ledger=ledger,
@@ -147,6 +150,18 @@ def _build_engine(model: nn.Module, cfg):
         raise
 
 
+def _engine_ops(engine: Engine) -> EngineOps:
+    """What the optimizer asks of the engine (Note [the optimizer's engine] in _zero_optimizer.py)."""
+    reducer, fence = engine.reducer, engine.save_fence
+    return EngineOps(
+        units=engine.units, dtype=engine.dtype, rank=engine.rank, world_size=engine.world_size,
+        partition_params=engine.policy.partition_params, placement=engine.placement, store=engine.opt_store,
+        param_store=engine.param_store, scaler=engine.scaler, counters=engine.counters,
+        wait_for_saves=lambda: fence.wait_writes(comm.timeout_s()),
+        reduce_rest=(lambda: None) if engine.policy.reduce_in_backward else reducer.reduce_all,
+        after_step=engine.after_step)
+
+
 def _start_host_allocator(policy: str) -> bool:
     """Where torch's large CPU blocks come from (``zero.host_allocator``): the block cache
     (Note [block cache] in native/host_alloc/host_alloc.cpp) keeping every freed block
@@ -172,7 +187,8 @@ def _start_host_allocator(policy: str) -> bool:
     return False
 
 
-def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: StagePolicy) -> OptimizerStore:
+def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: StagePolicy,
+                     master: Optional[MasterFile]) -> OptimizerStore:
     z = cfg.zero
     total, ranges = placement.layout.opt_total, list(placement.layout.opt_ranges)
     if placement.opt_tier is Tier.NVME:
@@ -180,12 +196,14 @@ def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: Sta
                                   z.offload_optimizer.chunk_size, cfg.gradient_accumulation_steps,
                                   z.offload_optimizer.host_cache, placement.grads_in_memory,
                                   moments=z.offload_optimizer.moments,
-                                  release_cache=z.host_allocator == "release", phased=z.offload_optimizer.swap_io == "phased")
+                                  release_cache=z.host_allocator == "release", phased=z.offload_optimizer.swap_io == "phased",
+                                  master=master)
     return MemoryOptimizerStore(placement.opt_tier, total, lazy_grad=not policy.reduce_in_backward,
                                 overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size)
 
 
-def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store) -> ParamStore:
+def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store: OptimizerStore,
+                 master: Optional[MasterFile]) -> ParamStore:
     """Stage 3's compute-dtype shards; the fp32 master itself where the two coincide."""
     z = cfg.zero
     aliased = placement.params_are_master  # Note [parameters from the master] in _placement.py
@@ -201,8 +219,7 @@ def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store) -> P
     tier = placement.opt_tier if aliased else placement.param_tier
     return ParamStore(tier, placement.dtype, placement.layout.param_total,
                       swap=swap_dirs.under(z.offload_param.nvme_path) if tier is Tier.NVME else None,
-                      aio_cfg=cfg.aio, alias=opt_store.master if aliased else None,
-                      master=opt_store if placement.params_in_master_file else None,
+                      aio_cfg=cfg.aio, alias=opt_store.master_view() if aliased else None, master=master,
                       cache_elems=placement.param_cache_elems,
                       max_unit=placement.layout.max_shard, direct_reads=placement.direct_reads,
                       update_chunk=chunk_elems(z.offload_optimizer.chunk_size, placement.layout.opt_total),

@@ -82,6 +82,7 @@ class GradReducer:
         self.max_inflight = max_inflight
         self.consumers_done = consumers_done  # waits until nothing reads a completed bucket any more
         self.on_add = on_add  # sees each unit's gradients before they are taken (which parameters have one)
+        self._units = list(units)
         self.buckets = plan_buckets(units, world_size, self.bucket_elems)
         self._where: Dict[FetchUnit, Tuple[_Bucket, int]] = {u: (b, col) for b in self.buckets for u, col in b.units}
         self._added: set = set()  # units in this backward's buckets
@@ -175,6 +176,12 @@ class GradReducer:
         self._inflight.append(_InFlight(handle, out, bucket, full))
         while len(self._inflight) > self.max_inflight or (self._inflight and self._inflight[0].handle.done()):
             self._complete(self._inflight.pop(0))
+
+    def reduce_all(self) -> None:
+        """Stage 1 (nothing reduced in backward): every unit's gradients, just before the step."""
+        for unit in self._units:
+            self.add(unit)
+        self.finish()
 
     def finish(self) -> None:
         """End of backward: units without gradients on this rank join as zeros, every bucket

@@ -26,22 +26,26 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import TYPE_CHECKING, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
-from .._offload._optimizer_store import Chunk, MemoryOptimizerStore, OptimizerStore, state_bytes
+from .._offload._optimizer_store import Chunk, OptimizerStore
+from .._offload._placement import Placement
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ..errors import EngineError, InvariantError, NonFiniteError, NotSupportedError, UsageError
+from ._loss_scale import LossScaler
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._step_gate import StepGate
 
 if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
+    from .._runtime._telemetry_counters import Counters
     from ._engine import Engine
     from ._unit import FetchUnit
 
@@ -69,6 +73,28 @@ def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, w
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+@dataclass(frozen=True)
+class EngineOps:
+    """Note [the optimizer's engine]: what the optimizer asks of the engine, built by
+    ``initialize`` (the composition root) once the engine exists: the parts it shares with
+    the engine, a few facts, and three named operations. The optimizer never reads the
+    engine's attributes itself, so the engine's insides can change without it."""
+
+    units: Sequence["FetchUnit"]
+    dtype: torch.dtype  # the compute dtype
+    rank: int
+    world_size: int
+    partition_params: bool  # stage 3: the step writes the parameter store; else it gathers whole parameters
+    placement: Placement
+    store: OptimizerStore
+    param_store: Optional["ParamStore"]
+    scaler: Optional[LossScaler]  # fp16's
+    counters: "Counters"
+    wait_for_saves: Callable[[], None]  # an asynchronous save still copying swap files (Note [save fence])
+    reduce_rest: Callable[[], None]  # stage 1: every gradient reduced now (stages 2-3 did it in backward)
+    after_step: Callable[[], None]  # the parameters changed: persistent units' gathered copies are stale
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """A torch Optimizer over this rank's flat fp32 shards; LR schedulers work on it.
 
@@ -79,30 +105,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
     in _layout.py).
     """
 
-    def __init__(self, engine: "Engine", cfg, groups: List[dict], *, sink: "GradSink", gate: StepGate):
-        self.engine = engine
+    def __init__(self, engine: "Engine", ops: "EngineOps", cfg, groups: List[dict], *, sink: "GradSink",
+                 gate: StepGate):
+        self.engine = engine  # for those that hold the optimizer (checkpoints, the apps); the step uses ``ops``
+        self.ops = ops  # Note [the optimizer's engine]
         self.cfg = cfg
-        self.placement = placement = engine.placement
+        self.placement = placement = ops.placement
         self.opt_tier = placement.opt_tier
         self.param_tier = placement.param_tier
         self.layout = placement.layout
         self.total = self.layout.opt_total
         self.overlap = placement.overlap
         self.grads_in_memory = placement.grads_in_memory
-        self.store = engine.opt_store
-        self.param_store = engine.param_store
-        self.scaler = engine.scaler
+        self.store = ops.store
+        self.param_store = ops.param_store
+        self.scaler = ops.scaler
         self.sink = sink
         self.gate = gate  # Note [step gate]: this step owns it
         oc = cfg.optimizer
-        named = named_parameters(engine.units)  # groups: torch-style, resolved against the model by initialize
+        named = named_parameters(ops.units)  # groups: torch-style, resolved against the model by initialize
         defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
         self._building = True  # torch's __init__ adds the groups; add_param_group refuses afterwards
         super().__init__(groups, defaults)
         self._building = False
         self.adamw = oc.type == "adamw"
         check_group_hyper(self.param_groups, self.adamw)
-        self.steps = StepCounts(slots_of(engine.units, self.param_groups), len(named))
+        self.steps = StepCounts(slots_of(ops.units, self.param_groups), len(named))
         self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
         self._adam = _native_adam() if acc.device().type == "cpu" or self.opt_tier is not Tier.DEVICE else None
         self.last_grad_norm: Optional[float] = None
@@ -146,59 +174,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        engine = self.engine
-        self.wait_step()
-        engine.save_fence.wait_writes(comm.timeout_s())  # Note [save fence] in _save_fence.py
-        if self.param_store is not None:
-            self.param_store.wait_copies()  # the step rewrites host shards a fetch's copy may still read
-        if not engine.policy.reduce_in_backward:  # stages 2-3 reduced at the end of each backward
-            for unit in engine.units:
-                engine.reducer.add(unit)
-            engine.reducer.finish()
-        self.sink.flush()
-        with engine.counters.blocked("grad_offload"):
-            self.store.finalize_grads()
+        self._gradients_in()
         self._calls += 1
         if loss is not None:
             self.note_loss(loss)
-        sq, finite = self.store.grad_stats()  # Note [non-finite steps]
-        bad_loss = 0.0 if self._loss_ok is None or bool(self._loss_ok) else 1.0
-        self._loss_ok = None
-        head = torch.tensor([sq, 0.0 if finite else 1.0, bad_loss], dtype=torch.float64)
-        stats = torch.cat([head, self.sink.got_grad])
-        # the norm, non-finite flags and which parameters got a gradient, in one collective
-        comm.all_reduce(stats, "sum", what=f"gradient norm of step {self._calls}")
-        self.sink.got_grad.zero_()  # the step consumes this backward's gradients (the store's are sealed below)
-        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        nonfinite = bool(stats[1].item() > 0 or stats[2].item() > 0)
-        if self.scaler is not None:
-            self.scaler.update(nonfinite)  # fp16: an overflow backs the loss scale off, as always
-        elif nonfinite:
-            self._on_nonfinite(grads_bad=not finite, loss_bad=bool(bad_loss), any_grad_bad=stats[1].item() > 0)
-        if nonfinite:
+        stats, finite, bad_loss = self._global_stats()
+        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0  # the scale these gradients carry
+        if self._nonfinite(stats, finite, bad_loss):
             self.skipped = True
             self._finish_step()
             return loss
         self.skipped = False
-        self.last_grad_norm = math.sqrt(stats[0].item()) * inv_scale
-        coef = inv_scale
-        clip = self.cfg.gradient_clipping
-        if clip > 0:
-            clip_coef = clip / (self.last_grad_norm + 1e-6)
-            if clip_coef < 1.0:
-                coef *= clip_coef
-        if coef != 1.0:
-            self.store.scale_grads(coef)
+        self._scale_grads(math.sqrt(stats[0].item()) * inv_scale, inv_scale)
         self._step += 1
         plan = self.steps.advance(stats[3:], self.param_groups, self.adamw)  # Note [update plan]
-        out_flat = None  # stages 1-2: the updated compute-dtype shards, gathered after the update
-        if not engine.policy.partition_params:
-            in_memory_fp32 = engine.dtype == torch.float32 and isinstance(self.store, MemoryOptimizerStore)
-            # the fresh values are written where Adam runs (host memory for a native CPU Adam), then
-            # all-gathered on the device into the whole parameters
-            out_flat = self.store.master if in_memory_fp32 else (
-                aligned_empty(self.total, engine.dtype, what="step outputs") if self.opt_tier is not Tier.DEVICE
-                else torch.empty(self.total, dtype=engine.dtype, device=acc.device()))
+        out_flat = self._whole_params_out()
         self.store.seal_grads()
         if self.overlap:
             self._launch_step(plan)
@@ -206,11 +196,74 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.store.update(lambda chunk: self._update_chunk(chunk, plan, out_flat))
         if self.param_store is not None:
             self.param_store.flush()
-            engine.after_step()
+            self.ops.after_step()
         else:
-            gather_into_whole_params(engine, out_flat)
+            gather_into_whole_params(self.ops, out_flat, self.cfg.zero.reduce_bucket_size)
         self._finish_step()
         return loss
+
+    def _gradients_in(self) -> None:
+        """Before the step reads the gradients: the previous step joined, no save copying the
+        swap files, no fetch's copy reading a host shard the step rewrites, every gradient
+        reduced and in the store."""
+        self.wait_step()
+        self.ops.wait_for_saves()  # Note [save fence] in _save_fence.py
+        if self.param_store is not None:
+            self.param_store.wait_copies()  # the step rewrites host shards a fetch's copy may still read
+        self.ops.reduce_rest()  # stage 1; stages 2-3 reduced at the end of each backward
+        self.sink.flush()
+        with self.ops.counters.blocked("grad_offload"):
+            self.store.finalize_grads()
+
+    def _global_stats(self) -> tuple:
+        """(the all-reduced [squared norm, non-finite gradients, non-finite losses, which
+        parameters got a gradient...], this rank's gradients finite, this rank's losses bad):
+        one collective (Note [non-finite steps])."""
+        sq, finite = self.store.grad_stats()
+        bad_loss = 0.0 if self._loss_ok is None or bool(self._loss_ok) else 1.0
+        self._loss_ok = None
+        head = torch.tensor([sq, 0.0 if finite else 1.0, bad_loss], dtype=torch.float64)
+        stats = torch.cat([head, self.sink.got_grad])
+        comm.all_reduce(stats, "sum", what=f"gradient norm of step {self._calls}")
+        self.sink.got_grad.zero_()  # the step consumes this backward's gradients (the store's are sealed later)
+        return stats, finite, bad_loss
+
+    def _nonfinite(self, stats: torch.Tensor, finite: bool, bad_loss: float) -> bool:
+        """Whether any rank saw inf/NaN: fp16 backs its loss scale off (and grows it after a
+        clean window), bf16/fp32 raise or count a skip (Note [non-finite steps])."""
+        nonfinite = bool(stats[1].item() > 0 or stats[2].item() > 0)
+        if self.scaler is not None:
+            self.scaler.update(nonfinite)
+        elif nonfinite:
+            self._on_nonfinite(grads_bad=not finite, loss_bad=bool(bad_loss), any_grad_bad=stats[1].item() > 0)
+        return nonfinite
+
+    def _scale_grads(self, norm: float, inv_scale: float) -> None:
+        """Unscaling and clipping by the global norm, as one coefficient the store applies
+        inside the update."""
+        self.last_grad_norm = norm
+        coef = inv_scale
+        clip = self.cfg.gradient_clipping
+        if clip > 0:
+            clip_coef = clip / (norm + 1e-6)
+            if clip_coef < 1.0:
+                coef *= clip_coef
+        if coef != 1.0:
+            self.store.scale_grads(coef)
+
+    def _whole_params_out(self) -> Optional[torch.Tensor]:
+        """Stages 1-2: where the updated compute-dtype shards go before they are all-gathered
+        into the whole parameters: where Adam runs (host memory for a native CPU Adam), or the
+        master weights themselves in fp32 in memory. None at stage 3."""
+        if self.ops.partition_params:
+            return None
+        dtype = self.ops.dtype
+        master = self.store.master_view()
+        if dtype == torch.float32 and master is not None:
+            return master
+        if self.opt_tier is not Tier.DEVICE:
+            return aligned_empty(self.total, dtype, what="step outputs")
+        return torch.empty(self.total, dtype=dtype, device=acc.device())
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """Have the next ``step()`` check ``loss`` (and any other noted since the last step)
@@ -227,10 +280,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         where = self._nonfinite_parameter() if grads_bad else None
         at = (f"; first in this rank's shard of {where}" if where else
               "; in another rank's gradient shard" if any_grad_bad and not grads_bad else "")
-        rank = self.engine.rank
+        rank = self.ops.rank
         if self.cfg.precision.on_nonfinite == "error":
             raise NonFiniteError(
-                f"rank {rank}: step {self._calls}: inf or NaN in {what}{at} ({self.engine.dtype}); nothing was "
+                f"rank {rank}: step {self._calls}: inf or NaN in {what}{at} ({self.ops.dtype}); nothing was "
                 f"updated. Look for bad values in that step's batch or a diverging run (lower optimizer.lr, set "
                 f"gradient_clipping), or set precision.on_nonfinite: skip to skip such steps")
         self.nonfinite_skipped += 1
@@ -240,12 +293,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _nonfinite_parameter(self) -> Optional[str]:
         """The first parameter whose gradient shard on this rank holds inf/NaN, when the
         gradients are in memory (only on this error path: one more pass over them)."""
-        flat = getattr(self.store, "grad", None)
+        flat = self.store.grads_flat()
         if flat is None:
-            flat = getattr(self.store, "grad_mem", None)
-        if not isinstance(flat, torch.Tensor):
             return None  # streamed from NVMe: the step's number is named, not the parameter
-        for unit in self.engine.units:
+        for unit in self.ops.units:
             if not unit.trainable:
                 continue
             shard = flat[unit.opt_offset : unit.opt_offset + unit.shard_numel]
@@ -272,7 +323,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         already read by the step. A second step, GatheredParameters edits, reading master
         weights and close wait for the whole step (``wait_step``). Time the main thread
         spends waiting on the step is telemetry's ``optimizer_io`` stall."""
-        self.engine.after_step()  # persistent units' gathered copies are about to be stale
+        self.ops.after_step()  # persistent units' gathered copies are about to be stale
         self.gate.open()
         # The cached head (Note [host cache] in _nvme_optimizer_store.py) is what the next forward needs first:
         # update it here, on every core, from memory; the background thread streams the rest.
@@ -305,7 +356,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         end = chunk.offset + n
         ps = self.param_store
         targets = self._step_targets(chunk.offset, n, out_flat)  # (start, view) for the fresh values
-        fused = (self._adam is not None and self.engine.dtype != torch.float32 and bool(targets)
+        fused = (self._adam is not None and self.ops.dtype != torch.float32 and bool(targets)
                  and all(out.device.type == "cpu" for _, out in targets))  # the native Adam writes host memory
         done = []  # ranges whose fresh values a fused Adam wrote
         for lo, hi, hyper in runs_in(plan, chunk.offset, end):
@@ -353,7 +404,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         values: the gathered flat of stages 1-2, the resident parameter shards, the NVMe
         parameter tier's output tensors; none where the master weights are the parameters."""
         if out_flat is not None:
-            same = out_flat.dtype == torch.float32 and out_flat is getattr(self.store, "master", None)
+            same = out_flat.dtype == torch.float32 and out_flat is self.store.master_view()
             return [] if same else [(offset, out_flat[offset : offset + n])]
         ps = self.param_store
         if ps is None or self.aliased:
@@ -367,13 +418,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return out
 
     def _finish_step(self) -> None:
-        self.store.zero_grads()
-        for unit in self.engine.units:
-            unit.drop_grads()
+        self.zero_grad()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.store.zero_grads()  # the accumulating gradients; an overlapped step reads sealed ones
-        for unit in self.engine.units:
+        for unit in self.ops.units:
             unit.drop_grads()
 
     def state_dict(self):
@@ -395,7 +444,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> dict:
         """Optimizer states (fp32 master unless it is the parameter shard, Adam moments) and
         gradient shards this rank holds in memory."""
-        return state_bytes(self.store, self.aliased)
+        return self.store.state_bytes(self.aliased)
 
 
 
@@ -490,20 +539,20 @@ def _pieces(lo: int, hi: int, targets: list):
             yield a, b, view[a - start : b - start]
 
 
-def gather_into_whole_params(engine: "Engine", flat: torch.Tensor) -> None:
+def gather_into_whole_params(ops: EngineOps, flat: torch.Tensor, bucket_elems: int) -> None:
     """Stages 1-2: all-gather the updated shards in buckets and copy into the whole params."""
-    budget = engine.cfg.zero.reduce_bucket_size
+    world, dtype = ops.world_size, ops.dtype
     group, cols = [], 0
-    for unit in [u for u in engine.units if u.trainable] + [None]:  # frozen units keep their values
+    for unit in [u for u in ops.units if u.trainable] + [None]:  # frozen units keep their values
         if unit is not None:
             group.append(unit)
             cols += unit.shard_numel
-        if group and (unit is None or cols * engine.world_size >= budget):
+        if group and (unit is None or cols * world >= bucket_elems):
             first, last = group[0], group[-1]
-            span = flat[first.opt_offset : last.opt_offset + last.shard_numel].to(acc.device(), engine.dtype)
-            full = torch.empty(engine.world_size * span.numel(), dtype=engine.dtype, device=acc.device())
+            span = flat[first.opt_offset : last.opt_offset + last.shard_numel].to(acc.device(), dtype)
+            full = torch.empty(world * span.numel(), dtype=dtype, device=acc.device())
             comm.all_gather_into_tensor(full, span, async_op=False, what="all-gather of updated parameters")
-            rows = full.view(engine.world_size, span.numel())
+            rows = full.view(world, span.numel())
             for u in group:
                 start = u.opt_offset - first.opt_offset
                 u.load_full_into_params(rows[:, start : start + u.shard_numel])

@@ -1,0 +1,111 @@
+"""The NVMe optimizer store's host cache: the first chunks of the flat space in host memory
+(Note [host cache] in _nvme_optimizer_store.py), their state one enum moved by named
+transitions.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Iterator, Tuple
+
+from ..aio._handle import close_handles
+from ..aio._memory import release_pages
+from ..errors import InvariantError
+from ._memory_plan import OPT_HOST_CACHE
+from ._optimizer_files import STATES, OptimizerFiles
+from ._optimizer_store import zeros_host
+from ._swap import new_aio
+
+
+class HeadState(enum.Enum):
+    """Where the cached chunks' master weights and moments are. Their gradient shards (when
+    not in host memory altogether) live in the cache in every state: the files never hold them."""
+
+    EMPTY = "empty"  # not in memory: never read, given back through the activation peak, or the files rewritten
+    READING = "reading"  # their reads are in flight on the cache's handle
+    LOADED = "loaded"  # in memory, equal to the files once the write-through has landed
+
+
+class HeadCache:
+    """``head`` elements (whole chunks) of master weights, moments and gradient shards in host
+    memory, written through to the files by the update. Transitions: ``start_reads`` (EMPTY
+    -> READING), ``land`` (READING or LOADED -> LOADED), ``release`` (LOADED -> EMPTY, pages
+    given back), ``invalidate`` (any -> EMPTY: the files were rewritten); each raises
+    InvariantError in a state it does not start from."""
+
+    def __init__(self, files: OptimizerFiles, head: int, aio_cfg):
+        self.files = files
+        self.head = head
+        # zeros: the gaps between aligned unit ranges must read as zero gradients
+        self.sets = [{n: zeros_host(files.chunk, OPT_HOST_CACHE) for n in files.swapped}
+                     for _ in range(head // files.chunk)]
+        self.records = [files.record_set(OPT_HOST_CACHE) for _ in self.sets]  # Note [compressed moments on disk]
+        self.io = new_aio(aio_cfg)
+        self.state = HeadState.EMPTY
+
+    def _expect(self, transition: str, *states: HeadState) -> None:
+        if self.state not in states:
+            raise InvariantError(f"host cache: {transition} in state {self.state.name} (expects "
+                                 f"{' or '.join(s.name for s in states)})")
+
+    def start_reads(self) -> None:
+        """Submit the reads of the cached chunks' master weights and moments."""
+        self._expect("start_reads", HeadState.EMPTY)
+        for i, (off, bufs) in enumerate(self.chunks()):
+            self.files.read_arrays(self.io, off, bufs, self.records[i], STATES)
+        self.state = HeadState.READING
+
+    def land(self) -> None:
+        """Wait for the cache's reads (and its last write-back); compressed moments expanded."""
+        self._expect("land", HeadState.READING, HeadState.LOADED)
+        self.files.wait(self.io, "reading the cached optimizer chunks")
+        if self.state is HeadState.READING:
+            for i, (_, bufs) in enumerate(self.chunks()):
+                self.files.expand(self.records[i], bufs)
+            self.state = HeadState.LOADED
+
+    def release(self) -> None:
+        """Give the master weights' and moments' pages back once their write-through has
+        landed (Note [released pages] in aio/_memory.py); read again before the next update."""
+        self._expect("release", HeadState.LOADED)
+        self.files.wait(self.io, "writing back the cached optimizer chunks")
+        for hs, recs in zip(self.sets, self.records):
+            for t in [hs[n] for n in STATES] + list(recs.values()):
+                release_pages(t)
+        self.state = HeadState.EMPTY
+
+    def invalidate(self) -> None:
+        """The files were rewritten (master weights loaded, a checkpoint): the next update reads them afresh."""
+        self.files.wait(self.io, "writing back the cached optimizer chunks")
+        self.state = HeadState.EMPTY
+
+    def wait(self, what: str = "writing back the cached optimizer chunks") -> None:
+        self.files.wait(self.io, what)
+
+    def chunks(self) -> Iterator[Tuple[int, dict]]:
+        """(offset, the cached arrays cut to the chunk's length) of every cached chunk."""
+        chunk, total = self.files.chunk, self.files.total
+        for i, hs in enumerate(self.sets):
+            off = i * chunk
+            n = min(chunk, total - off)
+            yield off, {name: t[:n] for name, t in hs.items()}
+
+    def pieces(self, offset: int, numel: int):
+        """(cached set, start in its chunk, length, start in the range) of the part of
+        [offset, offset + numel) inside the head, which is always a prefix of the range."""
+        end = min(offset + numel, self.head)
+        pos = offset
+        while pos < end:
+            i, lo = divmod(pos, self.files.chunk)
+            n = min(self.files.chunk - lo, end - pos)
+            yield self.sets[i], lo, n, pos - offset
+            pos += n
+
+    def within(self, offset: int, numel: int) -> int:
+        """Elements of [offset, offset + numel) inside the head."""
+        return max(0, min(offset + numel, self.head) - offset)
+
+    def close(self) -> None:
+        """Close the handle; the memory goes now (Note [closed engines] in _engine.py)."""
+        close_handles([self.io])
+        self.sets, self.records, self.head = [], [], 0

@@ -1,0 +1,132 @@
+"""The NVMe optimizer store's swap pipeline: the chunks past the host cache streamed through
+SETS buffer sets, reads ahead and write-backs behind the chunk being updated (Note [optimizer
+swapper] and Note [phased swap I/O] in _nvme_optimizer_store.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from ..aio import aligned_empty
+from ..aio._handle import close_handles
+from ..aio._memory import release_pages
+from ._memory_plan import OPT_BUFFERS
+from ._optimizer_files import NAMES, STATES, OptimizerFiles
+from ._optimizer_store import Chunk
+from ._swap import new_aio
+
+WithGrad = Callable[[dict, int, int], dict]  # a chunk's arrays, its gradients put where they live
+
+
+class TailState(enum.Enum):
+    """Whether the first tail chunks' reads are in flight (``update_head`` starts them so that
+    they land while it computes; ``update_tail`` consumes them)."""
+
+    IDLE = "idle"
+    PRIMED = "primed"
+
+
+class SwapPipeline:
+    """SETS buffer sets, each with a read and a write handle: while chunk k is updated on the
+    CPU, the reads of chunks k+1 .. k+SETS-2 and the write-back of chunk k-1 are in flight.
+    ``coef`` scales the gradients inside the next update (unscaling and clipping), saving a
+    pass over them."""
+
+    SETS = 3
+
+    def __init__(self, files: OptimizerFiles, head: int, aio_cfg, *, phased: bool, grads_in_memory: bool):
+        self.files = files
+        self.head = head  # the tail starts here
+        self.phased = phased  # reads and writes take turns (Note [phased swap I/O])
+        self._grads_in_memory = grads_in_memory
+        self.readers = [new_aio(aio_cfg) for _ in range(self.SETS)]
+        self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
+        self.sets = [{n: aligned_empty(files.chunk, torch.float32, what=OPT_BUFFERS) for n in NAMES}
+                     for _ in range(self.SETS)]
+        self.records = [files.record_set(OPT_BUFFERS) for _ in range(self.SETS)]  # Note [compressed moments on disk]
+        self.state = TailState.IDLE
+        self.coef = 1.0
+
+    def _starts(self) -> list:
+        return list(range(self.head, self.files.total, self.files.chunk))
+
+    def _read_chunk(self, s: int, off: int) -> None:
+        n = min(self.files.chunk, self.files.total - off)
+        self.files.read_arrays(self.readers[s], off, {name: t[:n] for name, t in self.sets[s].items()},
+                               self.records[s], self.files.swapped)
+
+    def prime(self) -> None:
+        """Submit the reads of the first tail chunks, once per update (IDLE -> PRIMED; PRIMED stays)."""
+        if self.state is TailState.PRIMED:
+            return
+        starts = self._starts()
+        for j in range(min(self.SETS - 2, len(starts))):
+            self._read_chunk(j, starts[j])
+        self.state = TailState.PRIMED
+
+    def run(self, fn: Callable[[Chunk], None], with_grad: WithGrad) -> None:
+        """Update every tail chunk, in order (PRIMED or IDLE -> IDLE), and wait for the last write-back."""
+        self.prime()
+        starts = self._starts()
+        ahead = self.SETS - 2  # chunks read ahead; one set computes, one set's writes drain
+        for k, off in enumerate(starts):
+            s = k % self.SETS
+            self.files.wait(self.readers[s], f"reading optimizer chunk at element {off}")
+            j = k + ahead
+            if j < len(starts):
+                if self.phased and k:
+                    self._drain_writes(starts[k - 1])
+                self.files.wait(self.writers[j % self.SETS], "writing back an optimizer chunk")  # held chunk j - SETS
+                self._read_chunk(j % self.SETS, starts[j])
+            n = min(self.files.chunk, self.files.total - off)
+            bufs = with_grad({name: t[:n] for name, t in self.sets[s].items()}, off, n)
+            self.files.expand(self.records[s], bufs)
+            next_read = None  # phased: chunk j's reads land before this chunk's writes start
+            if self.phased and j < len(starts):
+                next_read = functools.partial(self.files.wait, self.readers[j % self.SETS],
+                                              f"reading optimizer chunk at element {starts[j]}")
+            self.update_one(fn, off, bufs, self.writers[s], self.records[s], before_writes=next_read)
+        for w in self.writers:
+            self.files.wait(w, "writing back optimizer chunks")
+        for bufs in self.sets + self.records:  # idle until the next step (Note [released pages])
+            for t in bufs.values():
+                release_pages(t)
+        self.coef = 1.0
+        self.state = TailState.IDLE
+
+    def _drain_writes(self, off: int) -> None:
+        """Note [phased swap I/O]: every write of the chunk at ``off`` has landed, the master
+        weights' (written by the parameter store) included."""
+        for w in self.writers:
+            self.files.wait(w, "writing back optimizer chunks")
+        self.files.master_landed(off, min(self.files.chunk, self.files.total - off))
+
+    def update_one(self, fn: Callable[[Chunk], None], off: int, bufs: dict, writer, records: dict,
+                   cached: bool = False, before_writes: Optional[Callable[[], None]] = None) -> None:
+        """``fn`` on one chunk, then its states written back through ``writer`` (a cached chunk:
+        written through, its memory kept equal to the file: Note [host cache])."""
+        if self.coef != 1.0:
+            bufs["grad"].mul_(self.coef)
+        fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
+        if before_writes is not None:
+            before_writes()
+        if self._grads_in_memory or cached:
+            release_pages(bufs["grad"])  # consumed: idle until backward writes it again (Note [released pages])
+        for name in STATES:
+            if name == "master" and self.files.master_shared:
+                continue  # fn handed them to the parameter store, which writes them
+            if name not in self.files.packed:
+                self.files.write(writer, name, off, bufs[name])
+                continue
+            rec = self.files.encode(name, bufs[name], records)
+            if cached:  # the cache holds what the file holds (Note [host cache])
+                self.files.decode(name, rec, bufs[name])
+            self.files.write(writer, name, off, rec)
+
+    def close(self) -> None:
+        close_handles([*self.readers, *self.writers])
+        self.sets, self.records = [], []  # Note [closed engines] in _engine.py
