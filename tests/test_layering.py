@@ -29,9 +29,10 @@ LAYERS = {
     "checkpoint": ["_checkpoint._safetensors_export", "_checkpoint._clone", "_checkpoint._io", "_checkpoint._format",
                    "_checkpoint._model", "_checkpoint._snapshot", "_checkpoint._async", "_checkpoint._save",
                    "_checkpoint._load", "_checkpoint.__init__", "_checkpoint._train"],
-    "apps": ["_apps.__init__", "_apps._train_data", "_apps._endurance", "tiling", "export", "train", "_apps._runmodel",
-             "_apps._estimate_model", "_apps._estimate_hardware", "_apps._estimator", "_apps._estimate_cli", "estimate",
-             "testing", "integrations", "__init__"],
+    "apps": ["_apps.__init__", "_apps._train_data", "_apps._endurance", "_apps._disk_probe", "tiling", "export",
+             "_apps._train_model", "_apps._train_cli", "_apps._train_loop", "_apps._train_summary", "train",
+             "_apps._runmodel", "_apps._estimate_model", "_apps._estimate_hardware", "_apps._estimator",
+             "_apps._estimate_cli", "estimate", "testing", "integrations", "__init__"],
 }
 LAYER_PACKAGES = {"_runtime", "_offload", "_zero", "_checkpoint", "_apps"}
 ORDER = [name for layer in LAYERS.values() for name in layer]
