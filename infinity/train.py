@@ -40,6 +40,7 @@ from ._runtime import _comm as comm
 from .config import Config
 from .errors import InsufficientResourcesError, NonFiniteError, UsageError
 
+# What callers import from infinity.train (tests and scripts among them; ``_loss`` too, for a test's own loop).
 __all__ = [
     "EXIT_BAD_INPUT", "PRESETS", "PROBE_BYTES", "PROBE_REPS", "Batches", "ByteTokenizer", "ModelSpec", "Run",
     "TrainError", "_loss", "activation_bytes", "build_model", "build_partitioned", "default_config",
