@@ -8,14 +8,22 @@ and fails instead of hanging when a rank hangs, dies or exits early.
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing as mp
 import os
 import queue
 import socket
+import struct
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
+import torch
+import torch.distributed as dist
+
+from ._runtime import _accelerator as acc
+from ._runtime import _comm
+from ._zero._pretrained import _DTYPES
 from .aio._inject import inject as inject_io_fault  # noqa: F401 - fault injection at the I/O layer
 from .aio._inject import io_fault  # noqa: F401
 from .errors import UsageError
@@ -36,16 +44,12 @@ def free_port() -> int:
 
 
 def _dumps(obj) -> bytes:
-    import torch
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
 def _loads(data: bytes):
-    import torch
-
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
@@ -56,12 +60,6 @@ def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        import torch
-        import torch.distributed as dist
-
-        from ._runtime import _accelerator as acc
-        from ._runtime import _comm
-
         torch.set_num_threads(threads)
         _comm.release_captured_groups()  # Note [process group at exit]: imported before the group
         acc.set_device()  # this rank's GPU before the group: NCCL binds to it
@@ -167,18 +165,11 @@ def write_checkpoint(config, out_dir: str, dtype=None, shard_bytes: int = 2 << 3
     for matrices, ones for vectors) or as holes in sparse files (``fill="sparse"``: reads
     return zeros, the disk holds nothing). For benchmarks and tests of loading models larger
     than host memory. Returns {"files": [...], "bytes": tensor bytes, "params": count}."""
-    import json
-    import struct
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from ._zero._pretrained import _DTYPES
+    from transformers import AutoModelForCausalLM  # optional (the hf extra) and slow to import
 
     if fill not in ("random", "sparse"):
         raise UsageError(f"fill must be 'random' or 'sparse', got {fill!r}")
     dtype = dtype or torch.float32
-    names = {v: k for k, v in _DTYPES.items()}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors, seen = [], set()
@@ -186,6 +177,31 @@ def write_checkpoint(config, out_dir: str, dtype=None, shard_bytes: int = 2 << 3
         if id(p) not in seen:
             seen.add(id(p))
             tensors.append((name, tuple(p.shape), p.numel() * dtype.itemsize))
+    shards = _shards_of(tensors, shard_bytes)
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    fills = {"matrix": (torch.randn(1 << 22, generator=gen) * 0.02).to(dtype).view(torch.uint8),
+             "vector": torch.ones(1, dtype=dtype).view(torch.uint8)} if fill == "random" else None
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        files.append(_write_shard(os.path.join(out_dir, fname), shard, _DTYPE_NAMES[dtype], fills))
+        weight_map.update((name, fname) for name, _, _ in shard)
+    total = sum(t[2] for t in tensors)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return {"files": files, "bytes": total, "params": total // dtype.itemsize}
+
+
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}  # torch dtype -> safetensors' name
+
+
+def _shards_of(tensors: list, shard_bytes: int) -> List[list]:
+    """(name, shape, bytes) of each tensor, cut in order into shards of at most ``shard_bytes``
+    (a tensor larger than that alone in its shard)."""
     shards, current, size = [], [], 0
     for t in tensors:
         if current and size + t[2] > shard_bytes:
@@ -194,39 +210,30 @@ def write_checkpoint(config, out_dir: str, dtype=None, shard_bytes: int = 2 << 3
         current.append(t)
         size += t[2]
     shards.append(current)
-    os.makedirs(out_dir, exist_ok=True)
-    config.save_pretrained(out_dir)
-    gen = torch.Generator().manual_seed(seed)
-    block = (torch.randn(1 << 22, generator=gen) * 0.02).to(dtype).view(torch.uint8)
-    one = torch.ones(1, dtype=dtype).view(torch.uint8)
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, offset = {}, 0
+    return shards
+
+
+def _write_shard(path: str, shard: list, dtype_name: str, fills: Optional[dict]) -> str:
+    """One safetensors file of ``shard``'s tensors: its header, then each tensor's bytes
+    repeated from ``fills`` (``matrix`` / ``vector``), or left a hole (``fills`` None)."""
+    header, offset = {}, 0
+    for name, shape, nbytes in shard:
+        header[name] = {"dtype": dtype_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
         for name, shape, nbytes in shard:
-            header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[name] = fname
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header).encode()
-        raw += b" " * (-(8 + len(raw)) % 8)
-        path = os.path.join(out_dir, fname)
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for name, shape, nbytes in shard:
-                if fill == "sparse":
-                    f.seek(nbytes, os.SEEK_CUR)
-                    continue
-                src = one.repeat(nbytes // one.numel()) if len(shape) == 1 else block
-                left = nbytes
-                while left:
-                    n = min(left, src.numel())
-                    f.write(memoryview(src[:n].numpy()))
-                    left -= n
-            f.truncate(f.tell())
-        files.append(path)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t[2] for t in tensors)}, "weight_map": weight_map}
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
-    return {"files": files, "bytes": sum(t[2] for t in tensors), "params": sum(t[2] for t in tensors) // dtype.itemsize}
+            if fills is None:
+                f.seek(nbytes, os.SEEK_CUR)
+                continue
+            src = fills["vector"].repeat(nbytes // fills["vector"].numel()) if len(shape) == 1 else fills["matrix"]
+            left = nbytes
+            while left:
+                n = min(left, src.numel())
+                f.write(memoryview(src[:n].numpy()))
+                left -= n
+        f.truncate(f.tell())
+    return path

@@ -9,6 +9,7 @@ import tempfile
 from typing import Optional, Sequence
 
 from .._runtime._tiers import Tier
+from . import _runmodel as rm
 from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, _format_count
 from ._estimator import Estimate, estimate
 
@@ -98,8 +99,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _step_report(est: Estimate, args) -> str:
-    from . import _runmodel as rm
-
     tiers = [t.strip() for t in args.offload.split(",")]
     if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
         raise EstimateError(f"offload: {args.offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
@@ -124,9 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.hardware:  # the node's sizes, unless given
-        from ._runmodel import NODES
-
-        _, gpus, gpu_mem, cpu_mem, nvme = NODES[args.hardware]
+        _, gpus, gpu_mem, cpu_mem, nvme = rm.NODES[args.hardware]
         args.gpus, args.gpu_mem = args.gpus or gpus, args.gpu_mem or gpu_mem
         args.cpu_mem, args.nvme = args.cpu_mem or cpu_mem, args.nvme or nvme
     try:

@@ -2,8 +2,12 @@
 given or read from this machine."""
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
+import psutil
+
+from .._runtime import _accelerator
 from .._runtime._log import logger
 
 # --------------------------------------------------------------------------- hardware
@@ -27,8 +31,6 @@ class Hardware:
 
 def _accelerator_memory() -> tuple[int, int]:
     """(device count, bytes per device) from the accelerator module; (0, 0) without one."""
-    from .._runtime import _accelerator
-
     count = _accelerator.device_count()
     return (count, _accelerator.device_memory_total() or 0) if count else (0, 0)
 
@@ -36,13 +38,9 @@ def _accelerator_memory() -> tuple[int, int]:
 def _detect_hardware(gpus, nodes, gpu_mem, cpu_mem, nvme, nvme_dir) -> Hardware:
     detected = []
     if cpu_mem is None:
-        import psutil
-
         cpu_mem = psutil.virtual_memory().total
         detected.append("cpu_mem")
     if nvme is None:
-        import shutil
-
         nvme = shutil.disk_usage(nvme_dir).free
         detected.append("nvme")
     device_is_host = False

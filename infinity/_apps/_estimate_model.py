@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import torch
+
 from .._runtime._log import logger
 from ..errors import UsageError
 
@@ -189,8 +191,7 @@ def _field(fields: dict, name: str) -> Optional[int]:
 def _count_with_transformers(fields: dict, config: Any) -> Optional[int]:
     """Exact parameter count of the model built on the meta device (no memory used)."""
     try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM  # optional (the hf extra): counted without it
     except ImportError:
         return None
     try:

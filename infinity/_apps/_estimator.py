@@ -52,7 +52,12 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .._offload._memory_plan import GRADIENTS, OPT_STATES, PARAM_SHARDS
+from .._offload._moments import MODES, file_bytes
+from .._offload._optimizer_store import chunk_elems, head_elems
+from .._offload._preflight import staging_buffers, store_plan
 from .._runtime._tiers import Tier
+from ..config import Config
 from ._estimate_hardware import Hardware, _detect_hardware
 from ._estimate_model import (
     _NVME_PATH_PLACEHOLDER,
@@ -85,8 +90,6 @@ class Precision:
 
     @classmethod
     def of(cls, dtype: str, moments: str = "fp32") -> "Precision":
-        from .._offload._moments import MODES
-
         if moments not in MODES:
             raise EstimateError(f"moments: {moments!r} is not supported; use {', '.join(MODES)}")
         if dtype in ("bf16", "fp16"):
@@ -97,9 +100,6 @@ class Precision:
 
     def nvme_saving(self, n: int) -> int:
         """Bytes the compressed moments save on NVMe for ``n`` elements (Note [compressed moments])."""
-        from .._offload._moments import file_bytes
-        from .._offload._optimizer_store import chunk_elems
-
         return 2 * (4 * n - file_bytes(self.moments, n, chunk_elems(None, n))) if n else 0
 
     @property
@@ -325,11 +325,6 @@ def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, from_master: bo
     """Host buffers of the NVMe tiers per GPU by category: the stores' own plan (Note [one
     memory model] in _memory_plan.py) for a layout made from the shape, with the config's defaults
     (the preflight of a real run checks the same bytes)."""
-    from .._offload._memory_plan import GRADIENTS, OPT_STATES, PARAM_SHARDS
-    from .._offload._optimizer_store import chunk_elems, head_elems
-    from .._offload._preflight import staging_buffers, store_plan
-    from ..config import Config
-
     if Tier.NVME not in (ptier, otier):
         return {}
     z = Config().zero

@@ -39,9 +39,24 @@ bottleneck, from the same numbers the engine uses:
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .._offload._layout import ALIGN_ELEMS, round_up
+from .._offload._memory_plan import PARAM_HANDOFF
+from .._offload._moments import file_bytes
+from .._offload._optimizer_store import chunk_elems, head_elems
+from .._offload._placement import GATHERED_REUSE, gradients_in_host, param_cache_elems
+from .._offload._preflight import staging_buffers, store_plan
+from .._runtime._tiers import Tier
+from .._zero._zero_optimizer import _native_adam, torch_adam_step
+from ..config import AioConfig, Config
+from ._disk_probe import probe_disk
 
 BASELINE = 450 << 20  # bytes: python + torch + transformers + the model's objects, measured on CPU hosts
 ACT_PER_LAYER = 28 * 4  # bytes per token per layer per hidden unit, fp32 (Note [run model])
@@ -75,9 +90,6 @@ class Rates:
         read = write = float("inf")
         overlap = 1.0
         if nvme_path:
-            from ..config import AioConfig
-            from ..train import probe_disk
-
             bw = probe_disk(nvme_path, AioConfig(), 256 << 20)
             read, write = bw["read"], bw["write"]
             overlap = io_overlap(nvme_path, read, write)
@@ -97,10 +109,6 @@ def _rate(fn, reps: int = 3) -> float:
 
 
 def _adam_rate(n: int = 8 << 20) -> float:
-    import torch
-
-    from .._zero._zero_optimizer import _native_adam, torch_adam_step
-
     step = _native_adam() or torch_adam_step
     p, g, m, v = (torch.rand(n) for _ in range(4))
     hyper = dict(step=1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True)
@@ -126,9 +134,6 @@ def compute_rate(run: "Run") -> float:
     qkv, causal attention, the 4·hd MLP with GELU) forward and backward at the run's hidden
     size, batch and sequence, and the LM head with its cross-entropy at the run's vocabulary;
     each timed alone, weighted by its share of the step's FLOPs (Note [run model])."""
-    import torch
-    import torch.nn.functional as F
-
     hd = min(run.hidden, PROBE_MAX_HIDDEN)
     bsz = max(1, min(run.micro_batch, PROBE_MAX_TOKENS // max(1, run.seq_len)))
     seq = min(run.seq_len, PROBE_MAX_TOKENS)
@@ -169,13 +174,6 @@ def io_overlap(nvme_path: str, read: float, write: float, nbytes: int = 256 << 2
     """The share of an O_DIRECT read's time that a matmul loop on the same cores hides: 1 when
     the loop runs no slower beside the read, 0 when the two take as long as one after the other
     (Note [run model]). ``read`` and ``write``: the disk's bytes/s alone."""
-    import threading
-
-    import torch
-
-    from ..config import AioConfig
-    from ..train import probe_disk
-
     a, b = torch.randn(1024, 768), torch.randn(768, 3072)
     alone = _rate(lambda: [a @ b for _ in range(8)], reps=5)  # loops/s
     done, loops = threading.Event(), [0]
@@ -246,11 +244,6 @@ class Run:
 def _layout(run: Run):
     """The numbers a real layout would give the store plan: shard sizes, the largest unit
     (the embedding of a GPT, or the MLP's 4·hd² matrix), the chunk, the host cache."""
-    from .._offload._layout import ALIGN_ELEMS, round_up
-    from .._offload._optimizer_store import chunk_elems, head_elems
-    from .._offload._placement import gradients_in_host
-    from ..config import Config
-
     z = Config().zero
     largest = max(run.vocab * run.hidden, 4 * run.hidden * run.hidden)
     shard = math.ceil(run.params / run.ranks)
@@ -267,11 +260,6 @@ def _layout(run: Run):
 
 def host_memory(run: Run) -> dict:
     """Bytes of a rank's peak resident set by category (Note [run model])."""
-    from .._offload._memory_plan import PARAM_HANDOFF
-    from .._offload._placement import GATHERED_REUSE
-    from .._offload._preflight import staging_buffers, store_plan
-    from .._runtime._tiers import Tier
-
     z, total, largest, max_shard, chunk, head, gim = _layout(run)
     isz = run.itemsize
     direct = run.ranks == 1 and run.device_is_host
@@ -311,8 +299,6 @@ def activation_bytes(run: Run) -> int:
 
 def _param_cache(run: Run, total: int) -> int:
     """Elements of the automatic parameter cache (Note [parameter cache] in _param_store.py)."""
-    from .._offload._placement import param_cache_elems
-
     if run.param_tier != "nvme" or _params_from_master(run)[0]:
         return 0
     return param_cache_elems(None, total, run.itemsize, available=run.host_mem or None, ranks=run.ranks)
@@ -330,8 +316,6 @@ def _params_from_master(run: Run) -> tuple:
 
 def nvme_bytes(run: Run) -> dict:
     """NVMe bytes a rank moves per step, as its stores move them (Note [run model])."""
-    from .._offload._moments import file_bytes
-
     _, total, _, _, chunk, head, gim = _layout(run)
     per_elem = 4 + 2 * file_bytes(run.moments, total, chunk) / total  # master + both moments as stored
     read = write = 0

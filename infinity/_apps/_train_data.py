@@ -18,6 +18,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
+from .._runtime._log import logger
 from ..errors import UsageError
 
 
@@ -68,7 +69,7 @@ def has_tokenizer_files(directory: str) -> bool:
 
 
 def load_hf_tokenizer(directory: str) -> HFTokenizer:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional (the hf extra) and slow to import
 
     try:
         return HFTokenizer(AutoTokenizer.from_pretrained(directory, local_files_only=True))
@@ -106,8 +107,6 @@ BINARY_FRACTION = 0.01
 
 
 def _decode_text(path: str, data: bytes) -> str:
-    from .._runtime._log import logger
-
     text = data.decode("utf-8", errors="surrogateescape")  # each bad byte becomes one lone surrogate
     bad = sum(1 for ch in text if "\udc80" <= ch <= "\udcff") + text.count("\x00")
     if not bad:

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional
 
 from .._runtime import _comm as comm
 from ..errors import StorageError, WaitTimeout
-from ._format import fsync_dir
+from ._format import MANIFEST, fsync_dir
 from ._io import Mover
 from ._snapshot import Job, finish_rank, run_jobs
 
@@ -149,8 +149,6 @@ def _gather(tmp: str, world: int, timeout: float) -> dict:
 
 def _await_commit(tmp: str, final: str, timeout: float) -> None:
     """Another rank: until rank 0 committed (the manifest is there) or gave up (tmp is gone)."""
-    from ._format import MANIFEST
-
     deadline = time.monotonic() + timeout
     while not os.path.exists(os.path.join(final, MANIFEST)):
         if not os.path.exists(tmp) and not os.path.exists(final):

@@ -13,6 +13,7 @@ import os
 import random
 from typing import Dict, List
 
+import numpy as np
 import torch
 
 from .._runtime import _accelerator as acc
@@ -173,8 +174,6 @@ def _own_device_state(state):
 
 
 def _set_rng(states: dict) -> None:
-    import numpy as np
-
     torch.set_rng_state(states["torch"])
     acc.set_rng_state(_own_device_state(states.get("cuda")))
     random.setstate(states["python"])

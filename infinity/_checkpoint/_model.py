@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from typing import List
 
+from .. import errors
 from .._runtime import _comm as comm
 from .._zero._engine import engine_of
-from ..errors import StorageError, UsageError
+from .._zero._zero_optimizer import ZeroOptimizer
+from ..errors import InfinityError, StorageError, UsageError
 
 
 def engine_and_optimizer(model, optimizer, what: str):
     """The engine of ``model`` and its optimizer, both from ``infinity.initialize``."""
-    from .._zero._zero_optimizer import ZeroOptimizer
-
     engine = engine_of(model)
     if engine is None:
         raise UsageError(f"{what}: the model is not managed by infinity; pass the model returned by "
@@ -24,8 +24,6 @@ def engine_and_optimizer(model, optimizer, what: str):
 def failure(e: BaseException) -> tuple:
     """A rank's error, as ``agree`` passes it to every rank: infinity's own class, else
     StorageError for an OSError and UsageError for the rest (e.g. an unpicklable extra)."""
-    from ..errors import InfinityError
-
     name = type(e).__name__ if isinstance(e, InfinityError) else "StorageError" if isinstance(e, OSError) else "UsageError"
     return ("failed", name, f"{type(e).__name__}: {e}" if not isinstance(e, InfinityError) else str(e))
 
@@ -34,8 +32,6 @@ def agree(result, what: str):
     """Every rank's ``result`` (a ``failure`` is an error): raises the first failure on every
     rank, with its class where it is one of infinity's, so no rank waits in a collective for
     one that gave up."""
-    from .. import errors
-
     results = comm.all_gather_object(result)
     for rank, x in enumerate(results):
         if isinstance(x, tuple) and len(x) == 3 and x[0] == "failed":

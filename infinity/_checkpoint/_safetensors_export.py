@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from .._runtime import _comm as comm
@@ -83,6 +84,25 @@ def _groups(model: nn.Module) -> List[List[nn.Parameter]]:
     return [list(unit.params) for unit in engine.units]
 
 
+class _ShardWriter:
+    """The writer rank's side of Note [bounded export]: a host copy of each tensor as it
+    arrives, and a shard's file written as soon as all of its tensors are present."""
+
+    def __init__(self, directory: str, shards: List[_Shard], out_dtype):
+        self.directory, self.out_dtype = directory, out_dtype
+        self.owner = {n: s for s in shards for n in s.names}
+        self.pending: Dict[str, torch.Tensor] = {}
+        os.makedirs(directory, exist_ok=True)
+
+    def take(self, name: str, tensor: torch.Tensor) -> None:
+        self.pending[name] = tensor.detach().to("cpu", self.out_dtype(tensor.dtype)).contiguous().clone()
+        shard = self.owner[name]
+        if all(n in self.pending for n in shard.names):
+            path = os.path.join(self.directory, shard.file)
+            save_file({n: self.pending.pop(n) for n in shard.names}, path + ".tmp", metadata={"format": "pt"})
+            os.replace(path + ".tmp", path)
+
+
 def export_safetensors(model: nn.Module, directory: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        dtype: Optional[torch.dtype] = None, writer_rank: int = 0) -> Optional[ExportResult]:
     """Write ``model``'s parameters and persistent buffers to ``directory`` as safetensors
@@ -90,11 +110,8 @@ def export_safetensors(model: nn.Module, directory: str, *, max_shard_bytes: int
     Hugging Face ``config.json`` when the model has one). Collective: every rank calls it;
     ``writer_rank`` writes and gets the result, the others get None. See Note [bounded export].
     ``dtype`` casts floating tensors (e.g. torch.float32); None keeps the training dtype."""
-    from safetensors.torch import save_file
-
     if max_shard_bytes <= 0:
         raise UsageError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-    writer = comm.rank() == writer_rank
     names = {}
     for name, p in model.named_parameters():  # deduplicated: a tied weight keeps its first name
         names.setdefault(p, name)
@@ -110,43 +127,35 @@ def export_safetensors(model: nn.Module, directory: str, *, max_shard_bytes: int
              if n in layout else by_name[n].numel() * _itemsize(out_dtype(by_name[n].dtype)) for n in order}
     sizes.update({n: b.numel() * _itemsize(out_dtype(b.dtype)) for n, b in buffers.items()})
     shards = _plan(sizes, max_shard_bytes)
-    owner = {n: s for s in shards for n in s.names}
-    pending: Dict[str, torch.Tensor] = {}
+    sink = _ShardWriter(directory, shards, out_dtype) if comm.rank() == writer_rank else None
+    _gather_into(model, names, layout, tile_owner, sink)
+    if sink is not None:
+        for name, buf in buffers.items():
+            sink.take(name, buf)
+        _write_index_and_config(model, directory, shards, sizes)
+    comm.barrier()
+    if sink is None:
+        return None
+    return ExportResult(directory, [s.file for s in shards], sum(sizes.values()), len(sizes))
+
+
+def _gather_into(model: nn.Module, names: dict, layout: dict, tile_owner: dict, sink: Optional[_ShardWriter]) -> None:
+    """Gather the parameters unit by unit (collectively, on every rank); the writer's ``sink``
+    takes each one, a tile through the whole tensor it is a part of."""
     assembling: Dict[str, list] = {}  # untiled name -> [whole host tensor, tiles still to come]
-    done_files: List[str] = []
-    if writer:
-        os.makedirs(directory, exist_ok=True)
-
-    def take(name: str, tensor: torch.Tensor) -> None:
-        pending[name] = tensor.detach().to("cpu", out_dtype(tensor.dtype)).contiguous().clone()
-        shard = owner[name]
-        if all(n in pending for n in shard.names):
-            path = os.path.join(directory, shard.file)
-            save_file({n: pending.pop(n) for n in shard.names}, path + ".tmp", metadata={"format": "pt"})
-            os.replace(path + ".tmp", path)
-            done_files.append(shard.file)
-
     seen = set()
     for group in _groups(model):
         group = [p for p in group if p in names and p not in seen]
         if not group:
             continue
         with GatheredParameters(group) if engine_of(model) is not None else contextlib.nullcontext():
-            if writer:
+            if sink is not None:
                 for p in group:
                     if names[p] in tile_owner:  # a tile: copied into its place in the whole tensor
-                        _place(assembling, layout, tile_owner[names[p]], names[p], p, out_dtype, take)
+                        _place(assembling, layout, tile_owner[names[p]], names[p], p, sink.out_dtype, sink.take)
                     else:
-                        take(names[p], p)
+                        sink.take(names[p], p)
         seen.update(group)
-    if writer:
-        for name, buf in buffers.items():
-            take(name, buf)
-        _write_index_and_config(model, directory, shards, sizes)
-    comm.barrier()
-    if not writer:
-        return None
-    return ExportResult(directory, [s.file for s in shards], sum(sizes.values()), len(sizes))
 
 
 def _numel(shape) -> int:

@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
 
+import numpy as np
 import torch
 
 from .._runtime import _accelerator as acc
@@ -167,8 +168,6 @@ def _hf_files(model, tmp: str) -> dict:
 
 
 def rng_states() -> dict:
-    import numpy as np
-
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"torch": torch.get_rng_state(), "cuda": acc.get_rng_state(),
             "python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)}

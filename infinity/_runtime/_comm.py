@@ -87,7 +87,8 @@ class CommTimeout(InfinityError, RuntimeError):
 def release_captured_groups() -> int:
     """Replace process groups held as default arguments of ``torch.distributed.nn.functional``
     by None (the default group, as before); returns how many functions held one."""
-    import torch.distributed.nn.functional as dist_nn  # light: it is part of torch.distributed
+    # late: torch.distributed.nn brings RPC's remote module (~20 ms), needed only around a group's creation
+    import torch.distributed.nn.functional as dist_nn
 
     held = 0
     for fn in list(vars(dist_nn).values()):

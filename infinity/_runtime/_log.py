@@ -10,7 +10,7 @@ logger = logging.getLogger("infinity")
 
 
 def _rank() -> int:
-    try:
+    try:  # late: a record may be logged while torch is missing, half-imported or torn down at exit
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

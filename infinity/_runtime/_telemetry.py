@@ -88,7 +88,7 @@ class JsonLines:
 
 def open_tensorboard(logdir: str):
     """A SummaryWriter when the ``tensorboard`` package is installed, else None."""
-    try:
+    try:  # late: tensorboard is optional
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None

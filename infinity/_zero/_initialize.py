@@ -45,6 +45,7 @@ from .._runtime._recycle import Recycler
 from .._runtime._telemetry_counters import Counters
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
+from ..config import Config
 from ..errors import EngineError, UsageTypeError
 from ._activation_offload import ActivationOffloader
 from ._engine import Engine, EngineParts, check_same_model_on_all_ranks, engine_of, forget_engine
@@ -70,8 +71,6 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     over the model's parameters, every trainable parameter in exactly one; keys a group
     leaves out (lr, betas, eps, weight_decay) come from the config's ``optimizer``. None:
     one group of every trainable parameter."""
-    from ..config import Config
-
     if not isinstance(model, nn.Module):
         raise UsageTypeError(f"infinity.initialize expects an nn.Module, got {type(model).__name__}")
     if engine_of(model) is not None:

@@ -20,7 +20,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from ..errors import UsageError
+from ..errors import UsageError, UsageTypeError
+from ..optim._functional import Hyper
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
@@ -180,9 +181,6 @@ def named_parameters(units) -> List[tuple]:
 def check_group_hyper(groups: List[dict], adamw: bool) -> None:
     """Values a group sets must be valid for Adam (``Hyper.checked``, the native Adam's own
     check): say which group and what to change."""
-    from ..errors import UsageTypeError
-    from ..optim._functional import Hyper
-
     for i, g in enumerate(groups):
         try:
             Hyper.checked(**{k: g[k] for k in HYPER_KEYS}, adamw=adamw)

@@ -36,7 +36,11 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from .._runtime._accelerator import DeviceOutOfMemory
+from .._runtime._log import logger
 from ..errors import TiledWeightError, TokenIdError, UsageError
+from ._init_context import InitUnit
+from ._param import info_of, set_data
 
 _NO_WHOLE = ("{cls} holds its {name} as tiles, not one tensor (zero.tiling): read state_dict()['{name}'] "
              "(inside infinity.GatheredParameters in stage 3), or leave this module untiled (zero.tiling.min_params)")
@@ -338,9 +342,6 @@ def _materialized(module: nn.Module):
     """Make the module's parameters full tensors: those built under infinity.Init are gathered,
     one module at a time, to be cut into tiles (their chunks stay in the Init store, unread,
     until it closes)."""
-    from ._init_context import InitUnit
-    from ._param import info_of, set_data
-
     for p in module.parameters(recurse=False):
         info = info_of(p)
         if info is not None and isinstance(info.unit, InitUnit):
@@ -383,8 +384,6 @@ class _TilingPlan:
         self.replaced: dict = {}
 
     def visit(self, parent: nn.Module, child_name: str, name: str) -> None:
-        from .._runtime._log import logger
-
         child = getattr(parent, child_name)
         total = sum(_numel(p) for p in child.parameters(recurse=False))
         tied = child.weight in self.tiled
@@ -425,8 +424,6 @@ class _TilingPlan:
         return head
 
     def warn_uncovered(self) -> None:
-        from .._runtime._log import logger
-
         for name, child in self.model.named_modules():
             if isinstance(child, (TiledLinear, TiledEmbedding)) or type(child) in COVERED:
                 continue
@@ -437,8 +434,6 @@ class _TilingPlan:
 
 
 def _numel(p) -> int:
-    from ._param import info_of
-
     info = info_of(p)
     return info.numel if info is not None else p.numel()
 
@@ -480,8 +475,6 @@ def tile_params_to_fit(limit: int, itemsize: int, gather_depth: int, persistent_
 def check_working_memory(units, itemsize: int, cfg) -> None:
     """``units``: (module name, full parameter count) of each stage-3 fetch unit, known before
     anything is allocated (Note [build order] in _initialize.py)."""
-    from .._runtime._accelerator import DeviceOutOfMemory
-
     limit = cfg.device_memory_limit
     if limit is None or not units:
         return

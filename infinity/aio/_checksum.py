@@ -21,7 +21,10 @@ written (1/512 of the swap bytes), allocated 64 MiB of file at a time as writes 
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
+
+import numpy as np
 
 from ..errors import InvariantError, OutOfMemory
 from ._native import ffi, lib
@@ -65,8 +68,6 @@ class BlockSums:
     def entries(self, first: int, count: int):
         """The entries of blocks [first, first + count) as a uint64 array (Note [block sums]
         in native/aio/sums.h: CRC32C in the low 32 bits, the prefix length covered above)."""
-        import numpy as np
-
         out = np.zeros(count, dtype=np.uint64)
         rc = lib.infinity_aio_sums_get(self._ptr, first, count, ffi.from_buffer("uint64_t[]", out))
         if rc < 0:
@@ -76,8 +77,6 @@ class BlockSums:
     def set_entries(self, first: int, entries) -> None:
         """Vouch for blocks [first, first + len(entries)) with these entries (a clone made
         the file hold bytes whose sums are known); OutOfMemory if the table cannot hold them."""
-        import numpy as np
-
         arr = np.ascontiguousarray(entries, dtype=np.uint64)
         rc = lib.infinity_aio_sums_set(self._ptr, first, len(arr), ffi.from_buffer("uint64_t[]", arr))
         if rc < 0:
@@ -110,8 +109,6 @@ def checksummed(path: str, capacity: int, enabled: bool) -> str:
     path when checksums are off (``aio.checksums``)."""
     if not enabled:
         return path
-    import os
-
     return SwapPath(path, BlockSums(capacity, os.path.basename(path)))
 
 

@@ -21,6 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Tuple, Union
 
+import torch
+
+from .._runtime._accelerator import native_bf16
 from .._runtime._log import logger
 from .deepspeed import _deepspeed_alias, _looks_like_deepspeed, map_deepspeed
 from .validate import (
@@ -187,8 +190,6 @@ class PrecisionConfig:
 
     def __post_init__(self):
         if self.dtype == "auto":  # resolved once, here: everything downstream sees a concrete dtype
-            from .._runtime._accelerator import native_bf16
-
             fast, why = native_bf16()
             object.__setattr__(self, "dtype", "bf16" if fast else "fp32")
             logger.info("precision.dtype auto: %s, because %s", self.dtype, why)
@@ -197,8 +198,6 @@ class PrecisionConfig:
 
     @property
     def torch_dtype(self):
-        import torch
-
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
 
 

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
+import yaml
+
 from .._runtime._log import logger
 from ..errors import UsageError
 
@@ -380,12 +382,10 @@ def _read_file(path: Union[str, os.PathLike]) -> dict:
         if suffix == ".json":
             data = json.loads(text)
         else:
-            import yaml  # noqa: PLC0415
-
             data = yaml.safe_load(text)
     except ValueError as err:  # json.JSONDecodeError
         raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from None
-    except Exception as err:  # yaml.YAMLError; yaml is imported lazily
+    except Exception as err:  # yaml.YAMLError, or whatever else a malformed file makes the parser raise
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     if data is None:
         return {}

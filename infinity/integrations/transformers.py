@@ -409,7 +409,7 @@ def with_infinity(trainer_cls: type) -> type:
     if trainer_cls not in _WITH_INFINITY:
         bases: tuple = (InfinityTrainer, trainer_cls)
         if any(c.__module__.startswith("trl.") for c in trainer_cls.__mro__):
-            from .trl import InfinityTRLMixin
+            from .trl import InfinityTRLMixin  # late: TRL is optional, needed only for its trainers
 
             bases = (InfinityTRLMixin,) + bases
         _WITH_INFINITY[trainer_cls] = type(f"Infinity{trainer_cls.__name__}", bases,

@@ -43,7 +43,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+import transformers
+import trl
 from torch import nn
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 import infinity
 
@@ -61,16 +64,12 @@ TRAINER_SEAMS = ("_prepare_for_training", "_prepare_input", "_load_from_checkpoi
 def check_seams(trainer_cls: type) -> None:
     """Note [TRL on infinity]: every seam this integration relies on is where it expects, or a
     ``UsageError`` naming the one that moved."""
-    import transformers
-    import trl
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
     where = f"TRL {trl.__version__} (tested: {TESTED_TRL}), transformers {transformers.__version__}"
     missing = [name for name in TRAINER_SEAMS if not hasattr(transformers.Trainer, name)]
     if missing:
         raise UsageError(f"infinity's TRL integration: transformers.Trainer has no {', '.join(missing)} in {where}; "
                          f"use the tested versions")
-    try:
+    try:  # late: where these live moved between TRL versions, and a missing one is a usage error
         from trl.kernels import ChunkedLogProbFunction
         from trl.trainer.utils import maybe_gather_lm_head_ctx
     except ImportError as e:

@@ -26,7 +26,7 @@ SIMD_CHOICES = ("auto", "scalar", "avx2", "avx512", "avx512_nobf16")
 def lib():
     """The extension module; a clear ImportError when the package was not built."""
     try:
-        from .. import _cpu_adam
+        from .. import _cpu_adam  # late: the native module may not be built, which is said here, when used
     except ImportError as err:
         raise NativeLibraryMissing(
             "infinity._cpu_adam (the native CPU Adam) is not built; run "

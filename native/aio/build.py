@@ -1,7 +1,8 @@
 """cffi build of native/aio: ``ffibuilder`` makes the module ``infinity._aio_cffi``.
 
-setup.py lists this file in ``cffi_modules``. The C++ sources are compiled together with
-cffi's generated wrapper (API mode, out of line). When liburing's header is missing, or
+setup.py lists this file in ``cffi_modules``. The C++ sources (every ``*.cpp`` here, split by
+job: engine.h lists them) are compiled together with cffi's generated wrapper (API mode, out
+of line). When liburing's header is missing, or
 ``INFINITY_AIO_NO_URING=1`` is set, the library is built without io_uring and its
 thread-pool backend serves every handle. Nothing here links against torch.
 """
@@ -61,6 +62,9 @@ def sanitize_flags() -> list:
     return ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
 
 
+# Every C++ source of the library, split by job (engine.h lists them); the headers rebuild it when they change.
+SOURCES = sorted(name for name in os.listdir(HERE) if name.endswith(".cpp"))
+HEADERS = sorted(name for name in os.listdir(HERE) if name.endswith(".h"))
 _URING = have_liburing()
 _EXTRA = sanitize_flags()
 ffibuilder = FFI()
@@ -68,7 +72,8 @@ ffibuilder.cdef(header_declarations())
 ffibuilder.set_source(
     "infinity._aio_cffi",
     '#include "infinity_aio.h"\n',
-    sources=[_relative(os.path.join(HERE, name)) for name in ("aio.cpp", "sums.cpp")],
+    sources=[_relative(os.path.join(HERE, name)) for name in SOURCES],
+    depends=[_relative(os.path.join(HERE, name)) for name in HEADERS],
     include_dirs=[HERE],
     source_extension=".cpp",
     extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra"] + _EXTRA,

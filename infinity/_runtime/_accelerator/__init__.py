@@ -56,11 +56,11 @@ def _choose(text: Optional[str] = None):
         if not torch.cuda.is_available():
             raise UsageError("INFINITY_ACCELERATOR=cuda but torch sees no CUDA device "
                              f"(torch {torch.__version__}); unset it to train on the CPU")
-        from . import _cuda
+        from . import _cuda  # late: only the backend asked for is loaded
 
         return _cuda
     if text == "emulated":
-        from . import _emulated
+        from . import _emulated  # late: test-only code, loaded only when asked for
 
         _emulated.setup()
         return _emulated

@@ -36,37 +36,74 @@ absorb. The device's random numbers come from the host generator (the kernels ru
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
-import queue
-import random
 import threading
-import time
-import weakref
-from typing import Optional
 
 import torch
 from torch.utils._pytree import tree_map
 
-from ...errors import EngineError, InfinityError, UsageError
+from ...errors import InfinityError, UsageError
+from ._emulated_memory import (
+    Unheld,
+    add_view,
+    check_room,
+    count_storage,
+    drop_view,
+    free_memory,
+    host_register,
+    host_unregister,
+    is_pinned,
+    max_memory_allocated,
+    memory_allocated,
+    pin_result,
+    pinned_empty,
+    range_of,
+    reset_peak_memory_stats,
+    set_capacity,
+    total_memory,
+)
+from ._emulated_streams import (
+    Event,
+    Stream,
+    current_stream,
+    default_stream,
+    new_stream,
+    record_stream,
+    set_delay,
+    sleep_copy_delay,
+    stream,
+    synchronize,
+)
+
+# What the accelerator interface (``__init__``) and the tests read of this backend; memory
+# statistics and pinned ranges live in _emulated_memory.py, streams and events in
+# _emulated_streams.py, the device, its tensors and their operators here.
+__all__ = [
+    "NAME", "DeviceMismatchError", "EmuTensor", "Event", "Stream", "current_stream", "default_stream", "device",
+    "device_count", "free_memory", "get_rng_state", "host_register", "host_unregister", "is_bf16_supported",
+    "is_pinned", "max_memory_allocated", "memory_allocated", "new_stream", "pinned_empty", "record_stream",
+    "reset_peak_memory_stats", "set_capacity", "set_delay", "set_rng_state", "setup", "stream", "synchronize",
+    "total_memory",
+]
 
 NAME = "emu"
 
 
 class DeviceMismatchError(InfinityError, RuntimeError):
     """An operator mixed the emulated device's tensors with host tensors (CUDA raises a RuntimeError)."""
+
+
 _setup_done = False
-_lock = threading.RLock()
+_setup_lock = threading.Lock()
 
 
 def setup() -> None:
     """Register the ``emu`` device with torch (once per process; irreversible, so only when
     ``INFINITY_ACCELERATOR=emulated`` asked for it)."""
     global _setup_done, _library
-    with _lock:
+    with _setup_lock:
         if _setup_done:
             return
+        # torch's private helper, reached only when the emulated device is asked for
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         if torch._C._get_privateuse1_backend_name() == "privateuseone":
@@ -121,57 +158,6 @@ def device() -> torch.device:
     return torch.device(NAME, 0)
 
 
-# ---------------------------------------------------------------- memory
-
-
-class _Memory:
-    def __init__(self):
-        self.allocated = 0
-        self.peak = 0
-        self.capacity = int(os.environ.get("INFINITY_EMULATED_MEMORY", str(64 << 30)))
-        self.lock = threading.Lock()
-
-    def check(self, nbytes: int) -> None:
-        if self.allocated + nbytes > self.capacity:
-            raise torch.OutOfMemoryError(
-                f"emulated device out of memory: tried to allocate {nbytes} bytes with {self.allocated} of "
-                f"{self.capacity} allocated (INFINITY_EMULATED_MEMORY)")
-
-    def charge(self, nbytes: int) -> None:
-        with self.lock:
-            self.check(nbytes)
-            self.allocated += nbytes
-            self.peak = max(self.peak, self.allocated)
-
-    def release(self, nbytes: int) -> None:
-        with self.lock:
-            self.allocated -= nbytes
-
-
-_memory = _Memory()
-
-
-def memory_allocated() -> int:
-    return _memory.allocated
-
-
-def max_memory_allocated() -> int:
-    return _memory.peak
-
-
-def reset_peak_memory_stats() -> None:
-    with _memory.lock:
-        _memory.peak = _memory.allocated
-
-
-def set_capacity(nbytes: int) -> None:
-    _memory.capacity = int(nbytes)
-
-
-def total_memory() -> int:
-    return _memory.capacity
-
-
 class EmuTensor(torch.Tensor):
     """A tensor on the emulated device; its bytes are the host tensor ``_data``."""
 
@@ -190,7 +176,7 @@ class EmuTensor(torch.Tensor):
     def __del__(self):  # not a weakref.finalize: torch.utils.swap_tensors refuses tensors with weakrefs
         ptr = self.__dict__.get("_ptr")
         if ptr is not None:
-            _forget(ptr)
+            drop_view(ptr)
 
     @property  # type: ignore[override]
     def data(self):
@@ -203,11 +189,10 @@ class EmuTensor(torch.Tensor):
         self._data = value._data
         ptr = value.__dict__.get("_ptr")
         if ptr is not None:
-            with _lock:
-                _storages[ptr][1] += 1
+            add_view(ptr)
         old, self._ptr = self.__dict__.get("_ptr"), ptr
         if old is not None:
-            _forget(old)
+            drop_view(old)
 
     def data_ptr(self) -> int:  # type: ignore[override]
         return self._data.data_ptr()
@@ -223,38 +208,17 @@ class EmuTensor(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
-# A device storage (by the address of its host bytes) counts once however many wrappers
-# view it; its bytes are released when the last wrapper goes.
-_storages: dict = {}
-
-
-def _forget(ptr: int) -> None:
-    with _lock:
-        entry = _storages.get(ptr)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _storages[ptr]
-            _memory.release(entry[0])
-
-
 def _wrap(data: torch.Tensor) -> EmuTensor:
     storage = data.untyped_storage()
-    ptr, nbytes = storage.data_ptr(), storage.nbytes()
-    with _lock:
-        entry = _storages.get(ptr)
-        if entry is None:
-            _memory.charge(nbytes)
-            entry = _storages[ptr] = [nbytes, 0]
-        entry[1] += 1
+    ptr = storage.data_ptr()
+    count_storage(ptr, storage.nbytes())
     out = EmuTensor(data)
     out._ptr = ptr
     return out
 
 
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    _memory.check(_nbytes(size, dtype))  # before the host bytes exist
+    check_room(_nbytes(size, dtype))  # before the host bytes exist
     return _wrap(torch.empty(size, dtype=dtype or torch.get_default_dtype(),
                              memory_format=memory_format or torch.contiguous_format))
 
@@ -279,204 +243,6 @@ def _nbytes(size, dtype) -> int:
     return n * torch.empty((), dtype=dtype or torch.get_default_dtype()).element_size()
 
 
-# ---------------------------------------------------------------- pinned host memory
-
-
-class _Range:
-    """A registered host range: ``owned`` by the caller (``host_register``, as
-    ``cudaHostRegister``: a copy in flight holds no reference to it, as a DMA holds none, so
-    the memory's users cannot see the copy) or ``cached`` (pinned by the backend itself, as
-    CUDA's caching host allocator, which keeps a block until its copies are done)."""
-
-    __slots__ = ("end", "cached", "copies", "idle")
-
-    def __init__(self, end: int, cached: bool):
-        self.end, self.cached, self.copies = end, cached, 0
-        self.idle = threading.Condition(_lock)
-
-
-_pinned: dict = {}  # start address -> _Range of every registered host range
-
-
-def host_register(ptr: int, nbytes: int, cached: bool = False) -> None:
-    with _lock:
-        _pinned[ptr] = _Range(ptr + nbytes, cached)
-
-
-def host_unregister(ptr: int) -> None:
-    """The caller is about to unmap the range: its copies in flight land first (on CUDA
-    unmapping under a DMA is undefined; here it would be a crash)."""
-    with _lock:
-        r = _pinned.get(ptr)
-        if r is not None:
-            r.idle.wait_for(lambda: r.copies == 0)
-            del _pinned[ptr]
-
-
-def _range_of(t: torch.Tensor) -> Optional[_Range]:
-    if t.device.type != "cpu" or t.numel() == 0:
-        return None
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    with _lock:
-        return next((r for s, r in _pinned.items() if s <= start and end <= r.end), None)
-
-
-def is_pinned(t: torch.Tensor) -> bool:
-    return _range_of(t) is not None
-
-
-def pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)
-    _pin_result(out)
-    return out
-
-
-def _pin_result(t: torch.Tensor) -> None:
-    """A host tensor made by ``.to("cpu", non_blocking=True)`` is pinned, as on CUDA, for its life."""
-    ptr = t.untyped_storage().data_ptr()
-    host_register(ptr, t.untyped_storage().nbytes(), cached=True)
-    weakref.finalize(t, host_unregister, ptr)
-
-
-# ---------------------------------------------------------------- streams and events
-
-
-_delay = (0.0005, 0.004)  # seconds: each queued copy lands after a random delay in this range
-_rng = random.Random(int(os.environ.get("INFINITY_EMULATED_SEED", "0")))
-
-
-def set_delay(low: float, high: Optional[float] = None) -> None:
-    """Each queued copy lands after a random delay in [low, high] seconds (high defaults to low)."""
-    global _delay
-    _delay = (float(low), float(low if high is None else high))
-
-
-class Stream:
-    """A queue of copies and waits, run in order by its own thread."""
-
-    def __init__(self, name: str = "side"):
-        self.name = name
-        self._queue: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._cv = threading.Condition()
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name=f"emu-stream-{name}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                item()
-            except BaseException as e:  # surfaced at the next synchronize on this stream
-                self._error = e
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
-
-    def enqueue(self, item) -> None:
-        with self._cv:
-            self._pending += 1
-        self._queue.put(item)
-
-    def query(self) -> bool:
-        return self._pending == 0
-
-    def synchronize(self) -> None:
-        if self._pending:
-            with self._cv:
-                while self._pending:
-                    self._cv.wait()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise EngineError(f"emulated stream {self.name}: a queued operation failed") from error
-
-    def wait_event(self, event: "Event") -> None:
-        event.wait(self)
-
-    def wait_stream(self, other: "Stream") -> None:
-        if other is not self:
-            self.wait_event(other.record_event())
-
-    def record_event(self, event: Optional["Event"] = None) -> "Event":
-        event = Event() if event is None else event
-        event.record(self)
-        return event
-
-    def __repr__(self) -> str:
-        return f"<emulated stream {self.name}>"
-
-
-class Event:
-    """Marks a point in a stream: done once everything queued before it has run."""
-
-    def __init__(self, *args, **kwargs):
-        self._done: Optional[threading.Event] = None  # None: never recorded, which counts as done (as on CUDA)
-
-    def record(self, stream: Optional[Stream] = None) -> None:
-        stream = current_stream() if stream is None else stream
-        done = threading.Event()
-        self._done = done
-        stream.enqueue(done.set)
-
-    def query(self) -> bool:
-        return self._done is None or self._done.is_set()
-
-    def synchronize(self) -> None:
-        if self._done is not None:
-            self._done.wait()
-
-    def wait(self, stream: Optional[Stream] = None) -> None:
-        stream = current_stream() if stream is None else stream
-        done = self._done
-        if done is not None and not done.is_set():
-            stream.enqueue(done.wait)
-
-
-_compute = None
-_local = threading.local()
-
-
-def default_stream() -> Stream:
-    global _compute
-    if _compute is None:
-        with _lock:
-            if _compute is None:
-                _compute = Stream("compute")
-    return _compute
-
-
-def current_stream() -> Stream:
-    return getattr(_local, "stream", None) or default_stream()
-
-
-@contextlib.contextmanager
-def stream(s: Optional[Stream]):
-    before = getattr(_local, "stream", None)
-    if s is not None:
-        _local.stream = s
-    try:
-        yield
-    finally:
-        _local.stream = before
-
-
-_streams: "weakref.WeakSet[Stream]" = weakref.WeakSet()
-
-
-def new_stream() -> Stream:
-    s = Stream("side")
-    _streams.add(s)
-    return s
-
-
-def synchronize() -> None:
-    default_stream().synchronize()
-    for s in list(_streams):
-        s.synchronize()
-
-
 # ---------------------------------------------------------------- operators
 
 
@@ -493,27 +259,6 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(-1)
 
 
-class _Unheld:
-    """A host tensor a queued copy reads or writes without holding it: its address, layout and
-    the registered range that keeps the memory mapped until the copy is done."""
-
-    def __init__(self, t: torch.Tensor, r: _Range):
-        self.ptr, self.nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
-        self.range = r
-        with _lock:
-            r.copies += 1
-
-    def tensor(self) -> torch.Tensor:
-        raw = torch.frombuffer((ctypes.c_char * self.nbytes).from_address(self.ptr), dtype=torch.uint8)
-        return raw.view(self.dtype).as_strided(self.size, self.stride, self.offset)
-
-    def done(self) -> None:
-        with _lock:
-            self.range.copies -= 1
-            self.range.idle.notify_all()
-
-
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
     """``dst.copy_(src)`` where either may be on the device: queued on the current stream
     (Note [emulated accelerator]) when CUDA would run it asynchronously, else now."""
@@ -521,7 +266,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
     s = src._data if isinstance(src, EmuTensor) else src
     s_dev, d_dev = isinstance(src, EmuTensor), isinstance(dst, EmuTensor)
     host = None if (s_dev and d_dev) else (src if d_dev else dst)
-    pinned = _range_of(host) if host is not None and (s_dev or d_dev) else None
+    pinned = range_of(host) if host is not None and (s_dev or d_dev) else None
     current = current_stream()
     if not (s_dev and d_dev) and not (non_blocking and pinned is not None):
         current.synchronize()
@@ -529,7 +274,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
         return
     unheld = None
     if pinned is not None and not pinned.cached:  # the host side is reached by address alone
-        unheld = _Unheld(host, pinned)
+        unheld = Unheld(host, pinned)
         if host is src:
             s = None
         else:
@@ -539,9 +284,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
         try:
             target = d if d is not None else unheld.tensor()
             _poison(target)
-            low, high = _delay
-            if high > 0:
-                time.sleep(_rng.uniform(low, high))
+            sleep_copy_delay()
             target.copy_(s if s is not None else unheld.tensor())
         finally:
             if unheld is not None:
@@ -584,7 +327,7 @@ def _to_copy(x, dtype=None, layout=None, device=None, pin_memory=None, non_block
     if target.type == "cpu":
         out = torch.empty_like(x._data, dtype=dtype, memory_format=memory_format or torch.preserve_format)
         if non_blocking:
-            _pin_result(out)
+            pin_result(out)
     elif target.type == NAME:
         data = x._data if isinstance(x, EmuTensor) else x
         out = _wrap(torch.empty_like(data, dtype=dtype, memory_format=memory_format or torch.preserve_format))
@@ -632,9 +375,3 @@ def device_count() -> int:
     return 1
 
 
-def free_memory() -> int:
-    return _memory.capacity - _memory.allocated
-
-
-def record_stream(t: torch.Tensor, s) -> None:
-    pass  # a queued copy holds its tensors until it lands: memory is never reused under it

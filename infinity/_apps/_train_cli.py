@@ -1,0 +1,111 @@
+"""The command line of ``python -m infinity.train``: its flags, the embedded default run, and
+the config they resolve to (a ``--config`` file or the default, with the flags on top)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from ..config import Config
+from ._train_model import PRESETS, TrainError
+
+EXIT_BAD_INPUT = 2
+
+
+def default_nvme_path() -> str:
+    return os.path.join(tempfile.gettempdir(), "infinity_nvme")
+
+
+def default_config() -> dict:
+    """The embedded default run: every state on NVMe under the temp dir, a few minutes here."""
+    nvme = default_nvme_path()
+    return {
+        "zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
+        "precision": {"dtype": "auto"},  # bf16 where the machine runs it natively, else fp32
+        "optimizer": {"type": "adamw", "lr": 1.0e-3, "weight_decay": 0.01},
+        "gradient_clipping": 1.0,
+        "seed": 1234,
+        "train": {"model": "gpt2-tiny", "data": None, "steps": 60, "micro_batch_size": 8, "seq_len": 128,
+                  "output_dir": os.path.join("runs", "train-" + time.strftime("%Y%m%d-%H%M%S")),
+                  "save": True, "log_every": 20, "lr_warmup_steps": 10},
+    }
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m infinity.train",
+        description="Fine-tune a GPT-style causal LM with ZeRO and CPU/NVMe offload. Without --config, "
+                    "runs the embedded default (tiny GPT-2, built-in corpus, everything on NVMe).")
+    p.add_argument("--config", help="a YAML or JSON config (a DeepSpeed JSON is accepted too)")
+    p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    p.add_argument("--model", help="a preset (" + ", ".join(PRESETS) + "), a local model directory, "
+                   "or a JSON object of Hugging Face config fields with model_type (train.model)")
+    p.add_argument("--data", help="a .txt or .jsonl file (train.data); default: the built-in corpus")
+    p.add_argument("--output-dir", help="where telemetry and the fine-tuned weights go (train.output_dir)")
+    p.add_argument("--no-save", action="store_true", help="do not save the fine-tuned weights")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), help="ZeRO stage (zero.stage)")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"),
+                   help="tier of parameters (stage 3) and optimizer states")
+    p.add_argument("--nvme-path", help="directory for NVMe swap files (zero.offload_*.nvme_path)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="training precision (precision.dtype); auto = bf16 where the machine runs it natively")
+    p.add_argument("--save-every", type=int, metavar="N",
+                   help="save a checkpoint every N steps (and after the last) under --output-dir/checkpoints")
+    p.add_argument("--resume", metavar="auto|DIR",
+                   help="resume from a checkpoint: auto = the latest complete one under --output-dir/checkpoints")
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep only the newest N checkpoints")
+    p.add_argument("--save-async", action="store_true",
+                   help="--save-every saves without stopping training: the states are snapshotted at the save "
+                        "(NVMe states cloned where the filesystem can) and written while the next steps run")
+    p.add_argument("--strict", action="store_true",
+                   help="a DeepSpeed --config: refuse keys that only tune DeepSpeed (default: accept them with "
+                        "one warning)")
+    return p.parse_args(argv)
+
+
+def _model_arg(text: str):
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise TrainError(f"--model looks like JSON but is not valid JSON: {err}") from None
+    return text
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    cfg = Config.from_file(args.config, strict=args.strict) if args.config else Config.from_dict(default_config())
+    updates: Dict[str, Any] = {}
+    for flag, key in (("steps", "train.steps"), ("data", "train.data"), ("output_dir", "train.output_dir"),
+                      ("stage", "zero.stage"), ("dtype", "precision.dtype")):
+        if getattr(args, flag) is not None:
+            updates[key] = getattr(args, flag)
+    if args.model is not None:
+        updates["train.model"] = _model_arg(args.model)
+    if args.no_save:
+        updates["train.save"] = False
+    stage = updates.get("zero.stage", cfg.zero.stage)
+    if args.offload is not None:
+        updates["zero.offload_optimizer.device"] = args.offload
+        updates["zero.offload_param.device"] = args.offload if stage == 3 else "none"
+    elif stage < 3 and cfg.zero.offload_param.device != "none":
+        updates["zero.offload_param.device"] = "none"  # --stage 1/2 on a config offloading parameters
+    if args.nvme_path is not None:
+        updates["zero.offload_param.nvme_path"] = args.nvme_path
+        updates["zero.offload_optimizer.nvme_path"] = args.nvme_path
+    elif args.offload == "nvme":
+        for key in ("offload_param", "offload_optimizer"):
+            if getattr(cfg.zero, key).nvme_path is None:
+                updates[f"zero.{key}.nvme_path"] = default_nvme_path()
+    return cfg.with_overrides(updates) if updates else cfg
+
+
+def nvme_paths(cfg: Config) -> List[str]:
+    paths = []
+    for section in (cfg.zero.offload_param, cfg.zero.offload_optimizer):
+        if section.device == "nvme" and section.nvme_path not in paths:
+            paths.append(section.nvme_path)
+    return paths

@@ -1,0 +1,123 @@
+"""The summary of ``python -m infinity.train``: rank 0's closing table (the run, memory per
+tier, step time by phase, disk traffic and SSD writes, the engine's telemetry, what was saved)
+from every rank's figures, and the telemetry's summary event."""
+from __future__ import annotations
+
+import resource
+from typing import List, Optional
+
+from .._runtime import _accelerator as acc
+from .._runtime import _comm as comm
+from .._runtime._telemetry import StepStats, fmt_bytes, fmt_count, fmt_rate, mean, render_table
+from ._train_loop import Run
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _state_rows(per_rank: List[dict]) -> List[tuple]:
+    """Bytes each tier holds for model states, staging pools included, summed over ranks."""
+    rows = [("bytes per tier", "device", "cpu", "nvme")]
+    totals = {t: sum(r["tiers"].get(t, 0) for r in per_rank) for t in ("device", "host", "nvme")}
+    rows.append(("  model states, all ranks", *(fmt_bytes(totals[t]) for t in ("device", "host", "nvme"))))
+    return rows
+
+
+def _time_rows(stats: StepStats) -> List[tuple]:
+    recs = stats.measured()
+    step = mean(r["step_s"] for r in recs) or 1e-12
+    rows = [("step time (mean)", "s/step", "share")]
+    parts = [("forward", "forward_s"), ("backward", "backward_s"), ("optimizer", "optimizer_s")]
+    accounted = 0.0
+    for label, key in parts:
+        value = mean(r[key] for r in recs)
+        accounted += value
+        rows.append((f"  {label}", f"{value:.4f}", f"{100 * value / step:.0f}%"))
+    stall = mean(r["stall_s"] for r in recs)
+    rows.append(("  other (data, logging)", f"{step - accounted:.4f}", f"{100 * (step - accounted) / step:.0f}%"))
+    rows.append(("  stall (inside the above)", f"{stall:.4f}", f"{100 * stall / step:.0f}%"))
+    rows.append(("  total", f"{step:.4f}", "100%"))
+    return rows
+
+
+def _disk_rows(run: Run, per_rank: List[dict]) -> List[tuple]:
+    elapsed = sum(r["step_s"] for r in run.stats.records) or 1e-12
+    rows = [("disk bandwidth (nvme)", "achieved", "measured")]
+    for direction in ("read", "write"):
+        moved = sum(r["nvme"].get(direction, 0.0) for r in per_rank)
+        achieved = fmt_rate(moved / elapsed) if moved else "no traffic"
+        measured = fmt_rate(run.disk[direction]) if run.disk else "not probed"
+        rows.append((f"  {direction}", achieved, measured))
+    moved = sum(r["nvme"].get("total", 0.0) for r in per_rank)
+    rows.append(("  moved in training", f"{fmt_bytes(moved)} ({fmt_bytes(moved / max(1, len(run.stats.records)))} per step)"))
+    steps = max(1, len(run.stats.records))
+    tbw = run.cfg.aio.endurance_tbw
+    for path in sorted({p for r in per_rank for p in r.get("ssd", {})}):
+        written = sum(r["ssd"].get(path, 0) for r in per_rank)
+        share = f", {100 * written / (tbw * 1e12):.2g}% of aio.endurance_tbw" if tbw else ""
+        rows.append((f"  SSD writes to {path}", f"{fmt_bytes(written)} this run, initialize and checkpoints "
+                                                f"included ({fmt_bytes(written / steps)} per step{share})"))
+    return rows
+
+
+def summary_text(run: Run, per_rank: List[dict]) -> str:
+    cfg, stats = run.cfg, run.stats
+    losses = stats.column("loss")
+    tail = losses[-max(1, len(losses) // 10):]
+    comm_step = mean(r["comm_bytes"] for r in stats.measured())
+    head = [
+        ("model", run.spec.description),
+        ("parameters", f"{fmt_count(run.n_params)} ({run.n_params:,})"),
+        ("run", f"{len(losses)} steps, {comm.world_size()} rank(s), ZeRO stage {cfg.zero.stage}, "
+                f"{cfg.precision.dtype}, offload param={cfg.zero.offload_param.device} "
+                f"optimizer={cfg.zero.offload_optimizer.device}"),
+        ("batch", f"{run.batches.global_batch} x {cfg.train.seq_len} tokens per step"),
+        ("loss", f"{losses[0]:.4f} -> {losses[-1]:.4f} (mean of last {len(tail)}: {mean(tail):.4f})"),
+        ("throughput", f"{stats.median('tokens_per_s'):.0f} tokens/s (median step {stats.median('step_s'):.3f} s)"),
+        ("communication", f"{fmt_bytes(comm_step)} per step"),
+    ]
+    skipped = sum(1 for r in stats.records if r.get("skipped"))
+    if skipped:
+        why = "fp16 overflow" if cfg.precision.dtype == "fp16" else "inf/NaN loss or gradients"
+        head.append(("skipped steps", f"{skipped} of {len(losses)} ({why}; parameters left unchanged)"))
+    rss = [r["peak_rss"] for r in per_rank]
+    memory = _state_rows(per_rank) + [
+        ("peak RSS", f"{fmt_bytes(max(rss))} (max of {len(rss)} rank(s); rank 0 {fmt_bytes(rss[0])})"),
+        ("engine device peak", fmt_bytes(max(r["device_peak"] for r in per_rank))),
+    ] + ([("device allocator peak", f"{fmt_bytes(max(r['allocator_peak'] for r in per_rank))} (all of the device's "
+                                     f"memory the run used, activations included)")]
+         if acc.has_accelerator() else [])
+    sections = [head, memory, _time_rows(stats), _disk_rows(run, per_rank)]
+    engine_keys = sorted({k for r in stats.records for k in r if k.startswith("engine.")})
+    if engine_keys:
+        sections.append([("engine telemetry", "mean/step", "total")] +
+                        [(f"  {k[7:]}", f"{mean(stats.column(k)):.4g}", f"{sum(stats.column(k)):.4g}")
+                         for k in engine_keys])
+    sections.append([("saved", _saved_text(run)), ("telemetry", run.telemetry.path or "off (no output_dir)")])
+    return render_table("infinity.train summary", sections)
+
+
+def _saved_text(run: Run) -> str:
+    if run.export is None:
+        return "not saved (--no-save or no output_dir)"
+    return (f"{run.export.directory} ({len(run.export.files)} safetensors file(s), "
+            f"{fmt_bytes(run.export.total_bytes)}, {run.export_s:.1f} s)")
+
+
+def finish(run: Run) -> Optional[str]:
+    engine = run.optimizer.engine
+    mine = {"peak_rss": _peak_rss(), "tiers": engine.tier_bytes(),
+            "device_peak": engine.device_budget.stats().peak, "allocator_peak": acc.max_memory_allocated(),
+            "nvme": run.stats.tier_totals().get("nvme", {}), "ssd": run.ssd.written() if run.ssd is not None else {}}
+    per_rank = comm.all_gather_object(mine)
+    if not run.rank0:
+        return None
+    text = summary_text(run, per_rank)
+    run.telemetry.event({"event": "summary", "peak_rss_per_rank": [r["peak_rss"] for r in per_rank],
+                         "disk_probe": run.disk, "tier_totals": run.stats.tier_totals(),
+                         "ssd_written_bytes": {p: sum(r["ssd"].get(p, 0) for r in per_rank)
+                                               for p in sorted({p for r in per_rank for p in r["ssd"]})},
+                         "skipped_steps": sum(1 for r in run.stats.records if r.get("skipped")),
+                         "export": run.export.__dict__ if run.export else None})
+    return text
