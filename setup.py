@@ -51,6 +51,7 @@ setup(
         "cffi>=1.15",
         "tqdm>=4.60",
         "safetensors>=0.4",
+        "numpy>=1.22",  # the checkpoint format and the CRC helpers
     ],
     extras_require={"hf": ["transformers>=4.40"], "test": ["pytest>=7", "transformers>=4.40"]},
     setup_requires=["cffi>=1.15", "pybind11>=2.10"],
