@@ -78,8 +78,10 @@ def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0, threads: int | None = None,
               env: dict | None = None, **kwargs) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks (gloo, with NCCL for CUDA tensors);
-    return their results. ``env`` is set in each rank before it imports anything
-    (``INFINITY_ACCELERATOR=emulated``: ranks on the emulated device).
+    return their results. ``env`` is set in each rank before its process group is made, but after
+    ``fn``'s module (and so infinity) is imported: what is read at import, such as
+    ``INFINITY_ACCELERATOR``, comes from this process's environment; a rank computes on the
+    emulated device by entering ``_accelerator.using("emulated")`` in ``fn``.
 
     ``fn`` must be importable (a module-level function). ``threads`` defaults to the
     machine's cores divided among the ranks, at least one, so ranks don't fight for cores.
