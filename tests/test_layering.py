@@ -1,8 +1,9 @@
 """The package's layering, checked from the source. Each layer is a folder (the public faces
 and packages of a layer sit beside it in ``infinity/``), each layer's modules are in the order
 below, and a module imports only modules before it: of its own layer, earlier in its list, or
-of a lower layer. Type-only imports (``if TYPE_CHECKING``) may point anywhere but never close a
-cycle of runtime imports. See docs/architecture.md, "Layers"."""
+of a lower layer. Type-only imports (``if TYPE_CHECKING``) may point anywhere in the order, but
+no import closes a cycle, type-only ones counted: a module that needs the type of a higher one
+names a protocol of what it reads, or takes a callable. See docs/architecture.md, "Layers"."""
 import ast
 import os
 
@@ -112,9 +113,15 @@ def test_imports_point_down_and_back_in_the_order():
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
 
 
+# The one cycle left, in the offload layer: _preflight names Placement (type-only) and _placement imports
+# ranks_here from _preflight. It ends when ranks_here moves below both (issue 34); remove it from here then.
+KNOWN_CYCLES = [{"_offload._placement", "_offload._preflight"}]
+
+
 def test_no_import_cycles():
-    edges = {name: {t for t, type_only in targets if not type_only and t in POSITION and t != name}
-             for name, targets in _graph().items()}
+    edges = {name: {t for t, _ in targets if t in POSITION and t != name} for name, targets in _graph().items()}
+    for a, b in (sorted(c) for c in KNOWN_CYCLES):
+        edges.get(b, set()).discard(a)
     state, cycles = {}, []
 
     def visit(node, stack):

@@ -60,7 +60,8 @@ class Parts:
         ctx = UnitContext(world_size=1, rank=0, dtype=torch.float32, itemsize=4, partitioned=True,
                           persistence_threshold=persistence, counters=self.counters, ledger=self.ledger, gathered=None,
                           param_store=self.store, params_are_master=False, step_gate=self.gate,
-                          make_room=self.prefetcher.make_room, calls=self.calls)
+                          make_room=self.prefetcher.make_room,
+                          on_unavailable=self.calls.on_unavailable)
         self.units = [FetchUnit(ctx, s, self.layout.param_ranges[s.index][0], self.layout.opt_offsets[s.index])
                       for s in specs]
         self.states = []

@@ -98,7 +98,7 @@ from . import _function_params
 from ._ledger import Hold
 from ._loss_scale import scale_outputs
 from ._param import info_of, make_partitioned, raw_data, set_data
-from ._phase import Frame, ModuleState, Phase, tensors_in
+from ._phase import Calls, Frame, ModuleState, Phase, tensors_in
 from ._unit import FetchUnit, UnitContext
 from ._unit_plan import DTYPES, StagePolicy, block_modules, plan_units  # noqa: F401 - the engine's planning, re-exported
 
@@ -138,7 +138,8 @@ class EngineParts:
     _initialize.py)."""
 
     placement: "Placement"
-    ctx: UnitContext  # the services the units share: counters, ledger, stores, step gate, call stack
+    ctx: UnitContext  # the services the units share: counters, ledger, stores, step gate
+    calls: Calls  # the phase and the stack of module calls (Note [phases] in _phase.py)
     units: List[FetchUnit]
     uses: List[Tuple[str, nn.Module, List[int]]]  # per module: the units whose parameters it holds
     opt_store: "OptimizerStore"  # Note [optimizer store protocol] in _optimizer_store.py
@@ -169,7 +170,7 @@ class Engine:
             state = self.states[module] = ModuleState(module, name)
             for i in indices:
                 state.add_unit(self.units[i])
-        self.calls = ctx.calls  # Note [phases] in _phase.py
+        self.calls = parts.calls  # Note [phases] in _phase.py
         self.counters = ctx.counters
         self.ledger = ctx.ledger
         self.gathered = ctx.gathered

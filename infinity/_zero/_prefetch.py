@@ -71,7 +71,7 @@ def _next_uses(trace: list) -> list:
 
 
 class Prefetcher:
-    def __init__(self, cfg, *, partition_params: bool, ledger: "GatherLedger", counters: "Counters"):
+    def __init__(self, cfg, *, partition_params: bool, ledger: "GatherLedger[FetchUnit]", counters: "Counters"):
         self._ledger = ledger  # gathered elements alive now, against max_live_parameters
         self._counters = counters
         self.enabled = cfg.enabled and partition_params

@@ -15,7 +15,7 @@ parameters] in _zero_optimizer.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
     from .._runtime._recycle import Recycler
     from .._runtime._telemetry_counters import Counters
-    from ._phase import Calls
     from ._step_gate import StepGate
 
 
@@ -51,13 +50,14 @@ class UnitContext:
     partitioned: bool  # stage 3: parameters live as shards between uses
     persistence_threshold: int  # units smaller than this stay gathered (zero.prefetch.persistence_threshold)
     counters: "Counters"
-    ledger: GatherLedger
+    ledger: GatherLedger["FetchUnit"]
     gathered: Optional["Recycler"]  # recycled gathered buffers (CPU-only runs)
     param_store: Optional["ParamStore"]  # stage 3's shards
     params_are_master: bool  # the parameter store is the fp32 master itself: nothing to write at partition
     step_gate: "StepGate"  # Note [step gate]: has the step updated this range yet
     make_room: Callable[["FetchUnit"], None]  # the prefetcher releases kept units before a gather
-    calls: "Calls"  # a released parameter touched inside a module call is fetched on demand
+    on_unavailable: Callable[..., Any]  # Calls.on_unavailable: a released parameter touched inside a module call is
+    # fetched on demand (a callable, so the unit never names the call stack: Note [phases] in _phase.py)
 
 
 @dataclass(eq=False)
@@ -138,7 +138,7 @@ class FetchUnit:
 
     def on_unavailable(self, func, args, kwargs, infos):
         """A parameter of this unit reached an operator while released (Note [partitioned parameter])."""
-        return self.ctx.calls.on_unavailable(func, args, kwargs, infos)
+        return self.ctx.on_unavailable(func, args, kwargs, infos)
 
     # ------------------------------------------------------------ state
 
