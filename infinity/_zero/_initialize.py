@@ -113,10 +113,10 @@ def _build_engine(model: nn.Module, cfg):
         param_store = _param_store(placement, cfg, swap_dirs, opt_store) if policy.partition_params else None
         counters = Counters()
         ledger: GatherLedger[FetchUnit] = GatherLedger(world, cfg.device_memory_limit)  # this engine's device budget
-        calls = Calls()  # Note [phases] in _phase.py
         gate = StepGate(rank, counters.blocked)
-        prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, ledger=ledger,
-                                counters=counters)
+        calls = Calls()  # Note [phases] in _phase.py
+        prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, calls=calls,
+                                ledger=ledger, counters=counters)
         recycler = Recycler(placement.gathered_reuse_bytes, functools.partial(aligned_empty, what=GATHERED)) \
             if policy.partition_params and not acc.has_accelerator() else None  # Note [recycled host memory] in _recycle.py
         ctx = UnitContext(

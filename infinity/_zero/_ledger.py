@@ -6,7 +6,7 @@ every holder says why. The reasons, each taken and dropped by one place:
 - ``CALL``: a module call, from its pre-forward to its post-forward (the frame in ``Calls``;
   also a parameter fetched on demand inside the call);
 - ``BACKWARD``: a module's backward, from its pre-backward until its units' gradients and
-  its call's input gradients are in (Note [hold until the input gradients] in _engine.py);
+  its call's input gradients are in (Note [hold until the input gradients] in _backward.py);
 - ``KEPT``: the prefetcher, for a unit used again later in this pass, until the trace
   reaches the position recorded with the hold (Note [trace and prefetch] in _prefetch.py);
 - ``INTO_BACKWARD``: the prefetcher, for what backward starts with, from the end of forward
@@ -16,7 +16,7 @@ every holder says why. The reasons, each taken and dropped by one place:
 A unit's reference count is the number of its holds; releasing for a reason the unit is
 not held for is an error that names the holds it has. The ledger also keeps the gathered
 elements alive and their peak (against ``max_live_parameters``), the sequence of
-all-gathers for the cross-rank check (Note [same gathers on every rank] in _engine.py) and
+all-gathers for the cross-rank check (Note [same gathers on every rank] in _same_gathers.py) and
 the engine's own device budget (``device_memory_limit``): one per engine, so engines in one
 process never charge each other's bytes.
 """

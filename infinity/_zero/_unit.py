@@ -134,7 +134,7 @@ class FetchUnit:
         self._state = ParamState.AVAILABLE  # the model's own full tensors until partition()
         self._staging: Optional[_Staging] = None  # HOST, DEVICE: Note [unit payloads]
         self._gathered: Optional[_Gathered] = None  # GATHERING, AVAILABLE (None: nothing of ours to free)
-        self.grads_pending = 0  # params whose gradient has not arrived in this backward
+        self._grads_pending = 0  # params whose gradient has not arrived in this backward
 
     def on_unavailable(self, func, args, kwargs, infos):
         """A parameter of this unit reached an operator while released (Note [partitioned parameter])."""
@@ -173,6 +173,35 @@ class FetchUnit:
 
     def __repr__(self) -> str:
         return f"FetchUnit({self.module_name or '<root>'}, {len(self.params)} params, {self.state.name})"
+
+    # ------------------------------------------------------------ gradients in backward
+
+    @property
+    def grads_pending(self) -> int:
+        """Trainable parameters whose gradient has not been accumulated in this backward."""
+        return self._grads_pending
+
+    def expect_grads(self) -> None:
+        """A backward begins: the gradient of every trainable parameter is awaited."""
+        self._grads_pending = sum(1 for p in self.params if p.requires_grad)
+
+    def expect_grads_again(self) -> None:
+        """Backward reached a module of this unit again after the unit's gradients were in:
+        another accumulation of each is awaited (Note [used again in one backward] in
+        _backward.py)."""
+        if self._grads_pending <= 0:
+            self.expect_grads()
+
+    def grad_arrived(self) -> bool:
+        """One parameter's gradient was accumulated; True when none is awaited any more,
+        also for a late accumulation nothing announced (the reducer keeps it for the end of
+        backward: Note [bucket plan] in _reduce.py)."""
+        self._grads_pending = max(self._grads_pending - 1, 0)
+        return self._grads_pending == 0
+
+    def grads_handed_over(self) -> None:
+        """The end of backward gave the reducer whatever gradients the unit has."""
+        self._grads_pending = 0
 
     # ------------------------------------------------------------ shard <-> full
 
