@@ -64,8 +64,9 @@ class Calls:
 
     def begin_forward(self) -> None:
         """IDLE -> FORWARD, at the root module's pre-forward. From FORWARD: the last forward
-        ended without its post-forward hooks (torch runs ``always_call`` hooks when forward
-        raises an ``Exception``, not on a ``KeyboardInterrupt``), so its frames are released
+        raised, so its root post-forward ended nothing (Note [aborted forward] in _engine.py),
+        or was interrupted before any post-forward hook ran (torch runs ``always_call`` hooks
+        for an ``Exception``, not a ``KeyboardInterrupt``): frames left behind are released
         first. Not in BACKWARD: a forward there is a recomputation inside backward."""
         if self.phase is Phase.BACKWARD:
             raise InvariantError("begin_forward: the engine is in BACKWARD; a forward inside backward (activation "
