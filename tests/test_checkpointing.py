@@ -1,6 +1,6 @@
 """Activation checkpointing is exact on every stage and parameter tier: both flavours of
 torch.utils.checkpoint, nested checkpoints, and a module shared by two checkpointed blocks
-(Note [aborted forward] and Note [used again in one backward] in infinity/_zero/_engine.py)."""
+(Note [aborted forward] in infinity/_zero/_engine.py, Note [used again in one backward] in _backward.py)."""
 import copy
 
 import pytest

@@ -3,10 +3,12 @@
 gate, prefetch windows and divergence, kept units, and reducer bucketing. One rank, no
 process group, no engine."""
 import faulthandler
+import functools
 
 import pytest
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 
 import infinity
 from infinity._offload._layout import ALIGN_ELEMS, Layout
@@ -14,11 +16,14 @@ from infinity._offload._param_store import ParamStore
 from infinity._offload._swap import SwapDir
 from infinity._runtime._telemetry_counters import Counters
 from infinity._runtime._tiers import Tier
+from infinity._zero._backward import BackwardHooks
 from infinity._zero._ledger import GatherLedger, Hold
+from infinity._zero._module_state import BackwardProgress, ModuleState
 from infinity._zero._param import ParamState, make_partitioned, raw_data
-from infinity._zero._phase import Calls, ModuleState, Phase
+from infinity._zero._phase import Calls, Frame, Phase
 from infinity._zero._prefetch import Prefetcher
 from infinity._zero._reduce import GradReducer, plan_buckets
+from infinity._zero._same_gathers import check_same_gathers
 from infinity._zero._step_gate import StepGate
 from infinity._zero._unit import FetchUnit, UnitContext
 from infinity._zero._unit_plan import plan_units
@@ -55,12 +60,13 @@ class Parts:
                                 aio_cfg=infinity.Config.from_dict({}).aio, max_unit=self.layout.max_shard,
                                 buffer_count=5, slots=self.layout.param_slots())
         pcfg = infinity.Config.from_dict({"zero": {"prefetch": {"max_live_parameters": max_live, **(prefetch or {})}}})
-        self.prefetcher = Prefetcher(pcfg.zero.prefetch, partition_params=True, ledger=self.ledger,
+        self.prefetcher = Prefetcher(pcfg.zero.prefetch, partition_params=True, calls=self.calls, ledger=self.ledger,
                                      counters=self.counters)
         ctx = UnitContext(world_size=1, rank=0, dtype=torch.float32, itemsize=4, partitioned=True,
                           persistence_threshold=persistence, counters=self.counters, ledger=self.ledger, gathered=None,
                           param_store=self.store, params_are_master=False, step_gate=self.gate,
-                          make_room=self.prefetcher.make_room, calls=self.calls)
+                          make_room=self.prefetcher.make_room,
+                          on_unavailable=self.calls.on_unavailable)
         self.units = [FetchUnit(ctx, s, self.layout.param_ranges[s.index][0], self.layout.opt_offsets[s.index])
                       for s in specs]
         self.states = []
@@ -79,7 +85,9 @@ class Parts:
 
     def run(self, order, direction=Phase.FORWARD, check=None):
         """What the engine's hooks do for modules run in ``order`` (indices into states)."""
-        self.prefetcher.begin(direction)
+        forward = direction is Phase.FORWARD
+        (self.calls.begin_forward if forward else self.calls.begin_backward)()
+        self.prefetcher.begin()
         for pos, i in enumerate(order):
             state = self.states[i]
             for u in state.units:
@@ -90,6 +98,7 @@ class Parts:
             for u in state.units:
                 u.release(Hold.CALL)
         self.prefetcher.end()
+        (self.calls.end_forward if forward else self.calls.end_backward)()
 
 
 # ------------------------------------------------------------------ fetch unit transitions
@@ -281,3 +290,209 @@ def test_reducer_hands_over_each_gradient_once_and_zeros_for_units_without():
     torch.testing.assert_close(got["layers.0"][0], expected)
     for unit in parts.units:
         unit.release(Hold.CALL)
+
+
+# ------------------------------------------------------------------ phases and backward progress
+
+def test_phase_transitions_raise_outside_their_phase():
+    """Note [phases]: each transition leaves one phase; called in another it raises."""
+    calls = Calls()
+    with pytest.raises(InvariantError, match="end_forward: the engine is in IDLE, expected FORWARD"):
+        calls.end_forward()
+    with pytest.raises(InvariantError, match="end_backward: the engine is in IDLE, expected BACKWARD"):
+        calls.end_backward()
+    calls.begin_backward()
+    with pytest.raises(InvariantError, match="begin_backward: the engine is in BACKWARD already"):
+        calls.begin_backward()
+    with pytest.raises(InvariantError, match="begin_forward: the engine is in BACKWARD"):
+        calls.begin_forward()
+    with pytest.raises(InvariantError, match="end_forward: the engine is in BACKWARD"):
+        calls.end_forward()
+    calls.end_backward()
+    calls.begin_forward()
+    calls.begin_backward()  # after a forward that raised before its post-forward
+    calls.end_backward()
+    assert calls.phase is Phase.IDLE
+
+
+def test_a_forward_that_never_reached_its_post_forward_is_released_by_the_next():
+    parts = Parts(Chain(2))
+    parts.calls.begin_forward()
+    frame = Frame(parts.states[0], [])
+    parts.calls.push(frame)
+    for unit in parts.states[0].units:
+        unit.acquire(Hold.CALL)
+        frame.held.append(unit)
+    parts.calls.begin_forward()  # a KeyboardInterrupt skipped every post-forward hook
+    assert parts.calls.top() is None and parts.calls.phase is Phase.FORWARD
+    assert all(u.refs == 0 and u.state is ParamState.RELEASED for u in parts.units)
+
+
+def test_the_prefetcher_follows_the_phase_and_refuses_to_begin_between_passes():
+    parts = Parts(Chain(3))
+    with pytest.raises(InvariantError, match="the engine is IDLE"):
+        parts.prefetcher.begin()
+    parts.run([2, 1, 0], direction=Phase.BACKWARD)
+    assert parts.prefetcher.traces[Phase.BACKWARD] == [parts.states[i] for i in (2, 1, 0)]
+    assert parts.prefetcher.traces[Phase.FORWARD] is None
+
+
+def test_a_unit_counts_the_gradients_it_waits_for():
+    model = Chain(2)
+    model.layers[0].bias.requires_grad_(False)
+    unit = Parts(model).units[0]
+    unit.expect_grads()
+    assert unit.grads_pending == 1  # only the trainable weight
+    unit.expect_grads_again()
+    assert unit.grads_pending == 1  # still waiting: nothing to start again
+    assert unit.grad_arrived() and unit.grads_pending == 0
+    assert unit.grad_arrived() and unit.grads_pending == 0  # a late accumulation: complete again, never negative
+    unit.expect_grads_again()  # Note [used again in one backward]
+    assert unit.grads_pending == 1
+    unit.grads_handed_over()
+    assert unit.grads_pending == 0
+
+
+def test_backward_progress_moves_only_through_its_transitions():
+    """Note [backward progress]: NOT_REACHED -> HELD -> DONE -> (HELD again) -> NOT_REACHED."""
+    parts = Parts(Chain(1))
+    state, unit = parts.states[0], parts.units[0]
+    assert state.progress is BackwardProgress.NOT_REACHED
+    for wrong in (lambda: state.arrived(unit), state.end_hold, lambda: state.await_calls({1})):
+        with pytest.raises(InvariantError, match="is NOT_REACHED, expected HELD"):
+            wrong()
+    unit.expect_grads()
+    state.hold({7})
+    assert state.progress is BackwardProgress.HELD and unit.state is ParamState.AVAILABLE
+    assert parts.ledger.holds(unit, Hold.BACKWARD) and state.awaits(unit) and state.awaits(7)
+    with pytest.raises(InvariantError, match="is HELD already"):
+        state.hold(set())
+    with pytest.raises(InvariantError, match="still HELD at the end of backward"):
+        state.reset()
+    state.await_calls({8})  # the module's second call of the forward
+    unit.grad_arrived(), unit.grad_arrived()
+    assert not state.arrived(unit) and not state.arrived(7)
+    assert state.arrived(8)  # nothing left to wait for
+    state.end_hold()
+    assert state.progress is BackwardProgress.DONE and unit.state is ParamState.RELEASED and unit.refs == 0
+    with pytest.raises(InvariantError, match="is DONE, expected HELD"):
+        state.end_hold()
+    state.hold(set())  # reached again in one backward: its unit waits for another accumulation
+    assert state.progress is BackwardProgress.HELD and unit.grads_pending == 2 and state.waiting
+    state.end_hold()
+    state.reset()
+    assert state.progress is BackwardProgress.NOT_REACHED
+
+
+class Hooked:
+    """The engine's hook protocol over Parts (Note [hook protocol] in _engine.py): the
+    forward hooks as the engine runs them, the backward ones from ``BackwardHooks``."""
+
+    def __init__(self, model, frozen=()):
+        for i in frozen:
+            model.layers[i].requires_grad_(False)
+        self.parts = parts = Parts(model)
+        self.got = {}
+        self.reducer = GradReducer(parts.units, 1, 10**6, lambda u, g: self.got.setdefault(u.module_name, []).append(1),
+                                   drop_full_grads=True)
+        gathers = functools.partial(check_same_gathers, parts.ledger, parts.units, world_size=1, rank=0, partitioned=True)
+        self.hooks = BackwardHooks(parts.units, parts.states, calls=parts.calls, prefetcher=parts.prefetcher,
+                                   reducer=self.reducer, ledger=parts.ledger, counters=parts.counters,
+                                   check_same_gathers=gathers)
+        for unit in parts.units:
+            for p in unit.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self.hooks.grad_accumulated)
+
+    def call(self, state, x):
+        """One module call: its pre-forward (hold its units, watch a frozen unit's inputs) and
+        post-forward (release them, hook its output for the pre-backward)."""
+        parts = self.parts
+        frame = Frame(state, [])
+        parts.calls.push(frame)
+        for unit in state.units:
+            unit.acquire(Hold.CALL)
+            frame.held.append(unit)
+        parts.prefetcher.on_module(state)
+        if any(not u.trainable for u in state.units):
+            watched = self.hooks.watch_inputs(frame, (x,), {})
+            x = watched[0][0] if watched else x
+        out = torch.tanh(state.module(x))
+        for unit in parts.calls.pop().held:
+            unit.release(Hold.CALL)
+        register_multi_grad_hook([out], lambda _g: self.hooks.pre_backward(state, frame.token), mode="any")
+        return out
+
+    def forward(self, x):
+        self.parts.calls.begin_forward()
+        self.parts.prefetcher.begin()
+        for state in self.parts.states:
+            x = self.call(state, x)
+        self.parts.prefetcher.end()
+        self.parts.calls.end_forward()
+        return x
+
+
+def test_backward_holds_each_module_until_its_gradients_are_in_then_reduces_them():
+    hooked = Hooked(Chain(3))
+    parts = hooked.parts
+    seen = []
+    for state in parts.states:  # runs after the hooks' own (hooks run in the order they were registered)
+        for p in state.units[0].params:
+            p.register_post_accumulate_grad_hook(
+                lambda p, s=state: seen.append((s.units[0].grads_pending, s.progress, s.units[0].state)))
+    x = torch.randn(4, 16, requires_grad=True)
+    hooked.forward(x).sum().backward()
+    assert len(seen) == 6  # a weight and a bias per layer
+    for pending, progress, unit_state in seen:
+        if pending:
+            assert progress is BackwardProgress.HELD and unit_state is ParamState.AVAILABLE
+        else:  # its last gradient: reduced, the hold ended, the unit released
+            assert progress is BackwardProgress.DONE and unit_state is ParamState.RELEASED
+    assert hooked.got == {f"layers.{i}": [1] for i in range(3)}  # each unit handed over once
+    assert parts.calls.phase is Phase.IDLE
+    assert all(s.progress is BackwardProgress.NOT_REACHED for s in parts.states)
+    assert all(u.state is ParamState.RELEASED and u.refs == 0 for u in parts.units)
+    assert parts.prefetcher.traces[Phase.BACKWARD] == parts.states[::-1]
+    assert x.grad is not None
+
+
+def test_a_frozen_module_is_held_until_its_input_gradients_are_in():
+    """Note [hold until the input gradients]: layer 1 has no gradient to wait for, yet its
+    weights compute the gradient of its input."""
+    hooked = Hooked(Chain(3), frozen=[1])
+    parts = hooked.parts
+    frozen = parts.states[1]
+    at_input = []
+    x = torch.randn(4, 16, requires_grad=True)
+    out = hooked.forward(x)
+    before = parts.units[0].params[0]  # layer 0's weight: its gradient needs layer 1's input gradient
+    before.register_post_accumulate_grad_hook(lambda p: at_input.append(frozen.progress))
+    frozen_seen = []
+    parts.units[2].params[0].register_post_accumulate_grad_hook(
+        lambda p: frozen_seen.append((frozen.progress, parts.units[1].state)))
+    out.sum().backward()
+    assert at_input == [BackwardProgress.DONE]
+    assert frozen_seen in ([(BackwardProgress.NOT_REACHED, ParamState.RELEASED)],
+                           [(BackwardProgress.HELD, ParamState.AVAILABLE)])
+    assert sorted(hooked.got) == ["layers.0", "layers.2"]
+    assert all(u.state is ParamState.RELEASED and u.refs == 0 for u in parts.units)
+
+
+def test_a_module_called_twice_is_held_once_until_its_gradients_are_in():
+    """Backward reaches the second call's output, then the first call's while the module is
+    HELD: that call joins the hold, which ends once, when the unit's gradients are in (they
+    are accumulated once, after both uses)."""
+    hooked = Hooked(Chain(2))
+    state, unit = hooked.parts.states[0], hooked.parts.units[0]
+    seen = []
+    pre = hooked.hooks.pre_backward
+    hooked.hooks.pre_backward = lambda s, token: (pre(s, token), seen.append(
+        (s.progress, s.awaits(unit), hooked.parts.ledger.describe(unit))))
+    hooked.parts.calls.begin_forward()
+    x = torch.randn(2, 16, requires_grad=True)
+    hooked.call(state, hooked.call(state, x)).sum().backward()
+    held = (BackwardProgress.HELD, True, "its module's backward")
+    assert seen == [held, held]
+    assert hooked.got == {"layers.0": [1], "layers.1": [1]}  # layer 1 unused: zeros at the end of backward
+    assert state.progress is BackwardProgress.NOT_REACHED and unit.refs == 0 and x.grad is not None

@@ -12,10 +12,10 @@ import psutil
 import torch
 
 from .._runtime import _accelerator as acc
+from .._runtime._comm import ranks_here
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ._layout import ALIGN_ELEMS, Layout
-from ._preflight import ranks_here
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 

@@ -80,11 +80,6 @@ def staging_buffers(z) -> int:
     return z.offload_param.buffer_count or (z.prefetch.depth + 2 if z.prefetch.enabled else 2)
 
 
-def ranks_here() -> int:
-    """Ranks on this node: they share its host memory and local disks."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
-
-
 def free_disk(path: str) -> int:
     """Free bytes on the disk under ``path`` (or its nearest existing parent), once what crashed
     runs left there is reclaimed (Note [swap directories])."""
@@ -97,7 +92,7 @@ def free_disk(path: str) -> int:
 
 def preflight(placement: "Placement", cfg) -> dict:
     need = plan(placement, cfg)
-    ranks = ranks_here()
+    ranks = comm.ranks_here()
     problems = []
     host_total = need["host"] + (need["device"] if engine_device_is_host() else 0)
     avail = psutil.virtual_memory().available

@@ -178,6 +178,11 @@ counters = CommCounters()
 # ---------------------------------------------------------------- handles
 
 
+def ranks_here() -> int:
+    """Ranks on this node: they share its host memory and local disks."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
 @dataclass
 class CommHandle:
     """An in-flight collective. ``wait`` raises CommTimeout naming ``what`` on timeout."""

@@ -19,29 +19,12 @@ Note [hook protocol] (stage 3):
 - end of backward (autograd callback): reduce what is left (parameters without a gradient
   on this rank, as zeros: Note [bucket plan] in _reduce.py), wait for every reduce-scatter,
   release every remaining hold. After backward no unit is gathered.
-
-Note [hold until the input gradients]: a module's units stay gathered through its backward
-until the gradients of its trainable parameters have arrived; a module with a frozen unit
-(LoRA's base layers, BitFit's weights) has nothing to wait for there, yet its weights are
-needed to compute the gradients of its inputs. So each call of such a module routes the
-inputs that need a gradient through an identity autograd function (``_InputGrads``, as
-FSDP2 does for its post-backward) tagged with a token of that call; the output hook of the
-same call passes the token to the pre-backward, and the hold also waits until the
-identity's backward has run, i.e. until backward has computed this call's input gradients.
-Tokens are per call, so a module called twice waits for both calls, a forward without a
-backward leaves nothing behind, and a non-reentrant recomputation (whose outputs backward
-never reaches) waits for nothing; with reentrant checkpointing the recomputation inside
-backward is the call whose graph backward runs.
-
-Note [used again in one backward]: within one run of the autograd graph, a parameter's
-gradient is accumulated once, after every use of it has been differentiated, so a module's
-hold ends with its units' gradients. Reentrant activation checkpointing runs one inner
-backward per checkpoint: a module shared by two checkpointed blocks (or a parameter used in
-both) is differentiated, and its gradient accumulated, once per inner backward. So a module
-whose hold already ended is acquired again when backward reaches it again, its units wait for
-another accumulation; gradients that arrive after the unit's were handed to the reducer
-stay in ``.grad`` and are reduced at the end of backward (Note [bucket plan] in _reduce.py),
-as are those of a unit only some of whose parameters got one.
+The backward half (pre-backward, post-accumulate-grad, the end of backward) is
+``BackwardHooks`` in _backward.py, with Note [hold until the input gradients] and Note [used
+again in one backward]; each module's progress through backward is its ``ModuleState``'s
+(Note [backward progress] in _module_state.py). At the model's own hooks the engine begins
+and ends a forward (Note [phases] in _phase.py), except inside backward, where activation
+checkpointing recomputes the model and its hooks run as any module's.
 
 Note [fetch unit grouping]: a fetch unit is what one all-gather brings and one reduce-scatter
 takes. By default (``zero.fetch_units.group: block``) each repeated block (every child of an
@@ -58,15 +41,6 @@ module. Stages 1-2 group the same way: their units set the reduce-scatter granul
 flat layout of the optimizer's space, so every stage sums the global gradient norm in the same
 order and clips with the same bits.
 
-Note [same gathers on every rank]: an all-gather is a collective, so in stage 3 every rank
-must gather the same units in the same order. When ranks run different modules (an expert
-routed on one rank only) the gathers pair up wrongly: with units of different sizes the
-collective fails, but with units of the same size (identical experts) it succeeds and mixes
-shards of different modules, silently. So the engine keeps the sequence of units it
-gathers and, at the end of each forward and of each backward, compares a hash of it across
-ranks (one small all-reduce); on a mismatch it raises, naming the first unit that differs,
-before anything computed from the mixed values reaches the optimizer.
-
 Note [aborted forward]: a module's forward can end by an exception, and not only on error:
 non-reentrant activation checkpointing stops its recomputation inside backward by raising
 (``_StopRecomputationError``) as soon as the tensors it needs are recomputed, i.e. in the
@@ -78,11 +52,11 @@ later forwards and reads saw the values from before the step.
 """
 from __future__ import annotations
 
-import itertools
+import functools
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -95,10 +69,13 @@ from .._runtime import _comm as comm
 from .._runtime._save_fence import SaveFence
 from ..errors import EngineError
 from . import _function_params
+from ._backward import BackwardHooks
 from ._ledger import Hold
 from ._loss_scale import scale_outputs
+from ._module_state import ModuleState
 from ._param import info_of, make_partitioned, raw_data, set_data
-from ._phase import Frame, ModuleState, Phase, tensors_in
+from ._phase import Calls, Frame, tensors_in
+from ._same_gathers import check_same_gathers
 from ._unit import FetchUnit, UnitContext
 from ._unit_plan import DTYPES, StagePolicy, block_modules, plan_units  # noqa: F401 - the engine's planning, re-exported
 
@@ -117,28 +94,14 @@ _pending_external: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKe
 _PARTITION_WRITES_IN_FLIGHT = 128 << 20  # bytes of shards written by cast_and_partition before it waits
 
 
-class _InputGrads(torch.autograd.Function):
-    """Identity on a module call's inputs; its backward runs once backward has computed the
-    gradients of those inputs, i.e. once the call's own backward is done."""
-
-    @staticmethod
-    def forward(ctx, engine, token, *tensors):
-        ctx.engine, ctx.token = engine, token
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine._inputs_done(ctx.token)
-        return (None, None) + grads
-
-
 @dataclass(frozen=True)
 class EngineParts:
     """What ``initialize`` built before the engine, in build order (Note [build order] in
     _initialize.py)."""
 
     placement: "Placement"
-    ctx: UnitContext  # the services the units share: counters, ledger, stores, step gate, call stack
+    ctx: UnitContext  # the services the units share: counters, ledger, stores, step gate
+    calls: Calls  # the phase and the stack of module calls (Note [phases] in _phase.py)
     units: List[FetchUnit]
     uses: List[Tuple[str, nn.Module, List[int]]]  # per module: the units whose parameters it holds
     opt_store: "OptimizerStore"  # Note [optimizer store protocol] in _optimizer_store.py
@@ -169,7 +132,7 @@ class Engine:
             state = self.states[module] = ModuleState(module, name)
             for i in indices:
                 state.add_unit(self.units[i])
-        self.calls = ctx.calls  # Note [phases] in _phase.py
+        self.calls = parts.calls  # Note [phases] in _phase.py
         self.counters = ctx.counters
         self.ledger = ctx.ledger
         self.gathered = ctx.gathered
@@ -186,10 +149,13 @@ class Engine:
         # the engine's hold on the block cache ends at close, or when the engine is collected unclosed
         self._block_cache_done = weakref.finalize(self, stop_block_cache) if parts.block_cache else None
         self.activation_offload = parts.activation_offload  # Note [which tensors are offloaded] in _activation_offload.py
-        self._bwd_waiting: Dict[ModuleState, set] = {}  # a held module's backward: the units and input tokens it waits for
-        self._bwd_done: Set[ModuleState] = set()  # modules whose backward hold ended in this backward
-        self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
-        self._inputs_seen: set = set()  # tokens whose input gradients backward has computed
+        self.check_same_gathers = functools.partial(  # Note [same gathers on every rank] in _same_gathers.py
+            check_same_gathers, self.ledger, self.units, world_size=self.world_size, rank=self.rank,
+            partitioned=self.policy.partition_params)
+        self.backward = BackwardHooks(  # Note [hook protocol]: the backward half
+            self.units, list(self.states.values()), calls=self.calls, prefetcher=self.prefetcher,
+            reducer=self.reducer if self.policy.reduce_in_backward else None, ledger=self.ledger,
+            counters=self.counters, check_same_gathers=self.check_same_gathers)
         self._handles: list = []
         self._telemetry_totals: dict = {}  # running totals at the last telemetry() call
         for module, params in list(_pending_external.items()):
@@ -271,7 +237,7 @@ class Engine:
             for unit in self.units:
                 for p in unit.params:
                     if p.requires_grad:
-                        self._handles.append(p.register_post_accumulate_grad_hook(_held_weakly(self._on_grad_accumulated)))
+                        self._handles.append(p.register_post_accumulate_grad_hook(_held_weakly(self.backward.grad_accumulated)))
         if self.activation_offload is not None:
             self._handles.extend(self.activation_offload.install(self.model))
 
@@ -281,9 +247,12 @@ class Engine:
         self._handles.clear()
 
     def _pre_forward_root(self, module, args):
-        self.calls.begin_forward()
+        if not self.calls.in_backward:  # in backward: recomputed by activation checkpointing (Note [phases])
+            self.calls.begin_forward()
 
     def _post_forward_root(self, module, args, output):
+        if self.calls.in_backward:
+            return  # recomputed: its outputs' gradients come scaled from the outputs of the first forward
         self.calls.end_forward()
         if torch.is_grad_enabled():
             self.release_idle()  # the activation peak comes next, in the loss's backward
@@ -291,9 +260,9 @@ class Engine:
             scale_outputs(self.scaler, output)
 
     def _pre_forward(self, module, args, kwargs):
-        if module is self.model:
+        if module is self.model and not self.calls.in_backward:  # Note [phases] in _phase.py
             self.calls.begin_forward()
-            self.prefetcher.begin(Phase.FORWARD)
+            self.prefetcher.begin()
         if torch.is_grad_enabled():
             self.opt_store.release_idle(block=False)  # as early as it can: HF models peak in the loss, inside forward
         state = self.states[module]
@@ -305,39 +274,8 @@ class Engine:
         if state.units:
             self.prefetcher.on_module(state)
         if torch.is_grad_enabled() and any(not u.trainable for u in state.units):
-            return self._watch_inputs(frame, args, kwargs)
+            return self.backward.watch_inputs(frame, args, kwargs)
         return None
-
-    def _watch_inputs(self, frame: Frame, args, kwargs):
-        """Note [hold until the input gradients]: route this call's inputs that need a
-        gradient through ``_InputGrads``; None when there are none."""
-        slots = [(i, None) for i, a in enumerate(args) if _needs_grad(a)]
-        slots += [(None, k) for k, v in kwargs.items() if _needs_grad(v)]
-        if not slots:
-            return None
-        frame.token = next(self._tokens)
-        tensors = [args[i] if k is None else kwargs[k] for i, k in slots]
-        outs = _InputGrads.apply(self, frame.token, *tensors)
-        args, kwargs = list(args), dict(kwargs)
-        for (i, k), t in zip(slots, outs):
-            if k is None:
-                args[i] = t
-            else:
-                kwargs[k] = t
-        return tuple(args), kwargs
-
-    def _inputs_done(self, token: int) -> None:
-        self._inputs_seen.add(token)
-        self._arrived(token)
-
-    def _arrived(self, awaited) -> None:
-        """A unit's gradients or a call's input gradients are in: end the holds that waited
-        only for them."""
-        for state in [s for s, waiting in self._bwd_waiting.items() if awaited in waiting]:
-            waiting = self._bwd_waiting[state]
-            waiting.discard(awaited)
-            if not waiting:
-                self._drop_hold(state)
 
     def _post_forward(self, module, args, kwargs, output):
         raised = sys.exc_info()[1]  # torch calls this hook inside its `except` when forward raised
@@ -355,21 +293,11 @@ class Engine:
             outs = [t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None]
             if outs:
                 state, token = frame.state, frame.token
-                register_multi_grad_hook(outs, lambda _grad: self._pre_backward(state, token), mode="any")
-        if module is self.model:
+                register_multi_grad_hook(outs, lambda _grad: self.backward.pre_backward(state, token), mode="any")
+        if module is self.model and not self.calls.in_backward:
             self.prefetcher.end()
             self.check_same_gathers("forward")
             self._post_forward_root(module, args, output)
-
-    # ------------------------------------------------------------ backward
-
-    def _begin_backward(self) -> None:
-        if not self.calls.begin_backward():  # an overlapped step may still run: Note [step gate]
-            return
-        for unit in self.units:
-            unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.prefetcher.begin(Phase.BACKWARD)
 
     def release_idle(self) -> None:
         """Note [released pages] in aio/_memory.py: recycled buffers nobody uses now give their
@@ -379,90 +307,6 @@ class Engine:
         if self.param_store is not None:
             self.param_store.release_idle()
         self.opt_store.release_idle()
-
-    def _pre_backward(self, state: ModuleState, token: Optional[int] = None) -> None:
-        self._begin_backward()
-        inputs = {token} if token is not None and token not in self._inputs_seen else set()
-        if state in self._bwd_waiting:
-            self._bwd_waiting[state] |= inputs  # already held: a module called twice in forward
-            return
-        again = state in self._bwd_done
-        self._bwd_done.discard(state)
-        waiting = set(inputs)
-        for unit in state.units:
-            unit.acquire(Hold.BACKWARD)
-            if again and unit.grads_pending <= 0:  # Note [used again in one backward]
-                unit.grads_pending = sum(1 for p in unit.params if p.requires_grad)
-            if unit.grads_pending > 0:
-                waiting.add(unit)
-        self._bwd_waiting[state] = waiting
-        self.prefetcher.on_module(state)
-        if not waiting:
-            self._drop_hold(state)
-
-    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
-        self._begin_backward()
-        unit = info_of(param).unit
-        unit.grads_pending -= 1
-        if unit.grads_pending < 0:  # a late accumulation nothing announced: Note [used again in one backward]
-            unit.grads_pending = 0
-        if unit.grads_pending == 0:
-            self._unit_grads_done(unit)
-
-    def _unit_grads_done(self, unit: FetchUnit) -> None:
-        if self.policy.reduce_in_backward:
-            self.reducer.add(unit)
-        self._arrived(unit)
-
-    def _drop_hold(self, state: ModuleState) -> None:
-        for unit in state.units:
-            unit.release(Hold.BACKWARD)
-        del self._bwd_waiting[state]
-        self._bwd_done.add(state)  # a later trigger in this backward acquires again: Note [used again in one backward]
-
-    def _end_backward(self) -> None:
-        if self.policy.reduce_in_backward:
-            for unit in self.units:  # gradients no hook handed over: a unit used in part, late accumulations
-                if any(p.grad is not None for p in unit.params):
-                    unit.grads_pending = 0
-                    self.reducer.add(unit)
-            with self.counters.blocked("reduce_scatter"):
-                self.reducer.finish()  # units without gradients join as zeros: Note [bucket plan] in _reduce.py
-        for state in list(self._bwd_waiting):
-            self._drop_hold(state)
-        self._bwd_done.clear()
-        self.ledger.check_none(Hold.BACKWARD, where="backward")
-        self._inputs_seen.clear()
-        self.calls.end_backward()
-        self.prefetcher.end()
-        self.check_same_gathers("backward")
-
-    def check_same_gathers(self, where: str) -> None:
-        """Note [same gathers on every rank]: raise if the ranks gathered different units
-        since the last check."""
-        seq = self.ledger.take_sequence()
-        if self.world_size == 1 or not self.policy.partition_params:
-            return
-        h = 0
-        for index in seq:
-            h = (h * 1_000_003 + index + 1) % (1 << 61)
-        mine = torch.tensor([h, -h, len(seq), -len(seq)], dtype=torch.int64)
-        both = comm.all_reduce(mine.clone(), "max")
-        if torch.equal(both, mine):
-            return
-        seqs = comm.all_gather_object(seq)
-        r = next(r for r, other in enumerate(seqs) if other != seq)
-        k = next((i for i, (a, b) in enumerate(zip(seq, seqs[r])) if a != b), min(len(seq), len(seqs[r])))
-        name = {u.index: u.module_name or "<root>" for u in self.units}
-        mine_at = name.get(seq[k], "nothing") if k < len(seq) else "nothing"
-        theirs_at = name.get(seqs[r][k], "nothing") if k < len(seqs[r]) else "nothing"
-        raise EngineError(
-            f"ranks gathered different parameters in this {where}: all-gather {k + 1} was of {mine_at!r} on rank "
-            f"{self.rank} and of {theirs_at!r} on rank {r}, so the gathered values mix shards of different modules "
-            f"and cannot be trained on. In ZeRO stage 3 every rank must run the same modules in the same order; a "
-            f"module that runs on some ranks only (e.g. an expert chosen by routing) must have its parameters "
-            f"fetched by a parent that runs on all: infinity.register_external_parameter(parent, p) for each of "
-            f"its parameters p")
 
     def repartition(self, unit: FetchUnit) -> None:
         """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
@@ -628,13 +472,6 @@ def check_same_model_on_all_ranks(model: nn.Module) -> None:
             raise EngineError(
                 f"rank {comm.rank()} and rank {r} built different models (first difference: {diff[0]} vs "
                 f"{diff[1]}); every data-parallel rank must construct the same model")
-
-
-def _needs_grad(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
-
-
-
 
 
 class _EngineHold:

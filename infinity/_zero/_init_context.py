@@ -51,7 +51,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .._offload._layout import padded
-from .._offload._preflight import free_disk, preflight, ranks_here
+from .._offload._preflight import free_disk, preflight
 from .._offload._swap import SwapDir, new_aio
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
@@ -105,7 +105,7 @@ class InitStore:
         if self.used + nbytes > self.room:
             raise InsufficientResourcesError(
                 f"infinity.Init: {what} needs {(self.used + nbytes) / GiB:.2f} GiB of {self.where} on this rank, "
-                f"{self.room / GiB:.2f} GiB available ({ranks_here()} rank(s) on this node share it); "
+                f"{self.room / GiB:.2f} GiB available ({comm.ranks_here()} rank(s) on this node share it); "
                 f"{_ADVICE[self.tier]}")
 
     def new_chunk(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -230,8 +230,8 @@ def room_for(tier: Tier, nvme_path: Optional[str]):
         except OSError as err:
             raise StorageError(err.errno, f"nvme_path {nvme_path!r} cannot be created ({err.strerror}); "
                                           f"point it at a writable directory") from None
-        return free_disk(nvme_path) // ranks_here(), f"disk under {nvme_path}"
-    return int(psutil.virtual_memory().available * _HOST_SHARE) // ranks_here(), "host memory"
+        return free_disk(nvme_path) // comm.ranks_here(), f"disk under {nvme_path}"
+    return int(psutil.virtual_memory().available * _HOST_SHARE) // comm.ranks_here(), "host memory"
 
 
 # The share of the available host memory the Init store may take: the rest is for the model's

@@ -113,10 +113,12 @@ def _build_engine(model: nn.Module, cfg):
             if placement.params_in_master_file else None  # Note [parameters from the master]: shared, built first
         opt_store = _optimizer_store(placement, cfg, swap_dirs, policy, master)
         param_store = _param_store(placement, cfg, swap_dirs, opt_store, master) if policy.partition_params else None
-        counters, ledger = Counters(), GatherLedger(world, cfg.device_memory_limit)  # this engine's device budget
+        counters = Counters()
+        ledger: GatherLedger[FetchUnit] = GatherLedger(world, cfg.device_memory_limit)  # this engine's device budget
         gate = StepGate(rank, counters.blocked)
-        prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, ledger=ledger,
-                                counters=counters)
+        calls = Calls()  # Note [phases] in _phase.py
+        prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, calls=calls,
+                                ledger=ledger, counters=counters)
         recycler = Recycler(placement.gathered_reuse_bytes, functools.partial(aligned_empty, what=GATHERED)) \
             if policy.partition_params and not acc.has_accelerator() else None  # Note [recycled host memory] in _recycle.py
         ctx = UnitContext(
@@ -125,8 +127,7 @@ def _build_engine(model: nn.Module, cfg):
             persistence_threshold=cfg.zero.prefetch.persistence_threshold if policy.partition_params else 0,
             counters=counters, ledger=ledger, gathered=recycler, param_store=param_store,
             params_are_master=placement.params_are_master or placement.params_in_master_file,  # nothing to write
-            step_gate=gate, make_room=prefetcher.make_room,
-            calls=Calls())
+            step_gate=gate, make_room=prefetcher.make_room, on_unavailable=calls.on_unavailable)
         layout = placement.layout
         units = [FetchUnit(ctx, spec, layout.param_ranges[spec.index][0], layout.opt_offsets[spec.index])
                  for spec in specs]
@@ -139,8 +140,8 @@ def _build_engine(model: nn.Module, cfg):
                               on_add=sink.note)
         scaler = _loss_scaler(cfg.precision) if dtype == torch.float16 else None
         offload = ActivationOffloader(ledger.budget) if cfg.activation_checkpointing.offload == "cpu" else None
-        parts = EngineParts(placement, ctx, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs, memory_plan,
-                            offload, block_cache)
+        parts = EngineParts(placement, ctx, calls, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs,
+                            memory_plan, offload, block_cache)
         return Engine(model, cfg, parts), sink, gate
     except BaseException:
         swap_dirs.remove()

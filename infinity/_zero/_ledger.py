@@ -6,7 +6,7 @@ every holder says why. The reasons, each taken and dropped by one place:
 - ``CALL``: a module call, from its pre-forward to its post-forward (the frame in ``Calls``;
   also a parameter fetched on demand inside the call);
 - ``BACKWARD``: a module's backward, from its pre-backward until its units' gradients and
-  its call's input gradients are in (Note [hold until the input gradients] in _engine.py);
+  its call's input gradients are in (Note [hold until the input gradients] in _backward.py);
 - ``KEPT``: the prefetcher, for a unit used again later in this pass, until the trace
   reaches the position recorded with the hold (Note [trace and prefetch] in _prefetch.py);
 - ``INTO_BACKWARD``: the prefetcher, for what backward starts with, from the end of forward
@@ -16,7 +16,7 @@ every holder says why. The reasons, each taken and dropped by one place:
 A unit's reference count is the number of its holds; releasing for a reason the unit is
 not held for is an error that names the holds it has. The ledger also keeps the gathered
 elements alive and their peak (against ``max_live_parameters``), the sequence of
-all-gathers for the cross-rank check (Note [same gathers on every rank] in _engine.py) and
+all-gathers for the cross-rank check (Note [same gathers on every rank] in _same_gathers.py) and
 the engine's own device budget (``device_memory_limit``): one per engine, so engines in one
 process never charge each other's bytes.
 """
@@ -24,13 +24,27 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, Generic, List, Optional, Protocol, TypeVar
 
 from .._runtime._accelerator import DeviceBudget
 from ..errors import InvariantError
 
-if TYPE_CHECKING:
-    from ._unit import FetchUnit
+
+class Gatherable(Protocol):
+    """What the ledger reads of a unit (a ``FetchUnit``, which sits above the ledger: the
+    ledger names only this, so no import of it closes a cycle)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def full_numel(self) -> int: ...
+
+    @property
+    def full_nbytes(self) -> int: ...
+
+
+U = TypeVar("U", bound=Gatherable)
 
 
 class Hold(enum.Enum):
@@ -41,24 +55,24 @@ class Hold(enum.Enum):
     GATHERED = "GatheredParameters"
 
 
-class GatherLedger:
+class GatherLedger(Generic[U]):
     def __init__(self, world_size: int, device_memory_limit: Optional[int] = None):
         self._world_size = world_size
         self.budget = DeviceBudget(device_memory_limit)
         self.live = 0  # gathered elements alive now
         self.peak = 0
         self.sequence: List[int] = []  # units all-gathered since the last check, by index
-        self._holds: Dict["FetchUnit", Counter] = {}
-        self._kept_until: Dict["FetchUnit", Optional[int]] = {}  # Hold.KEPT: the trace position that ends it
+        self._holds: Dict[U, Counter] = {}
+        self._kept_until: Dict[U, Optional[int]] = {}  # Hold.KEPT: the trace position that ends it
 
     # ------------------------------------------------------------ holds
 
-    def take(self, unit: "FetchUnit", why: Hold, until: Optional[int] = None) -> None:
+    def take(self, unit: U, why: Hold, until: Optional[int] = None) -> None:
         self._holds.setdefault(unit, Counter())[why] += 1
         if why is Hold.KEPT:
             self._kept_until[unit] = until
 
-    def drop(self, unit: "FetchUnit", why: Hold) -> int:
+    def drop(self, unit: U, why: Hold) -> int:
         """Drop one hold; the number of holds left on the unit."""
         holds = self._holds.get(unit)
         if not holds or not holds[why]:
@@ -74,23 +88,23 @@ class GatherLedger:
             return 0
         return sum(holds.values())
 
-    def count(self, unit: "FetchUnit") -> int:
+    def count(self, unit: U) -> int:
         holds = self._holds.get(unit)
         return sum(holds.values()) if holds else 0
 
-    def holds(self, unit: "FetchUnit", why: Hold) -> bool:
+    def holds(self, unit: U, why: Hold) -> bool:
         holds = self._holds.get(unit)
         return bool(holds and holds[why])
 
-    def held_for(self, why: Hold) -> List["FetchUnit"]:
+    def held_for(self, why: Hold) -> List[U]:
         """The units held for ``why``, in the order they were first held."""
         return [u for u, holds in self._holds.items() if holds[why]]
 
-    def kept_until(self) -> Dict["FetchUnit", Optional[int]]:
+    def kept_until(self) -> Dict[U, Optional[int]]:
         """Hold.KEPT: each kept unit and the trace position that ends its hold."""
         return dict(self._kept_until)
 
-    def describe(self, unit: "FetchUnit") -> str:
+    def describe(self, unit: U) -> str:
         holds: Counter = self._holds.get(unit) or Counter()
         return ", ".join(f"{why.value}" + (f" (x{n})" if n > 1 else "") for why, n in holds.items())
 
@@ -103,17 +117,17 @@ class GatherLedger:
 
     # ------------------------------------------------------------ gathered bytes
 
-    def fits(self, unit: "FetchUnit", max_live: int) -> bool:
+    def fits(self, unit: U, max_live: int) -> bool:
         """Whether gathering ``unit`` now stays within ``max_live`` elements and the budget."""
         return self.live + unit.full_numel <= max_live and self.budget.fits(unit.full_nbytes)
 
-    def gathered(self, unit: "FetchUnit") -> None:
+    def gathered(self, unit: U) -> None:
         self.live += unit.full_numel
         self.peak = max(self.peak, self.live)
         if self._world_size > 1:  # one rank has nothing to compare
             self.sequence.append(unit.index)
 
-    def freed(self, unit: "FetchUnit") -> None:
+    def freed(self, unit: U) -> None:
         self.live -= unit.full_numel
 
     def take_sequence(self) -> List[int]:

@@ -7,7 +7,12 @@ callback queued by ``begin_backward``) bracket a backward. The optimizer step ru
 them, outside both: an overlapped step may still run on its thread during the next forward
 (Note [step gate] in _step_gate.py), which is why the step is not a phase of this object.
 A forward inside a backward (reentrant activation checkpointing recomputes each block in
-backward) pushes frames while the phase stays BACKWARD.
+backward, or the whole model) pushes frames while the phase stays BACKWARD: there the root's
+hooks begin and end nothing, as FSDP2's do in ``PRE_BACKWARD``. Each transition raises when
+called in a phase it does not leave (``InvariantError``), so the engine's hooks ask the
+phase (``in_backward``) rather than calling a transition that would do nothing. Each module's
+own progress through backward is its ``ModuleState``'s (Note [backward progress] in
+_module_state.py).
 
 A parameter touched while released reaches ``Calls.on_unavailable`` (through its fetch
 unit's context): inside a module call it is gathered and held until that call's
@@ -17,11 +22,10 @@ error that says how to gather it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
 import torch
-from torch import nn
 
 from .._runtime._log import logger
 from ..errors import InvariantError
@@ -29,6 +33,7 @@ from ._ledger import Hold
 from ._param import ParameterNotAvailableError, not_available_message
 
 if TYPE_CHECKING:
+    from ._module_state import ModuleState
     from ._unit import FetchUnit
 
 
@@ -39,29 +44,13 @@ class Phase(enum.Enum):
 
 
 @dataclass(eq=False)
-class ModuleState:
-    """Per-module hook state: the units the module uses, in collective order."""
-
-    module: nn.Module
-    name: str
-    units: List["FetchUnit"] = field(default_factory=list)
-
-    def add_unit(self, unit: "FetchUnit") -> bool:
-        if unit in self.units:
-            return False
-        self.units.append(unit)
-        self.units.sort(key=lambda u: u.index)
-        return True
-
-
-@dataclass(eq=False)
 class Frame:
     """One module call in progress: the units it holds until its post-forward."""
 
     state: ModuleState
     held: List["FetchUnit"]
     handling: Optional[BaseException] = None  # the exception being handled where the forward was called
-    token: Optional[int] = None  # this call's input gradients: Note [hold until the input gradients] in _engine.py
+    token: Optional[int] = None  # this call's input gradients: Note [hold until the input gradients] in _backward.py
 
 
 class Calls:
@@ -74,24 +63,37 @@ class Calls:
     # ------------------------------------------------------------ phase transitions
 
     def begin_forward(self) -> None:
-        self.reset()  # a forward that raised before its post-forward left frames behind
-        if self.phase is not Phase.BACKWARD:
-            self.phase = Phase.FORWARD
+        """IDLE -> FORWARD, at the root module's pre-forward. From FORWARD: the last forward
+        raised, so its root post-forward ended nothing (Note [aborted forward] in _engine.py),
+        or was interrupted before any post-forward hook ran (torch runs ``always_call`` hooks
+        for an ``Exception``, not a ``KeyboardInterrupt``): frames left behind are released
+        first. Not in BACKWARD: a forward there is a recomputation inside backward."""
+        if self.phase is Phase.BACKWARD:
+            raise InvariantError("begin_forward: the engine is in BACKWARD; a forward inside backward (activation "
+                                 "checkpointing's recomputation) runs its calls without beginning a forward")
+        self.reset()
+        self.phase = Phase.FORWARD
 
     def end_forward(self) -> None:
-        if self.phase is Phase.FORWARD:
-            self.phase = Phase.IDLE
+        """FORWARD -> IDLE, at the root module's post-forward."""
+        self._expect(Phase.FORWARD, "end_forward")
+        self.phase = Phase.IDLE
 
-    def begin_backward(self) -> bool:
-        """True when this starts a backward (False: one is already running)."""
+    def begin_backward(self) -> None:
+        """IDLE or FORWARD -> BACKWARD, at the first backward hook (FORWARD: after a forward
+        that raised). Its caller queues ``end_backward``."""
         if self.phase is Phase.BACKWARD:
-            return False
+            raise InvariantError("begin_backward: the engine is in BACKWARD already")
         self.phase = Phase.BACKWARD
-        return True
 
     def end_backward(self) -> None:
+        """BACKWARD -> IDLE, at the autograd callback queued by the first backward hook."""
         self._expect(Phase.BACKWARD, "end_backward")
         self.phase = Phase.IDLE
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is Phase.BACKWARD
 
     def _expect(self, phase: Phase, transition: str) -> None:
         if self.phase is not phase:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
+from ..errors import InvariantError
 from ._ledger import Hold
 from ._param import ParamState
 from ._phase import Phase
@@ -44,7 +45,8 @@ from ._phase import Phase
 if TYPE_CHECKING:
     from .._runtime._telemetry_counters import Counters
     from ._ledger import GatherLedger
-    from ._phase import ModuleState
+    from ._module_state import ModuleState
+    from ._phase import Calls
     from ._unit import FetchUnit
 
 
@@ -52,7 +54,7 @@ class _Pass:
     """One direction (forward or backward) of one iteration."""
 
     def __init__(self, phase: Phase, trace: Optional[list]):
-        self.phase = phase  # the pass's direction: the trace it records or follows
+        self.phase = phase  # the engine's phase when the pass began: the trace it records or follows
         self.trace = trace  # what to expect; None while recording the first iteration
         self.seen: List["ModuleState"] = []
         self.diverged = False
@@ -71,7 +73,9 @@ def _next_uses(trace: list) -> list:
 
 
 class Prefetcher:
-    def __init__(self, cfg, *, partition_params: bool, ledger: "GatherLedger", counters: "Counters"):
+    def __init__(self, cfg, *, partition_params: bool, calls: "Calls", ledger: "GatherLedger[FetchUnit]",
+                 counters: "Counters"):
+        self._calls = calls  # the engine's phase (Note [phases] in _phase.py): forward or backward, read at begin()
         self._ledger = ledger  # gathered elements alive now, against max_live_parameters
         self._counters = counters
         self.enabled = cfg.enabled and partition_params
@@ -86,11 +90,16 @@ class Prefetcher:
 
     # ------------------------------------------------------------ iteration boundaries
 
-    def begin(self, direction: Phase) -> None:
+    def begin(self) -> None:
+        """A forward or a backward began (the engine's phase says which): record its trace,
+        or follow the last one."""
+        phase = self._calls.phase
+        if phase is Phase.IDLE:
+            raise InvariantError("Prefetcher.begin: the engine is IDLE; a pass begins after the phase's transition")
         self._finish_pass()
-        if direction is Phase.FORWARD:
+        if phase is Phase.FORWARD:
             self.release_held()
-        self._pass = _Pass(direction, self.traces[direction])
+        self._pass = _Pass(phase, self.traces[phase])
         if self.enabled and self._pass.trace:
             self._ahead(0)
 

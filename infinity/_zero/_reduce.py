@@ -12,7 +12,7 @@ units are in and buckets 0..i-1 are launched. At the end of backward (``finish``
 units that got no gradient on this rank join their buckets as zeros, so every rank launches
 every bucket (DDP's ``find_unused_parameters`` does the same). Units without a trainable
 parameter are in no bucket. Gradients that arrive after their unit joined its bucket (Note
-[used again in one backward] in _engine.py) stay in ``.grad`` until ``finish``, which agrees
+[used again in one backward] in _backward.py) stay in ``.grad`` until ``finish``, which agrees
 across ranks on the units that have any (one small all-reduce) and reduces those in plan
 order.
 

@@ -15,7 +15,7 @@ parameters] in _zero_optimizer.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
     from .._runtime._recycle import Recycler
     from .._runtime._telemetry_counters import Counters
-    from ._phase import Calls
     from ._step_gate import StepGate
 
 
@@ -51,13 +50,14 @@ class UnitContext:
     partitioned: bool  # stage 3: parameters live as shards between uses
     persistence_threshold: int  # units smaller than this stay gathered (zero.prefetch.persistence_threshold)
     counters: "Counters"
-    ledger: GatherLedger
+    ledger: GatherLedger["FetchUnit"]
     gathered: Optional["Recycler"]  # recycled gathered buffers (CPU-only runs)
     param_store: Optional["ParamStore"]  # stage 3's shards
     params_are_master: bool  # the parameter store is the fp32 master itself: nothing to write at partition
     step_gate: "StepGate"  # Note [step gate]: has the step updated this range yet
     make_room: Callable[["FetchUnit"], None]  # the prefetcher releases kept units before a gather
-    calls: "Calls"  # a released parameter touched inside a module call is fetched on demand
+    on_unavailable: Callable[..., Any]  # Calls.on_unavailable: a released parameter touched inside a module call is
+    # fetched on demand (a callable, so the unit never names the call stack: Note [phases] in _phase.py)
 
 
 @dataclass(eq=False)
@@ -134,11 +134,11 @@ class FetchUnit:
         self._state = ParamState.AVAILABLE  # the model's own full tensors until partition()
         self._staging: Optional[_Staging] = None  # HOST, DEVICE: Note [unit payloads]
         self._gathered: Optional[_Gathered] = None  # GATHERING, AVAILABLE (None: nothing of ours to free)
-        self.grads_pending = 0  # params whose gradient has not arrived in this backward
+        self._grads_pending = 0  # params whose gradient has not arrived in this backward
 
     def on_unavailable(self, func, args, kwargs, infos):
         """A parameter of this unit reached an operator while released (Note [partitioned parameter])."""
-        return self.ctx.calls.on_unavailable(func, args, kwargs, infos)
+        return self.ctx.on_unavailable(func, args, kwargs, infos)
 
     # ------------------------------------------------------------ state
 
@@ -173,6 +173,35 @@ class FetchUnit:
 
     def __repr__(self) -> str:
         return f"FetchUnit({self.module_name or '<root>'}, {len(self.params)} params, {self.state.name})"
+
+    # ------------------------------------------------------------ gradients in backward
+
+    @property
+    def grads_pending(self) -> int:
+        """Trainable parameters whose gradient has not been accumulated in this backward."""
+        return self._grads_pending
+
+    def expect_grads(self) -> None:
+        """A backward begins: the gradient of every trainable parameter is awaited."""
+        self._grads_pending = sum(1 for p in self.params if p.requires_grad)
+
+    def expect_grads_again(self) -> None:
+        """Backward reached a module of this unit again after the unit's gradients were in:
+        another accumulation of each is awaited (Note [used again in one backward] in
+        _backward.py)."""
+        if self._grads_pending <= 0:
+            self.expect_grads()
+
+    def grad_arrived(self) -> bool:
+        """One parameter's gradient was accumulated; True when none is awaited any more,
+        also for a late accumulation nothing announced (the reducer keeps it for the end of
+        backward: Note [bucket plan] in _reduce.py)."""
+        self._grads_pending = max(self._grads_pending - 1, 0)
+        return self._grads_pending == 0
+
+    def grads_handed_over(self) -> None:
+        """The end of backward gave the reducer whatever gradients the unit has."""
+        self._grads_pending = 0
 
     # ------------------------------------------------------------ shard <-> full
 

@@ -1,0 +1,121 @@
+"""A module's hook state: the units it uses and its progress through the current backward.
+
+Note [backward progress]: each module with units is in one ``BackwardProgress`` at a time,
+moved only by the transitions below (as FSDP2 moves a parameter group's ``TrainingState``
+from its own pre- and post-backward), each of which raises when called in another state:
+
+    NOT_REACHED --hold--> HELD --end_hold--> DONE --reset--> NOT_REACHED
+                                              |
+                                              +--hold--> HELD (reached again in one backward)
+
+- ``hold``: autograd reached one of the module's outputs (pre-backward). Its units are
+  acquired for ``Hold.BACKWARD`` and the hold waits for each unit whose gradients are not all
+  in and for the input gradients of its calls (Note [hold until the input gradients] in
+  _backward.py). From DONE, the units' gradient counters start again where they had ended
+  (Note [used again in one backward] in _backward.py).
+- ``await_calls``: HELD, and reached again through another call of the same forward (a
+  module called twice): the hold waits for that call's input gradients too.
+- ``arrived``: HELD; something the hold waited for is in. True when it waits for nothing more,
+  and the caller ends the hold.
+- ``end_hold``: HELD -> DONE; the units are released.
+- ``reset``: the end of backward, after every hold ended: NOT_REACHED for the next one.
+
+Forward progress is not part of this state: it is per call, a frame on the stack of ``Calls``
+(a module may run twice in one forward, and again inside backward where activation
+checkpointing recomputes it), and the phase of the iteration is the engine's (``Calls.phase``,
+Note [phases] in _phase.py).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, List, Set
+
+from torch import nn
+
+from ..errors import InvariantError
+from ._ledger import Hold
+
+if TYPE_CHECKING:
+    from ._unit import FetchUnit
+
+
+class BackwardProgress(enum.Enum):
+    NOT_REACHED = "not reached"  # backward has not come to the module (or no backward runs)
+    HELD = "held"  # its units are held until what the hold waits for has arrived
+    DONE = "done"  # its hold ended in this backward
+
+
+@dataclass(eq=False)
+class ModuleState:
+    """Per-module hook state: the units the module uses, in collective order, and its
+    backward progress (Note [backward progress])."""
+
+    module: nn.Module
+    name: str
+    units: List["FetchUnit"] = field(default_factory=list)
+    progress: BackwardProgress = BackwardProgress.NOT_REACHED
+    _awaited: Set[object] = field(default_factory=set)  # HELD: the units and call tokens the hold waits for
+
+    def __repr__(self) -> str:
+        return f"ModuleState({self.name or '<root>'}, {self.progress.name})"
+
+    def add_unit(self, unit: "FetchUnit") -> bool:
+        if unit in self.units:
+            return False
+        self.units.append(unit)
+        self.units.sort(key=lambda u: u.index)
+        return True
+
+    # ------------------------------------------------------------ backward progress
+
+    def _expect(self, progress: BackwardProgress, transition: str) -> None:
+        if self.progress is not progress:
+            raise InvariantError(f"{transition}: {self!r} is {self.progress.name}, expected {progress.name}")
+
+    def hold(self, calls: Set[int]) -> None:
+        """NOT_REACHED or DONE -> HELD: hold the units until their gradients and the input
+        gradients of ``calls`` (tokens) are in."""
+        if self.progress is BackwardProgress.HELD:
+            raise InvariantError(f"hold: {self!r} is HELD already; a module reached again while held waits for the "
+                                 f"new call (await_calls)")
+        again = self.progress is BackwardProgress.DONE
+        awaited: Set[object] = set(calls)
+        for unit in self.units:
+            unit.acquire(Hold.BACKWARD)
+            if again:
+                unit.expect_grads_again()
+            if unit.grads_pending:
+                awaited.add(unit)
+        self.progress, self._awaited = BackwardProgress.HELD, awaited
+
+    def await_calls(self, calls: Set[int]) -> None:
+        self._expect(BackwardProgress.HELD, "await_calls")
+        self._awaited |= calls
+
+    @property
+    def waiting(self) -> bool:
+        """HELD and something the hold waits for has not arrived."""
+        return bool(self._awaited)
+
+    def awaits(self, awaited: object) -> bool:
+        return awaited in self._awaited
+
+    def arrived(self, awaited: object) -> bool:
+        """``awaited`` (a unit or a call's token) is in; True when the hold waits for nothing more."""
+        self._expect(BackwardProgress.HELD, "arrived")
+        self._awaited.discard(awaited)
+        return not self._awaited
+
+    def end_hold(self) -> None:
+        """HELD -> DONE: release the units."""
+        self._expect(BackwardProgress.HELD, "end_hold")
+        for unit in self.units:
+            unit.release(Hold.BACKWARD)
+        self.progress, self._awaited = BackwardProgress.DONE, set()
+
+    def reset(self) -> None:
+        """NOT_REACHED or DONE -> NOT_REACHED, at the end of backward."""
+        if self.progress is BackwardProgress.HELD:
+            raise InvariantError(f"reset: {self!r} is still HELD at the end of backward")
+        self.progress = BackwardProgress.NOT_REACHED
