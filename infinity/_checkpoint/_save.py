@@ -34,10 +34,10 @@ from ._format import (
     LATEST,
     MANIFEST,
     STATE_ARRAYS,
-    VERSION,
     check_tag,
     complete_checkpoints,
     fsync_dir,
+    manifest_version,
     now,
     write_atomic,
 )
@@ -199,7 +199,7 @@ def _remove_leftovers(directory: str) -> None:
 def _manifest_head(engine, opt, tag: str) -> dict:
     """The manifest but for its files, as of the call (an asynchronous save commits later)."""
     return {
-        "format": FORMAT, "version": VERSION, "tag": tag, "step": opt._step,
+        "tag": tag, "step": opt._step,
         "world_size": engine.world_size, "stage": engine.cfg.zero.stage, "dtype": str(engine.dtype),
         "param_total": opt.layout.param_total, "opt_total": opt.layout.opt_total,
         "params": param_entries(engine, opt),
@@ -226,7 +226,8 @@ def _commit_or_abandon(head: dict, tmp: str, final: str, tag: str, token: str, f
 def _commit(head: dict, tmp: str, final: str, tag: str, token: str, files: dict, keep_last) -> Optional[tuple]:
     """Rank 0, once every rank's files are written: Note [crash-safe commit]."""
     try:
-        manifest = dict(head, saved_at=now(), files=dict(sorted(files.items())))
+        manifest = dict(format=FORMAT, version=manifest_version(files), **head, saved_at=now(),
+                        files=dict(sorted(files.items())))
         path = os.path.join(tmp, MANIFEST)
         with open(path, "w") as f:
             json.dump(manifest, f, indent=1)
