@@ -29,6 +29,34 @@ _SIGNED = {"exp_avg": True, "exp_avg_sq": False}
 
 
 
+BLOCK_ELEMS = 1024  # fp32 elements per 4 KiB block of a swap file
+
+
+def written_spans(offset: int, numel: int, changed) -> List[tuple]:
+    """Note [unchanged ranges are not written]: the step rewrites a chunk's master weights and
+    moments only where it changed them. A parameter that got no gradient on any rank is left
+    out of the step's plan (Note [update plan] in _param_groups.py), so its states in the
+    buffers are the bytes read from the file; writing them back would spend the SSD's
+    endurance on nothing (Note [endurance budget] in _apps/_endurance.py). The update function
+    says which (start, end) ranges it changed (``Chunk.changed``; None: all); each is widened
+    to whole 4 KiB blocks of the file (the sums of a swap file are kept per block, Note [swap
+    checksums]), clamped to the chunk, and neighbours merged. A compressed moment's record
+    covers its chunk, so it is written whole or, where nothing changed, not at all."""
+    end = offset + numel
+    if changed is None:
+        return [(offset, end)] if numel else []
+    out: List[list] = []
+    for lo, hi in sorted(changed):
+        lo, hi = max(offset, lo // BLOCK_ELEMS * BLOCK_ELEMS), min(end, -(-hi // BLOCK_ELEMS) * BLOCK_ELEMS)
+        if lo >= hi:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
 class NvmeOptimizerStore:
     """Note [optimizer swapper]: the fp32 master weights, both moments and the gradient
     shards live in swap files. ``update`` walks the flat space in chunks of ``chunk``
@@ -509,17 +537,22 @@ class NvmeOptimizerStore:
                     cached: bool = False, before_writes: Optional[Callable[[], None]] = None) -> None:
         if self._coef != 1.0:
             bufs["grad"].mul_(self._coef)
-        fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
+        chunk = Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"])
+        fn(chunk)
         if before_writes is not None:
             before_writes()
         if self.grad_mem is not None or cached:
             release_pages(bufs["grad"])  # consumed: idle until backward writes it again (Note [released pages])
+        spans = written_spans(off, bufs["master"].numel(), chunk.changed)
         for name in ("master", "exp_avg", "exp_avg_sq"):
             if name == "master" and self._master_writer is not None:
                 continue  # fn handed them to the parameter store, which writes them
             if name not in self._packed:
-                self._write(writer, name, off, bufs[name])
+                for lo, hi in spans:
+                    self._write(writer, name, lo, bufs[name][lo - off : hi - off])
                 continue
+            if not spans:
+                continue  # a record is written whole or not at all
             rec = records[name][: self._code.length(bufs[name].numel())]
             self._code.encode(bufs[name], rec, _SIGNED[name], self._gen)
             if cached:  # the cache holds what the file holds (Note [host cache])
