@@ -6,6 +6,7 @@ run; two ranks within 1e-6; over stage x tier. Resharding is checked state by st
 checkpoint saved at one world size / placement, loaded at another and saved again holds the
 same bytes for every parameter's weights, master weights, moments and step count.
 """
+import json
 import os
 import subprocess
 import sys
@@ -198,6 +199,20 @@ def test_flipped_byte_or_missing_shard_is_refused_naming_the_file(tmp_path, save
         assert error is not None and str(path) in error, (path, error)
         assert ("missing" if path.name == "master.bin" else "checksum") in error
         assert untouched  # nothing was loaded
+
+
+def test_manifest_of_a_copied_save_is_version_1_and_a_newer_version_is_refused(tmp_path, saved_once):
+    reader = CheckpointReader(saved_once)  # every file copied: readable by an infinity that reads version 1
+    assert reader.manifest["version"] == 1
+    assert all("crc32" in e and "crc32c" not in e for e in reader.manifest["files"].values())
+    reader.close()
+    future = _copy(saved_once, tmp_path / "future")
+    manifest = json.loads((future / "manifest.json").read_text())
+    (future / "manifest.json").write_text(json.dumps(dict(manifest, version=99)))
+    with pytest.raises(StorageError, match=r"format version 99; this infinity reads versions 1, 2: upgrade infinity"):
+        CheckpointReader(future)
+    error = run_ranks(_load_each, 1, str(tmp_path), COMBO, [str(future.parent)], timeout=120)[0][0]
+    assert "format version 99" in error[0] and "upgrade infinity" in error[0] and error[1]  # nothing loaded
 
 
 def _save_twice(tmp, combo, out):

@@ -169,6 +169,58 @@ def test_async_failure_raises_at_wait_and_at_the_next_save(tmp_path):
         assert f.read().strip() == "after"
 
 
+HEADROOM = 96 << 20  # what the memory cgroup leaves the rank: less than its host states
+
+
+def _save_under_a_memory_limit(base, nvme):
+    """Stage 1 with the states in host memory (~270 MB): an asynchronous save with the host's
+    memory, then one in a memory cgroup that leaves HEADROOM; the warnings each logged, whether
+    the second was done at the call, and both checkpoints' digests."""
+    import logging
+
+    from _cgroup import memory_limit
+
+    class Warnings(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.seen = []
+
+        def emit(self, record):
+            self.seen.append(record.getMessage())
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
+    model, opt = infinity.initialize(model, _cfg(1, None, "cpu", nvme))
+    model(torch.randn(4, 2048)).pow(2).mean().backward()
+    opt.step()
+    caught = Warnings()
+    infinity.logger.addHandler(caught)
+    roomy = infinity.save_checkpoint(f"{base}/ck", model, opt, tag="roomy", blocking=False).wait()
+    warned_roomy, caught.seen = caught.seen, []
+    with memory_limit(HEADROOM) as cgroup:
+        handle = infinity.save_checkpoint(f"{base}/ck", model, opt, tag="limited", blocking=False)
+        done_at_call = handle.done()
+    infinity.logger.removeHandler(caught)
+    numel = sum(p.numel() for p in model.parameters())
+    host_states = numel * (torch.empty((), dtype=opt.engine.dtype).element_size() + 3 * 4)  # weights, master, moments
+    opt.engine.close()
+    return warned_roomy, caught.seen, cgroup, done_at_call, host_states, _bins(roomy), _bins(handle.wait())
+
+
+def test_async_save_whose_host_copy_cannot_fit_saves_blocking_and_says_why(tmp_path):
+    """Note [staged copies preflighted]: under a real memory cgroup limit the save's staging
+    copy would not fit, so it is made blocking (the same checkpoint), with the bytes, the
+    cgroup and what to change in the log; with the host's memory it stays asynchronous."""
+    roomy, limited, cgroup, done_at_call, host_states, digests, digests_limited = run_ranks(
+        _save_under_a_memory_limit, 1, str(tmp_path), str(tmp_path / "nvme"), timeout=180)[0]
+    assert not any("saves blocking instead" in m for m in roomy), roomy
+    assert len(limited) == 1 and "saves blocking instead" in limited[0], limited
+    assert f"would copy {host_states} bytes of states" in limited[0]
+    assert f"the memory cgroup {cgroup} leaves" in limited[0] and "offload the states to NVMe" in limited[0]
+    assert done_at_call  # saved before the call returned
+    assert digests_limited == digests  # the same states, the same files
+
+
 def _unknown_keyword(base):
     model, opt = infinity.initialize(build(KIND), _cfg(1, None, "cpu", f"{base}/nvme"))
     try:

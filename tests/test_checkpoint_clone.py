@@ -123,6 +123,7 @@ def _run(combo, steps, nvme, *, seed=0, load=None, save=None, more=()):
         path = infinity.save_checkpoint(save, model, opt, tag="t", client_state={"data_position": len(steps)})
         reader = CheckpointReader(path)
         kinds = {rel: "crc32c" if "crc32c" in e else "crc32" for rel, e in reader.manifest["files"].items()}
+        kinds["version"] = reader.manifest["version"]
         reader.close()
         before = _digests(path)
         weights = _params(model)
@@ -159,6 +160,7 @@ def test_cloned_save_resumes_bit_for_bit_and_stays_unchanged(tmp_path):
         losses, weights, *_ = resumed[combo]
         on_nvme = [f"rank0/{a}.bin" for a in ARRAYS if a != "params" or combo[1] == "nvme"]
         assert all(kinds[rel] == "crc32c" for rel in on_nvme), (combo, kinds)  # cloned, checksummed from the sums
+        assert kinds["version"] == 2  # refused by a reader of version 1 only (Note [manifest versions])
         assert before == after, combo  # training on after the save did not change the checkpoint
         assert ref_losses[N:] == losses, combo
         for name, p in ref_weights.items():
@@ -171,15 +173,16 @@ def _save_copied(base, nvme):
     path = infinity.save_checkpoint(f"{base}/ck", model, opt, tag="t")
     reader = CheckpointReader(path)
     kinds = sorted({"crc32c" if "crc32c" in e else "crc32" for e in reader.manifest["files"].values()})
+    version = reader.manifest["version"]
     reader.close()
     opt.engine.close()
-    return kinds
+    return kinds, version
 
 
 def test_save_across_filesystems_copies(tmp_path):
     with xfs_mount(str(tmp_path)) as xfs:  # swap files on the machine's disk, the checkpoint on XFS
-        kinds = run_ranks(_save_copied, 1, xfs, str(tmp_path / "nvme"), timeout=120)[0]
-    assert kinds == ["crc32"]
+        kinds, version = run_ranks(_save_copied, 1, xfs, str(tmp_path / "nvme"), timeout=120)[0]
+    assert kinds == ["crc32"] and version == 1  # every file copied: readable by a reader of version 1
 
 
 KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "checkpoint_kill_loop.py")

@@ -142,7 +142,9 @@ def runs(tmp_path_factory):
                 {k: list(v) for k, v in store.array_io.items()}))
             sizes = {n: os.path.getsize(str(p)) for n, p in store.paths.items()}
             need = plan(opt.placement, opt.engine.cfg)
+            blocks = {b for o, n in opt.layout.opt_ranges for b in range(o // 1024, -(-(o + n) // 1024))}
             out[(mode, cache)] = dict(losses=losses, params=_params(model), sizes=sizes, total=store.total,
+                                      in_blocks=1024 * len(blocks),  # elements of the 4 KiB blocks holding states
                                       chunk=store.chunk, nvme=need["categories"]["nvme"][OPT_FILES],
                                       io=(before, after_one), nbytes=store.nbytes())
             opt.engine.close()
@@ -217,14 +219,17 @@ def _params_initial():
 
 @pytest.mark.parametrize("mode,ratio", [("bf16", 2.0), ("int8", 3.76)])
 def test_bytes_per_step_and_file_sizes(runs, mode, ratio):
-    """One step reads and writes each moment once: fp32 4 bytes per element, compressed one
-    record per chunk (bf16 half; int8 a quarter plus the scales and the 4 KiB padding). The
-    master weights' and gradients' bytes are unchanged; the plan counts the files' real sizes."""
+    """One step reads and writes each moment once: fp32 4 bytes per element (written only in
+    the 4 KiB blocks that hold a unit's states: the padding after the last is never changed,
+    Note [unchanged ranges are not written]), compressed one record per chunk (bf16 half; int8
+    a quarter plus the scales and the 4 KiB padding). The master weights' and gradients' bytes
+    are unchanged; the plan counts the files' real sizes."""
     ref, got = runs[("fp32", 0)], runs[(mode, 0)]
     moved = file_bytes(mode, got["total"], got["chunk"])  # one record per chunk, the last one shorter
+    assert ref["in_blocks"] < ref["total"]  # this model's space ends with a block of padding
     for name in ("exp_avg", "exp_avg_sq"):
         step = [[a - b for a, b in zip(run["io"][1][name], run["io"][0][name])] for run in (ref, got)]
-        assert step[0] == [4 * ref["total"]] * 2
+        assert step[0] == [4 * ref["total"], 4 * ref["in_blocks"]]
         assert step[1] == [moved] * 2
         assert step[0][0] / step[1][0] == pytest.approx(ratio, rel=1e-3)
         assert got["sizes"][name] == moved

@@ -274,3 +274,30 @@ def test_importing_the_command_module_keeps_infinity_estimate_callable():
 
     importlib.import_module("infinity.estimate")  # binds the module as infinity.estimate
     assert infinity.estimate("1B", gpus=1, gpu_mem="16GB", cpu_mem="64GB", nvme="1TB").params == 10**9
+
+
+def test_cli_steps_projects_the_ssd_writes_against_the_rating():
+    """Note [endurance budget]: --steps N gives the planned run's TB written per node (the run
+    model's bytes per rank and step, times the node's ranks and the steps) and, with
+    --endurance-tbw, its share of the drive's rating, warning past the default fraction."""
+    from infinity._apps._estimate_cli import _parser, _run_of
+    from infinity._apps._runmodel import nvme_bytes
+
+    hw = ["--params", "1.3B", "--gpus", "2", "--gpu-mem", "80GB", "--cpu-mem", "128GB", "--nvme", "4TB"]
+    run = _cli(*hw, "--steps", "1000", "--endurance-tbw", "600", "--json")
+    assert run.returncode == 0, run.stderr
+    writes = json.loads(run.stdout)["ssd_writes"]
+    per_rank = nvme_bytes(_run_of(estimate("1.3B", gpus=2, gpu_mem="80GB", cpu_mem="128GB", nvme="4TB"),
+                                  _parser().parse_args(hw)))["write"]
+    assert writes["bytes_per_rank_step"] == per_rank > 12 * 1.3e9 / 2  # master and both moments at least
+    assert writes["tb_per_node"] == pytest.approx(per_rank * 2 * 1000 / 1e12)
+    assert writes["share"] == pytest.approx(writes["tb_per_node"] / 600)
+    text = _cli(*hw, "--steps", "1000", "--endurance-tbw", "600").stdout
+    assert f"= {writes['tb_per_node']:.3g} TB per node, {100 * writes['share']:.3g}% of the drive's rated 600 TB" in text
+    assert "compressed moments" not in text  # within a tenth of the rating
+    many = _cli(*hw, "--steps", "100000", "--endurance-tbw", "600").stdout
+    assert "more than 10% (aio.endurance_warn_fraction's default): compressed moments (--moments bf16)" in many
+    unrated = _cli(*hw, "--steps", "10").stdout
+    assert "give --endurance-tbw" in unrated
+    bad = _cli(*hw, "--steps", "0")
+    assert bad.returncode == 2 and "steps: 0 must be at least 1" in bad.stderr

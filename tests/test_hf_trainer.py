@@ -142,6 +142,47 @@ def test_save_kill_resume_continues_exactly(tmp_path, save_async):
     assert len(_complete_checkpoints(out)) <= 2  # save_total_limit
 
 
+def _whole_checkpoints(out: str) -> list:
+    """The checkpoint-N that a resume could use: infinity's states committed and the Trainer's state."""
+    return [n for n in _complete_checkpoints(out)
+            if os.path.exists(os.path.join(out, f"checkpoint-{n}", "infinity", "manifest.json"))]
+
+
+def test_async_saves_with_save_total_limit_1_always_leave_a_whole_checkpoint(tmp_path):
+    """Note [rotation after the commit]: with save_total_limit=1 and save_async, a save every
+    step, and each background copy stalled so that it is still in flight when the Trainer's
+    save returns, a whole checkpoint exists after every save but the first, and the run ends
+    with exactly the last one."""
+    from transformers import TrainerCallback
+
+    from infinity.aio._inject import clear, inject
+
+    out = str(tmp_path / "run")
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            inject(trainer.optimizer.store.paths["master"], "read", "stall", nth=1, count=0, arg=400)
+
+        def on_save(self, args, state, control, **kwargs):
+            pending = trainer.optimizer.engine.save_fence.pending
+            seen.append((state.global_step, pending is not None and not pending.done(), _whole_checkpoints(out)))
+
+    args = training_args(out, max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=1)
+    trainer = InfinityTrainer(model=tiny_llama(), args=args, train_dataset=dataset(),
+                              infinity_config=_nvme_config(str(tmp_path / "nvme")), save_async=True,
+                              callbacks=[Watch()])
+    try:
+        trainer.train()
+    finally:
+        clear()
+    assert [step for step, _, _ in seen] == [1, 2, 3, 4]
+    assert all(in_flight for _, in_flight, _ in seen), seen  # each save was still being written
+    assert all(whole for step, _, whole in seen if step > 1), seen  # never without a whole checkpoint
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4"]
+    assert _whole_checkpoints(out) == [4]
+
+
 def _generate_two_ranks(nvme: str):
     from infinity._runtime import _comm as comm
     from infinity.integrations.transformers import synced_generate

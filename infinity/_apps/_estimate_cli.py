@@ -9,7 +9,9 @@ import tempfile
 from typing import Optional, Sequence
 
 from .._runtime._tiers import Tier
+from ..config import AioConfig
 from . import _runmodel as rm
+from ._endurance import TB
 from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, _format_count
 from ._estimator import Estimate, estimate
 
@@ -92,30 +94,74 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--rates", default="measured", choices=("measured", "dgx2", "h100"),
                     help="FLOP rate, NVMe and Adam bandwidths: measured here (under --nvme-path), the paper's "
                          "DGX-2, or an 8xH100 node with NVMe RAID")
+    ssd = p.add_argument_group("SSD endurance of a planned run (the --offload placement; Note [endurance budget])")
+    ssd.add_argument("--steps", type=int, help="optimizer steps of the run: the TB it writes to each node's NVMe")
+    ssd.add_argument("--endurance-tbw", type=float,
+                     help="the drive's rated endurance in TB written (aio.endurance_tbw): the run's share of it")
     st.add_argument("--hardware", choices=("dgx2", "h100x8"),
                     help="a whole node: its GPUs, memories and NVMe for the estimate and its rates for --step-time "
                          "(the paper's DGX-2, or an 8xH100 node with NVMe RAID; figures in _runmodel.py)")
     return p
 
 
-def _step_report(est: Estimate, args) -> str:
+def _run_of(est: Estimate, args):
+    """The stage-3 run of the run model (Note [run model] in _runmodel.py) at the --offload tiers."""
     tiers = [t.strip() for t in args.offload.split(",")]
     if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
         raise EstimateError(f"offload: {args.offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
     tiers = ["device" if t == "none" else t for t in tiers]
     hw = est.hardware
     s = est.shape
-    run = rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab or 0,
-                 micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name, param_tier=tiers[0],
-                 optimizer_tier=tiers[1], ranks=hw.ranks, device_is_host=hw.device_is_host,
-                 ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 or not hw.device_is_host else 0,
-                 host_mem=0 if hw.device_is_host else hw.cpu_mem,  # the CPU runs here train without checkpoints
-                 moments=est.precision.moments)
+    return rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab or 0,
+                  micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name, param_tier=tiers[0],
+                  optimizer_tier=tiers[1], ranks=hw.ranks, device_is_host=hw.device_is_host,
+                  ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 or not hw.device_is_host else 0,
+                  host_mem=0 if hw.device_is_host else hw.cpu_mem,  # the CPU runs here train without checkpoints
+                  moments=est.precision.moments)
+
+
+def _ssd_writes(est: Estimate, args) -> dict:
+    """Note [endurance budget]: the bytes the planned run writes to each node's NVMe (the swap
+    files, as the run model counts a step's writes; checkpoints come on top: a cloned save
+    writes none of the states, a copied one all of them), and its share of the drive's rating."""
+    if args.steps < 1:
+        raise EstimateError(f"steps: {args.steps} must be at least 1")
+    if args.endurance_tbw is not None and args.endurance_tbw <= 0:
+        raise EstimateError(f"endurance_tbw: {args.endurance_tbw:g} must be a positive number of TB")
+    run = _run_of(est, args)
+    per_rank = rm.nvme_bytes(run)["write"]
+    ranks = est.hardware.gpus_per_node
+    total = per_rank * ranks * args.steps
+    return {"param_tier": run.param_tier, "optimizer_tier": run.optimizer_tier, "bytes_per_rank_step": per_rank,
+            "ranks_per_node": ranks, "steps": args.steps, "tb_per_node": total / TB,
+            "endurance_tbw": args.endurance_tbw,
+            "share": None if args.endurance_tbw is None else total / (args.endurance_tbw * TB)}
+
+
+def _ssd_line(w: dict) -> str:
+
+    line = (f"SSD writes (params on {w['param_tier']}, optimizer on {w['optimizer_tier']}): "
+            f"{w['bytes_per_rank_step'] / 2**30:.2f} GiB per rank per step x {w['ranks_per_node']} rank(s) per node x "
+            f"{w['steps']} steps = {w['tb_per_node']:.3g} TB per node")
+    if w["share"] is None:
+        return line + "; give --endurance-tbw (the drive's rated TB written, from its datasheet) for its share"
+    line += f", {100 * w['share']:.3g}% of the drive's rated {w['endurance_tbw']:g} TB (--endurance-tbw)"
+    warn = AioConfig().endurance_warn_fraction
+    if w["share"] > warn:
+        line += (f"; more than {100 * warn:g}% (aio.endurance_warn_fraction's default): compressed moments "
+                 f"(--moments bf16), gradients in host memory (zero.offload_optimizer.gradients: cpu), the "
+                 f"optimizer states in host memory, or fewer steps would cut it")
+    return line
+
+
+def _step_report(est: Estimate, args) -> str:
+    run = _run_of(est, args)
     rates = {"dgx2": rm.DGX2, "h100": rm.H100_RAID}.get(args.rates)
     if args.hardware:
         rates = rm.NODES[args.hardware][0]
     if rates is None:
-        rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if "nvme" in tiers else None), run)
+        on_nvme = "nvme" in (run.param_tier, run.optimizer_tier)
+        rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if on_nvme else None), run)
     return rm.describe(run, rates)
 
 
@@ -135,11 +181,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        tiling_factor=args.tiling_factor)
     except EstimateError as exc:
         parser.error(str(exc))     # exits 2 with the usage and the message
-    text = json.dumps(est.to_dict(), indent=2) if args.json else _report(est)
-    if args.step_time:
-        try:
+    try:
+        writes = _ssd_writes(est, args) if args.steps is not None else None
+        if args.step_time:
             text = _step_report(est, args)
-        except EstimateError as exc:
-            parser.error(str(exc))
+        elif args.json:
+            text = json.dumps(dict(est.to_dict(), **({"ssd_writes": writes} if writes else {})), indent=2)
+        else:
+            text = _report(est)
+        if writes and not (args.json and not args.step_time):
+            text += "\n" + _ssd_line(writes)
+    except EstimateError as exc:
+        parser.error(str(exc))
     sys.stdout.write(text + "\n")
     return 0

@@ -1,7 +1,8 @@
 """The checkpoint format on disk, readable without a process group.
 
-Note [checkpoint layout] (format "infinity-checkpoint", version 1). A run's directory holds
-one subdirectory per tag and a ``latest`` file naming the newest complete one:
+Note [checkpoint layout] (format "infinity-checkpoint", versions 1 and 2: Note [manifest
+versions]). A run's directory holds one subdirectory per tag and a ``latest`` file naming the
+newest complete one:
 
     <dir>/latest                      the tag of the newest complete checkpoint (one line)
     <dir>/<tag>/manifest.json         written last: what is below, every file's size and CRC-32
@@ -23,6 +24,17 @@ no ``opt_offset``). The manifest lists every parameter (name, shape, numel, chun
 its own step count and parameter group), so a loader at any world size computes the global
 element range each of its new chunks needs and reads it from the ranks that hold it
 (``pieces``); the placement (device, cpu, nvme) only decides where the bytes go.
+
+Note [manifest versions]: version 1 gives every file a CRC-32 (``crc32``). Version 2 lets a
+file give a CRC32C (``crc32c``) instead: a file cloned from a swap file (Note [cloned
+checkpoints] in _clone.py), whose checksum comes from the swap file's CRC32C block sums. A
+CRC-32 is another polynomial and cannot be derived from those sums without reading the file,
+the very write-sized cost a clone avoids, so an infinity that reads only version 1 (it reads
+``entry["crc32"]``) cannot verify a cloned file. The manifest says version 2 for it, and such a
+reader refuses the checkpoint naming the version instead of failing on a missing key. A save
+writes the lowest version that describes its files (``manifest_version``): a checkpoint whose
+files were all copied is version 1 and loads in older releases as well. A reader accepts the
+versions in ``VERSIONS`` and refuses any other, naming it and the release to upgrade to.
 """
 from __future__ import annotations
 
@@ -38,7 +50,8 @@ from ..aio._checksum import BLOCK
 from ..errors import StorageError, UsageError
 from ._io import Mover, check_file, copy_into
 
-FORMAT, VERSION = "infinity-checkpoint", 1
+FORMAT = "infinity-checkpoint"
+VERSIONS = (1, 2)  # the manifest versions this infinity reads (Note [manifest versions])
 MANIFEST, LATEST = "manifest.json", "latest"
 STATE_ARRAYS = ("master", "exp_avg", "exp_avg_sq")  # fp32, the optimizer's flat space
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
@@ -92,10 +105,17 @@ def read_manifest(path: str) -> dict:
         raise StorageError(f"cannot read the checkpoint manifest {where}: {e}") from e
     if manifest.get("format") != FORMAT:
         raise StorageError(f"{where} is not an infinity checkpoint manifest (format {manifest.get('format')!r})")
-    if manifest.get("version") != VERSION:
-        raise StorageError(f"{where} has format version {manifest.get('version')}; this infinity reads version "
-                           f"{VERSION}: use the infinity release that wrote it")
+    version = manifest.get("version")
+    if version not in VERSIONS:
+        raise StorageError(f"{where} has format version {version!r}; this infinity reads versions "
+                           f"{', '.join(map(str, VERSIONS))}: upgrade infinity to the release that wrote it, "
+                           f"or newer, to load it (Note [manifest versions])")
     return manifest
+
+
+def manifest_version(files: dict) -> int:
+    """The lowest version that describes these manifest entries (Note [manifest versions])."""
+    return 2 if any("crc32c" in entry for entry in files.values()) else 1
 
 
 def complete_checkpoints(directory: str) -> List[Tuple[float, str]]:

@@ -23,6 +23,9 @@ from typing import Optional, Union
 
 from .._offload._swap import OWNER, _owner_gone, _owner_line
 from .._runtime import _comm as comm
+from .._runtime._comm import ranks_here
+from .._runtime._host_memory import available as host_available
+from .._runtime._host_memory import peak_above_now
 from .._runtime._log import logger
 from .._zero._tiling import untiled_layout
 from ..errors import InfinityError, InsufficientResourcesError, UsageError, UsageTypeError
@@ -34,16 +37,16 @@ from ._format import (
     LATEST,
     MANIFEST,
     STATE_ARRAYS,
-    VERSION,
     check_tag,
     complete_checkpoints,
     fsync_dir,
+    manifest_version,
     now,
     write_atomic,
 )
 from ._io import Mover
 from ._model import agree, engine_and_optimizer, failure, param_entries
-from ._snapshot import EXTRA, RNG, finish_rank, run_jobs, snapshot
+from ._snapshot import EXTRA, RNG, finish_rank, run_jobs, snapshot, staged_bytes
 
 __all__ = ["EXTRA", "RNG", "save_checkpoint", "finish_pending"]
 
@@ -60,8 +63,9 @@ def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None,
     checkpoints. ``clone``: NVMe states are cloned where the filesystem shares extents (Note
     [cloned checkpoints] in _clone.py), else copied. Returns the checkpoint's path; with
     ``blocking=False`` at once a ``SaveHandle`` (``wait()``, ``done()``) of a save that goes on
-    while training does (Note [asynchronous saves] in _async.py). A save in flight is waited
-    for first, and its failure raised. Note [crash-safe commit], Note [checkpoint layout]."""
+    while training does (Note [asynchronous saves] in _async.py), or, where its host copy would
+    not fit host memory, a finished one of a blocking save (Note [staged copies preflighted]).
+    A save in flight is waited for first, and its failure raised. Note [crash-safe commit], Note [checkpoint layout]."""
     if not isinstance(blocking, bool) or not isinstance(clone, bool):
         raise UsageTypeError(f"save_checkpoint: blocking and clone are True or False, got {blocking!r}, {clone!r}")
     engine, opt = engine_and_optimizer(model, optimizer, "save_checkpoint")
@@ -74,12 +78,13 @@ def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None,
     token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # rank 0's
     tmp = os.path.join(directory, f".tmp-{tag}-{token}")
     final = os.path.join(directory, tag)
+    staging = not blocking and _staging_fits(engine, opt)
     agree(_prepare(directory, tag, tmp, _bytes_needed(engine, opt)), "save_checkpoint")
     head = _manifest_head(engine, opt, tag) if comm.rank() == 0 else None  # the states as of this call
     extra = {} if client_state is None else client_state
     mover = Mover(engine.cfg.aio)
-    taken = _snapshot_rank(engine, opt, tmp, extra, Cloner(clone), mover, stage=not blocking)
-    if not blocking:
+    taken = _snapshot_rank(engine, opt, tmp, extra, Cloner(clone), mover, stage=staging)
+    if staging:
         try:
             made, jobs = agree_or_abandon(taken, tmp, local=True)
         except InfinityError:
@@ -96,7 +101,36 @@ def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None,
     error = _commit(head, tmp, final, tag, token, {k: v for f in files for k, v in f.items()}, keep_last) \
         if comm.rank() == 0 else None
     agree(error, "save_checkpoint")
-    return final
+    return final if blocking else SaveHandle(final)  # blocking=False that could not stage: saved already
+
+
+def _staging_fits(engine, opt) -> bool:
+    """Note [staged copies preflighted]: an asynchronous save copies every state that is not in
+    a swap file into host memory at the call (``staged_bytes``), and training goes on beside
+    the copy, taking again what its steps took before (``peak_above_now``). Where that does
+    not fit what the host may still give (Note [host memory available] in
+    _runtime/_host_memory.py) on some rank, with every rank of its node doing the same, the
+    kernel's OOM killer would end the run mid-save; so every rank saves blocking instead (the
+    checkpoint the same, crash-safe as ever, training waiting for it), and rank 0 logs why with
+    the bytes and what would let it save without stopping. Falling back rather than refusing:
+    a save requested in the middle of a long run is still made, as DeepSpeed's and torch's
+    blocking saves would make it; only its cost in training time changes, and the log says so.
+    Collective, so that every rank takes the same path."""
+    staged, regrow, ranks = staged_bytes(engine, opt), peak_above_now(), ranks_here()
+    have, bound = host_available()
+    mine = (engine.rank, staged, regrow, ranks, have, bound)
+    short = [r for r in comm.all_gather_object(mine) if r[1] and (r[1] + r[2]) * r[3] > r[4]]
+    if short and comm.rank() == 0:
+        rank, staged, regrow, ranks, have, bound = short[0]
+        need = (staged + regrow) * ranks
+        logger.warning(
+            f"save_checkpoint(blocking=False) saves blocking instead: rank {rank} would copy {staged} bytes of states "
+            f"in host memory into a staging copy while its steps take {regrow} bytes again, x {ranks} rank(s) on "
+            f"its node: {need} bytes ({need / 2**30:.2f} GiB), and {bound} leaves {have} bytes "
+            f"({have / 2**30:.2f} GiB); training waits for this save. To save without stopping, offload the states "
+            f"to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme: no host copy), run fewer "
+            f"ranks per node, or give the job more host memory")
+    return not short
 
 
 def finish_pending(engine, what: str) -> None:
@@ -199,7 +233,7 @@ def _remove_leftovers(directory: str) -> None:
 def _manifest_head(engine, opt, tag: str) -> dict:
     """The manifest but for its files, as of the call (an asynchronous save commits later)."""
     return {
-        "format": FORMAT, "version": VERSION, "tag": tag, "step": opt._step,
+        "tag": tag, "step": opt._step,
         "world_size": engine.world_size, "stage": engine.cfg.zero.stage, "dtype": str(engine.dtype),
         "param_total": opt.layout.param_total, "opt_total": opt.layout.opt_total,
         "params": param_entries(engine, opt),
@@ -226,7 +260,8 @@ def _commit_or_abandon(head: dict, tmp: str, final: str, tag: str, token: str, f
 def _commit(head: dict, tmp: str, final: str, tag: str, token: str, files: dict, keep_last) -> Optional[tuple]:
     """Rank 0, once every rank's files are written: Note [crash-safe commit]."""
     try:
-        manifest = dict(head, saved_at=now(), files=dict(sorted(files.items())))
+        manifest = dict(format=FORMAT, version=manifest_version(files), **head, saved_at=now(),
+                        files=dict(sorted(files.items())))
         path = os.path.join(tmp, MANIFEST)
         with open(path, "w") as f:
             json.dump(manifest, f, indent=1)

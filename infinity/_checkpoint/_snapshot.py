@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .._runtime import _accelerator as acc
+from .._runtime._tiers import Tier
 from .._zero._param import raw_data
 from ..aio import aligned_empty
 from ._clone import Cloner
@@ -65,6 +66,15 @@ def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stag
         made[EXTRA] = _save_small({"extra": extra, "buffers": _buffers(engine.model)}, os.path.join(tmp, EXTRA))
         made.update(_hf_files(engine.model, tmp))
     return made, jobs
+
+
+def staged_bytes(engine, opt) -> int:
+    """Bytes an asynchronous save copies into host memory at the call (``_staged``,
+    ``_params_flat``): every state that is not in a swap file."""
+    params = 0 if opt.param_store is not None and opt.param_store.flat is None else \
+        itemsize(engine.dtype) * opt.layout.param_total
+    states = 0 if opt.store.tier is Tier.NVME else len(STATE_ARRAYS) * 4 * opt.total
+    return params + states
 
 
 def run_jobs(jobs: List[Job], mover: Mover) -> Dict[str, dict]:

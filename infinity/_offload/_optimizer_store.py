@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Protocol
+from typing import Callable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -28,13 +28,16 @@ HOST_CACHE_AUTO = 64 << 20  # elements: at most 1 GiB of optimizer state cached 
 
 @dataclass
 class Chunk:
-    """One chunk of the flat fp32 space, as seen by the update function."""
+    """One chunk of the flat fp32 space, as seen by the update function, which may say in
+    ``changed`` the (start, end) element ranges it changed (None: all of it; Note [unchanged
+    ranges are not written] in _swap_pipeline.py)."""
 
     offset: int
     master: torch.Tensor
     grad: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    changed: Optional[List[Tuple[int, int]]] = None
 
 
 class OptimizerStore(Protocol):

@@ -179,7 +179,7 @@ class ParamStore:
             self._lock = threading.Lock()  # the step's thread writes while the forward reads
             self._spans = [(a, a + n) for a, n in slots or []]  # each trainable unit's slot (Note [frozen parameters])
             self._span_starts = [a for a, _ in self._spans]
-            self._filling: dict = {}  # span start -> [its output tensor, elements written so far]
+            self._filling: dict = {}  # span start -> [its output tensor, elements written so far, any changed]
             self._outputs = Recycler(self._handoff_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
             self.cache_elems = cache_elems  # Note [parameter cache]
             self._cache: dict = {}  # unit offset -> its shard in host memory
@@ -260,22 +260,27 @@ class ParamStore:
         out, end = [], offset + numel
         for a, b in self._spans_in(offset, end):
             if a not in self._filling:
-                self._filling[a] = [self._outputs.take(b - a, self.dtype), 0]
+                self._filling[a] = [self._outputs.take(b - a, self.dtype), 0, False]
             lo, hi = max(a, offset), min(b, end)
             out.append((lo, self._filling[a][0][lo - a : hi - a]))
         return out
 
-    def step_outputs_done(self, offset: int, numel: int) -> int:
-        """The values of [offset, offset + numel) are in their ``step_outputs`` views: write
-        and keep every unit now complete. Returns the offset below which every range the
-        step has produced is written (a unit still filling is not, nor anything after it)."""
+    def step_outputs_done(self, offset: int, numel: int, changed: bool = True) -> int:
+        """The values of [offset, offset + numel) are in their ``step_outputs`` views
+        (``changed``: the step changed some of them): write and keep every unit now complete,
+        unless the step changed none of it, whose shard already holds these values (Note
+        [unchanged ranges are not written] in _swap_pipeline.py). Returns the offset
+        below which every range the step has produced is written (a unit still filling is
+        not, nor anything after it)."""
         end = upto = offset + numel
         for a, b in self._spans_in(offset, end):
             fill = self._filling[a]
             fill[1] += min(b, end) - max(a, offset)
+            fill[2] = fill[2] or changed
             if fill[1] == b - a:
                 del self._filling[a]
-                self.write(a, fill[0][:], keep=True)  # a view: the write and the kept entry count as users
+                if fill[2]:
+                    self.write(a, fill[0][:], keep=True)  # a view: the write and the kept entry count as users
                 self._outputs.give(fill[0])  # reused once they and every fetch's view let go
             else:
                 upto = min(upto, a)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -20,6 +20,32 @@ from ._optimizer_store import Chunk
 from ._swap import new_aio
 
 WithGrad = Callable[[dict, int, int], dict]  # a chunk's arrays, its gradients put where they live
+BLOCK_ELEMS = 1024  # fp32 elements per 4 KiB block of a swap file
+
+
+def written_spans(offset: int, numel: int, changed) -> List[tuple]:
+    """Note [unchanged ranges are not written]: the step rewrites a chunk's master weights and
+    moments only where it changed them. A parameter that got no gradient on any rank is left
+    out of the step's plan (Note [update plan] in _param_groups.py), so its states in the
+    buffers are the bytes read from the file; writing them back would spend the SSD's
+    endurance on nothing (Note [endurance budget] in _apps/_endurance.py). The update function
+    says which (start, end) ranges it changed (``Chunk.changed``; None: all); each is widened
+    to whole 4 KiB blocks of the file (the sums of a swap file are kept per block, Note [swap
+    checksums]), clamped to the chunk, and neighbours merged. A compressed moment's record
+    covers its chunk, so it is written whole or, where nothing changed, not at all."""
+    end = offset + numel
+    if changed is None:
+        return [(offset, end)] if numel else []
+    out: List[list] = []
+    for lo, hi in sorted(changed):
+        lo, hi = max(offset, lo // BLOCK_ELEMS * BLOCK_ELEMS), min(end, -(-hi // BLOCK_ELEMS) * BLOCK_ELEMS)
+        if lo >= hi:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
 
 
 class TailState(enum.Enum):
@@ -111,17 +137,22 @@ class SwapPipeline:
         written through, its memory kept equal to the file: Note [host cache])."""
         if self.coef != 1.0:
             bufs["grad"].mul_(self.coef)
-        fn(Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"]))
+        chunk = Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"])
+        fn(chunk)
         if before_writes is not None:
             before_writes()
         if self._grads_in_memory or cached:
             release_pages(bufs["grad"])  # consumed: idle until backward writes it again (Note [released pages])
+        spans = written_spans(off, bufs["master"].numel(), chunk.changed)
         for name in STATES:
             if name == "master" and self.files.master_shared:
                 continue  # fn handed them to the parameter store, which writes them
             if name not in self.files.packed:
-                self.files.write(writer, name, off, bufs[name])
+                for lo, hi in spans:
+                    self.files.write(writer, name, lo, bufs[name][lo - off : hi - off])
                 continue
+            if not spans:
+                continue  # a record is written whole or not at all
             rec = self.files.encode(name, bufs[name], records)
             if cached:  # the cache holds what the file holds (Note [host cache])
                 self.files.decode(name, rec, bufs[name])

@@ -375,9 +375,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for lo, hi in gaps(chunk.offset, end, done):  # what Adam did not write
             for a, b, out in _pieces(lo, hi, targets):
                 out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])
+        chunk.changed = [(lo, hi) for lo, hi, _ in runs_in(plan, chunk.offset, end)]  # Note [unchanged ranges are
+        # not written] in _nvme_optimizer_store.py
         upto = chunk.offset + n
         if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
-            upto = self._outputs_done(chunk.offset, end)
+            upto = self._outputs_done(chunk.offset, end, chunk.changed)
         if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
             self.gate.publish(upto)
 
@@ -388,13 +390,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise InvariantError("the step reached stage 3's parameter store in a run without one")
         return self.param_store
 
-    def _outputs_done(self, lo: int, hi: int) -> int:
+    def _outputs_done(self, lo: int, hi: int, changed: List[tuple]) -> int:
         """Report [lo, hi) of the optimizer's space written to the NVMe parameter tier's step
-        outputs; the optimizer-space offset below which everything the step produced is
-        written (the start of the first unit still filling, else ``hi``)."""
+        outputs, and whether the step ``changed`` any of each piece; the optimizer-space offset
+        below which everything the step produced is written (the start of the first unit
+        still filling, else ``hi``)."""
         upto = hi
         for a, b, p in self.layout.param_pieces(lo, hi):
-            done = self._stage3_params().step_outputs_done(p, b - a)
+            touched = any(x < b and y > a for x, y in changed)
+            done = self._stage3_params().step_outputs_done(p, b - a, touched)
             if done < p + (b - a) and upto == hi:
                 upto = self.layout.to_opt(done)
         return upto

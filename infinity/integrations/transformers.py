@@ -39,7 +39,8 @@ Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where 
   the RNG states; resume loads it with ``infinity.load_checkpoint``; ``save_total_limit``
   rotates the directories as usual. ``save_async=True``: infinity's part is saved without
   stopping (``blocking=False``); the next save, and the end of ``train``, wait for it. Until it
-  commits, the directory has no ``infinity/`` and does not count as complete for a resume.
+  commits, the directory has no ``infinity/`` and does not count as complete for a resume, so
+  the rotation waits for the commit too (Note [rotation after the commit]).
   ``save_model`` writes a normal Hugging Face directory (safetensors gathered unit by unit,
   config.json, the tokenizer).
 - generate: under stage 3 every rank must run the same forwards, so a rank whose sequences
@@ -59,6 +60,7 @@ from typing import Any, Optional
 import torch
 import transformers
 from transformers import Trainer
+from transformers.trainer_utils import rotate_checkpoints
 
 import infinity
 
@@ -345,10 +347,42 @@ class InfinityTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
         out = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self._save_async:
+            self._rotate_committed()  # the last asynchronous save is committed, then rotated
+        else:
+            engine = engine_of(self.model)
+            if engine is not None:
+                finish_pending(engine, "InfinityTrainer.train")
+        return out
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Note [rotation after the commit]: the Trainer rotates at the end of each save
+        (``save_total_limit``, keeping the newest directory), but an asynchronous save's newest
+        directory is not complete until infinity commits in the background: with a limit of 1
+        the rotation would delete the only complete checkpoint while the new one is still
+        written, and a crash then would leave nothing to resume from. So with ``save_async``
+        the save runs with the rotation off, and the rotation runs once that save has
+        committed: at the next save, which waits for it first, and at the end of ``train``.
+        A save that failed raises there before anything is deleted."""
+        if not self._save_async:
+            return super()._save_checkpoint(model, trial)
+        self._rotate_committed(trial)
+        args = self.args
+        self.args = _ArgsView(args, save_total_limit=None)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args = args
+        return None
+
+    def _rotate_committed(self, trial=None) -> None:
+        """Collective: wait for the save in flight, then rotate as the Trainer would have."""
         engine = engine_of(self.model)
         if engine is not None:
-            finish_pending(engine, "InfinityTrainer.train")  # the last asynchronous save is committed
-        return out
+            finish_pending(engine, "InfinityTrainer")
+        if self.args.should_save:
+            rotate_checkpoints(self._get_output_dir(trial=trial), self.args.save_total_limit,
+                               self.state.best_model_checkpoint, use_mtime=True)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # the weights come back with the optimizer states in _prepare_for_training
