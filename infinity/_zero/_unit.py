@@ -380,6 +380,7 @@ class FetchUnit:
                 return False
             with self.ctx.counters.blocked("nvme_read"):
                 staging = staging.landed(self.store.finish_read(staging.read, what=self._what()))
+            self._staging = staging  # landed: a failure below leaves the buffer where abandon finds it
         src = staging.host_shard(self.shard_numel)
         if src is None:
             src = self.shard()
