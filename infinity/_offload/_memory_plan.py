@@ -54,6 +54,10 @@ import ctypes.util
 import os
 from typing import Dict, Optional
 
+import torch  # noqa: F401 - loaded before the block cache module, which shares its libc10
+
+from ..aio._memory import _thp_mode, ledger
+
 PARAM_SHARDS = "param_shards"
 PARAM_STAGING = "param_staging"
 PARAM_HANDOFF = "param_handoff"
@@ -135,8 +139,6 @@ def release_freed_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
 def huge_page_hint() -> str:
     """Note [allocator retained pages]: what to set for glibc to fault its mapped blocks in
     2 MiB pages, or "" when it is set or the kernel has no transparent huge pages to give."""
-    from ..aio._memory import _thp_mode
-
     if "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "") or _thp_mode() in ("", "never"):
         return ""
     return ("; set GLIBC_TUNABLES=glibc.malloc.hugetlb=1 before Python starts to fault those blocks in 2 MiB "
@@ -157,10 +159,8 @@ RELEASE_CACHE_CAP = 256 << 20  # bytes of freed blocks kept at most under zero.h
 def _block_cache():
     """Note [block cache] in native/host_alloc/host_alloc.cpp: the native module, or None
     where it was not built (torch not importable when the package was built)."""
-    import torch  # noqa: F401 - its libc10 is loaded first; the module shares it
-
     try:
-        from .. import _host_alloc  # type: ignore[attr-defined]
+        from .. import _host_alloc  # type: ignore[attr-defined]  # late: optional, absent where it was not built
     except ImportError:
         return None
     return _host_alloc
@@ -214,8 +214,6 @@ def host_account(plan: Optional[Plan] = None) -> dict:
     engine's aligned buffers as mapped (the ledger: live and peak) and as resident now, the C heap in use and
     retained, the block cache's blocks in use and cached (Note [block cache]), and the rest of the
     resident set; with ``plan``, what the plan says of each."""
-    from ..aio._memory import ledger
-
     snap = ledger.snapshot()
     resident = ledger.resident()  # less than mapped where pages were released (Note [released pages])
     rss = _status_bytes("VmRSS")

@@ -99,7 +99,7 @@ class Codec:
 def _native():
     """The native codes (native/cpu_adam/moments.cpp), or None when the library is not built."""
     try:
-        from .. import _cpu_adam
+        from .. import _cpu_adam  # late: optional, absent where the library was not built
     except ImportError:
         return None
     return _cpu_adam if hasattr(_cpu_adam, "encode_int8") else None

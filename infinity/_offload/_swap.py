@@ -28,6 +28,9 @@ from typing import Optional
 
 import torch
 
+from .._runtime import _comm as comm
+from .._runtime._log import logger
+from ..aio import AsyncIO
 from ..errors import StorageError, UsageError
 
 
@@ -171,8 +174,6 @@ def dir_bytes(path: str) -> int:
 def reclaim_stale(nvme_path: str) -> list:
     """Note [swap directories]: remove what crashed runs on this host left under
     ``nvme_path``; return (path, bytes) of what was removed."""
-    from .._runtime._log import logger
-
     removed: list = []
     try:
         entries = os.listdir(nvme_path)
@@ -212,8 +213,6 @@ def stale_elsewhere(nvme_path: str) -> list:
 
 def new_aio(cfg, *, backend: Optional[str] = None):
     """An AsyncIO handle configured from the ``aio`` config section."""
-    from ..aio import AsyncIO
-
     return AsyncIO(block_size=cfg.block_size, queue_depth=cfg.queue_depth, threads=cfg.threads,
                    direct=cfg.direct, backend=backend or cfg.backend, timeout=cfg.timeout)
 
@@ -222,9 +221,7 @@ def wait_io(handle, what: str) -> None:
     """Wait for a handle's requests, at most its ``timeout`` (``aio.timeout``), else the
     engine's wait timeout (INFINITY_COMM_TIMEOUT seconds); a timeout raises TimeoutError
     naming ``what`` and the files still in flight."""
-    from .._runtime._comm import DEFAULT_TIMEOUT_S
-
-    handle.wait(timeout=handle.timeout if handle.timeout is not None else DEFAULT_TIMEOUT_S, what=what)
+    handle.wait(timeout=handle.timeout if handle.timeout is not None else comm.DEFAULT_TIMEOUT_S, what=what)
 
 
 def nbytes_of(numel: int, dtype: torch.dtype) -> int:

@@ -59,11 +59,13 @@ from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ..aio._checksum import checksummed, sums_of
+from ..config import Config
 from ..errors import InsufficientResourcesError, StorageError, UsageError
 from ._ledger import Hold
 from ._param import (
     ParamInfo,
     ParamState,
+    _iter_params,
     first_arg,
     info_of,
     make_partitioned,
@@ -361,8 +363,6 @@ class Init:
 
     def __init__(self, config=None, *, offload: Optional[str] = None, nvme_path: Optional[str] = None,
                  enabled: bool = True):
-        from ..config import Config
-
         cfg = Config.coerce(config)
         overrides = {}
         if offload is not None:
@@ -572,8 +572,6 @@ class Init:
 
 
 def _params_in(args, kwargs):
-    from ._param import _iter_params
-
     seen = []
     for p in itertools.chain(_iter_params(args), _iter_params(kwargs)):
         i = info_of(p)

@@ -31,7 +31,10 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from .._offload._swap import new_aio
+from ..aio import aligned_empty
 from ..errors import StorageError
+from ._param import _META_ATTRS
 
 _ALIGN = 4096
 _DTYPES = {
@@ -103,8 +106,6 @@ class SourceReader:
         """Elements ``[lo, hi)`` of the flattened tensor into ``out[:hi - lo]``, cast to its dtype.
         The read goes through one kept aligned buffer, not the heap, so loading a checkpoint
         tensor by tensor leaves no heap behind."""
-        from .._offload._swap import new_aio
-
         es = src.dtype.itemsize
         start, end = src.offset + lo * es, src.offset + hi * es
         if end <= start:
@@ -131,8 +132,6 @@ class SourceReader:
     def _bounce(self, nbytes: int) -> torch.Tensor:
         """The aligned read buffer, kept between reads (a fresh mapping per read would fault in
         every page again); grown to the largest range read so far."""
-        from ..aio import aligned_empty
-
         if self._buf is None or self._buf.numel() < nbytes:
             self._buf = None
             self._buf = aligned_empty(-(-nbytes // (2 << 20)) * (2 << 20), torch.uint8)
@@ -171,8 +170,6 @@ class PendingTensor(torch.Tensor):
     def values(self, lo: int = 0, hi: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor, read from the file, in this tensor's dtype
         (into ``out[:hi - lo]`` if given)."""
-        from ..aio import aligned_empty
-
         hi = self.source.numel if hi is None else hi
         return self.reader.read(self.source, lo, hi, aligned_empty(hi - lo, self.dtype) if out is None else out)
 
@@ -196,8 +193,6 @@ class PendingTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from ._param import _META_ATTRS
-
         kwargs = kwargs or {}
         owner = getattr(func, "__self__", None)
         if owner in _META_ATTRS or func in _LAZY_METHODS or owner in (

@@ -27,7 +27,8 @@ from ..aio import aligned_empty
 from ..errors import EngineError, InvariantError
 from ._init_context import InitUnit
 from ._ledger import GatherLedger, Hold
-from ._param import ParamInfo, ParamState, info_of, raw_data, register, set_data
+from ._param import ParamInfo, ParamState, info_of, make_plain, raw_data, register, set_data
+from ._staging import HOLDS_HOST, Source, Staging
 from ._unit_plan import UnitSpec
 
 if TYPE_CHECKING:
@@ -61,25 +62,6 @@ class UnitContext:
 
 
 @dataclass(eq=False)
-class _Staging:
-    """The payload of HOST and DEVICE: this rank's shard on its way to the device."""
-
-    read: object = None  # HOST on NVMe: the read in flight
-    pool_buffer: Optional[torch.Tensor] = None  # the staging buffer the read lands in, given back after the copy
-    direct: Optional[torch.Tensor] = None  # one rank: a recycled gathered buffer the shard is read straight into
-    handoff: Optional[torch.Tensor] = None  # the shard the step handed off (Note [hand-off] in _param_store.py)
-    cached: bool = False  # ``handoff`` is the parameter cache's copy (Note [parameter cache] in _param_store.py)
-    device_shard: Optional[torch.Tensor] = None  # DEVICE: the shard on the device
-    h2d: object = None  # DEVICE: the event of its host->device copy
-    source: Optional[torch.Tensor] = None  # DEVICE: the host tensor its copy reads (None: no copy, the host
-    # tensor is the device shard)
-
-    @property
-    def copied(self) -> bool:
-        return self.source is not None
-
-
-@dataclass(eq=False)
 class _Gathered:
     """The payload of GATHERING and AVAILABLE: the full parameters' buffer."""
 
@@ -92,12 +74,12 @@ class _Gathered:
 # Note [unit payloads]: a unit's data beyond its shard lives in the payload of its state, and
 # ``_expect`` checks the payload with the state on every transition:
 #   RELEASED   no payload (the shard is in the parameter store)
-#   HOST       _Staging with a read in flight (NVMe), a hand-off view, or nothing (resident store)
-#   DEVICE     _Staging with the device shard and its copy event (the read has landed)
-#   GATHERING  _Gathered with the all-gather's output and handle, and the _Staging it reads from
+#   HOST       Staging of one kind (Note [staging kinds]), not yet on the device
+#   DEVICE     Staging with the device shard and its copy event (the read has landed)
+#   GATHERING  _Gathered with the all-gather's output and handle, and the Staging it reads from
 #   AVAILABLE  _Gathered (or None before the first partition and for stages 1-2: the model's own tensors)
-_PAYLOAD = {ParamState.RELEASED: (None, None), ParamState.HOST: (True, None), ParamState.DEVICE: (True, None),
-            ParamState.GATHERING: (True, True), ParamState.AVAILABLE: (None, "maybe")}
+_PAYLOAD = {ParamState.RELEASED: (None, None), ParamState.HOST: ("host", None), ParamState.DEVICE: ("device", None),
+            ParamState.GATHERING: ("device", True), ParamState.AVAILABLE: (None, "maybe")}
 
 
 class FetchUnit:
@@ -132,7 +114,7 @@ class FetchUnit:
         self.param_offset = param_offset  # start of this unit's shard in the parameter store's flat space
         self.opt_offset = opt_offset  # start of its range in the optimizer's flat fp32 space (trainable units)
         self._state = ParamState.AVAILABLE  # the model's own full tensors until partition()
-        self._staging: Optional[_Staging] = None  # HOST, DEVICE: Note [unit payloads]
+        self._staging: Optional[Staging] = None  # HOST, DEVICE: Note [unit payloads]
         self._gathered: Optional[_Gathered] = None  # GATHERING, AVAILABLE (None: nothing of ours to free)
         self._grads_pending = 0  # params whose gradient has not arrived in this backward
 
@@ -153,10 +135,12 @@ class FetchUnit:
         if self._state is not state:
             raise InvariantError(f"{transition}: {self!r} is {self._state.name}, expected {state.name}")
         staging, gathered = _PAYLOAD[state]
-        if (self._staging is not None) != bool(staging) or (gathered is None and self._gathered is not None) \
-                or (gathered is True and self._gathered is None):
+        on_device = self._staging is not None and self._staging.device is not None
+        if (self._staging is not None) != bool(staging) or (staging and on_device != (staging == "device")) \
+                or (gathered is None and self._gathered is not None) or (gathered is True and self._gathered is None):
             raise InvariantError(f"{transition}: {self!r} has the payload of another state (staging "
-                                 f"{self._staging is not None}, gathered {self._gathered is not None})")
+                                 f"{self._staging is not None}, on the device {on_device}, gathered "
+                                 f"{self._gathered is not None})")
 
     @property
     def full_numel(self) -> int:
@@ -217,8 +201,6 @@ class FetchUnit:
 
     def materialize_init_params(self) -> None:
         """Stages 1-2 keep parameters whole: gather what Init partitioned."""
-        from ._param import make_plain
-
         for p, iu in zip(self.params, self._init_units):
             if iu is not None:
                 set_data(p, iu.materialize())
@@ -338,8 +320,8 @@ class FetchUnit:
             self.stage_to_device()  # completes an in-flight read before its buffer is reused
         if self._state is ParamState.DEVICE:
             staging = self._drop_staging()
-            if staging.direct is not None:  # read straight into a gathered buffer
-                self.ctx.gathered.give(staging.direct)
+            if staging.recycled is not None:  # read straight into a gathered buffer
+                self.ctx.gathered.give(staging.recycled)
             self._state = ParamState.RELEASED
 
     def stage_to_host(self, *, block: bool = True) -> bool:
@@ -349,30 +331,34 @@ class FetchUnit:
         if self.trainable and not self.ctx.step_gate.wait(self.opt_offset + self.shard_numel, block=block,
                                                           what=self._what()):
             return False  # a frozen unit's shard is never rewritten
-        staging = _Staging()
-        if not self.store.resident:
-            nbytes = self.shard_numel * self.store.itemsize
-            staging.handoff = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache]
-            staging.cached = staging.handoff is not None
-            if staging.cached:
-                self.ctx.counters.bytes["param_cache"] += nbytes
-            else:
-                staging.handoff = self.store.take_handoff(self.param_offset, self.shard_numel)  # Note [hand-off]
-                if staging.handoff is not None:
-                    self.ctx.counters.bytes["param_handoff"] += nbytes
-            if staging.handoff is None:
-                into = self._direct_read_buffer()
-                with self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
-                    staging.read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
-                if staging.read is None:
-                    if into is not None:
-                        self.ctx.gathered.give(into)
-                    return False
-                staging.direct = into  # the gathered buffer from the start (None: a pool buffer)
-                self.ctx.counters.bytes["nvme_read"] += nbytes
+        staging = Staging.resident() if self.store.resident else self._stage_from_nvme(block)
+        if staging is None:
+            return False
         self._staging = staging
         self._state = ParamState.HOST
         return True
+
+    def _stage_from_nvme(self, block: bool) -> Optional[Staging]:
+        """The NVMe tier's staging: the parameter cache's copy, else the step's hand-off, else
+        a read submitted (None when ``block`` is off and no buffer is free)."""
+        nbytes = self.shard_numel * self.store.itemsize
+        cached = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache]
+        if cached is not None:
+            self.ctx.counters.bytes["param_cache"] += nbytes
+            return Staging.cached(cached)
+        handoff = self.store.take_handoff(self.param_offset, self.shard_numel)  # Note [hand-off]
+        if handoff is not None:
+            self.ctx.counters.bytes["param_handoff"] += nbytes
+            return Staging.handed_off(handoff)
+        into = self._direct_read_buffer()
+        with self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
+            read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
+        if read is None:
+            if into is not None:
+                self.ctx.gathered.give(into)
+            return None
+        self.ctx.counters.bytes["nvme_read"] += nbytes
+        return Staging.pool_read(read) if into is None else Staging.direct_read(read, into)
 
     def _direct_read_buffer(self) -> Optional[torch.Tensor]:
         """One rank without an accelerator: the gathered parameters would be a copy of the
@@ -389,38 +375,34 @@ class FetchUnit:
         in flight."""
         self._expect(ParamState.HOST, "stage_to_device")
         staging = self._staging
-        if staging.read is not None:
+        if staging.in_flight:
             if not block and not self.store.read_done(staging.read):
                 return False
             with self.ctx.counters.blocked("nvme_read"):
-                buf = self.store.finish_read(staging.read, what=self._what())
-            staging.read = None
-            if staging.direct is None:
-                staging.pool_buffer = buf
-        if staging.pool_buffer is not None:
-            src = staging.pool_buffer[: self.shard_numel]
-        elif staging.direct is not None:  # read straight into the gathered buffer
-            src = staging.direct[: self.shard_numel]
-        else:
-            src = staging.handoff if staging.handoff is not None else self.shard()
-        if not self.store.resident and not staging.cached:
+                staging = staging.landed(self.store.finish_read(staging.read, what=self._what()))
+            self._staging = staging  # landed: a failure below leaves the buffer where abandon finds it
+        src = staging.host_shard(self.shard_numel)
+        if src is None:
+            src = self.shard()
+        if staging.to_cache:
             self.store.remember(self.param_offset, src)  # Note [parameter cache]
-        staging.device_shard, staging.h2d = acc.start_copy_to_device(src)
-        staging.source = src if staging.device_shard is not src else None
-        if staging.copied:
+        staging = staging.on_device(*acc.start_copy_to_device(src), src)
+        if staging.device.copied:
             self.ctx.counters.bytes["host_to_device"] += src.numel() * src.element_size()
+        self._staging = staging
         self._state = ParamState.DEVICE
         return True
 
-    def _drop_staging(self) -> _Staging:
+    def _drop_staging(self) -> Staging:
         """The device shard was consumed (gathered, or abandoned): its host source goes back
         with the copy's event, reused only once the copy has landed (Note [buffers under a
         copy] in _param_store.py); no CPU wait here."""
         staging, self._staging = self._staging, None
-        if staging.pool_buffer is not None:
-            self.store.pool.put(staging.pool_buffer, after=staging.h2d)
-        elif staging.copied:
-            self.store.keep_until_copied(staging.source, staging.h2d)
+        on = staging.device
+        if staging.kind is Source.POOL_READ:
+            self.store.pool.put(staging.host, after=on.h2d)
+        elif on.copied:
+            self.store.keep_until_copied(on.source, on.h2d)
         return staging
 
     def _what(self) -> str:
@@ -435,14 +417,15 @@ class FetchUnit:
             self.stage_to_device()
         self._expect(ParamState.DEVICE, "start_gather")
         st = self._staging
-        shard = acc.finish_copy_to_device(st.device_shard, st.h2d)
+        on = st.device
+        shard = acc.finish_copy_to_device(on.shard, on.h2d)
         nbytes = self.full_nbytes
-        gathered = _Gathered(recycled=st.direct)
+        gathered = _Gathered(recycled=st.recycled)
         # One rank: the parameters are views of the device shard unless it is a staging buffer
-        # (no accelerator, NVMe tier); it is new memory when it is a copy, was handed off or
-        # read straight into a gathered buffer.
-        in_place = self.world_size == 1 and (st.pool_buffer is None or st.copied)
-        if not in_place or st.copied or st.handoff is not None or st.direct is not None:
+        # (no accelerator, NVMe tier); it is new memory when it is a copy, the cache's copy,
+        # was handed off or read straight into a gathered buffer.
+        in_place = self.world_size == 1 and (st.kind is not Source.POOL_READ or on.copied)
+        if not in_place or on.copied or st.kind in HOLDS_HOST:
             self.ctx.ledger.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             gathered.charged = nbytes
         self.ctx.ledger.gathered(self)

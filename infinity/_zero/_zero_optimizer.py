@@ -38,7 +38,9 @@ from .._runtime import _comm as comm
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
-from ..errors import EngineError, InvariantError, NonFiniteError, NotSupportedError, UsageError
+from ..errors import EngineError, InvariantError, NativeLibraryMissing, NonFiniteError, NotSupportedError, UsageError
+from ..optim import adam_step
+from ..optim._native import lib as native_adam_library
 from ._loss_scale import LossScaler
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._step_gate import StepGate
@@ -51,9 +53,10 @@ if TYPE_CHECKING:
 
 
 def _native_adam():
+    """The native CPU Adam, or None (with a warning) where its library was not built."""
     try:
-        from ..optim import adam_step
-    except ImportError as e:  # the native library was not built
+        native_adam_library()
+    except NativeLibraryMissing as e:
         logger.warning("native CPU Adam unavailable (%s); using torch's Adam math", e)
         return None
     return adam_step

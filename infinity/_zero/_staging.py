@@ -1,0 +1,117 @@
+"""A fetch unit's shard on its way to the device: the payload of its HOST and DEVICE states
+(Note [unit payloads] in _unit.py), one tagged type (Note [staging kinds])."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from ..errors import InvariantError
+
+
+class Source(enum.Enum):
+    """Where a staged shard's bytes come from: the kind of a ``Staging``."""
+
+    RESIDENT = "resident"  # the parameter store's own tensor (device or cpu tier): nothing to read
+    CACHED = "cached"  # the parameter cache's copy (Note [parameter cache] in _param_store.py)
+    HANDED_OFF = "handed_off"  # the shard the step handed off (Note [hand-off] in _param_store.py)
+    POOL_READ = "pool_read"  # NVMe: read into a buffer of the store's staging pool, given back after the copy
+    DIRECT_READ = "direct_read"  # NVMe, one rank, no accelerator: read straight into a recycled gathered buffer
+
+
+READS = (Source.POOL_READ, Source.DIRECT_READ)
+HOLDS_HOST = (Source.CACHED, Source.HANDED_OFF, Source.DIRECT_READ)  # ``host`` set from the start
+
+
+@dataclass(frozen=True, eq=False)
+class OnDevice:
+    """The device half of a staging: the shard on the device and the event of its copy."""
+
+    shard: torch.Tensor
+    h2d: object  # the event of its host->device copy
+    source: Optional[torch.Tensor]  # the host tensor the copy reads (None: no copy, the host tensor is the shard)
+
+    @property
+    def copied(self) -> bool:
+        return self.source is not None
+
+
+@dataclass(frozen=True, eq=False)
+class Staging:
+    """The payload of HOST and DEVICE: this rank's shard on its way to the device.
+
+    Note [staging kinds]: one tagged type. ``kind`` says where the bytes come from, and
+    ``__post_init__`` refuses a field the kind does not have, so no combination of fields
+    stands for a kind. It is built by one constructor per kind and moves on only through
+    ``landed`` (the read is done) and ``on_device`` (the copy started), each a new payload,
+    checked again."""
+
+    kind: Source
+    host: Optional[torch.Tensor] = None  # CACHED, HANDED_OFF: the shard; DIRECT_READ: the gathered buffer
+    # read into; POOL_READ: the pool buffer, once the read has landed; RESIDENT: none
+    read: object = None  # POOL_READ, DIRECT_READ: the read in flight (None once it has landed)
+    device: Optional[OnDevice] = None  # DEVICE (and GATHERING): the copy started
+
+    def __post_init__(self) -> None:
+        wrong = None
+        if self.read is not None and self.kind not in READS:
+            wrong = "a read in flight"
+        elif (self.host is None) == (self.kind in HOLDS_HOST) and self.kind is not Source.POOL_READ:
+            wrong = "a host tensor" if self.host is not None else "no host tensor"
+        elif self.kind is Source.POOL_READ and (self.read is None) == (self.host is None):
+            wrong = "both a read in flight and its buffer" if self.read is not None else "neither a read nor a buffer"
+        elif self.device is not None and self.read is not None:
+            wrong = "a device shard while its read is in flight"
+        if wrong:
+            raise InvariantError(f"a {self.kind.name} staging with {wrong}")
+
+    @classmethod
+    def resident(cls) -> "Staging":
+        return cls(Source.RESIDENT)
+
+    @classmethod
+    def cached(cls, shard: torch.Tensor) -> "Staging":
+        return cls(Source.CACHED, host=shard)
+
+    @classmethod
+    def handed_off(cls, shard: torch.Tensor) -> "Staging":
+        return cls(Source.HANDED_OFF, host=shard)
+
+    @classmethod
+    def pool_read(cls, read: object) -> "Staging":
+        return cls(Source.POOL_READ, read=read)
+
+    @classmethod
+    def direct_read(cls, read: object, into: torch.Tensor) -> "Staging":
+        return cls(Source.DIRECT_READ, host=into, read=read)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.read is not None
+
+    def landed(self, buffer: torch.Tensor) -> "Staging":
+        """The read is done; ``buffer`` is what the store's read returned (the pool buffer it
+        filled; a direct read's buffer is ``host`` already)."""
+        return replace(self, read=None, host=buffer if self.kind is Source.POOL_READ else self.host)
+
+    def host_shard(self, numel: int) -> Optional[torch.Tensor]:
+        """The host tensor the device copy reads (None for RESIDENT: the store's own shard)."""
+        if self.host is None or self.kind not in READS:
+            return self.host
+        return self.host[:numel]  # a read's buffer may be longer than the shard
+
+    def on_device(self, shard: torch.Tensor, h2d: object, source: torch.Tensor) -> "Staging":
+        """The copy of ``source`` to the device started (``shard`` is ``source`` without one)."""
+        return replace(self, device=OnDevice(shard, h2d, source if shard is not source else None))
+
+    @property
+    def to_cache(self) -> bool:
+        """Offered to the parameter cache once on its way (not resident, not the cache's own copy)."""
+        return self.kind not in (Source.RESIDENT, Source.CACHED)
+
+    @property
+    def recycled(self) -> Optional[torch.Tensor]:
+        """A DIRECT_READ's gathered buffer, given back to the recycler when unused or freed."""
+        return self.host if self.kind is Source.DIRECT_READ else None
