@@ -192,6 +192,9 @@ def main() -> None:
     ap.add_argument("--contenders", default=None,
                     help="comma-separated subset of plain,before,release,cache,keep (default: all that apply)")
     ap.add_argument("--before-tree", help="a checkout of an earlier commit (native libraries built) to run as 'before'")
+    ap.add_argument("--before-allocator", default="keep", choices=("keep", "release", "cache"),
+                    help="zero.host_allocator of 'before' (keep: trees older than the block cache; release: "
+                         "a tree whose default it is, to compare the same configuration)")
     ap.add_argument("--toggle-steps", type=int, default=0,
                     help="also time N pairs of steps in two processes (release): torch's blocks from the block "
                          "cache and from glibc's heap on alternate steps, then the optimizer's host cache released "
@@ -211,7 +214,7 @@ def main() -> None:
     for r in range(args.rounds):
         for kind in runs:
             res = spawn({**base, "kind": kind, "tree": args.before_tree if kind == "before" else None,
-                         "allocator": INFINITY.get(kind, "keep")}, 3600)  # before: its default
+                         "allocator": INFINITY.get(kind, args.before_allocator)}, 3600)
             runs[kind].append(res)
             print(f"round {r} {kind:9s}: peak RSS {res['peak_rss'] / GiB:.2f} GiB, "
                   f"step {statistics.median(res['steps'][args.warmup:]):.2f} s, minor page faults per step "
