@@ -191,13 +191,11 @@ def test_the_emulator_bites_when_a_copy_wait_is_removed(tmp_path, device, monkey
     cell = Cell(3, "cpu", "cpu")
     ref_losses, _ = reference(cell, device)
     monkeypatch.setattr(acc, "finish_copy_to_device", lambda dst, event: dst)
-    _emulated.set_delay(0.002, 0.004)
     try:
-        losses, _, _ = train(cell, str(tmp_path), device)
+        with _emulated.copy_delay(0.002, 0.004):
+            losses, _, _ = train(cell, str(tmp_path), device)
     except NonFiniteError:  # the poison (NaN) reached a gradient: the step refuses it
         return
-    finally:
-        _emulated.set_delay(0.0005, 0.004)
     assert not torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
 
 

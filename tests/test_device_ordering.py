@@ -86,14 +86,11 @@ def test_a_use_without_the_wait_reads_what_has_not_landed():
         pytest.skip("on CUDA an unordered read is a race, not a certainty")
     from infinity._runtime._accelerator import _emulated
 
-    _emulated.set_delay(1.0)  # far longer than the read below takes, however loaded the machine
-    try:
+    with _emulated.copy_delay(1.0):  # far longer than the read below takes, however loaded the machine
         src = _host(4096, 2.0)  # alive until the copy lands (unmapping waits for its copies)
         dst, event = acc.start_copy_to_device(src)
         early = dst.sum().item()  # no wait on the event
         acc.wait_copy(event)
-    finally:
-        _emulated.set_delay(0.0005, 0.004)
     assert early != 2.0 * 4096
     assert dst.sum().item() == 2.0 * 4096
 
@@ -110,11 +107,8 @@ def _slow_copies(direction: str, seconds: float):
         return
     from infinity._runtime._accelerator import _emulated
 
-    _emulated.set_delay(seconds)
-    try:
+    with _emulated.copy_delay(seconds):
         yield
-    finally:
-        _emulated.set_delay(0.0005, 0.004)
 
 
 def test_a_staging_buffer_under_a_copy_is_not_handed_out_again(device):

@@ -64,6 +64,7 @@ from ._emulated_memory import (
 from ._emulated_streams import (
     Event,
     Stream,
+    copy_delay,
     current_stream,
     default_stream,
     new_stream,
@@ -81,7 +82,7 @@ __all__ = [
     "NAME", "DeviceMismatchError", "EmuTensor", "Event", "Stream", "current_stream", "default_stream", "device",
     "device_count", "free_memory", "get_rng_state", "host_register", "host_unregister", "is_bf16_supported",
     "is_pinned", "max_memory_allocated", "memory_allocated", "new_stream", "pinned_empty", "record_stream",
-    "reset_peak_memory_stats", "set_capacity", "set_delay", "set_rng_state", "setup", "stream", "synchronize",
+    "reset_peak_memory_stats", "set_capacity", "set_delay", "copy_delay", "set_rng_state", "setup", "stream", "synchronize",
     "total_memory",
 ]
 

@@ -26,6 +26,17 @@ def set_delay(low: float, high: Optional[float] = None) -> None:
     _delay = (float(low), float(low if high is None else high))
 
 
+@contextlib.contextmanager
+def copy_delay(low: float, high: Optional[float] = None):
+    """``set_delay`` inside the block; the delay before it afterwards (tests that slow copies)."""
+    before = _delay
+    set_delay(low, high)
+    try:
+        yield
+    finally:
+        set_delay(*before)
+
+
 def sleep_copy_delay() -> None:
     """A queued copy's wait between poisoning its destination and writing it."""
     low, high = _delay
