@@ -1,7 +1,8 @@
-"""Run a function on N spawned gloo ranks, for tests (and for users' own tests).
+"""Run a function on N gloo ranks in their own processes, for tests (and for users' own tests).
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each with its torch
-threads set, a gloo process group over loopback, and the torchrun environment variables.
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (Note [ranks from a
+forkserver]), each with its torch threads set, a gloo process group over loopback, and the
+torchrun environment variables.
 It returns every rank's return value (rank order), re-raises a failing rank's traceback,
 and fails instead of hanging when a rank hangs, dies or exits early.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import queue
 import socket
@@ -90,7 +92,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0, thre
         raise UsageError(f"world_size must be >= 1, got {world_size}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -108,6 +110,49 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0, thre
                 p.kill()
         for p in procs:
             p.join(5)
+
+
+# Note [ranks from a forkserver]
+# Most of a rank's start is importing torch (and the model library a test builds). Ranks are
+# forked from multiprocessing's forkserver, which imports ``_PRELOAD`` once, instead of each
+# being a fresh interpreter. Infinity itself is never preloaded: it reads its environment at
+# import (INFINITY_ACCELERATOR, the log level), and a rank must read the environment of the
+# run_ranks call that starts it. The forkserver is a fresh interpreter started with the
+# environment of its first use, and its children inherit that environment, so it is restarted
+# whenever this process's environment (or the preload list) differs from the one it was started
+# with. With CUDA the ranks are spawned as before: a forked rank must not inherit a process that
+# touched the driver, and what a model library does at import is not ours to vouch for.
+_PRELOAD: List[str] = ["torch", "torch.distributed"]
+_server_started_with: Optional[tuple] = None
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Import ``modules`` once in the process ranks are forked from (Note [ranks from a
+    forkserver]), so that each rank of ``run_ranks`` starts with them imported. A module that
+    is missing is skipped. Infinity's own modules are refused: they read the environment at
+    import, and each rank's must be its own."""
+    for m in modules:
+        if m == "infinity" or m.startswith("infinity."):
+            raise UsageError(f"preload_in_ranks({m!r}): infinity reads its environment at import, so each "
+                             "rank imports it itself; preload only the libraries under it (torch, transformers)")
+        if m not in _PRELOAD:
+            _PRELOAD.append(m)
+
+
+def _rank_context():
+    """The multiprocessing context ranks start from: the forkserver, restarted when the
+    environment or the preload list changed since it started; spawn with CUDA."""
+    global _server_started_with
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    started_with = (tuple(_PRELOAD), tuple(sorted((k, v) for k, v in os.environ.items()
+                                                  if k != "PYTEST_CURRENT_TEST")))
+    if _server_started_with is not None and started_with != _server_started_with:
+        multiprocessing.forkserver._forkserver._stop()  # the next rank starts a server with this environment
+    _server_started_with = started_with
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
 
 
 def _collect(procs, results, world_size, timeout):

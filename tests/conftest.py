@@ -11,6 +11,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # only inside ``infinity._runtime._accelerator.using("emulated")``.
 from infinity._runtime import _accelerator  # noqa: E402
 from infinity._runtime._accelerator import _emulated  # noqa: E402
+from infinity.testing import preload_in_ranks  # noqa: E402
+
+# Ranks of run_ranks start with the model libraries the tests build already imported (Note
+# [ranks from a forkserver] in infinity/testing.py): importing them is most of a rank's start.
+preload_in_ranks("transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama")
 
 if _accelerator.kind() != "cuda":  # beside CUDA a second accelerator confuses autograd's streams and is_pinned
     _emulated.setup()

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from infinity.testing import RankFailure, RankTimeout, run_ranks
+from infinity.errors import UsageError
+from infinity.testing import RankFailure, RankTimeout, preload_in_ranks, run_ranks
 
 
 def _sum_of_ranks():
@@ -51,16 +52,46 @@ def test_tensor_results():
     assert torch.equal(out[1], torch.arange(4) * 2)
 
 
+def _what_the_rank_read():
+    import sys
+
+    from infinity._runtime import _accelerator
+
+    return {"var": os.environ.get("INFINITY_TEST_HARNESS_VAR"), "accelerator": _accelerator.kind(),
+            "preloaded": "transformers.models.gpt2.modeling_gpt2" in sys.modules}
+
+
+def test_each_rank_reads_the_environment_of_its_call_even_at_import(monkeypatch):
+    """Ranks fork from a server that imported torch and the model libraries once (Note [ranks
+    from a forkserver]); what infinity reads at import still comes from the caller's environment
+    at each call, not from the one the server started with."""
+    monkeypatch.setenv("INFINITY_TEST_HARNESS_VAR", "first")
+    first = run_ranks(_what_the_rank_read, 2)
+    monkeypatch.setenv("INFINITY_TEST_HARNESS_VAR", "second")
+    monkeypatch.setenv("INFINITY_ACCELERATOR", "emulated")
+    second = run_ranks(_what_the_rank_read, 1)
+    assert [r["var"] for r in first] == ["first", "first"]
+    assert second[0]["var"] == "second" and second[0]["accelerator"] == "emulated"
+    if not torch.cuda.is_available():  # with CUDA ranks are spawned and import what they use
+        assert first[0]["preloaded"]  # conftest's preload_in_ranks reached the ranks
+
+
+def test_infinity_itself_is_never_preloaded():
+    with pytest.raises(UsageError, match="reads its environment at import"):
+        preload_in_ranks("infinity._zero")
+
+
 def test_failing_rank_traceback():
     with pytest.raises(RankFailure, match="(?s)rank 1 .*boom from rank one"):
         run_ranks(_rank1_raises, 2, timeout=60)
 
 
 def test_hanging_rank_times_out():
+    run_ranks(_rank0_returns_tensor, 2)  # ranks fork from a started server below (Note [ranks from a forkserver])
     start = time.monotonic()
     with pytest.raises(RankTimeout, match=r"ranks \[0\]"):
-        run_ranks(_rank0_hangs, 2, timeout=30)  # room for rank 1 to start on a loaded machine
-    assert time.monotonic() - start < 90
+        run_ranks(_rank0_hangs, 2, timeout=12)  # room for rank 1 to start on a loaded machine
+    assert time.monotonic() - start < 60
 
 
 def test_exiting_rank_fails():
