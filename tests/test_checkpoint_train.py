@@ -12,7 +12,7 @@ import sys
 import time
 
 import torch
-from test_train import TIMEOUT, _env, load_saved, read_jsonl, run_cli, tiny_config, write_config
+from test_train import TIMEOUT, _env, load_saved, read_jsonl, run_cli, run_clis, tiny_config, write_config
 
 
 def _steps(out):
@@ -22,8 +22,8 @@ def _steps(out):
 def test_resume_auto_matches_uninterrupted_run(tmp_path):
     cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=6))
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    a = run_cli(["--config", cfg, "--output-dir", whole])
-    b1 = run_cli(["--config", cfg, "--output-dir", split, "--steps", "3", "--save-every", "3", "--no-save"])
+    a, b1 = run_clis(["--config", cfg, "--output-dir", whole],
+                     ["--config", cfg, "--output-dir", split, "--steps", "3", "--save-every", "3", "--no-save"])
     first = _steps(split)
     b2 = run_cli(["--config", cfg, "--output-dir", split, "--resume", "auto", "--save-every", "2", "--keep-last", "1"])
     for proc in (a, b1, b2):
@@ -70,15 +70,15 @@ def test_save_async_resumes_like_blocking_saves(tmp_path):
     its checkpoint, log the same losses as with blocking saves."""
     cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=6))
     sync_out, async_out = str(tmp_path / "sync"), str(tmp_path / "async")
-    a = run_cli(["--config", cfg, "--output-dir", sync_out, "--steps", "4", "--save-every", "2", "--no-save"])
-    b = run_cli(["--config", cfg, "--output-dir", async_out, "--steps", "4", "--save-every", "2", "--save-async",
-                 "--keep-last", "1", "--no-save"])
+    a, b = run_clis(["--config", cfg, "--output-dir", sync_out, "--steps", "4", "--save-every", "2", "--no-save"],
+                    ["--config", cfg, "--output-dir", async_out, "--steps", "4", "--save-every", "2", "--save-async",
+                     "--keep-last", "1", "--no-save"])
     for proc in (a, b):
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert _steps(sync_out) == _steps(async_out)
     assert sorted(os.listdir(os.path.join(async_out, "checkpoints"))) == ["latest", "step4"]
-    c = run_cli(["--config", cfg, "--output-dir", async_out, "--resume", "auto", "--no-save"])
-    d = run_cli(["--config", cfg, "--output-dir", sync_out, "--resume", "auto", "--no-save"])
+    c, d = run_clis(["--config", cfg, "--output-dir", async_out, "--resume", "auto", "--no-save"],
+                    ["--config", cfg, "--output-dir", sync_out, "--resume", "auto", "--no-save"])
     for proc in (c, d):
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after step 4" in c.stderr

@@ -3,6 +3,7 @@ AdamW, save / kill / resume continuing exactly, a normal Hugging Face directory 
 save_model, and generate() at two stage-3 ranks whose sequences end at different lengths."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,12 +117,23 @@ def _step_losses(path: str) -> dict:
     return {h["step"]: h["loss"] for h in json.loads(Path(path).read_text())}
 
 
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_job(tmp_path_factory):
+    """The output directory of one uninterrupted ``STEPS``-step job (blocking saves), shared by
+    the tests that compare a killed and resumed job with it: copy it before changing it."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    job = _run_job(str(root / "run"), str(root / "nvme"), STEPS)
+    assert job.wait(timeout=300) == 0, job.stderr.read().decode()[-3000:]
+    return root / "run"
+
+
 @pytest.mark.parametrize("save_async", [False, True], ids=["blocking", "async"])
-def test_save_kill_resume_continues_exactly(tmp_path, save_async):
-    steps = 6
-    ref = _run_job(str(tmp_path / "ref"), str(tmp_path / "nvme_ref"), steps)
-    assert ref.wait(timeout=300) == 0, ref.stderr.read().decode()[-3000:]
-    expected = _step_losses(str(tmp_path / "ref" / "losses.json"))
+def test_save_kill_resume_continues_exactly(tmp_path, save_async, uninterrupted_job):
+    steps = STEPS
+    expected = _step_losses(str(uninterrupted_job / "losses.json"))
     out = str(tmp_path / "run")
     job = _run_job(out, str(tmp_path / "nvme"), steps, save_async=save_async)
     deadline = time.monotonic() + 300
@@ -281,13 +293,12 @@ def test_resume_true_skips_a_checkpoint_cut_short_by_a_crash(tmp_path, infinity_
         last_complete_checkpoint(str(tmp_path / "checkpoint-10"))
 
 
-def test_resume_after_a_kill_between_infinitys_commit_and_the_trainers_state(tmp_path):
+def test_resume_after_a_kill_between_infinitys_commit_and_the_trainers_state(tmp_path, uninterrupted_job):
     """A kill after infinity committed checkpoint-N but before the Trainer wrote its state leaves
     checkpoint-N partial: the resumed run starts from the one before and saves step N again."""
-    steps = 6
+    steps = STEPS
     out, nvme = str(tmp_path / "run"), str(tmp_path / "nvme")
-    first = _run_job(out, nvme, steps)
-    assert first.wait(timeout=300) == 0, first.stderr.read().decode()[-3000:]
+    shutil.copytree(uninterrupted_job, out)  # an uninterrupted job's directory, changed below
     expected = _step_losses(os.path.join(out, "losses.json"))
     last = _complete_checkpoints(out)[-1]
     os.remove(os.path.join(out, f"checkpoint-{last}", "trainer_state.json"))  # as if killed there

@@ -6,6 +6,7 @@ transformers. A 2-rank run under torchrun on the same global batch must give the
 losses and weights. The exported weights equal the trained ones exactly, sharded or not,
 with tied embeddings saved once. Bad input exits with status 2 and says what to change.
 """
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -40,9 +41,21 @@ def _env():
     return env
 
 
-def run_cli(args, launcher=None, cwd=None):
+def run_cli(args, launcher=None, cwd=None, env=None):
     cmd = (launcher or [sys.executable]) + ["-m", "infinity.train"] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env or _env(), cwd=cwd)
+
+
+def run_clis(*jobs):
+    """Independent one-rank jobs side by side, each ``args`` or ``(args, env)``; their results
+    in order, as ``run_cli`` gives them. A job is one process on one thread, so the two cores
+    of a small machine run two at once in the time of one."""
+    def run(job):
+        args, env = job if isinstance(job, tuple) else (job, None)
+        return run_cli(args, env=env)
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, jobs))
 
 
 def write_config(path, cfg):
@@ -348,14 +361,12 @@ def test_the_job_trains_the_same_on_the_emulated_device(tmp_path):
     cfg = tiny_config(micro_batch_size=2)
     cfg["zero"].update({"offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")},
                         "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}})
+    kinds, path = ("cpu", "emulated"), write_config(tmp_path / "nvme.json", cfg)
+    jobs = [(["--config", path, "--output-dir", str(tmp_path / k), "--no-save"], dict(_env(), INFINITY_ACCELERATOR=k))
+            for k in kinds]
     runs = {}
-    for kind in ("cpu", "emulated"):
-        env = dict(_env(), INFINITY_ACCELERATOR=kind)
-        d = tmp_path / kind
-        cmd = [sys.executable, "-m", "infinity.train", "--config", write_config(tmp_path / "nvme.json", cfg),
-               "--output-dir", str(d), "--no-save"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    for kind, done in zip(kinds, run_clis(*jobs)):
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[kind] = step_losses(str(d))
+        runs[kind] = step_losses(str(tmp_path / kind))
     assert len(runs["emulated"]) == STEPS
     assert runs["emulated"] == pytest.approx(runs["cpu"], rel=1e-5, abs=1e-5)
