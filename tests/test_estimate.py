@@ -1,4 +1,6 @@
 """infinity.estimate: the paper's memory figures, placements that fit, the CLI."""
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import torch
 import yaml
 
 import infinity
+from infinity._apps._estimate_cli import main
 from infinity._apps._estimator import EstimateError, estimate, parse_count, parse_size
 
 pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
@@ -214,9 +217,21 @@ def test_table_lists_every_placement():
     json.dumps(est.to_dict())               # serializable as is
 
 
-def _cli(*args):
+def _command(*args):
     return subprocess.run([sys.executable, "-m", "infinity.estimate", *args],
                           capture_output=True, text=True, timeout=120)
+
+
+def _cli(*args):
+    """What ``python -m infinity.estimate ARGS`` exits with and prints, run through its ``main``
+    in this process (the command itself is run by test_cli_bad_input_exits_2)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code
+    return subprocess.CompletedProcess(["infinity.estimate", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_cli_recommends_nvme_for_one_trillion():
@@ -251,7 +266,7 @@ def test_cli_json_and_model_config(tmp_path):
     (["--params", "1e9", "--gpu-mem", "12XB"], "gpu_mem: unknown unit 'XB'"),
 ])
 def test_cli_bad_input_exits_2(args, message):
-    run = _cli(*args, "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB")
+    run = _command(*args, "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB")
     assert run.returncode == 2
     assert message in run.stderr
     assert "Traceback" not in run.stderr
