@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _jobs import Jobs
 
 from infinity._runtime._schedule import make_scheduler
 from infinity.config import Config, ConfigError
@@ -130,18 +131,33 @@ def test_train_cli_strict_refuses_tuning_keys(tmp_path):
     assert "zero_optimization.stage3_max_reuse_distance" in done.stderr and "strict" in done.stderr
 
 
-@pytest.mark.parametrize("name,extra", [("ds_zero3_nvme_auto.json", []), ("ds_zero3_bf16_cpu_auto.json", []),
-                                        ("accelerate_zero2_fp16.json", ["--fp16", "--gradient-accumulation-steps", "1"])])
-def test_example_trainer_script_runs_each_config(name, extra, tmp_path):
+EXAMPLE_RUNS = {"ds_zero3_nvme_auto.json": [], "ds_zero3_bf16_cpu_auto.json": [],
+                "accelerate_zero2_fp16.json": ["--fp16", "--gradient-accumulation-steps", "1"]}
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory):
+    """The example Trainer script run with each config, all started at once (tests/_jobs.py)."""
+    root = tmp_path_factory.mktemp("examples")
+    jobs = Jobs(root)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "examples" / "trainer_finetune.py"), "--config", str(EXAMPLES / name),
-           "--nvme-path", str(tmp_path / "nvme"), "--output-dir", str(tmp_path / "out"), "--steps", "3"] + extra
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    for name, extra in EXAMPLE_RUNS.items():
+        jobs.start(name, [sys.executable, str(ROOT / "examples" / "trainer_finetune.py"), "--config",
+                          str(EXAMPLES / name), "--nvme-path", str(root / name / "nvme"), "--output-dir",
+                          str(root / name / "out"), "--steps", "3"] + extra, env=env)
+    yield root, jobs
+    jobs.close()
+
+
+@pytest.mark.parametrize("name", list(EXAMPLE_RUNS))
+def test_example_trainer_script_runs_each_config(name, example_runs):
+    root, jobs = example_runs
+    done = jobs.result(name, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(result["losses"]) == 3 and all(math.isfinite(v) for v in result["losses"])
     assert result["dtype"] == CASES[name][1] and result["scheduler"] == CASES[name][2]
-    assert (tmp_path / "out" / "final" / "config.json").exists()
+    assert (root / name / "out" / "final" / "config.json").exists()
 
 
 def test_train_job_honours_the_scheduler_section(tmp_path):

@@ -4,10 +4,14 @@ as counted where the memory is mapped and unmapped (Note [host memory ledger] in
 infinity/aio/_memory.py), over a real run with real swap files; the telemetry reports the same
 account; and infinity.estimate reads the same store formulas."""
 import gc
+import json
+import os
+import sys
 
 import pytest
 import torch
 from _configs import zero_config
+from _jobs import Jobs
 from _models import build, train_losses
 
 import infinity
@@ -130,23 +134,32 @@ def test_run_model_counts_the_bytes_a_step_moves(tmp_path, dtype):
     opt.engine.close()
 
 
+MEASURED_RUN = dict(layers=2, hidden=256, batch=4, seq=128)  # check_run_model.MODELS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def measured_runs(tmp_path_factory):
+    """The tiny GPT-2 of scripts/check_run_model.py trained in a fresh process per tier (its
+    VmHWM is its own), both started at once (tests/_jobs.py)."""
+    root = tmp_path_factory.mktemp("measured")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "check_run_model.py")
+    jobs = Jobs(root)
+    for tier in ("cpu", "nvme"):
+        spec = dict(MEASURED_RUN, tier=tier, nvme=str(root / tier), steps=1, warmup=1)
+        jobs.start(tier, [sys.executable, script, "--child", json.dumps(spec)])
+    yield jobs
+    jobs.close()
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_run_model_peak_rss_agrees_with_a_measured_run(tmp_path, tier):
+def test_run_model_peak_rss_agrees_with_a_measured_run(measured_runs, tier):
     """Issue 18: the run model's peak RSS (Note [run model]; what ``infinity.estimate
     --step-time`` prints) is within 20% of the peak resident set of a real run of the tiny GPT-2
     of scripts/check_run_model.py, trained in a fresh process (its VmHWM is its own)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from infinity._apps import _runmodel as rm
 
-    layers, hidden, batch, seq = 2, 256, 4, 128  # check_run_model.MODELS["tiny"]
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "check_run_model.py")
-    spec = dict(layers=layers, hidden=hidden, batch=batch, seq=seq, tier=tier, nvme=str(tmp_path), steps=1, warmup=1)
-    proc = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=600)
+    layers, hidden, batch, seq = (MEASURED_RUN[k] for k in ("layers", "hidden", "batch", "seq"))
+    proc = measured_runs.result(tier, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     run = rm.Run(params=got["params"], layers=layers, hidden=hidden, heads=hidden // 64, vocab=50257,

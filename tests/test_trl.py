@@ -5,7 +5,6 @@ real text, a tokenizer trained there, a tiny Llama): stage 3 with everything on 
 completion-only loss and with packing, DPO with its reference model partitioned and never
 trained; features that cannot work and moved seams refused at construction."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import torch
 
 pytest.importorskip("trl")  # installed by scripts/setup_env.sh
 pytest.importorskip("datasets")
+
+from _jobs import Jobs  # noqa: E402
 
 import infinity  # noqa: E402
 from infinity._zero._engine import engine_of  # noqa: E402
@@ -118,10 +119,24 @@ def test_a_moved_seam_is_refused_with_its_name(tmp_path, monkeypatch):
                                                               report_to=[], bf16=False), processing_class=tok)
 
 
-@pytest.mark.parametrize("example", ["trl_sft.py", "trl_dpo.py"])
-def test_example_runs_from_the_command_line(example, tmp_path):
+EXAMPLES = ["trl_sft.py", "trl_dpo.py"]
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory):
+    """Each example script run from the command line, all started at once (tests/_jobs.py)."""
+    root = tmp_path_factory.mktemp("examples")
+    jobs = Jobs(root)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--out", str(tmp_path / "o"), "--nvme",
-                          str(tmp_path / "nvme"), "--steps", "2"], env=env, capture_output=True, text=True, timeout=300)
+    for example in EXAMPLES:
+        jobs.start(example, [sys.executable, str(ROOT / "examples" / example), "--out", str(root / example / "o"),
+                             "--nvme", str(root / example / "nvme"), "--steps", "2"], env=env)
+    yield jobs
+    jobs.close()
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example_runs_from_the_command_line(example, example_runs):
+    out = example_runs.result(example, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert '"losses": [' in out.stdout
