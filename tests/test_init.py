@@ -158,3 +158,43 @@ def test_a_model_whose_states_cannot_fit_is_refused_before_its_parameters_exist(
             GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=d, n_head=16, vocab_size=1024, n_positions=128))
     assert init.units == []
     assert proc.memory_info().rss - before < 512 << 20
+
+
+def _refusals_under_a_memory_limit(headroom):
+    """Inside a memory cgroup that leaves ``headroom`` bytes: what Init refuses (a GPT-2 of 57M
+    parameters, about 1.2 GB with its states in host memory) and what initialize's preflight
+    refuses (16.8M parameters built before the limit, about 270 MB of host states); the
+    cgroup's directory and what the machine has available."""
+    from _cgroup import memory_limit
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from infinity._runtime._host_memory import available
+
+    cfg = {"zero": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+    small = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
+    machine = available()[0]
+    messages = []
+    with memory_limit(headroom) as cgroup:
+        for attempt in ("Init", "initialize"):
+            try:
+                if attempt == "Init":
+                    with infinity.Init(config=cfg):
+                        GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=768, n_head=12, vocab_size=1024, n_positions=128))
+                else:
+                    infinity.initialize(small, config=cfg)
+                messages.append(None)
+            except InsufficientResourcesError as e:
+                messages.append(str(e))
+    return messages, cgroup, machine
+
+
+def test_a_memory_cgroup_limit_is_the_room_not_the_machines_memory():
+    """Note [host memory available]: in a container (a memory cgroup), Init and the preflight
+    measure the room against the cgroup's limit, which the kernel's OOM killer enforces, and
+    name it; the machine's MemAvailable would have let both start and be killed."""
+    (init_msg, preflight_msg), cgroup, machine = run_ranks(_refusals_under_a_memory_limit, 1, 128 << 20, timeout=180)[0]
+    assert machine > 4 << 30, "the machine itself must have room for both: the refusals are the cgroup's"
+    assert init_msg is not None and "refused before its parameters are allocated" in init_msg, init_msg
+    assert f"host memory (bound by the memory cgroup {cgroup})" in init_msg, init_msg
+    assert preflight_msg is not None and "does not fit on this machine" in preflight_msg, preflight_msg
+    assert f"host memory (bound by the memory cgroup {cgroup})" in preflight_msg, preflight_msg

@@ -8,11 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-import psutil
 import torch
 
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
+from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
 from .._runtime._telemetry import fmt_bytes
 from .._zero._init_context import Init
@@ -82,11 +82,11 @@ def _check_activations(config, seq_len: int, micro_batch: int, what: str) -> Non
     memory they live in (host memory on a CPU-only run)."""
     if acc.device().type != "cpu":
         return  # device memory: the engine's device budget and the estimator speak for it
-    need, have = activation_bytes(config, seq_len, micro_batch), psutil.virtual_memory().available
+    (have, bound), need = host_available(), activation_bytes(config, seq_len, micro_batch)
     if need > have:
         raise TrainError(f"{what}: train.seq_len {seq_len} x train.micro_batch_size {micro_batch} needs about "
                          f"{fmt_bytes(need)} of activations for one micro-batch (estimate) but only "
-                         f"{fmt_bytes(have)} of host memory is available; lower train.seq_len or "
+                         f"{fmt_bytes(have)} of host memory is available ({bound}); lower train.seq_len or "
                          f"train.micro_batch_size (gradient_accumulation_steps keeps the batch)")
 
 
@@ -204,9 +204,10 @@ def _check_build_room(sizes: List[int], init, what) -> None:
         world = comm.world_size()
         init.store.check_room(sum(init.store.slot_bytes(-(-k // world), torch.float32) for k in sizes), label)
         return
-    need, have = 4 * n, psutil.virtual_memory().available
+    (have, bound), need = host_available(), 4 * n
     if need > have:
         raise InsufficientResourcesError(
-            f"{label}: building it in fp32 needs {fmt_bytes(need)} of host memory, {fmt_bytes(have)} available; "
+            f"{label}: building it in fp32 needs {fmt_bytes(need)} of host memory, {fmt_bytes(have)} available "
+            f"({bound}); "
             f"use ZeRO stage 3 (zero.stage: 3), which builds each rank's part only, with "
             f"zero.offload_param.device: nvme, or a smaller model")

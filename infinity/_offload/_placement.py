@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import psutil
 import torch
 
 from .._runtime import _accelerator as acc
 from .._runtime._comm import ranks_here
+from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ._layout import ALIGN_ELEMS, Layout
@@ -85,7 +85,7 @@ def gradients_in_host(choice: str, total: int) -> bool:
     every rank on this node take at most a quarter of the available host memory."""
     if choice != "auto":
         return choice == "cpu"
-    need, avail = 4 * total * ranks_here(), psutil.virtual_memory().available
+    need, avail = 4 * total * ranks_here(), host_available()[0]
     logger.info("zero.offload_optimizer.gradients auto: %s (%.2f GiB of gradient shards on this node, %.2f GiB of "
                 "host memory available; host memory when at most a quarter)", "host memory" if need <= avail // 4
                 else "swap file", need / 2**30, avail / 2**30)
@@ -102,6 +102,6 @@ def param_cache_elems(choice, total: int, itemsize: int, available: Optional[int
     host memory available (now, unless given) shared by the ranks on the node (this node's,
     unless given); never more than the shards."""
     if choice is None:
-        available = psutil.virtual_memory().available if available is None else available
+        available = host_available()[0] if available is None else available
         choice = available // PARAM_CACHE_SHARE // (ranks or ranks_here()) // itemsize
     return min(int(choice), total)

@@ -1,7 +1,8 @@
 """Preflight: before the first byte is allocated, check that every tier has room.
 
 The bytes each tier needs follow from the shard sizes and the chosen placement; they are
-checked against free host memory (psutil) and free disk under each ``nvme_path``. A plan
+checked against free host memory (MemAvailable, or a memory cgroup's headroom where lower: Note [host memory
+available] in _runtime/_host_memory.py) and free disk under each ``nvme_path``. A plan
 that does not fit is refused with the numbers and what to change, instead of dying halfway
 through the first step.
 """
@@ -11,10 +12,9 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
-import psutil
-
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
+from .._runtime._host_memory import available as host_available
 from .._runtime._tiers import Tier
 from ..errors import InsufficientResourcesError
 from ._memory_plan import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
@@ -95,10 +95,11 @@ def preflight(placement: "Placement", cfg) -> dict:
     ranks = comm.ranks_here()
     problems = []
     host_total = need["host"] + (need["device"] if engine_device_is_host() else 0)
-    avail = psutil.virtual_memory().available
+    avail, bound = host_available()  # a memory cgroup's limit counts (Note [host memory available])
     if host_total * ranks > avail:
+        where = "" if bound == "MemAvailable" else f" (bound by {bound})"
         problems.append(
-            f"host memory: {ranks} rank(s) x {_amounts(host_total, avail, ranks)} available; "
+            f"host memory{where}: {ranks} rank(s) x {_amounts(host_total, avail, ranks)} available; "
             f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
             f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, keep gradients on "
             f"NVMe (zero.offload_optimizer.gradients: nvme), or run fewer ranks per node")

@@ -9,6 +9,8 @@ reclaimed (the usage less its inactive file pages, as the kubelet counts a worki
 cgroup v2 (``memory.max``, ``memory.current``) and v1 (``memory.limit_in_bytes``,
 ``memory.usage_in_bytes``) are both read; where no cgroup file can be read the figure is
 ``MemAvailable`` alone. ``available`` says which one bound it, for the messages that name it.
+Every check of host room reads it: the preflight, ``Init``'s room, the train job's checks, the
+automatic gradient and parameter caches, and an async save's host copy.
 """
 from __future__ import annotations
 

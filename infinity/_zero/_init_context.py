@@ -45,7 +45,6 @@ import os
 import weakref
 from typing import Dict, List, Optional
 
-import psutil
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
@@ -55,6 +54,7 @@ from .._offload._preflight import free_disk, preflight
 from .._offload._swap import SwapDir, new_aio
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
+from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
@@ -233,7 +233,9 @@ def room_for(tier: Tier, nvme_path: Optional[str]):
             raise StorageError(err.errno, f"nvme_path {nvme_path!r} cannot be created ({err.strerror}); "
                                           f"point it at a writable directory") from None
         return free_disk(nvme_path) // comm.ranks_here(), f"disk under {nvme_path}"
-    return int(psutil.virtual_memory().available * _HOST_SHARE) // comm.ranks_here(), "host memory"
+    avail, bound = host_available()  # a memory cgroup's limit counts (Note [host memory available])
+    return int(avail * _HOST_SHARE) // comm.ranks_here(), "host memory" if bound == "MemAvailable" else \
+        f"host memory (bound by {bound})"
 
 
 # The share of the available host memory the Init store may take: the rest is for the model's
