@@ -53,7 +53,7 @@ setup(
         "safetensors>=0.4",
         "numpy>=1.22",  # the checkpoint format and the CRC helpers
     ],
-    extras_require={"hf": ["transformers>=4.40"], "test": ["pytest>=7", "transformers>=4.40"]},
+    extras_require={"hf": ["transformers>=4.40"], "test": ["pytest>=7", "pytest-xdist>=3.2", "transformers>=4.40"]},
     setup_requires=["cffi>=1.15", "pybind11>=2.10"],
     ext_modules=ext_modules,
     cffi_modules=cffi_modules,

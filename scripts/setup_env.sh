@@ -34,7 +34,7 @@ fi
 need=""
 for mod in cffi:cffi pybind11:pybind11 psutil:psutil yaml:pyyaml tqdm:tqdm safetensors:safetensors \
            transformers:transformers peft:peft trl:trl==1.16.0 datasets:datasets==5.2.0 tokenizers:tokenizers \
-           pytest:pytest ruff:ruff mypy:mypy==2.4.1 setuptools:setuptools wheel:wheel; do
+           pytest:pytest xdist:pytest-xdist==3.8.0 ruff:ruff mypy:mypy==2.4.1 setuptools:setuptools wheel:wheel; do
   "$PY" -c "import ${mod%%:*}" 2>/dev/null || need="$need ${mod##*:}"
 done
 if [ -n "$need" ]; then

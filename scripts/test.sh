@@ -9,4 +9,10 @@ if [ "${1:-}" = "--sanitize" ]; then  # the native libraries under ASan + UBSan,
 fi
 "${PYTHON:-python3}" -m ruff check .  # lint: pyflakes, pycodestyle, import order (pyproject.toml)
 "${PYTHON:-python3}" -m mypy  # types of the core modules (pyproject.toml, Note [type checking])
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+# Two test processes where there are two cores (pytest-xdist): most tests keep one core busy
+# (a rank's start, a subprocess, an in-process test on one thread). Whole files go to a worker,
+# so a file's module fixtures run once; a later -n in "$@" wins.
+workers=$("${PYTHON:-python3}" -c "import os; print(min(2, len(os.sched_getaffinity(0))))")
+parallel=()
+if [ "$workers" -ge 2 ]; then parallel=(-n "$workers" --dist loadfile); fi
+exec "${PYTHON:-python3}" -m pytest -q "${parallel[@]}" "$@"
