@@ -9,7 +9,9 @@ on the CPU. Contenders:
   ds_nvme         DeepSpeed ZeRO-Infinity, both on NVMe, its defaults (max_in_cpu keeps up to 1e9
                   parameter elements in host memory, so a 124M model's parameters never leave it)
   ds_nvme_swapped the same with max_in_cpu 0: parameters really swapped. Fails here with DeepSpeed
-                  0.19.8 on the CPU accelerator: "RuntimeError: self and mat2 must have the same
+                  0.19.8 on the CPU accelerator: at its first gather with async_io built
+                  ("AssertionError: Not enough buffers 0 for swapping 1" in its parameter
+                  swapper); in earlier runs "RuntimeError: self and mat2 must have the same
                   dtype, but got Float and BFloat16". Its ``Init._set_dtype`` reads
                   ``dtype or torch.float16 if is_fp16_supported() else torch.bfloat16 if ...``, so
                   on an accelerator without fp16 the fp32 dtype it is given becomes bf16 and the
