@@ -120,8 +120,10 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0, thre
 # run_ranks call that starts it. The forkserver is a fresh interpreter started with the
 # environment of its first use, and its children inherit that environment, so it is restarted
 # whenever this process's environment (or the preload list) differs from the one it was started
-# with. With CUDA the ranks are spawned as before: a forked rank must not inherit a process that
-# touched the driver, and what a model library does at import is not ours to vouch for.
+# with (all but PYTEST_CURRENT_TEST, which pytest changes at every test: a rank sees the value
+# of the server's start). With CUDA the ranks are spawned as before: a forked rank must not
+# inherit a process that touched the driver, and what a model library does at import is not
+# ours to vouch for.
 _PRELOAD: List[str] = ["torch", "torch.distributed"]
 _server_started_with: Optional[tuple] = None
 

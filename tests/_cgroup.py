@@ -60,3 +60,11 @@ def memory_limit(headroom: int):
     finally:
         _write(os.path.join(parent, "cgroup.procs"), str(os.getpid()))
         os.rmdir(child)
+
+
+def skip_unless_memory_limits() -> None:
+    """Skip the calling test, with the reason, where ``memory_limit`` cannot make a cgroup. For
+    a test whose rank uses ``memory_limit``: a skip raised inside a rank would come back to the
+    test as the rank's failure, so the test probes here, in its own process, first."""
+    with memory_limit(1 << 30):
+        pass

@@ -6,34 +6,44 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 
 class Jobs:
+    """Use as a context manager: every job still running when the block ends (the module's
+    tests are done, or a later start failed) is killed."""
+
     def __init__(self, root: Path):
         self.root = root
-        self._procs: Dict[str, subprocess.Popen] = {}
+        self._jobs: Dict[str, Tuple[subprocess.Popen, Path, Path]] = {}
+
+    def __enter__(self) -> "Jobs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def start(self, key: str, cmd: List[str], env: Optional[dict] = None, cwd: Optional[str] = None) -> None:
-        i = len(self._procs)
-        with open(self.root / f"{i}.out", "w") as out, open(self.root / f"{i}.err", "w") as err:
-            self._procs[key] = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
+        if key in self._jobs:
+            raise ValueError(f"job {key!r} was already started")
+        i = len(self._jobs)
+        out_path, err_path = self.root / f"{i}.out", self.root / f"{i}.err"
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            self._jobs[key] = (subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd), out_path, err_path)
 
     def result(self, key: str, timeout: float) -> subprocess.CompletedProcess:
         """Job ``key`` once it ended (killed, and TimeoutExpired raised, past ``timeout``)."""
-        proc = self._procs[key]
+        proc, out_path, err_path = self._jobs[key]
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             raise
-        i = list(self._procs).index(key)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, (self.root / f"{i}.out").read_text(),
-                                           (self.root / f"{i}.err").read_text())
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out_path.read_text(), err_path.read_text())
 
     def close(self) -> None:
-        for proc in self._procs.values():
+        for proc, _, _ in self._jobs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

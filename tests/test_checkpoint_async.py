@@ -211,6 +211,9 @@ def test_async_save_whose_host_copy_cannot_fit_saves_blocking_and_says_why(tmp_p
     """Note [staged copies preflighted]: under a real memory cgroup limit the save's staging
     copy would not fit, so it is made blocking (the same checkpoint), with the bytes, the
     cgroup and what to change in the log; with the host's memory it stays asynchronous."""
+    from _cgroup import skip_unless_memory_limits
+
+    skip_unless_memory_limits()
     roomy, limited, cgroup, done_at_call, host_states, digests, digests_limited = run_ranks(
         _save_under_a_memory_limit, 1, str(tmp_path), str(tmp_path / "nvme"), timeout=180)[0]
     assert not any("saves blocking instead" in m for m in roomy), roomy

@@ -139,14 +139,13 @@ EXAMPLE_RUNS = {"ds_zero3_nvme_auto.json": [], "ds_zero3_bf16_cpu_auto.json": []
 def example_runs(tmp_path_factory):
     """The example Trainer script run with each config, all started at once (tests/_jobs.py)."""
     root = tmp_path_factory.mktemp("examples")
-    jobs = Jobs(root)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for name, extra in EXAMPLE_RUNS.items():
-        jobs.start(name, [sys.executable, str(ROOT / "examples" / "trainer_finetune.py"), "--config",
-                          str(EXAMPLES / name), "--nvme-path", str(root / name / "nvme"), "--output-dir",
-                          str(root / name / "out"), "--steps", "3"] + extra, env=env)
-    yield root, jobs
-    jobs.close()
+    with Jobs(root) as jobs:
+        for name, extra in EXAMPLE_RUNS.items():
+            jobs.start(name, [sys.executable, str(ROOT / "examples" / "trainer_finetune.py"), "--config",
+                              str(EXAMPLES / name), "--nvme-path", str(root / name / "nvme"), "--output-dir",
+                              str(root / name / "out"), "--steps", "3"] + extra, env=env)
+        yield root, jobs
 
 
 @pytest.mark.parametrize("name", list(EXAMPLE_RUNS))

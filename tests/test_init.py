@@ -143,9 +143,11 @@ def test_a_model_whose_states_cannot_fit_is_refused_before_its_parameters_exist(
     import psutil
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from infinity._runtime._host_memory import available
+
     d = 2048
     per_layer = 12 * d * d
-    avail = psutil.virtual_memory().available
+    avail = available()[0]  # what Init measures its room against (a memory cgroup's limit counts)
     layers = int(1.5 * avail) // (16 * per_layer)  # their states alone take 1.5x what is available
     assert 4 * layers * per_layer < avail * 0.8, "the parameters alone must fit: the refusal is about the states"
     cfg = {"zero": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
@@ -192,6 +194,9 @@ def test_a_memory_cgroup_limit_is_the_room_not_the_machines_memory():
     """Note [host memory available]: in a container (a memory cgroup), Init and the preflight
     measure the room against the cgroup's limit, which the kernel's OOM killer enforces, and
     name it; the machine's MemAvailable would have let both start and be killed."""
+    from _cgroup import skip_unless_memory_limits
+
+    skip_unless_memory_limits()
     (init_msg, preflight_msg), cgroup, machine = run_ranks(_refusals_under_a_memory_limit, 1, 128 << 20, timeout=180)[0]
     assert machine > 4 << 30, "the machine itself must have room for both: the refusals are the cgroup's"
     assert init_msg is not None and "refused before its parameters are allocated" in init_msg, init_msg

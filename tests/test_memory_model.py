@@ -143,12 +143,11 @@ def measured_runs(tmp_path_factory):
     VmHWM is its own), both started at once (tests/_jobs.py)."""
     root = tmp_path_factory.mktemp("measured")
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "check_run_model.py")
-    jobs = Jobs(root)
-    for tier in ("cpu", "nvme"):
-        spec = dict(MEASURED_RUN, tier=tier, nvme=str(root / tier), steps=1, warmup=1)
-        jobs.start(tier, [sys.executable, script, "--child", json.dumps(spec)])
-    yield jobs
-    jobs.close()
+    with Jobs(root) as jobs:
+        for tier in ("cpu", "nvme"):
+            spec = dict(MEASURED_RUN, tier=tier, nvme=str(root / tier), steps=1, warmup=1)
+            jobs.start(tier, [sys.executable, script, "--child", json.dumps(spec)])
+        yield jobs
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])

@@ -126,13 +126,13 @@ EXAMPLES = ["trl_sft.py", "trl_dpo.py"]
 def example_runs(tmp_path_factory):
     """Each example script run from the command line, all started at once (tests/_jobs.py)."""
     root = tmp_path_factory.mktemp("examples")
-    jobs = Jobs(root)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for example in EXAMPLES:
-        jobs.start(example, [sys.executable, str(ROOT / "examples" / example), "--out", str(root / example / "o"),
-                             "--nvme", str(root / example / "nvme"), "--steps", "2"], env=env)
-    yield jobs
-    jobs.close()
+    with Jobs(root) as jobs:
+        for example in EXAMPLES:
+            jobs.start(example, [sys.executable, str(ROOT / "examples" / example), "--out",
+                                 str(root / example / "o"), "--nvme", str(root / example / "nvme"), "--steps", "2"],
+                       env=env)
+        yield jobs
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
