@@ -176,35 +176,25 @@ def _save_under_a_memory_limit(base, nvme):
     """Stage 1 with the states in host memory (~270 MB): an asynchronous save with the host's
     memory, then one in a memory cgroup that leaves HEADROOM; the warnings each logged, whether
     the second was done at the call, and both checkpoints' digests."""
-    import logging
-
     from _cgroup import memory_limit
-
-    class Warnings(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.seen = []
-
-        def emit(self, record):
-            self.seen.append(record.getMessage())
+    from _logs import kept_logs
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
     model, opt = infinity.initialize(model, _cfg(1, None, "cpu", nvme))
     model(torch.randn(4, 2048)).pow(2).mean().backward()
     opt.step()
-    caught = Warnings()
-    infinity.logger.addHandler(caught)
-    roomy = infinity.save_checkpoint(f"{base}/ck", model, opt, tag="roomy", blocking=False).wait()
-    warned_roomy, caught.seen = caught.seen, []
-    with memory_limit(HEADROOM) as cgroup:
-        handle = infinity.save_checkpoint(f"{base}/ck", model, opt, tag="limited", blocking=False)
-        done_at_call = handle.done()
-    infinity.logger.removeHandler(caught)
+    with kept_logs() as caught:
+        roomy = infinity.save_checkpoint(f"{base}/ck", model, opt, tag="roomy", blocking=False).wait()
+        warned_roomy = caught.messages
+        caught.records.clear()
+        with memory_limit(HEADROOM) as cgroup:
+            handle = infinity.save_checkpoint(f"{base}/ck", model, opt, tag="limited", blocking=False)
+            done_at_call = handle.done()
     numel = sum(p.numel() for p in model.parameters())
     host_states = numel * (torch.empty((), dtype=opt.engine.dtype).element_size() + 3 * 4)  # weights, master, moments
     opt.engine.close()
-    return warned_roomy, caught.seen, cgroup, done_at_call, host_states, _bins(roomy), _bins(handle.wait())
+    return warned_roomy, caught.messages, cgroup, done_at_call, host_states, _bins(roomy), _bins(handle.wait())
 
 
 def test_async_save_whose_host_copy_cannot_fit_saves_blocking_and_says_why(tmp_path):

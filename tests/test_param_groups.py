@@ -3,11 +3,11 @@ hyperparameters (and an LR scheduler stepping them), parameters without a gradie
 untouched with their own step count, no partial state dicts, and GatheredParameters edits
 without a modifier_rank discarded on every stage and tier."""
 import copy
-import logging
 
 import pytest
 import torch
 from _configs import zero_config
+from _logs import kept_logs
 from torch import nn
 
 import infinity
@@ -260,15 +260,6 @@ def test_state_dicts_refuse_instead_of_returning_part_of_the_state():
 # ---------------------------------------------------------------- GatheredParameters edits
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize("stage,param,optim,dtype", [
     (1, "none", "none", "fp32"), (2, "none", "nvme", "bf16"),
     (3, "none", "none", "fp32"),  # one rank, fp32: the parameters are views of the master weights
@@ -283,15 +274,11 @@ def test_edits_without_modifier_rank_are_discarded(tmp_path, stage, param, optim
     x = torch.randn(4, 16).to(model.a.weight.dtype)
     with torch.no_grad():
         loss_before = model(x).item()
-    handler = _Warnings()
-    logging.getLogger("infinity").addHandler(handler)
-    try:
+    with kept_logs() as handler:
         with infinity.GatheredParameters(list(model.parameters())):
             with torch.no_grad():
                 model.a.weight.data.mul_(3.0)  # through .data: no version counter sees it
                 model.head.bias.add_(1.0)
-    finally:
-        logging.getLogger("infinity").removeHandler(handler)
     with torch.no_grad():
         assert model(x).item() == loss_before
     assert any("a.weight" in m and "head.bias" in m and "modifier_rank" in m for m in handler.messages)
@@ -305,13 +292,9 @@ def test_edits_without_modifier_rank_are_discarded(tmp_path, stage, param, optim
 
 def test_reading_without_modifier_rank_warns_nothing():
     model, opt = infinity.initialize(Net(), config=_config(3))
-    handler = _Warnings()
-    logging.getLogger("infinity").addHandler(handler)
-    try:
+    with kept_logs() as handler:
         with infinity.GatheredParameters(list(model.parameters())):
             copy.deepcopy([p.detach() for p in model.parameters()])
-    finally:
-        logging.getLogger("infinity").removeHandler(handler)
     assert handler.messages == []
     opt.engine.close()
 

@@ -9,12 +9,12 @@
 - slowed NVMe reads still give the same losses, and the stall shows in telemetry;
 - telemetry after a step: stalls >= 0, NVMe bytes equal to what the store read, hit rate.
 """
-import logging
 import time
 
 import pytest
 import torch
 from _configs import zero_config
+from _logs import kept_logs
 from _models import Stack, build, train_losses
 from torch import nn
 
@@ -138,23 +138,11 @@ def _dynamic_reference(steps):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 def _train_dynamic(cfg, steps):
     torch.manual_seed(0)
     model, opt = infinity.initialize(Dynamic(), cfg)
-    handler = _Records()
-    log = logging.getLogger("infinity")
-    log.addHandler(handler)
     losses, divergences, hit_rates = [], [], []
-    try:
+    with kept_logs() as handler:
         for step, x in enumerate(_dynamic_data(steps)):
             loss = model(x, step)
             loss.backward()
@@ -164,8 +152,6 @@ def _train_dynamic(cfg, steps):
             tel = opt.engine.telemetry()
             divergences.append(tel["trace_divergences"])
             hit_rates.append(tel["prefetch_hit_rate"])
-    finally:
-        log.removeHandler(handler)
     with infinity.GatheredParameters(list(model.parameters())):
         final = [p.detach().clone() for p in model.parameters()]
     opt.engine.close()

@@ -6,15 +6,16 @@ transformers. A 2-rank run under torchrun on the same global batch must give the
 losses and weights. The exported weights equal the trained ones exactly, sharded or not,
 with tied embeddings saved once. Bad input exits with status 2 and says what to change.
 """
-import concurrent.futures
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from _jobs import Jobs
 
 import infinity
 from infinity import train
@@ -47,15 +48,13 @@ def run_cli(args, launcher=None, cwd=None, env=None):
 
 
 def run_clis(*jobs):
-    """Independent one-rank jobs side by side, each ``args`` or ``(args, env)``; their results
-    in order, as ``run_cli`` gives them. A job is one process on one thread, so the two cores
-    of a small machine run two at once in the time of one."""
-    def run(job):
-        args, env = job if isinstance(job, tuple) else (job, None)
-        return run_cli(args, env=env)
-
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(run, jobs))
+    """Independent one-rank jobs side by side (tests/_jobs.py), each ``args`` or ``(args, env)``;
+    their results in order, as ``run_cli`` gives them."""
+    with tempfile.TemporaryDirectory() as out, Jobs(Path(out)) as started:
+        for i, job in enumerate(jobs):
+            args, env = job if isinstance(job, tuple) else (job, None)
+            started.start(str(i), [sys.executable, "-m", "infinity.train"] + args, env=env or _env())
+        return [started.result(str(i), timeout=TIMEOUT) for i in range(len(jobs))]
 
 
 def write_config(path, cfg):

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _configs import zero_config
+from _logs import kept_logs
 from _models import batches, build, loss_of
 from torch import nn
 
@@ -87,24 +88,11 @@ def test_hysteresis_delays_the_backoff():
     assert s.scale == 128 and s.skipped_steps == 5
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 def test_dynamic_scale_never_drops_below_min_scale_and_says_so():
     s = LossScaler(initial_scale_power=3, window=100, hysteresis=1, min_scale=2.0)
-    records = _Records()
-    infinity.logger.addHandler(records)
-    try:
+    with kept_logs(logging.INFO) as records:
         for _ in range(5):
             s.update(True)
-    finally:
-        infinity.logger.removeHandler(records)
     assert s.scale == 2.0 and s.skipped_steps == 5
     warnings = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
     assert len(warnings) == 3 and all("at its minimum 2" in w for w in warnings), warnings
