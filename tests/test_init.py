@@ -172,7 +172,8 @@ def _refusals_under_a_memory_limit(headroom):
 
     from infinity._runtime._host_memory import available
 
-    cfg = {"zero": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+    cfg = {"zero": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+           "precision": {"dtype": "fp32"}}  # pinned: the byte counts above are fp32's on every CPU
     small = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)])
     machine = available()[0]
     messages = []
