@@ -29,7 +29,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 
-# Build and runtime dependencies, and the test ones (TRL and datasets for tests/test_trl.py and the TRL
+# Build and runtime dependencies, and the test ones (TRL and datasets for tests/integration/test_trl.py and the TRL
 # examples). The installed torch is named with them, so no requirement can pull another build.
 need=""
 for mod in cffi:cffi pybind11:pybind11 psutil:psutil yaml:pyyaml tqdm:tqdm safetensors:safetensors \

@@ -1,4 +1,4 @@
-"""One rank of a two-rank job that trains a tiny GPT-2 and ends (tests/test_exit.py,
+"""One rank of a two-rank job that trains a tiny GPT-2 and ends (tests/integration/test_exit.py,
 scripts/stress_ranks.py). Started like torchrun starts a rank (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT in the environment). argv: the ZeRO stage, and who makes the process group:
 ``infinity`` (initialize does, from the environment) or ``user`` (the script does, then

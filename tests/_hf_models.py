@@ -1,4 +1,4 @@
-"""Tiny models for the exact-training grid (tests/test_exact_training.py), all built from
+"""Tiny models for the exact-training grid (tests/integration/test_exact_training.py), all built from
 configs (nothing downloads), each with a switch for activation checkpointing.
 
 - ``gpt2``: Hugging Face GPT-2 with tied embeddings (tests/_models.py).

@@ -1,5 +1,5 @@
 """A tiny Llama fine-tune through transformers.Trainer, plain or InfinityTrainer: shared by
-tests/test_hf_trainer.py (in-process and as a subprocess that gets killed) and the example."""
+tests/integration/test_hf_trainer.py (in-process and as a subprocess that gets killed) and the example."""
 import json
 import os
 import sys

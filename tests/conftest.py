@@ -1,5 +1,6 @@
 import logging
 import os
+import pathlib
 
 import pytest
 
@@ -19,6 +20,18 @@ preload_in_ranks("transformers", "transformers.models.gpt2.modeling_gpt2", "tran
 
 if _accelerator.kind() != "cuda":  # beside CUDA a second accelerator confuses autograd's streams and is_pinned
     _emulated.setup()
+
+
+UNIT = pathlib.Path(__file__).parent / "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
+def pytest_collection_modifyitems(items):
+    """The layer is the folder: every test under tests/unit is marked ``unit`` (in-process,
+    seconds); tests/integration holds the rest (ranks, subprocesses, multi-second runs)."""
+    for item in items:
+        if UNIT in item.path.parents:
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture

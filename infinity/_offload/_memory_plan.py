@@ -8,7 +8,7 @@ as ``{tier: {category: bytes}}`` (``ParamStore.plan``, ``MemoryOptimizerStore.pl
 gathered buffers. Everything that speaks of those bytes reads that one function: the
 preflight (``_preflight.plan``) with the run's real layout, ``Engine.tier_bytes`` and the
 stores' ``nbytes()``, the telemetry's account, and ``infinity.estimate`` with a layout
-derived from the model's shape. ``tests/test_memory_model.py`` checks the plan against the
+derived from the model's shape. ``tests/integration/test_memory_model.py`` checks the plan against the
 bytes the stores really mapped (Note [host memory ledger] in aio/_memory.py).
 
 Categories of host memory (the names the ledger and the plan share):

@@ -23,7 +23,7 @@ Rounding is stochastic (unbiased in code space): with round-to-nearest, ``v = 0.
 0.001 g^2`` changes v by 0.1% a step, less than half a bf16 ulp (0.4%) or an int8 step, and v
 would freeze; stochastic rounding keeps the expected update. The noise comes from the store's
 own generator (seeded by the rank), so runs are reproducible. ``scripts/bench_compressed_states.py``
-measures the codes on a real fine-tune; ``tests/test_compressed_moments.py`` bounds their
+measures the codes on a real fine-tune; ``tests/unit/test_compressed_moments.py`` bounds their
 round-trip errors.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ four 256-entry tables; the block sums are combined pairwise in a tree, one level
 of the length, each level one vectorized step over all pairs, so a file of N blocks costs
 O(N) array operations and log2(N) small tables (18 GB of swap: ~4.4 M sums, tens of ms). A
 block whose sum is not known (entry 0, or a prefix shorter than the block) is summed from the
-file itself by the caller. ``tests/test_checkpoint_clone.py`` checks this against the CRC32C
+file itself by the caller. ``tests/integration/test_checkpoint_clone.py`` checks this against the CRC32C
 of the bytes.
 """
 from __future__ import annotations

@@ -223,7 +223,7 @@ pybind11::dict stats() {
 }
 
 // c10's raw interface of the installed CPU allocator, as oneDNN uses it: ``count`` buffers of
-// ``bytes`` each, written and freed one after the other (tests/test_block_cache.py).
+// ``bytes`` each, written and freed one after the other (tests/unit/test_block_cache.py).
 void raw_round_trip(size_t count, size_t bytes) {
   c10::Allocator* a = c10::GetCPUAllocator();
   for (size_t i = 0; i < count; ++i) {

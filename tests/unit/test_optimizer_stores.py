@@ -13,8 +13,6 @@ from infinity._offload._optimizer_store import MemoryOptimizerStore
 from infinity._offload._swap import SwapDir
 from infinity._runtime._tiers import Tier
 
-pytestmark = pytest.mark.unit
-
 TOTAL, CHUNK = 3 * 4096 + 1024, 4096  # several chunks, the last one short
 RANGES = [(0, 5000), (5000, 4000), (9000, TOTAL - 9000)]  # three "units"' shards
 

@@ -14,7 +14,7 @@ import infinity
 from infinity.testing import run_ranks
 
 STEPS, ACCUM, LR, WD, CLIP = 4, 2, 2e-3, 0.01, 0.5
-RTOL = ATOL = 1e-5  # as tests/test_exact_training.py: Adam amplifies rounding where v is tiny
+RTOL = ATOL = 1e-5  # as tests/integration/test_exact_training.py: Adam amplifies rounding where v is tiny
 
 
 def _cfg(optim, nvme, **extra):

@@ -10,8 +10,6 @@ from infinity._runtime import _cpu_isa
 from infinity.errors import UsageError
 from infinity.optim import _native, adam_step, simd_path
 
-pytestmark = pytest.mark.unit
-
 AVX2 = {"sse4_2", "avx", "avx2", "fma"}  # an AMD EPYC without AVX512
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 

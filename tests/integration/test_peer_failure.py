@@ -61,7 +61,7 @@ except Exception as e:
 def _run(fault: str, stage: int) -> dict:
     port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-               TESTS_DIR=os.path.dirname(__file__), OMP_NUM_THREADS="1")
+               TESTS_DIR=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, fault, str(stage)], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:

@@ -22,7 +22,7 @@ from infinity import train
 from infinity._apps._train_data import Batches, ByteTokenizer, DataError, read_texts, token_windows
 from infinity._checkpoint._safetensors_export import INDEX_FILE, export_safetensors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
 TINY_MODEL = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 258,
               "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}

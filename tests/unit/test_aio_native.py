@@ -14,7 +14,7 @@ from infinity.aio import AioError, AsyncIO
 from infinity.aio._inject import clear, inject
 from infinity.errors import UsageError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _NO_THREADS = textwrap.dedent("""
     import resource

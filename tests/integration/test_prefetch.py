@@ -39,7 +39,7 @@ def _config(stage, param, optim, nvme, *, prefetch=True, persist=DEFAULT_PERSIST
         pf["persistence_threshold"] = persist
     cfg = zero_config(stage, param=param if stage == 3 else None, optim=optim, nvme=nvme, chunk=4096, bucket=3000,
                       prefetch=pf, adam="adamw", lr=LR, weight_decay=0.01, clip=CLIP)
-    if param == "nvme":  # the prefetcher's reads, not the parameter cache's hits (tests/test_param_cache.py)
+    if param == "nvme":  # the prefetcher's reads, not the parameter cache's hits (tests/unit/test_param_cache.py)
         cfg["zero"]["offload_param"]["max_in_cpu"] = 0
     return cfg
 

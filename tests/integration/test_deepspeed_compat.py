@@ -16,7 +16,7 @@ from _jobs import Jobs
 from infinity._runtime._schedule import make_scheduler
 from infinity.config import Config, ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "deepspeed"
 NVME_TUNING = ["zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.fast_init",
                "zero_optimization.stage3_max_reuse_distance"]  # offload_param.max_in_cpu: the parameter cache

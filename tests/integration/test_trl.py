@@ -21,7 +21,7 @@ from infinity._zero._engine import engine_of  # noqa: E402
 from infinity.errors import UsageError  # noqa: E402
 from infinity.testing import run_ranks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from trl_dpo import run_dpo  # noqa: E402

@@ -10,9 +10,7 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
-
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infinity")
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "infinity")
 
 # Lowest first; within a layer, a module imports only modules listed before it. A package's
 # own docstring-only ``__init__`` comes first. Public packages (errors, config, aio, optim,
@@ -101,7 +99,7 @@ def _graph():
 
 def test_every_module_has_a_place():
     missing = sorted({name for name, _, _ in _modules()} - set(POSITION))
-    assert not missing, f"add these modules to a layer in tests/test_layering.py: {missing}"
+    assert not missing, f"add these modules to a layer in tests/unit/test_layering.py: {missing}"
 
 
 def test_at_most_twelve_modules_directly_in_the_package():

@@ -12,9 +12,7 @@ import infinity
 import infinity.config as config_mod
 from infinity.config import Config, ConfigError
 
-pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
 
 @pytest.fixture
@@ -547,6 +545,6 @@ def test_the_readme_config_reference_is_generated_from_the_schema():
     rewrites it): a key or help text changed in schema.py without regenerating it fails here."""
     import pathlib
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("<!-- config-reference:begin -->", 1)[1].split("<!-- config-reference:end -->", 1)[0]
     assert block.strip() == infinity.Config.reference_markdown().strip(), "run python scripts/update_readme.py"

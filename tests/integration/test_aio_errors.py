@@ -19,7 +19,7 @@ from infinity.aio import AioError, AsyncIO
 
 BACKENDS = ["io_uring", "threads"]
 MiB = 1 << 20
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(params=BACKENDS)

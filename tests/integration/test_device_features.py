@@ -1,6 +1,6 @@
 """The features beside plain training, on the device: each runs on the accelerator (the
 emulated one in CI, Note [emulated accelerator]; CUDA with ``INFINITY_ACCELERATOR=cuda``) and is
-compared with plain PyTorch on the same device, as tests/test_device_matrix.py compares
+compared with plain PyTorch on the same device, as tests/integration/test_device_matrix.py compares
 training: fp32, every loss and every final weight within 1e-5.
 
 - checkpoints: save after 2 steps, load into a fresh engine (other initial weights), 2 more

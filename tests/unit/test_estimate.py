@@ -14,8 +14,6 @@ import infinity
 from infinity._apps._estimate_cli import main
 from infinity._apps._estimator import EstimateError, estimate, parse_count, parse_size
 
-pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
-
 TiB, GiB = 2**40, 2**30
 DGX2 = dict(gpus=16, gpu_mem="32GB", cpu_mem="1.5TB", nvme="28TB")   # 002 Fig. 2b, one node
 

@@ -248,7 +248,7 @@ def test_refused_saves_leave_nothing_and_keep_last_prunes_after_commit(tmp_path)
 
 # ---------------------------------------------------------------------------------------- kill -9
 
-KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "checkpoint_kill_loop.py")
+KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "checkpoint_kill_loop.py")
 
 
 def test_kill_during_save_leaves_latest_complete(tmp_path):

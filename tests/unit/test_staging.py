@@ -7,8 +7,6 @@ import torch
 from infinity._zero._staging import Source, Staging
 from infinity.errors import InvariantError
 
-pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
-
 NUMEL = 4
 
 

@@ -142,7 +142,8 @@ def measured_runs(tmp_path_factory):
     """The tiny GPT-2 of scripts/check_run_model.py trained in a fresh process per tier (its
     VmHWM is its own), both started at once (tests/_jobs.py)."""
     root = tmp_path_factory.mktemp("measured")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "check_run_model.py")
+    root_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root_dir, "scripts", "check_run_model.py")
     with Jobs(root) as jobs:
         for tier in ("cpu", "nvme"):
             spec = dict(MEASURED_RUN, tier=tier, nvme=str(root / tier), steps=1, warmup=1)

@@ -237,7 +237,7 @@ def test_blocking_must_be_a_bool(value):
         infinity.save_checkpoint("unused", torch.nn.Linear(1, 1), None, blocking=value)
 
 
-KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "checkpoint_kill_loop.py")
+KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "checkpoint_kill_loop.py")
 
 
 def test_kill_during_async_saves_leaves_latest_complete(tmp_path):

@@ -185,7 +185,7 @@ def test_save_across_filesystems_copies(tmp_path):
     assert kinds == ["crc32"] and version == 1  # every file copied: readable by a reader of version 1
 
 
-KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "checkpoint_kill_loop.py")
+KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "checkpoint_kill_loop.py")
 
 
 def test_kill_during_cloned_saves_leaves_latest_complete(tmp_path):

@@ -23,8 +23,6 @@ from infinity._offload._swap_pipeline import SwapPipeline, TailState
 from infinity._runtime._tiers import Tier
 from infinity.errors import InvariantError
 
-pytestmark = pytest.mark.unit
-
 CHUNK = 4096
 TOTAL = 3 * CHUNK + 1024  # three whole chunks and a short one
 AIO = infinity.Config.from_dict({}).aio

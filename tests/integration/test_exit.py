@@ -15,7 +15,7 @@ import pytest
 
 from infinity.testing import free_port
 
-RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exit_rank.py")
+RANK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_exit_rank.py")
 ROOT = os.path.dirname(os.path.dirname(RANK))  # the ranks import this checkout's infinity
 
 

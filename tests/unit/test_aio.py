@@ -13,8 +13,6 @@ import torch
 
 from infinity.aio import AioError, AsyncIO, aligned_empty
 
-pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
-
 BACKENDS = ["io_uring", "threads"]
 KiB, MiB = 1 << 10, 1 << 20
 

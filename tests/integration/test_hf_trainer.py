@@ -23,7 +23,7 @@ from _trainer_job import dataset, losses, tiny_llama, training_args  # noqa: E40
 from infinity.integrations.transformers import InfinityTrainer  # noqa: E402
 from infinity.testing import run_ranks  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: the job script and the helpers
 
 
 def _nvme_config(path: str) -> dict:
@@ -257,7 +257,7 @@ def test_activation_checkpointing_through_training_arguments(tmp_path):
 
 
 def test_deepspeed_json_path_resolved_from_the_model_and_arguments(tmp_path):
-    path = Path(__file__).resolve().parent.parent / "examples" / "deepspeed" / "ds_zero3_bf16_cpu_auto.json"
+    path = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "ds_zero3_bf16_cpu_auto.json"
     model = tiny_llama()
     args = training_args(str(tmp_path), learning_rate=2e-4, max_grad_norm=0.5, weight_decay=0.0)
     trainer = InfinityTrainer(model=model, args=args, train_dataset=dataset(), infinity_config=str(path))

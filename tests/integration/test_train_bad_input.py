@@ -19,7 +19,7 @@ from infinity import train
 from infinity._apps._train_data import DataError, read_texts
 from infinity._offload._preflight import _amounts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 258, "n_positions": 64}
 
 

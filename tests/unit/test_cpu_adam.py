@@ -10,8 +10,6 @@ import torch
 
 from infinity.optim import CPUAdam, _native, adam_step, simd_path
 
-pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
-
 FEATURES = _native.cpu_features()
 PATHS = ["scalar"] + [p for p in ("avx2", "avx512") if FEATURES[p]]
 if FEATURES["avx512"]:

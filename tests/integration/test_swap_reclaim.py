@@ -17,7 +17,7 @@ import time
 
 from infinity._offload._swap import OWNER, SwapDir, _owner_line, reclaim_stale
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 258, "n_positions": 64}
 
 

@@ -7,7 +7,7 @@ ENOSPC), come back short, stall past ``aio.timeout``, or deliver flipped or zero
 Every case ends in a named error (the file, the operation, errno or the checksum mismatch)
 within a bounded time, no loss before it is NaN, and ``close`` removes the swap directory.
 
-``python tests/test_faults.py`` prints the table of fault x where x outcome x time to error.
+``python tests/integration/test_faults.py`` prints the table of fault x where x outcome x time to error.
 """
 import errno
 import faulthandler
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers
 from _configs import streamed_nvme_config  # noqa: E402
 from _models import gpt2, train_into  # noqa: E402
 

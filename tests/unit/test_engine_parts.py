@@ -29,8 +29,6 @@ from infinity._zero._unit import FetchUnit, UnitContext
 from infinity._zero._unit_plan import plan_units
 from infinity.errors import InvariantError, WaitTimeout
 
-pytestmark = pytest.mark.unit  # in-process and fast: pytest -m unit
-
 
 @pytest.fixture(autouse=True)
 def hang_guard():
