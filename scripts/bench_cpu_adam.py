@@ -1,6 +1,6 @@
 """Benchmark of the native CPU Adam against torch, measured in the same run.
 
-For each size (default 64M and 256M parameters, 2 threads):
+For each size (default 64M and 256M parameters) and thread count (default 2):
   fp32:  infinity adam_step vs torch.optim.AdamW(fused=True) and (foreach=True)
   mixed: fp32 master + bf16 grads + bf16 params_out in one pass, vs the torch sequence
          doing the same work (cast grad to fp32, fused AdamW, cast params to bf16)
@@ -13,6 +13,11 @@ state is pointed at our moment tensors), so background load hits all of them ali
 Each figure is the median of --reps rounds ([min-max] beside it shows the noise).
 
     python scripts/bench_cpu_adam.py [--sizes 64M,256M] [--threads 2] [--reps 5]
+    python scripts/bench_cpu_adam.py --sizes 64M --threads 1,2,4,8,16   # the rate against thread count
+
+With several thread counts a last table gives, per count, the mixed step's rate (elements per
+second) for ours and torch's, and the memory bandwidth measured at that count: where ours
+stops growing with threads, the step is bound by memory, not by arithmetic.
 """
 from __future__ import annotations
 
@@ -95,7 +100,7 @@ def run_size(n: int, threads: int, reps: int) -> dict:
     return times
 
 
-def report(n: int, times: dict, threads: int) -> None:
+def report(n: int, times: dict, threads: int) -> dict:
     gb = 1e9
     t = {name: statistics.median(ts) for name, ts in times.items()}
     # Copy: read src + write dst + the write-allocate read of dst (ordinary stores).
@@ -121,20 +126,32 @@ def report(n: int, times: dict, threads: int) -> None:
         print(f"  {label:52s} {t[name] * 1e3:8.1f} ms  [{lo * 1e3:.0f}-{hi * 1e3:.0f}]{ratio}")
     print(f"  bandwidth bound fp32 {bound_fp32 * 1e3:.1f} ms: ours at {bound_fp32 / t['ours fp32']:.0%} of it; "
           f"mixed {bound_mixed * 1e3:.1f} ms: ours at {bound_mixed / t['ours mixed']:.0%}")
+    return {"threads": threads, "params": n, "ours_mixed_gelems": n / t["ours mixed"] / 1e9,
+            "torch_mixed_gelems": n / t["torch mixed"] / 1e9, "bandwidth_gbps": bw / gb}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64M,256M", help="comma-separated parameter counts (K/M/G suffixes)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", default="2", help="thread count, or a comma-separated list of them")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.reps < 3:
         ap.error("--reps must be >= 3 (figures are medians)")
-    torch.set_num_threads(args.threads)
-    for size in args.sizes.split(","):
-        n = parse_size(size)
-        report(n, run_size(n, args.threads, args.reps), args.threads)
+    counts = [int(x) for x in args.threads.split(",")]
+    if any(c < 1 for c in counts):
+        ap.error("--threads: positive thread counts")
+    rows = []
+    for threads in counts:
+        torch.set_num_threads(threads)
+        for size in args.sizes.split(","):
+            n = parse_size(size)
+            rows.append(report(n, run_size(n, threads, args.reps), threads))
+    if len(counts) > 1:
+        print("\nthreads | params | ours mixed (G elements/s) | torch mixed (G elements/s) | bandwidth (GB/s)")
+        for r in rows:
+            print(f"{r['threads']:7d} | {r['params'] / 2**20:5.0f}M | {r['ours_mixed_gelems']:25.2f} | "
+                  f"{r['torch_mixed_gelems']:26.2f} | {r['bandwidth_gbps']:.1f}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
+from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from ..errors import StorageError, WaitTimeout
 from ._format import MANIFEST, fsync_dir
@@ -46,9 +47,12 @@ class SaveHandle:
         self._thread: Optional[threading.Thread] = None
 
     def start(self, body: Callable[[], None]) -> "SaveHandle":
+        backend = acc.current()  # Note [backend per thread] in _accelerator/__init__.py
+
         def run():
             try:
-                body()
+                with acc.bound(backend):
+                    body()
             except BaseException as e:  # noqa: BLE001 - kept for wait() and the next save
                 self._error = e
 

@@ -224,6 +224,12 @@ class NvmeOptimizerStore:
         """The accumulated gradient shards as one tensor, when they are in host memory."""
         return self.grads.mem
 
+    def landing_slot(self, offset: int, numel: int) -> Optional[torch.Tensor]:
+        return None  # gradients are added (in fp32 on the host or into a swap file): none lands in place
+
+    def note_norm(self, offset: int, norm: torch.Tensor) -> None:
+        pass
+
     def scale_grads(self, coef: float) -> None:
         self.pipeline.coef = coef  # applied per chunk inside update, saving a pass over the file
 

@@ -7,7 +7,7 @@ holds them on the device or in host memory (``none``/``cpu``); the NVMe tier is
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Tuple
 
@@ -16,6 +16,7 @@ import torch
 from .._runtime import _accelerator as acc
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
+from ._grad_buffer import GradBuffer, sq_and_finite  # noqa: F401 - sq_and_finite: the stores' one norm
 from ._layout import ALIGN_ELEMS, round_up
 from ._memory_plan import GRADIENTS, OPT_STATES, totals
 
@@ -38,6 +39,8 @@ class Chunk:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     changed: Optional[List[Tuple[int, int]]] = None
+    grad_read: Optional[Callable[[], None]] = None  # the update is done reading ``grad``, before it publishes
+    # the chunk (Note [one gradient buffer])
 
 
 class OptimizerStore(Protocol):
@@ -57,6 +60,11 @@ class OptimizerStore(Protocol):
 
     # gradients: accumulated by the sink, inspected and scaled by the step
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None: ...
+
+    # Note [gradients landed in place] in _grad_buffer.py: a unit's range to copy its gradient into, or None
+    def landing_slot(self, offset: int, numel: int) -> Optional[torch.Tensor]: ...
+
+    def note_norm(self, offset: int, norm: torch.Tensor) -> None: ...
 
     def wait_grad_writes(self) -> None: ...
 
@@ -102,15 +110,24 @@ def zeros_host(n: int, what: str) -> torch.Tensor:
 
 
 class MemoryOptimizerStore:
-    """Master weights, moments and gradient shards as flat tensors in memory.
+    """Master weights, moments and gradient shards as flat tensors in memory (the gradients
+    a ``GradBuffer``: Note [gradients landed in place] in _grad_buffer.py).
 
     ``overlapped``: the step runs beside the next forward and backward (Note [overlapped
-    step] in _zero_optimizer.py, here with the parameters on NVMe). ``seal_grads`` then hands the
-    accumulated gradients to the update and accumulation starts in a second buffer; the
-    update walks the flat space in pieces of whole units, about ``chunk`` elements each
-    (``update_head`` the first piece, e.g. a large embedding whole, on the caller's thread;
-    ``update_tail`` the rest), and zeroes each sealed piece once used, so the sealed buffer
-    comes back as the next step's accumulation buffer instead of a fresh allocation."""
+    step] in _zero_optimizer.py). The update walks the flat space in pieces of whole units,
+    about ``chunk`` elements each (``update_head`` the first piece, e.g. a large embedding
+    whole, on the caller's thread; ``update_tail`` the rest), applying the step's gradient
+    coefficient (unscaling, clipping) to each piece as it reads it, off the step's critical
+    path.
+
+    Note [one gradient buffer]: the overlapped update and the next backward share one
+    gradient buffer. The update zeroes each piece once Adam has read it and before it
+    publishes the piece (``Chunk.grad_read``); the next backward adds a unit's gradient only
+    after computing with the unit, which it fetched only once the step gate had published
+    the unit's range. So every gradient the backward adds lands in a piece already read and
+    zeroed, and a second buffer (4 bytes per parameter of host memory, and its page faults)
+    is not needed. ``zero_grads`` leaves a buffer alone while an update reads it (the update
+    zeroes it) and when nothing was added since it was last zeroed."""
 
     def __init__(self, tier: Tier, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
@@ -124,36 +141,43 @@ class MemoryOptimizerStore:
         self.pieces = _unit_pieces(ranges or [], total, chunk_elems(chunk, total)) if overlapped else []
         self.head = self.pieces[0][1] if self.pieces else 0
         self.master = self._alloc()
-        self.grad = None if lazy_grad else self._alloc(GRADIENTS)
-        self._sealed: Optional[torch.Tensor] = None  # the gradients an overlapped update reads
-        self._spare: Optional[torch.Tensor] = None  # a zeroed buffer the last update gave back
+        self.grads = GradBuffer(lambda: self._alloc(GRADIENTS), ranges or [], lazy=lazy_grad, host=tier is Tier.CPU)
+        self._sealed: Optional[torch.Tensor] = None  # the gradients an overlapped update reads: the buffer itself
+        self._read_upto = 0  # an overlapped update has read and zeroed the gradients below this offset
         self.exp_avg = self._alloc()
         self.exp_avg_sq = self._alloc()
+
+    @property
+    def grad(self) -> Optional[torch.Tensor]:
+        return self.grads.tensor
 
     def load_master(self, offset: int, values: torch.Tensor) -> None:
         self.master[offset : offset + values.numel()].copy_(values)
 
-    def _grad_buffer(self) -> torch.Tensor:
-        if self.grad is None:
-            self.grad, self._spare = (self._spare if self._spare is not None else self._alloc(GRADIENTS)), None
-        return self.grad
-
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
-        self._grad_buffer()[offset : offset + shard_grad.numel()].add_(shard_grad, alpha=scale)
+        self.grads.add(offset, shard_grad, scale)
+
+    def landing_slot(self, offset: int, numel: int) -> Optional[torch.Tensor]:
+        return self.grads.landing_slot(offset, numel)  # Note [gradients landed in place] in _grad_buffer.py
+
+    def note_norm(self, offset: int, norm: torch.Tensor) -> None:
+        self.grads.note_norm(offset, norm)
 
     def grad_stats(self) -> tuple:
         """(sum of squares in float64, all finite) over the gradient shards."""
-        return sq_and_finite(self._grad_buffer())
+        return self.grads.stats()
 
     def scale_grads(self, coef: float) -> None:
-        self.grad.mul_(coef)
+        self.grads.coef = coef  # applied by the update, piece by piece
 
     def finalize_grads(self) -> None:
         pass
 
     def seal_grads(self) -> None:
-        if self.overlapped:
-            self._sealed, self.grad = self._grad_buffer(), None
+        if self.overlapped:  # Note [one gradient buffer]
+            self._sealed = self.grads.get()
+            self._read_upto = 0
+            self.grads.zero = True  # once the update is done, but for what the next backward adds
         # otherwise the step reads ``grad`` in place and zeroes it when done
 
     def wait_grad_writes(self) -> None:
@@ -161,7 +185,11 @@ class MemoryOptimizerStore:
 
     def update(self, fn: Callable[[Chunk], None]) -> None:
         if self._sealed is None:
-            fn(Chunk(0, self.master, self.grad, self.exp_avg, self.exp_avg_sq))
+            g = self.grads.get()
+            if self.grads.coef != 1.0:
+                g.mul_(self.grads.coef)
+                self.grads.coef = 1.0
+            fn(Chunk(0, self.master, g, self.exp_avg, self.exp_avg_sq))
         else:
             self.update_head(fn)
             self.update_tail(fn)
@@ -171,21 +199,28 @@ class MemoryOptimizerStore:
 
     def update_tail(self, fn: Callable[[Chunk], None]) -> None:
         self._walk(fn, self.head, self.total)
-        self._spare, self._sealed = self._sealed, None
+        self._sealed = None
+        self.grads.coef = 1.0
 
     def _walk(self, fn: Callable[[Chunk], None], lo: int, hi: int) -> None:
-        g = self._sealed
+        g, coef = self._sealed, self.grads.coef
         for start, end in self.pieces:
             if lo <= start < hi:
                 sl = slice(start, end)
-                fn(Chunk(start, self.master[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl]))
-                g[sl].zero_()
+                if coef != 1.0:
+                    g[sl].mul_(coef)
+                fn(Chunk(start, self.master[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
+                         grad_read=functools.partial(self._grad_read, start, end)))
+
+    def _grad_read(self, start: int, end: int) -> None:
+        self.grads.zero_range(start, end)
+        self._read_upto = end  # pieces are walked in order, the head first
 
     def zero_grads(self) -> None:
         if self.lazy_grad:
-            self.grad = None
-        elif self.grad is not None:
-            self.grad.zero_()
+            self.grads.drop()
+        else:  # Note [one gradient buffer]: while an update reads the buffer, it zeroes the rest itself
+            self.grads.zero_below(self.total if self._sealed is None else self._read_upto)
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         return self.master[offset : offset + numel]
@@ -194,7 +229,7 @@ class MemoryOptimizerStore:
         return self.master
 
     def grads_flat(self) -> Optional[torch.Tensor]:
-        return self.grad
+        return self.grads.tensor
 
     def checkpoint_sources(self) -> dict:
         """Master weights and moments by name, for a checkpoint (Note [checkpoint layout] in
@@ -212,11 +247,12 @@ class MemoryOptimizerStore:
         weights stay, as they may be the parameters' own shards (Note [parameters from the
         master] in _placement.py)."""
         self.exp_avg = self.exp_avg_sq = None
-        self.grad = self._sealed = self._spare = None
+        self.grads.drop()
+        self._sealed = None
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient buffers held now: accumulating, sealed for an update, spare."""
-        return sum(g.numel() * 4 for g in (self.grad, self._sealed, self._spare) if g is not None)
+        """Bytes of the gradient buffer held now (Note [one gradient buffer])."""
+        return self.grads.nbytes()
 
     def release_idle(self, block: bool = True) -> None:
         """Nothing here sits idle through the activation peak: the states are the only copy."""
@@ -233,10 +269,9 @@ class MemoryOptimizerStore:
     @staticmethod
     def plan(tier: Tier, total: int, overlapped: bool, lazy_grad: bool = False) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory_plan.py): master weights, moments
-        and gradients; an overlapped step's sealed gradients beside the accumulating ones,
-        and for a moment the spare it gives back when the next backward has already started
-        a new buffer. (Stage 1's lazy gradient exists during the step only, but then whole.)"""
-        return {tier.memory: {OPT_STATES: 3 * 4 * total, GRADIENTS: (3 if overlapped else 1) * 4 * total}}
+        and one gradient buffer, overlapped or not (Note [one gradient buffer]). (Stage 1's
+        lazy gradient exists during the step only, but then whole.)"""
+        return {tier.memory: {OPT_STATES: 3 * 4 * total, GRADIENTS: 4 * total}}
 
 
 
@@ -268,16 +303,6 @@ def head_elems(host_cache: Optional[int], ranges: List[tuple], chunk: int, total
         end = next((o + n for o, n in ranges if n), 0)
         host_cache = min(end, HOST_CACHE_AUTO)
     return min(round_up(host_cache, chunk), round_up(total, chunk))
-
-
-
-
-def sq_and_finite(t: torch.Tensor) -> tuple:
-    """Squared L2 norm and finiteness in one pass: a NaN or inf anywhere makes the norm
-    non-finite (so does overflow of the sum, which only ever matters as an overflow)."""
-    norm = float(torch.linalg.vector_norm(t))
-    return norm * norm, math.isfinite(norm)
-
 
 
 

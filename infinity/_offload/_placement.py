@@ -59,7 +59,8 @@ class Placement:
         align = ALIGN_ELEMS if Tier.NVME in (opt_tier, param_tier) else 1
         layout = Layout.assign(specs, align)
         states_in_host = opt_tier is Tier.CPU or (opt_tier is Tier.DEVICE and acc.device().type == "cpu")
-        overlap = partition_params and (opt_tier is Tier.NVME or (param_tier is Tier.NVME and states_in_host))
+        overlap = overlap_step(z.offload_optimizer.overlap_step, partition_params, opt_tier, param_tier,
+                               states_in_host)
         grads_in_memory = opt_tier is Tier.NVME and gradients_in_host(z.offload_optimizer.gradients, layout.opt_total)
         fp32_same = partition_params and dtype == torch.float32 and layout.same_spaces
         params_are_master = fp32_same and (opt_tier.resident and param_tier is opt_tier
@@ -77,6 +78,19 @@ class Placement:
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+
+def overlap_step(choice: str, partition_params: bool, opt_tier: Tier, param_tier: Tier, states_in_host: bool) -> bool:
+    """Whether the update runs beside the next forward (``zero.offload_optimizer.overlap_step``;
+    Note [overlapped step] in _zero_optimizer.py). Only at stage 3 with the states off the
+    device (on the host or NVMe) can it. ``auto``: with an accelerator, always (the device
+    computes while the host updates); on the CPU alone, where the forward needs the cores,
+    only when the step is bound by its I/O (an NVMe tier)."""
+    can = partition_params and (opt_tier is Tier.NVME or states_in_host)
+    if choice != "auto":
+        return can and choice == "on"
+    io_bound = opt_tier is Tier.NVME or (param_tier is Tier.NVME and states_in_host)
+    return can and (io_bound or (acc.has_accelerator() and opt_tier is not Tier.DEVICE))
 
 
 def gradients_in_host(choice: str, total: int) -> bool:

@@ -19,6 +19,16 @@ class Counters:
         self.hits = 0
         self.misses = 0
         self.divergences = 0
+        self.update = {"seconds": 0.0, "elements": 0, "peak_threads": 0, "background_seconds": 0.0}
+
+    def note_update(self, seconds: float, elements: int, threads: int, background: bool) -> None:
+        """The optimizer updated ``elements`` in ``seconds`` on ``threads`` threads (on the
+        overlapped step's thread when ``background``)."""
+        self.update["seconds"] += seconds
+        self.update["elements"] += elements
+        self.update["peak_threads"] = max(self.update["peak_threads"], threads)
+        if background:
+            self.update["background_seconds"] += seconds
 
     @contextlib.contextmanager
     def blocked(self, stage: str):
@@ -38,4 +48,5 @@ class Counters:
             "prefetch_misses": self.misses,
             "prefetch_hit_rate": self.hits / fetches if fetches else None,
             "trace_divergences": self.divergences,
+            "update": dict(self.update),
         }

@@ -15,6 +15,7 @@ import math
 import threading
 from typing import Callable, ContextManager, Optional
 
+from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from ..errors import WaitTimeout
 
@@ -54,9 +55,12 @@ class StepGate:
     def run_in_background(self, target: Callable[[], None]) -> None:
         """Run the rest of the step on a thread; its exception is re-raised by the next wait.
         Not a daemon: an interpreter that exits right after step() first lets the update land."""
+        backend = acc.current()  # Note [backend per thread] in _accelerator/__init__.py
+
         def run():
             try:
-                target()
+                with acc.bound(backend):
+                    target()
                 self.close()
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread at the next wait
                 self.fail(e)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
@@ -313,10 +315,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ overlapped step
 
     def _launch_step(self, plan: Plan) -> None:
-        """Note [overlapped step]: with the optimizer states on NVMe, or the parameters on NVMe
-        and the optimizer states in host memory, the step is bound by its reads and writes
-        rather than by its arithmetic, so it runs on a background thread, chunk by chunk in
-        flat (= unit) order, while the next forward and backward run. The step gate's published
+        """Note [overlapped step]: at stage 3 with the optimizer states off the device, the
+        update runs on a background thread, chunk by chunk in flat (= unit, = forward) order,
+        while the next forward and backward run (``zero.offload_optimizer.overlap_step``;
+        ``Placement.of`` decides): with an accelerator always, since the device computes while
+        the host updates (the step then takes about the larger of the two, not their sum), on
+        all the cores the rank may use; on the CPU alone only when the step is bound by its
+        reads and writes (an NVMe tier), since there the forward needs the cores. The step gate's published
         offset (Note [step gate] in _step_gate.py) is the flat offset below which every shard
         is updated (its write to the parameter tier may still be in flight: a fetch that reads
         the tier waits for the writes first); a unit is fetched only once its range is below it
@@ -334,10 +339,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gate.run_in_background(lambda: self._run_tail(plan))
 
     def _run_tail(self, plan: Plan) -> None:
-        # One thread for the math while the next forward computes on the other cores; every
-        # thread while the forward waits for this step (the large-model regime: the step is
-        # then the critical path, and its arithmetic would otherwise run on one core).
-        alone = plan.with_hyper(num_threads=1) if self._adam is not None else plan
+        # With an accelerator the device computes the next forward and the host's cores are
+        # free: the update takes all of them. On the CPU alone, one thread for the math while
+        # the next forward computes on the other cores; every thread while the forward waits
+        # for this step (the large-model regime: the step is then the critical path, and its
+        # arithmetic would otherwise run on one core).
+        alone = plan.with_hyper(num_threads=1) if self._adam is not None and not acc.has_accelerator() else plan
 
         def update(chunk: Chunk) -> None:
             self._update_chunk(chunk, plan if self.gate.waited_on else alone, None, publish=True)
@@ -355,6 +362,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Adam on the parts of one chunk the plan covers (Note [update plan]); the chunk's
         fresh compute-dtype values go where they belong (fused into Adam's pass where the
         native Adam can write them)."""
+        began = time.perf_counter()
         n = chunk.master.numel()
         end = chunk.offset + n
         ps = self.param_store
@@ -383,6 +391,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         upto = chunk.offset + n
         if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
             upto = self._outputs_done(chunk.offset, end, chunk.changed)
+        if chunk.grad_read is not None:  # before the next backward may add to it (Note [one gradient buffer] in
+            chunk.grad_read()  # _optimizer_store.py)
+        self.ops.counters.note_update(time.perf_counter() - began, n, _threads_of(plan, self._adam is not None),
+                                      threading.current_thread() is not threading.main_thread())
         if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
             self.gate.publish(upto)
 
@@ -469,14 +481,17 @@ class GradSink:
     A shard gradient on the device is copied into pinned memory on the device->host stream;
     before the reducer reuses a bucket (``consumers_done``) the compute stream waits for the
     last copy's event, the CPU does not. The sink adds a landed copy to the store when a later
-    gradient arrives, waits for the oldest only when GRADS_IN_FLIGHT are in flight, and lands
-    all of them before the step reads the gradients (``flush``), in the order they came (a
-    range accumulated twice keeps its order)."""
+    gradient arrives, waits for the oldest only when GRADS_IN_FLIGHT staged copies are in
+    flight, and lands all of them before the step reads the gradients (``flush``), in the
+    order they came (a range accumulated twice keeps its order). A unit's first gradient into
+    pinned host memory is copied straight into its range instead, with nothing to add (Note
+    [gradients landed in place] in _grad_buffer.py)."""
 
     def __init__(self, store: OptimizerStore, units: List["FetchUnit"], grad_scale: float, counters):
         self._store = store
         self._host_store = store.tier is not Tier.DEVICE  # the CPU and NVMe tiers read gradients on the CPU
-        self._landing: collections.deque = collections.deque()  # (unit, host copy, event, scale), oldest first
+        self._landing: collections.deque = collections.deque()  # (unit, host copy or None, event, scale), oldest first
+        self._staged = 0  # copies in ``_landing`` into staging memory (not landed in place), to add on landing
         self.grad_scale = grad_scale
         self._counters = counters
         self._unit_first = _first_param_index(units)
@@ -490,24 +505,36 @@ class GradSink:
                 self.got_grad[first + j] = 1.0
 
     def accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
-        self._counters.bytes["grad_offload"] += shard_grad.numel() * 4
+        self._counters.bytes["grad_offload"] += shard_grad.numel() * shard_grad.element_size()
         if self._host_store and shard_grad.device.type != "cpu":  # Note [gradients to the host]
+            slot = self._store.landing_slot(unit.opt_offset, shard_grad.numel())
+            if slot is not None:  # Note [gradients landed in place] in _grad_buffer.py
+                src = shard_grad if self.grad_scale == 1.0 else shard_grad * self.grad_scale
+                self._store.note_norm(unit.opt_offset, torch.linalg.vector_norm(src))
+                _, event = acc.start_copy_to_host(src, out=slot)
+                self._counters.bytes["grad_landed_in_place"] += src.numel() * src.element_size()
+                self._landing.append((unit, None, event, 1.0))
+                self._land(wait=False)
+                return
             host, event = acc.start_copy_to_host(shard_grad)
             self._landing.append((unit, host, event, self.grad_scale))
-            self._land(wait=len(self._landing) > GRADS_IN_FLIGHT)
+            self._staged += 1
+            self._land(wait=self._staged > GRADS_IN_FLIGHT)
             return
         with self._counters.blocked("grad_offload"):
             self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
 
     def _land(self, wait: bool, every: bool = False) -> None:
-        """Add the landed copies to the store, oldest first; ``wait``: the oldest at least,
-        ``every``: all of them."""
+        """Add the landed copies to the store, oldest first (one copied in place has nothing
+        to add); ``wait``: up to the oldest staged copy at least, ``every``: all of them."""
         while self._landing and (wait or self._landing[0][2].query()):
             unit, host, event, scale = self._landing.popleft()
             with self._counters.blocked("grad_offload"):
                 acc.wait_copy_to_host(event)
-                self._store.accumulate(unit.opt_offset, host, scale)
-            wait = every
+                if host is not None:
+                    self._store.accumulate(unit.opt_offset, host, scale)
+                    self._staged -= 1
+            wait = every or (wait and host is None)
 
     def flush(self) -> None:
         """Every gradient delivered so far is in the store."""
@@ -536,6 +563,13 @@ def _first_param_index(units) -> List[int]:
         out.append(n)
         n += len(unit.params)
     return out
+
+
+def _threads_of(plan: Plan, native: bool) -> int:
+    """Threads the update of ``plan`` runs on: the native Adam's (its default, torch's
+    intra-op count), else torch's."""
+    asked = plan.runs[0].hyper.get("num_threads") if native and plan.runs else None
+    return asked or torch.get_num_threads()
 
 
 def _pieces(lo: int, hi: int, targets: list):

@@ -108,6 +108,12 @@ class OptimizerOffloadConfig:
         "overlap", "nvme: overlap: a chunk's reads run while the previous chunk's writes drain (NVMe devices serve "
         "both at once); phased: reads and writes take turns, the update's arithmetic overlapping the reads only "
         "(for disks that serve mixed I/O slowly; measure with scripts/bench_disk_mix.py)")
+    # Note [overlapped step] in _zero_optimizer.py
+    overlap_step: Literal["auto", "on", "off"] = _opt(
+        "auto", "stage 3 with the states off the device: run the update on a background thread, unit by unit in the "
+        "order the next forward needs them, while that forward runs; auto: on with an accelerator (whose compute then "
+        "overlaps the host's update) or an NVMe tier (the update is bound by its I/O), off on a CPU-only run with the "
+        "states in host memory (the forward needs the cores); off: the update finishes inside step()")
 
     _cross_check = _check_optimizer_offload_section
 

@@ -151,6 +151,10 @@ def _check_optimizer_offload_section(offload: Any, prefix: str) -> list:
         return [(f"{prefix}.moments", f"{offload.moments} applies to nvme only (compressed moments shrink the swap "
                  f"files; {prefix}.device is {offload.device}, where the moments stay fp32); set {prefix}.moments "
                  f"to fp32 or {prefix}.device to nvme")]
+    if offload.overlap_step == "on" and offload.device == "none":  # Note [overlapped step] in _zero_optimizer.py
+        return [(f"{prefix}.overlap_step", f"on needs the optimizer states off the device ({prefix}.device is none: "
+                 f"the update runs on the device, in step()); set {prefix}.device to cpu or nvme, or overlap_step to "
+                 f"auto")]
     return _check_offload_section(offload, prefix)
 
 
@@ -172,6 +176,10 @@ def _check_zero_section(zero: Any, prefix: str) -> list:
         return [(f"{prefix}.offload_param.device",
                  f"parameter offload needs stage 3 (stage is {zero.stage}); set {prefix}.stage "
                  f"to 3 or {prefix}.offload_param.device to none")]
+    if zero.stage < 3 and zero.offload_optimizer.overlap_step == "on":  # Note [overlapped step] in _zero_optimizer.py
+        return [(f"{prefix}.offload_optimizer.overlap_step",
+                 f"on needs stage 3 (stage is {zero.stage}: stages 1-2 all-gather the whole updated parameters "
+                 f"inside step()); set {prefix}.stage to 3 or overlap_step to auto")]
     if zero.stage == 3 and zero.tiling.enabled and zero.tiling.max_tile_params < zero.prefetch.persistence_threshold:
         # a unit below the threshold stays gathered between uses: every tile would, and the
         # tiled operator would be as large on the device as untiled

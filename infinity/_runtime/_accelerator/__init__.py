@@ -67,31 +67,76 @@ def _choose(text: Optional[str] = None):
     return None
 
 
-_backend = _choose()
+class Backend:
+    """Note [backend per thread]: which accelerator the code computes on, as a value. The
+    process starts on ``INFINITY_ACCELERATOR``'s, and ``using`` switches the process's (every
+    thread's, as autograd's device threads and the emulated streams' must follow it). A
+    thread the engine starts (the overlapped step's, an asynchronous save's) holds the
+    backend its starter had (``current``) and runs ``bound`` to it: a test that leaves a
+    ``using`` block while an engine's step still runs does not pull the device from under
+    that step."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module):
+        self.module = module  # the backend module, or None for the CPU
+
+
+class _Bound(threading.local):
+    backend: Optional[Backend] = None  # this thread's own, or None: the process's
+
+
+_process = Backend(_choose())
+_bound = _Bound()
+
+
+def _b():
+    """The calling thread's backend module (None: the CPU)."""
+    own = _bound.backend
+    return (_process if own is None else own).module
+
+
+def current() -> Backend:
+    """The calling thread's backend, for a thread it starts (``bound``)."""
+    own = _bound.backend
+    return _process if own is None else own
+
+
+@contextlib.contextmanager
+def bound(backend: Backend):
+    """Run the block on ``backend``, on this thread only (a thread started by one that
+    computed on it)."""
+    before, _bound.backend = _bound.backend, backend
+    try:
+        set_device()  # CUDA's current device is the thread's own: this rank's, as on its main thread
+        yield
+    finally:
+        _bound.backend = before
 
 
 @contextlib.contextmanager
 def using(name: str):
     """Compute on another kind of accelerator inside the block (tests: the emulated device
-    in a process that started on the CPU). Engines built inside belong to the block."""
-    global _backend
-    before = _backend
-    _backend = _choose(name)
+    in a process that started on the CPU). Engines built inside belong to the block; their
+    threads keep its backend after it ends (Note [backend per thread])."""
+    global _process
+    before, _process = _process, Backend(_choose(name))
     try:
         yield
     finally:
         synchronize()
-        _backend = before
+        _process = before
 
 
 def kind() -> str:
     """``cuda``, ``emulated`` or ``cpu``."""
-    return "cpu" if _backend is None else ("cuda" if _backend.NAME == "cuda" else "emulated")
+    b = _b()
+    return "cpu" if b is None else ("cuda" if b.NAME == "cuda" else "emulated")
 
 
 def has_accelerator() -> bool:
     """Whether the device tier is an accelerator's memory (not the host's)."""
-    return _backend is not None
+    return _b() is not None
 
 
 def has_cuda() -> bool:
@@ -101,21 +146,22 @@ def has_cuda() -> bool:
 def device() -> torch.device:
     """The device this rank computes on: ``cuda:LOCAL_RANK`` under torchrun, the emulated
     device, or the CPU."""
-    return torch.device("cpu") if _backend is None else _backend.device()
+    b = _b()
+    return torch.device("cpu") if b is None else b.device()
 
 
 def set_device() -> None:
     """Make this rank's device current (CUDA: before streams, events and the process group
     are created, so none of them lands on GPU 0 of every rank)."""
     if kind() == "cuda":
-        _backend.setup()
+        _b().setup()
 
 
 def native_bf16() -> Tuple[bool, str]:
     """Whether this machine multiplies bf16 matrices natively (decided by its features at
     run time, never by the build machine's), and why, for the log."""
     if kind() == "cuda":
-        ok = _backend.is_bf16_supported()
+        ok = _b().is_bf16_supported()
         return ok, (f"the CUDA device {'supports bf16 in hardware' if ok else 'has no bf16 in hardware (only emulated)'}")
     flags = _cpu_flags()
     native = sorted({"avx512_bf16", "amx_bf16"} & flags)
@@ -157,19 +203,19 @@ def stage_collectives() -> bool:
 def host_register(ptr: int, nbytes: int) -> bool:
     """Pin a host mapping of the package's own (2 MiB-aligned, in the host ledger) so copies
     from and to it are asynchronous; False where there is no accelerator to pin for."""
-    if _backend is None or nbytes == 0:
+    if _b() is None or nbytes == 0:
         return False
-    _backend.host_register(ptr, nbytes)
+    _b().host_register(ptr, nbytes)
     return True
 
 
 def host_unregister(ptr: int) -> None:
-    if _backend is not None:
-        _backend.host_unregister(ptr)
+    if _b() is not None:
+        _b().host_unregister(ptr)
 
 
 def is_pinned(t: torch.Tensor) -> bool:
-    return _backend is not None and _backend.is_pinned(t)
+    return _b() is not None and _b().is_pinned(t)
 
 
 def on_device(t: torch.Tensor) -> bool:
@@ -213,15 +259,15 @@ _side_streams: dict = {}
 
 
 def _side_stream(purpose: str):
-    key = (_backend.NAME, purpose)
+    key = (_b().NAME, purpose)
     s = _side_streams.get(key)
     if s is None:
-        s = _side_streams[key] = _backend.new_stream()
+        s = _side_streams[key] = _b().new_stream()
     return s
 
 
 def current_stream():
-    return None if _backend is None else _backend.current_stream()
+    return None if _b() is None else _b().current_stream()
 
 
 def start_copy_to_device(src: torch.Tensor, out: Optional[torch.Tensor] = None, after=None):
@@ -232,18 +278,19 @@ def start_copy_to_device(src: torch.Tensor, out: Optional[torch.Tensor] = None, 
     ``after``: an event the copy must follow (``src`` is being filled by a device->host copy),
     waited on by the side stream, not the CPU. Without an accelerator the host tensor is the
     device tensor and the event has happened."""
-    if _backend is None or on_device(src):
+    b = _b()
+    if b is None or on_device(src):
         if out is not None and out is not src:
             out.copy_(src)
             return out, DONE
         return src, DONE
     s = _side_stream("h2d")
-    with _backend.stream(s):
+    with b.stream(s):
         if after is not None:
             after.wait(s)
         dst = torch.empty(src.shape, dtype=src.dtype, device=device()) if out is None else out
         dst.copy_(src, non_blocking=True)
-        event = _backend.Event()
+        event = b.Event()
         event.record(s)
     return dst, event
 
@@ -251,10 +298,11 @@ def start_copy_to_device(src: torch.Tensor, out: Optional[torch.Tensor] = None, 
 def finish_copy_to_device(dst: torch.Tensor, event) -> torch.Tensor:
     """Make the current stream wait for a ``start_copy_to_device`` copy (no CPU wait) and
     let the caching allocator know ``dst`` is now used on it."""
-    if _backend is not None and on_device(dst):
-        stream = _backend.current_stream()
+    b = _b()
+    if b is not None and on_device(dst):
+        stream = b.current_stream()
         event.wait(stream)
-        _backend.record_stream(dst, stream)
+        b.record_stream(dst, stream)
     return dst
 
 
@@ -272,22 +320,23 @@ def start_copy_to_host(src: torch.Tensor, out: Optional[torch.Tensor] = None):
     reuse its memory before the copy is done even if the caller drops it at once. Without an
     accelerator the copy is made now (a real copy: the caller's tensor can be freed) and the
     event has already happened."""
-    if _backend is None or not on_device(src):
+    b = _b()
+    if b is None or not on_device(src):
         if out is None:
             return src.detach().clone(), DONE
         out.copy_(src.detach())
         return out, DONE
     s = _side_stream("d2h")
-    produced = _backend.Event()
-    produced.record(_backend.current_stream())
+    produced = b.Event()
+    produced.record(b.current_stream())
     if out is None:
         out = _pinned_like(src)
-    with _backend.stream(s):
+    with b.stream(s):
         produced.wait(s)
         out.copy_(src.detach(), non_blocking=True)
-        event = _backend.Event()
+        event = b.Event()
         event.record(s)
-    _backend.record_stream(src, s)
+    b.record_stream(src, s)
     return out, event
 
 
@@ -295,14 +344,14 @@ def _pinned_like(src: torch.Tensor) -> torch.Tensor:
     """Pinned host memory for a small, short-lived copy (activations): the backend's cached
     pinned allocations. Long-lived state buffers are the package's own mappings, pinned by
     ``host_register`` (``aio.aligned_empty``)."""
-    return _backend.pinned_empty(src.shape, src.dtype)
+    return _b().pinned_empty(src.shape, src.dtype)
 
 
 def stream_waits(event) -> None:
     """The current stream's later work runs after ``event`` (no CPU wait): e.g. a buffer a copy
     reads is not rewritten under it."""
-    if _backend is not None:
-        event.wait(_backend.current_stream())
+    if _b() is not None:
+        event.wait(_b().current_stream())
 
 
 def wait_copy_to_host(event) -> None:
@@ -312,37 +361,37 @@ def wait_copy_to_host(event) -> None:
 
 def synchronize() -> None:
     """Wait for all the device's work (for timings and at phase boundaries only)."""
-    if _backend is not None:
-        _backend.synchronize()
+    if _b() is not None:
+        _b().synchronize()
 
 
 # ---------------------------------------------------------------- device memory
 
 
 def memory_allocated() -> int:
-    return 0 if _backend is None else _backend.memory_allocated()
+    return 0 if _b() is None else _b().memory_allocated()
 
 
 def max_memory_allocated() -> int:
     """The allocator's peak (not the engine's budget)."""
-    return 0 if _backend is None else _backend.max_memory_allocated()
+    return 0 if _b() is None else _b().max_memory_allocated()
 
 
 def reset_peak_memory_stats() -> None:
-    if _backend is not None:
-        _backend.reset_peak_memory_stats()
+    if _b() is not None:
+        _b().reset_peak_memory_stats()
 
 
 def device_memory_total() -> Optional[int]:
-    return None if _backend is None else _backend.total_memory()
+    return None if _b() is None else _b().total_memory()
 
 
 def device_memory_free() -> Optional[int]:
-    return None if _backend is None else _backend.free_memory()
+    return None if _b() is None else _b().free_memory()
 
 
 def device_count() -> int:
-    return 0 if _backend is None else _backend.device_count()
+    return 0 if _b() is None else _b().device_count()
 
 
 # ---------------------------------------------------------------- random numbers
@@ -351,12 +400,12 @@ def device_count() -> int:
 def get_rng_state() -> Optional[torch.Tensor]:
     """This rank's device generator (CUDA: this rank's GPU only); None where the device has
     no generator of its own (the CPU, and the emulated device whose kernels use the host's)."""
-    return _backend.get_rng_state() if kind() == "cuda" else None
+    return _b().get_rng_state() if kind() == "cuda" else None
 
 
 def set_rng_state(state: Optional[torch.Tensor]) -> None:
     if state is not None and kind() == "cuda":
-        _backend.set_rng_state(state)
+        _b().set_rng_state(state)
 
 
 # ---------------------------------------------------------------- memory budget

@@ -20,7 +20,8 @@ wrapped host tensors. What it emulates, and why each matters:
   wrong numbers. ``Event.wait`` / ``Stream.wait_event`` / ``wait_stream`` queue a wait, and
   ``Event.synchronize`` blocks the CPU; those are the only ways to be sure. Every other
   operator runs at once on the calling thread after the current stream's queue drained
-  (CUDA would run it after them in stream order);
+  (CUDA would run it after them in stream order), taking as long as ``compute_delay`` says
+  (a sleep: the host is free meanwhile, as while a GPU computes);
 - pinned host memory is a real property: memory the accelerator layer registered
   (``host_register``, as ``cudaHostRegister`` on CUDA) and the host results of
   ``.to("cpu", non_blocking=True)``; ``non_blocking`` with pageable memory is synchronous;
@@ -64,11 +65,15 @@ from ._emulated_memory import (
 from ._emulated_streams import (
     Event,
     Stream,
+    compute_delay,
+    computing,
     copy_delay,
     current_stream,
     default_stream,
     new_stream,
+    operators_run,
     record_stream,
+    run_compute,
     set_delay,
     sleep_copy_delay,
     stream,
@@ -82,7 +87,8 @@ __all__ = [
     "NAME", "DeviceMismatchError", "EmuTensor", "Event", "Stream", "current_stream", "default_stream", "device",
     "device_count", "free_memory", "get_rng_state", "host_register", "host_unregister", "is_bf16_supported",
     "is_pinned", "max_memory_allocated", "memory_allocated", "new_stream", "pinned_empty", "record_stream",
-    "reset_peak_memory_stats", "set_capacity", "set_delay", "copy_delay", "set_rng_state", "setup", "stream", "synchronize",
+    "reset_peak_memory_stats", "set_capacity", "set_delay", "copy_delay", "compute_delay", "computing",
+    "operators_run", "set_rng_state", "setup", "stream", "synchronize",
     "total_memory",
 ]
 
@@ -303,6 +309,7 @@ def _dispatch(func, args, kwargs):
     if func not in _MIXED_OK:
         _refuse_mixed(func, args, kwargs)
     current_stream().synchronize()
+    run_compute()  # its time on the device, where a test set one (compute_delay)
     wrappers = {}
 
     def unwrap(x):

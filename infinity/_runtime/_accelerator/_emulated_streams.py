@@ -37,6 +37,49 @@ def copy_delay(low: float, high: Optional[float] = None):
         set_delay(*before)
 
 
+_op_time = {"delay": 0.0, "busy": 0, "run": 0}  # seconds each operator takes; running now; run so far
+_op_time_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def compute_delay(seconds: float):
+    """Inside the block every operator on the device takes ``seconds`` more, sleeping (the
+    GIL released) as a GPU's kernel runs while its host is free: tests of what the host does
+    meanwhile (the overlapped step). ``computing()`` says whether one is running now,
+    ``operators_run()`` how many have run in the process."""
+    before = _op_time["delay"]
+    _op_time["delay"] = float(seconds)
+    try:
+        yield
+    finally:
+        _op_time["delay"] = before
+
+
+def computing() -> bool:
+    """Whether an operator is running on the device now (``compute_delay``)."""
+    return _op_time["busy"] > 0
+
+
+def operators_run() -> int:
+    """Operators run on the device so far (every one, with or without ``compute_delay``)."""
+    return int(_op_time["run"])
+
+
+def run_compute() -> None:
+    """An operator's time on the device (nothing unless ``compute_delay`` set one)."""
+    delay = _op_time["delay"]
+    with _op_time_lock:
+        _op_time["run"] += 1
+        if delay <= 0:
+            return
+        _op_time["busy"] += 1
+    try:
+        time.sleep(delay)
+    finally:
+        with _op_time_lock:
+            _op_time["busy"] -= 1
+
+
 def sleep_copy_delay() -> None:
     """A queued copy's wait between poisoning its destination and writing it."""
     low, high = _delay

@@ -1,0 +1,193 @@
+"""Where a step's time goes on a GPU: infinity's step split into forward, backward and the
+step() call, with the engine's telemetry (bytes and stalls per stage, the update's seconds,
+elements and threads) and the GPU's busy time from torch.profiler, for variants run each in
+a process of its own: the overlapped step on and off (``zero.offload_optimizer.overlap_step``),
+the prefetcher on and off (``zero.prefetch.enabled``).
+
+    python -m benchmarks.step_profile --size 1.5b --offload cpu --variants overlap,no-overlap
+    python -m benchmarks.step_profile --size 124m --offload nvme --variants prefetch,no-prefetch
+    python -m benchmarks.step_profile --smoke
+
+One JSON record a line per variant (``--out`` appends them to a file too), then a table.
+Each phase is timed between device synchronizations, which serialise the GPU at the phase
+edges; the step time of record is benchmarks.peers's, without them. ``gpu_busy_s``: the
+union of the GPU's kernel intervals in one profiled step, ``gpu_idle_s`` the rest of that
+step's wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from benchmarks import _harness, _models
+from benchmarks._harness import sync_device as sync
+
+VARIANTS = {
+    "overlap": {"overlap_step": "auto", "prefetch": True},
+    "no-overlap": {"overlap_step": "off", "prefetch": True},
+    "prefetch": {"overlap_step": "auto", "prefetch": True},
+    "no-prefetch": {"overlap_step": "auto", "prefetch": False},
+}
+
+
+def config(offload: str, nvme_path: str, variant: str) -> dict:
+    v = VARIANTS[variant]
+    return {"zero": {"stage": 3, "offload_param": {"device": offload, "nvme_path": nvme_path},
+                     "offload_optimizer": {"device": offload, "nvme_path": nvme_path,
+                                           "overlap_step": v["overlap_step"]},
+                     "prefetch": {"enabled": v["prefetch"]}},
+            "precision": {"dtype": "bf16"}, "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
+            "gradient_clipping": 1.0}
+
+
+def _gpu_busy(step) -> dict:
+    """Run ``step`` under torch.profiler: the union of the GPU's kernel intervals and of its
+    copies', in seconds, beside the step's wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - start
+    kernels, copies = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        (copies if e.name.startswith(("Memcpy", "Memset")) else kernels).append(span)
+    busy = _union(kernels) / 1e6
+    return {"profiled_step_s": round(wall, 4), "gpu_busy_s": round(busy, 4), "gpu_idle_s": round(wall - busy, 4),
+            "gpu_copy_s": round(_union(copies) / 1e6, 4)}
+
+
+def _union(spans) -> float:
+    total, end = 0.0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    import infinity
+
+    model = _models.gpt2(spec["size"], seed=0)
+    params = _models.param_count(model)
+    model, opt = infinity.initialize(model, config=config(spec["offload"], spec["nvme_path"], spec["variant"]))
+    dev = infinity.device() if hasattr(infinity, "device") else next(model.parameters()).device
+    batches = _models.batches(spec["size"], spec["micro_batch"], spec["seq_len"], spec["warmup"] + spec["steps"] + 1)
+    phases = {"forward_s": [], "backward_s": [], "step_call_s": [], "step_s": []}
+    telemetry, losses = [], []
+
+    def one(ids, record: bool):
+        ids = ids.to(dev)
+        sync()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        sync()
+        t3 = time.perf_counter()
+        losses.append(loss.item())
+        if record:
+            for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                phases[key].append(value)
+
+    engine = opt.engine  # the engine's telemetry and close (public names: infinity.telemetry / infinity.close)
+    for i, ids in enumerate(batches[:-1]):
+        if i == spec["warmup"]:
+            engine.telemetry(reset=True)
+        one(ids, i >= spec["warmup"])
+        if i >= spec["warmup"]:
+            telemetry.append(engine.telemetry(reset=True))
+    gpu = _gpu_busy(lambda: one(batches[-1], False))
+    opt.wait_step()
+    engine.close()
+    n = len(telemetry)
+    stalls = {k: round(sum(t["stall_s"][k] for t in telemetry) / n, 4) for k in telemetry[0]["stall_s"]}
+    moved = {k: round(sum(t["bytes"].get(k, 0) for t in telemetry) / n / 1e9, 3) for k in
+             ("host_to_device", "grad_offload", "nvme_read", "param_cache", "param_handoff")}
+    update = {k: sum(t["update"][k] for t in telemetry) / n for k in ("seconds", "elements", "background_seconds")}
+    out = {"variant": spec["variant"], "size": spec["size"], "offload": spec["offload"], "params": params,
+           **{k: round(statistics.median(v), 4) for k, v in phases.items()},
+           "stall_s": stalls, "gb_per_step": moved,
+           "update_s": round(update["seconds"], 4), "update_background_s": round(update["background_seconds"], 4),
+           "update_threads": max(t["update"]["peak_threads"] for t in telemetry),
+           "update_gelems_per_s": round(update["elements"] / update["seconds"] / 1e9, 3) if update["seconds"] else None,
+           "torch_threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
+           "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4), **gpu}
+    if torch.cuda.is_available():
+        out["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
+
+
+def table(records: list) -> str:
+    cols = ("variant", "size", "offload", "step_s", "forward_s", "backward_s", "step_call_s", "update_s",
+            "update_background_s", "update_threads", "gpu_busy_s", "gpu_idle_s")
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in records:
+        lines.append(" | ".join(str(r.get(c, r.get("error", "")) if c != "variant" else r.get(c)) for c in cols))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1.5b")
+    ap.add_argument("--offload", default="cpu", choices=("cpu", "nvme"))
+    ap.add_argument("--variants", default="overlap,no-overlap")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 2 steps: runs on a CPU in seconds")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _harness.child_main(child, args.child)
+        return 0
+    if args.smoke:
+        args.size, args.steps, args.warmup, args.seq_len, args.micro_batch = "tiny", 2, 1, 32, 2
+    records = []
+    with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
+        for variant in args.variants.split(","):
+            spec = {"variant": variant, "size": args.size, "offload": args.offload, "nvme_path": nvme,
+                    "steps": args.steps, "warmup": args.warmup, "seq_len": args.seq_len,
+                    "micro_batch": args.micro_batch}
+            record = {"bench": "step_profile", "variant": variant, "size": args.size, "offload": args.offload}
+            record.update(_harness.spawn("benchmarks.step_profile", spec, args.timeout))
+            records.append(record)
+            line = json.dumps(record)
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+    print(table(records))
+    return 0 if all("error" not in r for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
