@@ -21,7 +21,7 @@ LAYERS = {
                 "_aio_cffi", "aio", "_runtime._recycle", "_runtime._save_fence", "_runtime._host_memory", "_cpu_adam",
                 "_host_alloc", "optim"],
     "offload": ["_offload.__init__", "_offload._layout", "_offload._moments", "_offload._memory_plan", "_offload._swap",
-                "_offload._ordered_writes", "_offload._optimizer_store", "_offload._optimizer_files",
+                "_offload._ordered_writes", "_offload._grad_buffer", "_offload._optimizer_store", "_offload._optimizer_files",
                 "_offload._head_cache", "_offload._grad_shards", "_offload._swap_pipeline", "_offload._moment_staging",
                 "_offload._nvme_optimizer_store", "_offload._param_store", "_offload._preflight", "_offload._placement"],
     "zero": ["_zero.__init__", "_zero._unit_plan", "_zero._ledger", "_zero._param", "_zero._function_params",
