@@ -14,7 +14,10 @@ it), or, for a directory of an older layout without the lock, the pid is gone. T
 file is written and locked under a temporary name and renamed into place, so a reclaimer
 never sees an owner file that is not yet locked. Directories of live processes, or of other
 hosts sharing the disk (whose locks this host cannot see), are left alone. The train job's
-disk probe writes inside its run directory, so it goes with it.
+disk probe writes inside its run directory, so it goes with it. A missing ``nvme_path`` is
+made only inside an existing directory that is not the filesystem root, and said: an NVMe
+drive is a mount point that exists already, so a path whose parent is missing (a typo) or
+that would sit at ``/`` (a placeholder such as ``/local_nvme``) is refused with what to set.
 """
 from __future__ import annotations
 
@@ -42,8 +45,8 @@ class SwapDir:
         self.rank = rank
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.path = os.path.join(os.path.abspath(nvme_path), f"infinity-{self.run_id}", f"rank{rank}")
+        _make_nvme_path(nvme_path)
         try:
-            os.makedirs(nvme_path, exist_ok=True)
             reclaim_stale(nvme_path)
             os.makedirs(self.path, exist_ok=False)
             lock_fd = _write_owner(self.path)
@@ -69,6 +72,28 @@ class SwapDir:
 
     def remove(self) -> None:
         self._finalizer()
+
+
+def _make_nvme_path(nvme_path: str) -> None:
+    """Note [swap directories]: ``nvme_path`` made when missing, one level only and never at /."""
+    path = os.path.abspath(nvme_path)
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    at_root = os.path.dirname(parent) == parent
+    if at_root or not os.path.isdir(parent):
+        where = "at the filesystem root" if at_root else f"in {parent}, which does not exist"
+        raise UsageError(f"nvme_path {nvme_path!r} does not exist, and infinity does not create it {where}: set "
+                         f"zero.offload_param.nvme_path / zero.offload_optimizer.nvme_path (--nvme-path) to a "
+                         f"directory on a fast local drive, or create it first")
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return  # another rank made it first (or it is a file: the swap directory's creation says so)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot create nvme_path {path}: {e.strerror}; give a writable directory "
+                                    f"as nvme_path") from None
+    logger.info("created nvme_path %s", path)
 
 
 class SwapDirs:

@@ -1,0 +1,39 @@
+"""A missing ``nvme_path`` is made one level deep inside an existing directory, never at the
+filesystem root and never as a chain of parents (Note [swap directories] in _offload/_swap.py)."""
+import os
+import uuid
+
+import pytest
+import torch
+
+import infinity
+from infinity._offload._swap import SwapDir
+
+pytestmark = pytest.mark.unit
+
+
+def _nvme_config(path: str) -> dict:
+    return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
+                     "offload_optimizer": {"device": "nvme", "nvme_path": path}}, "precision": {"dtype": "fp32"}}
+
+
+def test_a_placeholder_at_the_root_is_refused_not_created():
+    placeholder = f"/infinity-placeholder-{uuid.uuid4().hex[:8]}"  # as /local_nvme in the example configs
+    with pytest.raises(infinity.InfinityError, match="does not create it at the filesystem root") as info:
+        infinity.initialize(torch.nn.Linear(4, 4), _nvme_config(placeholder))
+    assert isinstance(info.value, ValueError) and "nvme_path" in str(info.value)
+    assert not os.path.exists(placeholder)
+
+
+def test_a_missing_parent_is_refused_by_name(tmp_path):
+    path = tmp_path / "no-such-mount" / "swap"
+    with pytest.raises(infinity.InfinityError, match=f"in {tmp_path / 'no-such-mount'}, which does not exist"):
+        SwapDir(str(path), rank=0)
+    assert not (tmp_path / "no-such-mount").exists()
+
+
+def test_a_missing_directory_inside_an_existing_one_is_made(tmp_path):
+    swap = SwapDir(str(tmp_path / "swap"), rank=0)
+    assert os.path.isdir(swap.path) and swap.path.startswith(str(tmp_path / "swap") + os.sep)
+    swap.remove()
+    assert os.listdir(tmp_path / "swap") == []
