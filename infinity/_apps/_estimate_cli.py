@@ -8,6 +8,7 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
+from .._runtime._accelerator import device_count
 from .._runtime._tiers import Tier
 from ..config import AioConfig
 from . import _runmodel as rm
@@ -18,7 +19,7 @@ from ._estimator import Estimate, estimate
 # --------------------------------------------------------------------------- CLI
 
 def _yaml(config: dict) -> str:
-    """The config as YAML in the style of DESIGN §1: leaf mappings on one line."""
+    """The config as YAML in the style of examples/configs: leaf mappings on one line."""
     def flow(mapping: dict) -> str:
         return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
 
@@ -43,7 +44,7 @@ def _report(est: Estimate) -> str:
             out.append(f"no placement fits untiled; the largest operator ({_format_count(est.shape.largest_operator_numel)} "
                        f"params) fits with tiling factor {tiled.tiling_factor} (zero.tiling.max_tile_params = "
                        f"{tiled.max_tile_params}):")
-            out += ["recommended config:", _yaml(tiled.recommended.config)]
+            out += ["recommended config:", _yaml(tiled.recommended.config)] + _how_to_run(tiled)
             return "\n".join(out)
         out.append("no placement fits: add GPUs or nodes, host memory or NVMe space, or lower "
                    "micro-batch / raise ckpt-interval")
@@ -53,7 +54,19 @@ def _report(est: Estimate) -> str:
                                                    rec.placement.optimizer_tier):
             out.append(f"# set nvme_path to a directory on a local NVMe drive "
                        f"({_NVME_PATH_PLACEHOLDER} is a placeholder)")
+        out += _how_to_run(est)
     return "\n".join(out)
+
+
+def _how_to_run(est: Estimate) -> list:
+    """YAML comments after the recommended config: how to load it, and the activation
+    checkpointing the estimate counted on, which is the model's to turn on (no config key does)."""
+    return ["# save these lines as a .yaml file; load it with infinity.Config.from_file(path) "
+            "(or: python -m infinity.train --config path)",
+            f"# the estimate assumes activation checkpointing every {est.ckpt_interval} layer(s) (--ckpt-interval); "
+            f"turn it on in the model:",
+            "#   Hugging Face: model.activation_checkpointing_enable() (gradient_checkpointing_enable() in older "
+            "transformers; the Trainer's argument of that name); other models: torch.utils.checkpoint around each block"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--rates", default="measured", choices=("measured", "dgx2", "h100"),
                     help="FLOP rate, NVMe and Adam bandwidths: measured here (under --nvme-path), the paper's "
                          "DGX-2, or an 8xH100 node with NVMe RAID")
-    ssd = p.add_argument_group("SSD endurance of a planned run (the --offload placement; Note [endurance budget])")
+    ssd = p.add_argument_group("SSD endurance of a planned run (the --offload placement; Note [endurance budget] in _endurance.py)")
     ssd.add_argument("--steps", type=int, help="optimizer steps of the run: the TB it writes to each node's NVMe")
     ssd.add_argument("--endurance-tbw", type=float,
                      help="the drive's rated endurance in TB written (aio.endurance_tbw): the run's share of it")
@@ -121,7 +134,7 @@ def _run_of(est: Estimate, args):
 
 
 def _ssd_writes(est: Estimate, args) -> dict:
-    """Note [endurance budget]: the bytes the planned run writes to each node's NVMe (the swap
+    """Note [endurance budget] in _endurance.py: the bytes the planned run writes to each node's NVMe (the swap
     files, as the run model counts a step's writes; checkpoints come on top: a cloned save
     writes none of the states, a copied one all of them), and its share of the drive's rating."""
     if args.steps < 1:
@@ -159,10 +172,20 @@ def _step_report(est: Estimate, args) -> str:
     rates = {"dgx2": rm.DGX2, "h100": rm.H100_RAID}.get(args.rates)
     if args.hardware:
         rates = rm.NODES[args.hardware][0]
+    if rates is None and _gpu_described(est, args) and device_count() == 0:
+        raise EstimateError("--step-time: --gpus/--gpu-mem describe a GPU, but this machine has none, so the rates it "
+                            "would measure are this CPU's; pass --rates h100 (an 8xH100 node's rates per GPU) or --rates "
+                            "dgx2, or --hardware h100x8 / dgx2 for a whole node, or leave out --gpus and --gpu-mem to "
+                            "predict this machine")
     if rates is None:
         on_nvme = "nvme" in (run.param_tier, run.optimizer_tier)
         rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if on_nvme else None), run)
     return rm.describe(run, rates)
+
+
+def _gpu_described(est: Estimate, args) -> bool:
+    """The user sized a GPU (memory, or a count whose memory is not the host's)."""
+    return args.gpu_mem is not None or (args.gpus is not None and not est.hardware.device_is_host)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
