@@ -41,11 +41,17 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(output, flush=True)
-    backend = re.findall(r"initialized torch.distributed \((\w+)\)", output)
+    print(json.dumps({"rc": rc, **reported(output, rc != 0)}), flush=True)
+
+
+def reported(output: str, failed: bool) -> dict:
+    """The process-group backend the job logged (``gloo``, or ``cpu:gloo,cuda:nccl`` on a GPU),
+    the loss of each step, and on failure the last line naming an error."""
+    backend = re.findall(r"initialized torch.distributed \(([^)]+)\)", output)
     losses = [{"step": int(s), "loss": float(v)} for s, v in re.findall(r"step\s+(\d+)/\d+\s+loss\s+([-\d.naif]+)", output)]
     errors = [line for line in output.splitlines() if "error" in line.lower()][-1:]
-    print(json.dumps({"rc": rc, "backend": backend[0] if backend else None, "losses": losses,
-                      **({"error": errors[0][-200:]} if rc != 0 and errors else {})}), flush=True)
+    return {"backend": backend[0] if backend else None, "losses": losses,
+            **({"error": errors[0][-200:]} if failed and errors else {})}
 
 
 if __name__ == "__main__":
