@@ -47,7 +47,7 @@ class Run:
     export_s: float = 0.0
     first_step: int = 1  # after a resume: the step after the checkpoint's
     checkpoints: Any = None  # _checkpoint._train.TrainCheckpoints
-    ssd: Any = None  # _endurance.SsdLedger, with NVMe offload (Note [endurance budget])
+    ssd: Any = None  # _endurance.SsdLedger, with NVMe offload (Note [endurance budget] in _endurance.py)
     ssd_seen: Dict[str, int] = field(default_factory=dict)  # its counts at the end of the last step
 
     @property
@@ -65,7 +65,7 @@ def _loss(model, inputs, targets) -> torch.Tensor:
 
 
 def _engine_counters(engine) -> Dict[str, float]:
-    # The prefetcher's per-step counters, once the engine has them (Note [engine telemetry keys]).
+    # The prefetcher's per-step counters, once the engine has them (Note [engine telemetry keys] in _telemetry.py).
     return flatten(engine.telemetry()) if hasattr(engine, "telemetry") else {}
 
 
@@ -227,6 +227,22 @@ def start(run: Run) -> None:
                          "model": run.spec.description, "parameters": run.n_params,
                          "tokens_per_step": run.tokens_per_step, "disk_probe": run.disk,
                          "config": cfg.to_dict()})
+    if run.rank0:
+        print(outputs_line(run), file=sys.stderr, flush=True)
+
+
+def outputs_line(run: Run) -> str:
+    """Where this run writes, said once at its start: swap files, telemetry, weights, checkpoints."""
+    out = run.cfg.train.output_dir
+    parts = [f"swap files in {d} (removed at exit)"
+             for d in sorted({os.path.dirname(s.path) for s in run.optimizer.engine.swap_dirs.values()})]
+    if run.telemetry.path:
+        parts.append(f"telemetry to {run.telemetry.path}" + (" and tensorboard/ beside it" if run.telemetry.tb else ""))
+    if run.cfg.train.save and out:
+        parts.append(f"weights to {os.path.join(out, 'model')}")
+    if run.checkpoints is not None and run.checkpoints.save_every:
+        parts.append(f"checkpoints to {run.checkpoints.directory}")
+    return "infinity.train writes " + ("; ".join(parts) if parts else "nothing to disk")
 
 
 def save(run: Run) -> None:

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
-from .._runtime._telemetry import StepStats, fmt_bytes, fmt_count, fmt_rate, mean, render_table
+from .._runtime._telemetry import StepStats, fmt_bytes, fmt_count, fmt_rate, is_level, mean, render_table
 from ._train_loop import Run
 
 
@@ -88,14 +88,32 @@ def summary_text(run: Run, per_rank: List[dict]) -> str:
     ] + ([("device allocator peak", f"{fmt_bytes(max(r['allocator_peak'] for r in per_rank))} (all of the device's "
                                      f"memory the run used, activations included)")]
          if acc.has_accelerator() else [])
-    sections = [head, memory, _time_rows(stats), _disk_rows(run, per_rank)]
-    engine_keys = sorted({k for r in stats.records for k in r if k.startswith("engine.")})
-    if engine_keys:
-        sections.append([("engine telemetry", "mean/step", "total")] +
-                        [(f"  {k[7:]}", f"{mean(stats.column(k)):.4g}", f"{sum(stats.column(k)):.4g}")
-                         for k in engine_keys])
+    sections = [head, memory, _time_rows(stats), _disk_rows(run, per_rank)] + engine_rows(stats, per_rank)
     sections.append([("saved", _saved_text(run)), ("telemetry", run.telemetry.path or "off (no output_dir)")])
     return render_table("infinity.train summary", sections)
+
+
+def engine_rows(stats: StepStats, per_rank: List[dict]) -> List[List[tuple]]:
+    """The engine's telemetry (Note [engine telemetry keys] in _telemetry.py): rank 0's counts per step and over
+    the run; levels and peaks with their largest value over the steps and every rank."""
+    keys = sorted({k for r in stats.records for k in r if k.startswith("engine.")})
+    counts = [k for k in keys if not is_level(k[7:])]
+    levels = [k for k in keys if is_level(k[7:])]
+    sections = []
+    if counts:
+        sections.append([("engine telemetry, rank 0", "mean/step", "total")] +
+                        [(f"  {k[7:]}", f"{mean(stats.column(k)):.4g}", f"{sum(stats.column(k)):.4g}") for k in counts])
+    if levels:
+        sections.append([("engine levels and peaks", "rank 0 mean", "max, ranks")] +
+                        [(f"  {k[7:]}", f"{mean(stats.column(k)):.4g}",
+                          f"{max(r['levels'].get(k, float('-inf')) for r in per_rank):.4g}") for k in levels])
+    return sections
+
+
+def _levels(stats: StepStats) -> dict:
+    """This rank's largest value of each level over its steps (Note [engine telemetry keys] in _telemetry.py)."""
+    keys = {k for r in stats.records for k in r if k.startswith("engine.") and is_level(k[7:])}
+    return {k: max(stats.column(k)) for k in keys}
 
 
 def _saved_text(run: Run) -> str:
@@ -109,7 +127,8 @@ def finish(run: Run) -> Optional[str]:
     engine = run.optimizer.engine
     mine = {"peak_rss": _peak_rss(), "tiers": engine.tier_bytes(),
             "device_peak": engine.device_budget.stats().peak, "allocator_peak": acc.max_memory_allocated(),
-            "nvme": run.stats.tier_totals().get("nvme", {}), "ssd": run.ssd.written() if run.ssd is not None else {}}
+            "nvme": run.stats.tier_totals().get("nvme", {}), "ssd": run.ssd.written() if run.ssd is not None else {},
+            "levels": _levels(run.stats)}
     per_rank = comm.all_gather_object(mine)
     if not run.rank0:
         return None

@@ -7,6 +7,10 @@ JSON lines under ``engine.<dotted path>``. Two families are also interpreted: a 
 tier in this step, its direction taken from ``read``/``write`` (or ``in``/``out``) in the
 path; a path holding ``stall`` counts seconds a stage waited in this step. Both feed the
 progress bar (bandwidth per tier) and the summary (stall time, achieved disk bandwidth).
+A few numbers are levels, not counts of the step (``is_level``): the host-memory account
+(``host_memory.*``, as it is now and at its peaks), peaks (a path holding ``peak``) and rates
+(ending in ``_rate``). The summary adds up counts over the steps, and takes the largest of a
+level over the steps and the ranks: a sum of peaks measures nothing.
 """
 from __future__ import annotations
 
@@ -59,6 +63,11 @@ def tier_traffic(flat: Dict[str, float]) -> Dict[str, Dict[str, float]]:
             entry["write"] += value
         entry["total"] += value
     return out
+
+
+def is_level(path: str) -> bool:
+    """A level or a peak, not a count of one step (Note [engine telemetry keys])."""
+    return path.startswith("host_memory.") or "peak" in path or path.endswith("_rate")
 
 
 def stall_seconds(flat: Dict[str, float]) -> float:
@@ -199,9 +208,13 @@ def render_table(title: str, sections: List[List[tuple]], width: int = 78) -> st
             lines.append("-" * width)
         for row in rows:
             label, cells = row[0], row[1:]
+            line = f" {label:<{label_w}}"
             if len(cells) == 1:
-                lines.append(f" {label:<{label_w}}{cells[0]}")
-            else:
-                lines.append(f" {label:<{label_w}}" + "".join(f"{c:>14}" for c in cells))
+                lines.append(line + ("" if len(label) < label_w else "  ") + cells[0])
+                continue
+            for i, cell in enumerate(cells):  # each cell ends at its column; one pushed along keeps a gap
+                gap = 2 if i == 0 and len(label) >= label_w else 1
+                line += " " * max(gap, 1 + label_w + 14 * (i + 1) - len(line) - len(cell)) + cell
+            lines.append(line)
     lines.append("=" * width)
     return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""The train job's closing table: a label that fills its column keeps a gap before its value,
+and the engine's telemetry adds up counts but takes the largest of levels and peaks, over the
+steps and the ranks (Note [engine telemetry keys] in _runtime/_telemetry.py)."""
+import pytest
+
+from infinity._apps._train_summary import _levels, engine_rows
+from infinity._runtime._telemetry import StepStats, is_level, render_table
+
+
+def test_a_long_label_keeps_a_gap_before_its_value():
+    text = render_table("t", [[("  SSD writes to /tmp/infinity_nvme", "2.4 GB this run")],
+                              [("h", "a", "b"), ("  comm_reduce_scatter_bytes", "1.316e+07", "3.949e+07"),
+                               ("  short", "1", "2")]])
+    assert "  SSD writes to /tmp/infinity_nvme  2.4 GB this run" in text
+    long_row, short_row = [line for line in text.splitlines() if "comm_reduce" in line or "short" in line]
+    assert "comm_reduce_scatter_bytes " in long_row and long_row.endswith(" 3.949e+07")
+    assert len(long_row) == len(short_row)  # the columns stay where they were
+
+
+def _stats(records):
+    stats = StepStats()
+    for r in records:
+        stats.add(r)
+    return stats
+
+
+def test_counts_are_summed_and_peaks_maxed_over_steps_and_ranks():
+    rank0 = _stats([{"engine.bytes.all_gather": 10.0, "engine.host_memory.peak_rss": 1.0e9},
+                    {"engine.bytes.all_gather": 30.0, "engine.host_memory.peak_rss": 1.2e9}])
+    rank1 = _stats([{"engine.bytes.all_gather": 10.0, "engine.host_memory.peak_rss": 1.5e9}])
+    per_rank = [{"levels": _levels(rank0)}, {"levels": _levels(rank1)}]
+    counts, levels = engine_rows(rank0, per_rank)
+    assert counts[1] == ("  bytes.all_gather", "20", "40")  # mean per step, total over rank 0's steps
+    assert levels[0][1:] == ("rank 0 mean", "max, ranks")
+    assert levels[1] == ("  host_memory.peak_rss", "1.1e+09", "1.5e+09")  # not 2.2e+09, the sum
+
+
+@pytest.mark.parametrize("path, level", [("host_memory.rss", True), ("peak_live_parameters", True),
+                                         ("prefetch_hit_rate", True), ("stall_s.nvme_read", False),
+                                         ("nvme_optimizer_write_bytes", False), ("prefetch_hits", False)])
+def test_levels_are_told_from_counts(path, level):
+    assert is_level(path) is level
