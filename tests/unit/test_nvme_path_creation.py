@@ -9,8 +9,6 @@ import torch
 import infinity
 from infinity._offload._swap import SwapDir
 
-pytestmark = pytest.mark.unit
-
 
 def _nvme_config(path: str) -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
