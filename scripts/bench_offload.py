@@ -31,6 +31,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
 from _child import spawn_child  # noqa: E402 - after the path insert
 
+from benchmarks import _trainers  # noqa: E402
+
 GiB = 2**30
 VOCAB = 50257
 CONTENDERS = ["plain", "none", "cpu", "nvme"]
@@ -78,46 +80,26 @@ def infinity_config(tier: str, nvme_path: str) -> dict:
 
 
 class PlainTrainer:
-    """The reference: bf16 model, fp32 master weights, torch AdamW, gradient clipping."""
+    """The reference (benchmarks/_trainers.py's PlainTrainer on the CPU, bf16 with fp32 master
+    weights); ``step`` returns (forward and backward seconds, update seconds)."""
 
     def __init__(self, model):
         import torch
 
-        self.model = model.to(torch.bfloat16)
-        self.params = list(self.model.parameters())
-        self.masters = [p.detach().float() for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, lr=1e-4, weight_decay=0.01, fused=True)
+        self.trainer = _trainers.PlainTrainer(model, torch.device("cpu"), "bf16")
+        self.model = self.trainer.model
 
     def step(self, ids) -> tuple[float, float]:
-        import torch
-
-        start = time.perf_counter()
-        self.model(input_ids=ids, labels=ids).loss.backward()
-        mid = time.perf_counter()
-        for p, m in zip(self.params, self.masters):
-            m.grad = p.grad.float()
-            p.grad = None
-        torch.nn.utils.clip_grad_norm_(self.masters, 1.0)
-        self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m)
-        return mid - start, time.perf_counter() - mid
+        return _trainers.timed_parts(self.trainer, ids)
 
 
 class InfinityTrainer:
     def __init__(self, model, cfg):
-        import infinity
-
-        self.model, self.opt = infinity.initialize(model, cfg)
+        self.trainer = _trainers.InfinityTrainer(model, cfg)
+        self.model, self.opt = self.trainer.model, self.trainer.opt
 
     def step(self, ids) -> tuple[float, float]:
-        start = time.perf_counter()
-        self.model(input_ids=ids, labels=ids).loss.backward()
-        mid = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad()
-        return mid - start, time.perf_counter() - mid
+        return _trainers.timed_parts(self.trainer, ids)
 
     def moved(self) -> dict:
         out = {}

@@ -51,6 +51,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+from benchmarks import _trainers  # noqa: E402 - after the path insert
 
 MiB = 2**20
 VOCAB = 50257
@@ -195,35 +196,18 @@ def achievable(compute: float, io: float, overlap: float) -> float:
 
 
 class PlainTrainer:
-    """The reference: the model in the compute dtype, fp32 master weights (the parameters
-    themselves in fp32), fused torch AdamW, gradient clipping."""
+    """The reference (benchmarks/_trainers.py's PlainTrainer on the CPU): the model in the
+    compute dtype, fp32 master weights (the parameters themselves in fp32), fused torch AdamW,
+    gradient clipping."""
 
     def __init__(self, model, dtype: str):
         import torch
 
-        self.model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
-        self.params = list(self.model.parameters())
-        self.masters = [p.detach().float() if dtype == "bf16" else p for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, lr=1e-4, weight_decay=0.01, fused=True)
+        self.trainer = _trainers.PlainTrainer(model, torch.device("cpu"), dtype)
 
     def step(self, ids) -> dict:
-        import torch
-
-        start = time.perf_counter()
-        self.model(input_ids=ids, labels=ids).loss.backward()
-        fwd_bwd = time.perf_counter() - start
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                m.grad = p.grad.float()
-                p.grad = None
-        torch.nn.utils.clip_grad_norm_(self.masters, 1.0)
-        self.opt.step()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                if m is not p:
-                    p.copy_(m)
-        return {"time": time.perf_counter() - start, "fwd_bwd": fwd_bwd}
+        fwd_bwd, update = _trainers.timed_parts(self.trainer, ids)
+        return {"time": fwd_bwd + update, "fwd_bwd": fwd_bwd}
 
     def settle(self) -> None:
         pass
@@ -234,31 +218,23 @@ class PlainTrainer:
 
 class InfinityTrainer:
     def __init__(self, model, cfg):
-        import infinity
-
-        self.model, self.opt = infinity.initialize(model, cfg)
-        self.engine = self.opt.engine
-        self.engine.telemetry()  # setup traffic is not a step's
+        self.trainer = _trainers.InfinityTrainer(model, cfg)
+        self.trainer.telemetry()  # setup traffic is not a step's
 
     def settle(self) -> None:
-        self.opt.wait_step()  # see Note [interleaved rounds]
+        self.trainer.finish()  # see Note [interleaved rounds]
 
     def step(self, ids) -> dict:
-        start = time.perf_counter()
-        self.model(input_ids=ids, labels=ids).loss.backward()
-        fwd_bwd = time.perf_counter() - start
-        self.opt.step()
-        self.opt.zero_grad()
-        elapsed = time.perf_counter() - start
-        tel = self.engine.telemetry()  # counters since the previous step's call
+        fwd_bwd, update = _trainers.timed_parts(self.trainer, ids)
+        tel = self.trainer.telemetry()  # counters since the previous step's call
         moved = {k: v for k, v in tel.items() if k.startswith("nvme_") and k.endswith("_bytes")}
-        return {"time": elapsed, "fwd_bwd": fwd_bwd, "stall_s": tel["stall_s"], "bytes": tel["bytes"],
+        return {"time": fwd_bwd + update, "fwd_bwd": fwd_bwd, "stall_s": tel["stall_s"], "bytes": tel["bytes"],
                 "hit_rate": tel["prefetch_hit_rate"], "divergences": tel["trace_divergences"],
                 "nvme_read": sum(v for k, v in moved.items() if k.endswith("_read_bytes")),
                 "nvme_written": sum(v for k, v in moved.items() if k.endswith("_write_bytes"))}
 
     def close(self) -> None:
-        self.engine.close()
+        self.trainer.close()
 
 
 def serve(spec: dict, conn) -> None:

@@ -1,29 +1,40 @@
 #!/usr/bin/env bash
-# One command for a bare machine with one NVIDIA GPU (no internet, no cffi, no liburing):
+# One command for a bare machine with one NVIDIA GPU (no internet, no cffi, no liburing, no
+# DeepSpeed, no libaio):
 #
 #   bash scripts/gpu_check.sh OUTDIR
 #
-# installs the carried wheels (.whl/) the image lacks, builds the native libraries against the
-# carried liburing (.gpu_libs/; both made by scripts/gpu_check/prepare_carry.sh on the CPU
-# machine), then runs the phases, each under its own time limit, a failed one not stopping the
-# next: env, matrix (tests/test_device_matrix.py), ordering (tests/test_device_ordering.py),
-# primitives (scripts/bench_device_primitives.py), headline (scripts/bench_gpu_headline.py),
+# installs the carried wheels (.whl/) the image lacks, DeepSpeed's among them, builds the
+# native libraries against the carried liburing (.gpu_libs/; both made by
+# scripts/gpu_check/prepare_carry.sh on the CPU machine), starts building DeepSpeed's JIT ops
+# (cpu_adam, async_io against the carried libaio) in the background, then runs the phases, each
+# under its own time limit, a failed one not stopping the next: env, primitives
+# (scripts/bench_device_primitives.py), peers (benchmarks/peers.py: plain PyTorch, infinity,
+# DeepSpeed and FSDP2 head to head at GPT-2 124M and 1.5B), matrix
+# (tests/integration/test_device_matrix.py), ordering (tests/unit/test_device_ordering.py),
 # train (one torchrun rank of infinity.train). Writes OUTDIR/results.jsonl (one JSON object a
 # line, each with its "phase"), OUTDIR/log.txt (everything the phases printed) and
 # OUTDIR/summary.txt (the table printed at the end). Without CUDA the tests are skipped (or run
-# on GPU_CHECK_ACCELERATOR, e.g. emulated) and the benchmarks run at their tiny sizes.
-# GPU_CHECK_BUDGET: seconds for the whole check (default 470); GPU_CHECK_DISK: where temp files
-# for the disk measurements go (default /var/tmp).
+# on GPU_CHECK_ACCELERATOR, e.g. emulated) and the benchmarks run at their smoke sizes.
+# GPU_CHECK_BUDGET: seconds for the whole check (default 525: it fits 9 minutes);
+# GPU_CHECK_DISK: where temp files for the disk measurements go (default /var/tmp);
+# GPU_CHECK_PHASES: a comma-separated list to run only those phases (the set-up ones always run:
+# wheels, deepspeed, build).
 set -u
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "${1:?usage: bash scripts/gpu_check.sh OUTDIR}" && cd "$1" && pwd)
 : > "$OUT/results.jsonl"
 : > "$OUT/log.txt"
-export GPU_CHECK_DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET:-470} ))
+export GPU_CHECK_DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET:-525} ))
 PY=${PYTHON:-python3}
 export GPU_CHECK_DISK=${GPU_CHECK_DISK:-/var/tmp}
 [ -d "$GPU_CHECK_DISK" ] || GPU_CHECK_DISK=${TMPDIR:-/tmp}
-phase() { "$PY" scripts/gpu_check/phase.py run "$OUT" "$@"; }
+phase() {  # name, limit, phase.py's options and command
+  case ",${GPU_CHECK_PHASES:-$1},wheels,deepspeed,build," in
+    *",$1,"*) "$PY" scripts/gpu_check/phase.py run "$OUT" "$@" ;;  # the setting names it, or there is none
+    *) "$PY" scripts/gpu_check/phase.py run "$OUT" "$1" "$2" --skip "not in GPU_CHECK_PHASES" ;;
+  esac
+}
 
 # Python packages: the carried wheels of those the image lacks, into a folder of their own
 # (never a previous run's, perhaps for another Python). pip where the venv has it, else unzipped:
@@ -46,8 +57,20 @@ elif [ -z "$wheels" ]; then
   phase wheels 60 --skip "missing: $missing, and no wheels in .whl/ (scripts/gpu_check/prepare_carry.sh)"
 else
   phase wheels 60 -- bash -c 'install_wheels "$@"' _ $wheels
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# DeepSpeed with every dependency it needs, all carried and installed as one set (pydantic with
+# its own core), for the peers phase; the set is built for CPython 3.12, the GPU image's.
+ds_wheels=$(ls .whl/{deepspeed,hjson,einops,msgpack,pydantic,pydantic_core,annotated_types,typing_inspection,typing_extensions}-*.whl 2>/dev/null)
+if "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("deepspeed") is None)'; then
+  phase deepspeed 60 --skip "installed"
+elif ! ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
+  phase deepspeed 60 --skip "no DeepSpeed wheel in .whl/ (scripts/gpu_check/prepare_carry.sh)"
+elif ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+  phase deepspeed 60 --skip "the carried wheels are for CPython 3.12, not $("$PY" -c 'import platform; print(platform.python_version())')"
+else
+  phase deepspeed 60 -- bash -c 'install_wheels "$@"' _ $ds_wheels
+fi
+[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # Native libraries against the carried liburing: headers and a static library, so the built
@@ -77,11 +100,64 @@ tests() {  # phase name, limit, test file
     PYTHONPATH="$PWD/scripts/gpu_check:$PYTHONPATH" "$PY" -m pytest -q -p pytest_jsonl -p no:cacheprovider "$3"
 }
 
+# DeepSpeed's JIT ops (cpu_adam; async_io, its NVMe offload, against the carried libaio), built
+# in the background while the next phases run (about 40 s on 16 cores), so the peers phase finds
+# them built. Its async_io build refuses torch's arch entries such as "9.0a": the GPU's own
+# capability instead. The carried libaio's links are made again should the transfer drop them.
+AIO=$PWD/.gpu_libs/libaio
+if [ -e "$AIO/include/libaio.h" ]; then
+  so=$(cd "$AIO/lib" && ls libaio.so.1.* 2>/dev/null | head -1)
+  for link in libaio.so.1 libaio.so; do
+    [ -e "$AIO/lib/$link" ] || [ -z "$so" ] || ln -sf "$so" "$AIO/lib/$link"
+  done
+  export CPATH="$AIO/include:$CPATH" LIBRARY_PATH="$AIO/lib:$LIBRARY_PATH"
+  export LD_LIBRARY_PATH="$AIO/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/gpu_check_torch_extensions}
+if [ "$cuda" = 1 ]; then
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
+fi
+ds_ops="" ds_skip=""
+if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("deepspeed") is None)' 2>/dev/null; then
+  ds_skip="DeepSpeed is not installed (scripts/gpu_check/prepare_carry.sh carries it)"
+elif [ "$cuda" != 1 ]; then
+  ds_skip="no CUDA: the peers phase runs no DeepSpeed contender"
+else
+  build_ds_ops() {
+    local start=$SECONDS
+    timeout 300 "$PY" -c 'from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+CPUAdamBuilder().load()
+AsyncIOBuilder().load()'
+    local rc=$?
+    echo "{\"built_s\": $((SECONDS - start)), \"rc\": $rc, \"arch_list\": \"$TORCH_CUDA_ARCH_LIST\"}"
+    return $rc
+  }
+  build_ds_ops > "$OUT/deepspeed_ops.log" 2>&1 &
+  ds_ops=$!
+fi
+
 phase env 30 -- "$PY" scripts/gpu_check/env_info.py
-tests matrix 150 tests/test_device_matrix.py
-tests ordering 60 tests/test_device_ordering.py
 phase primitives 60 -- "$PY" scripts/bench_device_primitives.py $tiny
-phase headline 150 -- "$PY" scripts/bench_gpu_headline.py --budget 140 $tiny
+
+# The head-to-head: both sizes for plain, infinity and DeepSpeed on cpu; NVMe at 124M; FSDP2 at
+# 1.5B last, if time allows. The benchmark's own budget ends before the phase's limit.
+if [ -n "$ds_ops" ]; then
+  wait "$ds_ops"; echo $? > "$OUT/deepspeed_ops.rc"
+  phase deepspeed_ops 30 -- bash -c 'cat "$1"; exit "$(cat "$2")"' _ "$OUT/deepspeed_ops.log" "$OUT/deepspeed_ops.rc"
+else
+  phase deepspeed_ops 30 --skip "$ds_skip"
+fi
+if [ "$cuda" = 1 ]; then
+  left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 15 ))
+  peers=(--sizes 124m,1.5b --budget $(( left < 255 ? left : 255 )) --timeout 150
+         --only plain,infinity-cpu,deepspeed-cpu,infinity-nvme@124m,deepspeed-nvme@124m,fsdp2-cpu@1.5b)
+else
+  peers=(--smoke)
+fi
+phase peers 270 -- "$PY" -m benchmarks.peers "${peers[@]}" --nvme-path "$GPU_CHECK_DISK"
+
+tests matrix 150 tests/integration/test_device_matrix.py
+tests ordering 60 tests/unit/test_device_ordering.py
 phase train 60 -- "$PY" scripts/gpu_check/train_one_rank.py --timeout 50
 
 "$PY" scripts/gpu_check/phase.py summary "$OUT" | tee "$OUT/summary.txt"

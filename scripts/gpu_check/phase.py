@@ -113,7 +113,7 @@ def execute(args, limit: float) -> dict:
 
 QUIET = {"phase", "path", "steps_s", "min_gbps", "max_gbps", "block_size", "queue_depth", "reps", "setup_s",
          "tokens_per_step", "device", "peak_rss_gib", "loss_first", "disk_free_gib", "kernel", "precision",
-         "tflops_is"}  # in results.jsonl only
+         "tflops_is", "bench", "kind", "steps", "rounds", "params", "dtype", "extra"}  # in results.jsonl only
 
 
 def short(value, limit: int = 60) -> str:
@@ -140,7 +140,7 @@ def digest(records: list) -> list:
             lines.append(f"... and {len(bad) - 12} more (results.jsonl)")
     for r in records:
         if "test" not in r:
-            fields = [f"{k}={short(v)}" for k, v in r.items() if k not in QUIET]
+            fields = [f"{k}={short(v)}" for k, v in r.items() if k not in QUIET and v is not None]
             lines.append("  ".join(fields)[:240])
     return lines
 

@@ -1,0 +1,311 @@
+"""The benchmarks' harness: contenders in processes of their own, rounds, one record schema.
+
+A benchmark names its cells (a contender at a model size), says how to build one cell's child
+spec, and gives the function its child runs (``measure``); ``run`` does the rest:
+
+- each cell runs in a process of its own (``python -m benchmarks.<name> --child SPEC``), so its
+  memory peaks, threads and process group are its own, under a time limit (``--timeout``, cut to
+  what is left of ``--budget``); a crash or a timeout becomes the cell's record with its error
+  and the next cell still runs; a cell that cannot run here (``Cell.skip``) is recorded as
+  skipped with the reason, not as a failure;
+- Note [contender rounds]: machines drift (GPU clocks, page cache, other tenants), so with
+  ``--rounds N`` every cell runs once per round, the order rotated by one each round, and a
+  cell's figures are taken over all its rounds: the median step time with the fastest and the
+  slowest step, the largest peaks. Only one child runs at a time. A cell that failed is not
+  run again;
+- each cell's record is printed as one JSON line once its last round is done (and appended to
+  ``--out``); the child's own output goes to stderr, so stdout holds only records and the
+  closing table.
+
+Record schema (``RESULT_FIELDS``), one per cell: ``bench``, ``kind`` ("result"),
+``contender``, ``size``, ``status`` (ok, error, timeout, skipped), ``step_s`` (median of the
+timed steps, seconds, each step timed between device synchronizes), ``step_s_min``,
+``step_s_max``, ``steps`` (timed steps in all rounds), ``rounds``, ``tflops`` (6 x params x
+tokens per step / step_s / 1e12: the dense-matmul estimate, no attention term), ``gpu_peak_gib``
+(the device's peak allocated bytes over the training steps, None without a GPU), ``host_peak_gib``
+(Note [host peak] in _flags.py: over the training steps), ``first_loss`` (the loss of the first
+batch, before any update), ``last_loss``, ``params``, ``tokens_per_step``, ``device``, ``dtype``,
+``error`` (None when ok; the reason when skipped), ``extra`` (the benchmark's own figures, a
+dict). Ratio lines (``RATIO_FIELDS``): ``bench``, ``kind`` ("ratio"), ``size``, ``contender``,
+``vs``, and the quotients ``step``, ``gpu_peak``, ``host_peak`` (contender over vs).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional
+
+from . import _flags
+
+GiB = 2**30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIN_CELL_SECONDS = 15.0  # a cell that would get less is skipped (not in --smoke)
+_NUMBER = (int, float, type(None))
+RESULT_FIELDS = {
+    "bench": str, "kind": str, "contender": str, "size": str, "status": str, "step_s": _NUMBER,
+    "step_s_min": _NUMBER, "step_s_max": _NUMBER, "steps": int, "rounds": int, "tflops": _NUMBER,
+    "gpu_peak_gib": _NUMBER, "host_peak_gib": _NUMBER, "first_loss": _NUMBER, "last_loss": _NUMBER,
+    "params": _NUMBER, "tokens_per_step": int, "device": (str, type(None)), "dtype": str,
+    "error": (str, type(None)), "extra": dict,
+}
+RATIO_FIELDS = {"bench": str, "kind": str, "size": str, "contender": str, "vs": str, "step": _NUMBER,
+                "gpu_peak": _NUMBER, "host_peak": _NUMBER}
+STATUSES = ("ok", "error", "timeout", "skipped")
+
+
+def check_record(record: dict) -> List[str]:
+    """What is wrong with ``record`` against its schema (empty when nothing)."""
+    fields = RATIO_FIELDS if record.get("kind") == "ratio" else RESULT_FIELDS
+    problems = [f"{k}: missing" for k in fields if k not in record]
+    problems += [f"{k}: unknown field" for k in record if k not in fields]
+    problems += [f"{k}: {type(record[k]).__name__} is not {fields[k]}" for k in fields
+                 if k in record and not isinstance(record[k], fields[k])]
+    if record.get("kind") == "result" and record.get("status") not in STATUSES:
+        problems.append(f"status: {record.get('status')!r} is not one of {STATUSES}")
+    return problems
+
+
+# ------------------------------------------------------------------ a contender's process
+
+
+def sync_device() -> None:
+    """Wait for everything queued on the GPU (nothing to wait for without one)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peaks() -> bool:
+    """Restart the device's and the host's peaks (Note [host peak] in _flags.py)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    return _flags.reset_host_peak()
+
+
+def peaks() -> dict:
+    """``{"gpu": bytes or None, "host": bytes or None}`` since the last ``reset_peaks``."""
+    import torch
+
+    gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {"gpu": gpu, "host": _flags.host_peak_bytes()}
+
+
+def timed_steps(trainer, batches: list, warmup: int, steps: int, at_timed: Callable[[], None] = lambda: None) -> dict:
+    """``warmup`` untimed steps, then ``steps`` steps each timed from a device synchronize before
+    it to one after; the last also waits for the trainer's overlapped work (``finish``), which
+    belongs to it. Losses are read after each step's clock stopped. ``at_timed`` runs before the
+    first timed step (counters start there)."""
+    times, losses = [], []
+    for i, ids in enumerate(batches[:warmup + steps]):
+        sync_device()
+        if i == warmup:
+            at_timed()
+        start = time.perf_counter()
+        loss = trainer.step(ids)
+        if i == warmup + steps - 1:
+            trainer.finish()
+        sync_device()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    return {"times": times, "losses": losses}
+
+
+def child_main(measure: Callable[[dict], dict], spec_json: str) -> None:
+    """In the child: run ``measure(spec)`` and write what it returns where the parent reads it."""
+    spec = json.loads(spec_json)
+    sample = measure(spec)
+    with open(spec["result_path"], "w") as f:
+        json.dump(sample, f)
+
+
+def _innermost_frame(output: str) -> str:
+    frames = re.findall(r'File "([^"]*/(?:infinity|benchmarks|deepspeed|torch)/[^"]+)", line (\d+)', output)
+    if not frames:
+        return ""
+    path, line = frames[-1]
+    cut = max(path.rfind(f"/{top}/") for top in ("infinity", "benchmarks", "deepspeed", "torch"))
+    return f"{path[cut + 1:]}:{line}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the child's whole group, SIGKILL 5 s later."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def spawn(module: str, spec: dict, timeout: float, env: Optional[dict] = None) -> dict:
+    """Run one cell's child; its sample, or ``{"status": error|timeout, "error", "where"}``.
+    What the child prints is copied to this process's stderr as it comes."""
+    fd, result_path = tempfile.mkstemp(prefix="bench_result_", suffix=".json")
+    os.close(fd)
+    child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))  # its lines reach the log as they come
+    child_env["PYTHONPATH"] = ROOT + (os.pathsep + child_env["PYTHONPATH"] if child_env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", module, "--child", json.dumps(dict(spec, result_path=result_path))]
+    tail: collections.deque = collections.deque(maxlen=60)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+    fired = threading.Event()
+    timer = threading.Timer(timeout, lambda: (fired.set(), _stop(proc)))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            tail.append(line.rstrip())
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        _stop(proc)  # whatever the child left behind in its group
+    try:
+        with open(result_path) as f:
+            text = f.read()
+    finally:
+        os.unlink(result_path)
+    if rc == 0 and text:
+        return json.loads(text)
+    output = "\n".join(tail)
+    if fired.is_set():
+        return {"status": "timeout", "error": f"timed out after {timeout:.0f} s", "where": _innermost_frame(output)}
+    last = next((line for line in reversed(tail) if line.strip()), "")
+    return {"status": "error", "error": f"exit {rc}: {last.strip()[-300:]}", "where": _innermost_frame(output)}
+
+
+# ------------------------------------------------------------------ the parent
+
+
+@dataclass(frozen=True)
+class Cell:
+    contender: str
+    size: str
+    skip: Optional[str] = None  # why this cell cannot run here
+
+
+def rotated(cells: List[Cell], rounds: int) -> Iterable[tuple]:
+    """(round, cell) in the order Note [contender rounds] runs them."""
+    for r in range(rounds):
+        shift = r % len(cells) if cells else 0
+        for cell in cells[shift:] + cells[:shift]:
+            yield r, cell
+
+
+def gib(n) -> Optional[float]:
+    return None if n is None else round(n / GiB, 3)
+
+
+def _finite(x) -> Optional[float]:
+    return float(f"{x:.6g}") if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def result_record(bench: str, cell: Cell, samples: List[dict], failure: Optional[dict], skip: Optional[str],
+                  dtype: str) -> dict:
+    """The cell's one record from its rounds' samples (and its failure, if any)."""
+    times = [t for s in samples for t in s["times"]]
+    first = samples[0] if samples else {}
+    record = {"bench": bench, "kind": "result", "contender": cell.contender, "size": cell.size,
+              "status": "ok", "step_s": None, "step_s_min": None, "step_s_max": None, "steps": len(times),
+              "rounds": len(samples), "tflops": None, "gpu_peak_gib": None, "host_peak_gib": None,
+              "first_loss": None, "last_loss": None, "params": first.get("params"),
+              "tokens_per_step": first.get("tokens_per_step", 0), "device": first.get("device"),
+              "dtype": first.get("dtype", dtype), "error": None, "extra": {}}
+    if skip is not None:
+        return dict(record, status="skipped", error=skip)
+    if times:
+        step = statistics.median(times)
+        gpu = [s["gpu_peak"] for s in samples if s.get("gpu_peak") is not None]
+        host = [s["host_peak"] for s in samples if s.get("host_peak") is not None]
+        record.update(step_s=round(step, 5), step_s_min=round(min(times), 5), step_s_max=round(max(times), 5),
+                      tflops=_finite(6 * record["params"] * record["tokens_per_step"] / step / 1e12),
+                      gpu_peak_gib=gib(max(gpu)) if gpu else None, host_peak_gib=gib(max(host)) if host else None,
+                      first_loss=_finite(samples[0]["losses"][0]), last_loss=_finite(samples[-1]["losses"][-1]),
+                      extra=samples[-1].get("extra", {}))
+    if failure is not None:
+        record.update(status=failure["status"], error=failure["error"])
+        if failure.get("where"):
+            record["extra"] = dict(record["extra"], where=failure["where"])
+    return record
+
+
+def ratio_record(bench: str, a: dict, b: dict) -> Optional[dict]:
+    """``a`` over ``b`` (two ok records of one size), or None when either has no figures."""
+    if a.get("step_s") is None or b.get("step_s") is None:
+        return None
+
+    def q(key):
+        return round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
+
+    return {"bench": bench, "kind": "ratio", "size": a["size"], "contender": a["contender"], "vs": b["contender"],
+            "step": q("step_s"), "gpu_peak": q("gpu_peak_gib"), "host_peak": q("host_peak_gib")}
+
+
+def emit(record: dict, out: Optional[str]) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def run(bench: str, module: str, cells: List[Cell], spec_of: Callable[[Cell, str], dict], args,
+        env_of: Callable[[Cell], dict] = lambda cell: {}, dtype: str = "") -> List[dict]:
+    """Run every cell for ``args.rounds`` rounds (Note [contender rounds]); returns the records,
+    printed as they are done. ``spec_of(cell, scratch)`` is the child's spec: ``scratch`` a
+    fresh directory under ``--nvme-path``, removed after the child."""
+    deadline = time.time() + args.budget
+    rounds = max(1, args.rounds)
+    samples: Dict[Cell, List[dict]] = {cell: [] for cell in cells}
+    failures: Dict[Cell, dict] = {}
+    records: List[dict] = []
+    done = set()
+    for r, cell in rotated(cells, rounds):
+        if cell in done:
+            continue
+        skip = cell.skip
+        if skip is None:
+            left = min(args.timeout, deadline - time.time())
+            if left < (1 if args.smoke else MIN_CELL_SECONDS):
+                skip = f"no time left ({max(left, 0):.0f} s of --budget {args.budget:.0f} s)"
+            else:
+                sample = run_cell(bench, module, cell, spec_of, env_of, args.nvme_path, r, left)
+                if "error" in sample:
+                    failures[cell] = sample
+                else:
+                    samples[cell].append(sample)
+        if skip is not None or cell in failures or r == rounds - 1:
+            done.add(cell)
+            skip = None if samples[cell] else skip  # out of time after some rounds: what it has
+            records.append(result_record(bench, cell, samples[cell], failures.get(cell), skip, dtype))
+            emit(records[-1], args.out)
+    return records
+
+
+def run_cell(bench: str, module: str, cell: Cell, spec_of, env_of, nvme_path: str, r: int, left: float) -> dict:
+    print(f"[{bench}] round {r}: {cell.contender} at {cell.size} (limit {left:.0f} s)", file=sys.stderr, flush=True)
+    os.makedirs(nvme_path, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=f"{bench}_{cell.contender}_", dir=nvme_path)
+    try:
+        return spawn(module, spec_of(cell, scratch), left, env_of(cell))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

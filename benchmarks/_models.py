@@ -1,0 +1,102 @@
+"""The one GPT-2 builder and the one batch maker of the benchmarks.
+
+Note [identical contenders]: every contender of a benchmark trains the same model from the same
+weights on the same batches. ``gpt2`` builds Hugging Face's ``GPT2LMHeadModel`` on the meta
+device, materializes it on the CPU (``to_empty``) and draws its weights with GPT-2's own rule
+(normal(0, 0.02); the residual projections ``c_proj`` scaled by 1/sqrt(2 x layers); biases 0;
+LayerNorm 1 and 0), parameter by parameter, each from a generator seeded from ``seed`` and its
+index. That is a few seconds for GPT-2 XL on many cores where Hugging Face's constructor, which
+initializes every weight twice on one core, takes half a minute, and it gives the same tensors
+whatever the thread count. Dropout is off, so two contenders' first losses agree to rounding.
+``batches`` draws random tokens from its own seeded generator.
+"""
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import List
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int = 50257
+    positions: int = 1024
+
+
+SHAPES = {
+    "tiny": Shape(layers=2, hidden=64, heads=2, vocab=512, positions=64),
+    "124m": Shape(layers=12, hidden=768, heads=12),
+    "1.5b": Shape(layers=48, hidden=1600, heads=25),  # GPT-2 XL
+}
+INIT_STD = 0.02  # GPT2Config.initializer_range
+
+
+def shape_of(size: str) -> Shape:
+    try:
+        return SHAPES[size]
+    except KeyError:
+        raise ValueError(f"unknown model size {size!r}; choose from {', '.join(SHAPES)}") from None
+
+
+def param_count(model) -> int:
+    """Distinct parameters (a tied weight once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def gpt2(size: str, seed: int = 0):
+    """GPT-2 of ``size`` on the CPU in fp32, dropout off (Note [identical contenders])."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    shape = shape_of(size)
+    cfg = GPT2Config(vocab_size=shape.vocab, n_positions=shape.positions, n_embd=shape.hidden,
+                     n_layer=shape.layers, n_head=shape.heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, use_cache=False, initializer_range=INIT_STD,
+                     bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    if any(True for _ in model.buffers()):  # to_empty would leave them unset
+        raise RuntimeError("this transformers' GPT-2 has buffers; gpt2() materializes parameters only")
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty made the head's weight a tensor of its own
+    if model.lm_head.weight is not model.transformer.wte.weight:
+        raise RuntimeError("GPT-2's head is not tied to its token embedding after tie_weights()")
+    _init_weights(model, shape, seed)
+    return model.train()
+
+
+def _init_weights(model, shape: Shape, seed: int) -> None:
+    import torch
+
+    params = list({id(p): (name, p) for name, p in model.named_parameters()}.values())
+    proj_std = INIT_STD / math.sqrt(2 * shape.layers)
+
+    def fill(index: int) -> None:
+        name, p = params[index]
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        with torch.no_grad():
+            if name.endswith(".bias"):
+                p.zero_()
+            elif ".ln_" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, proj_std if name.endswith("c_proj.weight") else INIT_STD, generator=gen)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # the fills release the GIL
+        list(pool.map(fill, range(len(params))))
+
+
+def batches(size: str, micro_batch: int, seq_len: int, count: int, seed: int = 1) -> List["torch.Tensor"]:  # noqa: F821
+    """``count`` batches of random token ids, (micro_batch, seq_len) int64 on the CPU."""
+    import torch
+
+    shape = shape_of(size)
+    if seq_len > shape.positions:
+        raise ValueError(f"--seq-len {seq_len} is longer than the {size} model's {shape.positions} positions")
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(shape.vocab, (micro_batch, seq_len), generator=gen) for _ in range(count)]

@@ -1,0 +1,218 @@
+"""The head-to-head on one GPU: infinity beside plain PyTorch, DeepSpeed and FSDP2.
+
+Every contender trains the same GPT-2 (``_models.gpt2``, the same weights) on the same random
+batches (8 x 1024 tokens by default) the same way (``_trainers``: bf16 compute with fp32 master
+weights, AdamW lr 1e-4 and weight decay 0.01, clipping at 1.0), each in a process of its own
+(``_harness``), at each size of ``--sizes`` (124m: 12 x 768; 1.5b: GPT-2 XL, 48 x 1600):
+
+  plain           the whole model on the GPU, torch's fused AdamW on fp32 masters
+  infinity-cpu    infinity ZeRO-3, offload_param and offload_optimizer on cpu
+  infinity-nvme   the same on NVMe (a temporary folder under --nvme-path)
+  deepspeed-cpu   DeepSpeed ZeRO-3, offload_param and offload_optimizer on cpu
+  deepspeed-nvme  DeepSpeed ZeRO-Infinity, both on NVMe (its defaults otherwise)
+  fsdp2-cpu       torch FSDP2, fully_shard with CPUOffloadPolicy, one rank
+
+One JSON record per contender and size (the schema in ``_harness``): the median step time over
+``--steps`` steps after ``--warmup`` warm-ups (each timed between device synchronizes; the last
+waits for infinity's overlapped update), its min and max, TFLOP/s, GPU and host peaks over the
+training steps, first and last loss, the error if any; ``extra`` holds the set-up's time and
+peaks and the disk bytes per step (``/proc/self/io``). Then ratio lines: every contender against
+plain, and infinity and FSDP2 against DeepSpeed at the same placement. Without CUDA the default
+dtype is fp32, DeepSpeed runs only with ``DS_ACCELERATOR=cpu`` and FSDP2 is skipped; a contender
+that cannot run here (DeepSpeed not installed, no GPU) is recorded as skipped with the reason.
+
+    python -m benchmarks.peers [--sizes 124m,1.5b] [--only plain,infinity-cpu,fsdp2-cpu@1.5b]
+                               [--steps 4 --warmup 2 --rounds 1] [--budget S] [--out FILE]
+    python -m benchmarks.peers --smoke      # tiny GPT-2, 2 steps after 1, fp32: seconds on a CPU
+
+``--only`` entries may carry a size (``infinity-nvme@124m``): that contender runs at that size only.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from typing import List, Optional
+
+from . import _flags, _harness, _models, _trainers
+from ._harness import Cell
+
+BENCH = "peers"
+CONTENDERS = ("plain", "infinity-cpu", "infinity-nvme", "deepspeed-cpu", "deepspeed-nvme", "fsdp2-cpu")
+VS_DEEPSPEED = {"infinity-cpu": "deepspeed-cpu", "infinity-nvme": "deepspeed-nvme", "fsdp2-cpu": "deepspeed-cpu"}
+GB = 1e9
+
+
+# ------------------------------------------------------------------ a contender's process
+
+
+def make_trainer(spec: dict, model):
+    """(trainer, the device its batches go to) for the spec's contender."""
+    import torch
+
+    kind, dtype = spec["contender"], spec["dtype"]
+    cuda = torch.cuda.is_available()
+    if kind == "plain":
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        return _trainers.PlainTrainer(model, device, dtype), device
+    tier = kind.split("-", 1)[1]
+    if kind.startswith("infinity-"):
+        import infinity
+
+        return _trainers.InfinityTrainer(model, _trainers.infinity_config(tier, dtype, spec["scratch"])), infinity.device()
+    if kind.startswith("deepspeed-"):
+        cfg = _trainers.deepspeed_config(tier, dtype, spec["micro_batch"], spec["scratch"], pin=cuda)
+        trainer = _trainers.DeepSpeedTrainer(model, cfg, backend="nccl" if cuda else "gloo")
+        return trainer, trainer.engine.device
+    return _trainers.Fsdp2Trainer(model, dtype), torch.device("cuda", 0)
+
+
+def disk_bytes() -> dict:
+    """This process's block I/O so far (O_DIRECT included), from /proc/self/io."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
+    except (OSError, KeyError, ValueError):
+        return {"read": 0, "write": 0}
+
+
+def nvme_traffic(telemetry: dict) -> dict:
+    """The engine's NVMe bytes read and written, from its telemetry's ``nvme_*_bytes`` counters."""
+    out = {"read": 0, "write": 0}
+    for key, value in telemetry.items():
+        if key.startswith("nvme_") and key.endswith("_bytes") and isinstance(value, (int, float)):
+            out["read" if "_read_" in key else "write"] += value
+    return out
+
+
+def measure(spec: dict) -> dict:
+    """The child: build, set up, train; the sample the harness summarizes."""
+    import torch
+
+    start = time.perf_counter()
+    model = _models.gpt2(spec["size"], seed=0)
+    params = _models.param_count(model)
+    trainer, device = make_trainer(spec, model)
+    del model
+    count = spec["warmup"] + spec["steps"]
+    batches = [b.to(device) for b in _models.batches(spec["size"], spec["micro_batch"], spec["seq_len"], count)]
+    setup_peaks = _harness.peaks()
+    extra = {"setup_s": round(time.perf_counter() - start, 2), "gpu_setup_peak_gib": _harness.gib(setup_peaks["gpu"]),
+             "host_setup_peak_gib": _harness.gib(setup_peaks["host"]),
+             "host_peak_since": "setup" if _harness.reset_peaks() else "start"}
+    telemetry = trainer.telemetry if isinstance(trainer, _trainers.InfinityTrainer) else None
+    disk = {}
+
+    def at_timed() -> None:  # counters start at the first timed step
+        disk.update(disk_bytes())
+        if telemetry is not None:
+            telemetry()
+
+    steps = _harness.timed_steps(trainer, batches, spec["warmup"], spec["steps"], at_timed=at_timed)
+    after, peaks = disk_bytes(), _harness.peaks()
+    n, seconds = len(steps["times"]), sum(steps["times"])
+    extra.update(disk_read_gb_per_step=round((after["read"] - disk["read"]) / n / GB, 3),
+                 disk_write_gb_per_step=round((after["write"] - disk["write"]) / n / GB, 3))
+    if telemetry is not None and spec["contender"].endswith("-nvme"):
+        moved = nvme_traffic(telemetry())
+        extra.update(nvme_read_gb_per_step=round(moved["read"] / n / GB, 3),
+                     nvme_write_gb_per_step=round(moved["write"] / n / GB, 3),
+                     nvme_gbps=round((moved["read"] + moved["write"]) / seconds / GB, 3))
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    sample = {**steps, "params": params, "tokens_per_step": spec["micro_batch"] * spec["seq_len"],
+              "device": f"{device.type}: {name}", "dtype": spec["dtype"], "gpu_peak": peaks["gpu"],
+              "host_peak": peaks["host"], "extra": extra}
+    try:
+        trainer.close()
+    except Exception as e:  # the figures are taken; a failed close is reported beside them
+        extra["close_error"] = f"{type(e).__name__}: {e}"[:300]
+    return sample
+
+
+# ------------------------------------------------------------------ the parent
+
+
+def skip_reason(contender: str, cuda: bool) -> Optional[str]:
+    if contender.startswith("deepspeed-"):
+        if importlib.util.find_spec("deepspeed") is None:
+            return "DeepSpeed is not installed"
+        if not cuda and os.environ.get("DS_ACCELERATOR") != "cpu":
+            return "no CUDA (DS_ACCELERATOR=cpu runs DeepSpeed on the CPU)"
+    if contender == "fsdp2-cpu" and not cuda:
+        return "no CUDA: FSDP2's CPUOffloadPolicy offloads from a GPU"
+    return None
+
+
+def plan(only: List[str], sizes: List[str], smoke: bool, cuda: bool) -> List[Cell]:
+    """The cells in run order: by size, then in --only's order; ``name@size`` at that size only."""
+    cells: List[Cell] = []
+    for size in sizes:
+        for entry in only:
+            name, _, at = entry.partition("@")
+            if name not in CONTENDERS:
+                raise SystemExit(f"--only: unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")
+            if (not at or at == size or smoke) and all(c.contender != name or c.size != size for c in cells):
+                cells.append(Cell(name, size, skip_reason(name, cuda)))
+    return cells
+
+
+def ratios(records: List[dict]) -> List[dict]:
+    out = []
+    ok = {(r["contender"], r["size"]): r for r in records if r["status"] == "ok"}
+    for (name, size), record in ok.items():
+        for vs in ("plain", VS_DEEPSPEED.get(name)):
+            if vs and vs != name and (vs, size) in ok:
+                out.append(_harness.ratio_record(BENCH, record, ok[(vs, size)]))
+    return [r for r in out if r is not None]
+
+
+def table(records: List[dict]) -> str:
+    def f(x, width: int, digits: int) -> str:
+        return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+
+    lines = [f"{'contender':<15} {'size':<5} {'step s':>8} {'min-max':>13} {'TFLOP/s':>8} {'GPU GiB':>8} "
+             f"{'host GiB':>8} {'loss first':>10} {'last':>8}  status"]
+    for r in records:
+        span = f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f}" if r["step_s"] is not None else "-"
+        status = r["status"] + (f": {r['error']}" if r["error"] else "")
+        lines.append(f"{r['contender']:<15} {r['size']:<5} {f(r['step_s'], 8, 4)} {span:>13} {f(r['tflops'], 8, 1)} "
+                     f"{f(r['gpu_peak_gib'], 8, 2)} {f(r['host_peak_gib'], 8, 2)} {f(r['first_loss'], 10, 4)} "
+                     f"{f(r['last_loss'], 8, 4)}  {status[:90]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = _flags.parser(__doc__, steps=4, warmup=2, seq_len=1024, micro_batch=8, only=",".join(CONTENDERS),
+                      budget=3600.0, timeout=900.0)
+    p.add_argument("--sizes", default="124m,1.5b", help=f"model sizes, of {', '.join(_models.SHAPES)}")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="auto: bf16 with CUDA (not in --smoke), else fp32")
+    args = p.parse_args()
+    if args.child:
+        _harness.child_main(measure, args.child)
+        return
+    import torch
+
+    cuda = torch.cuda.is_available()
+    sizes = _flags.parse_list(args.sizes)
+    if args.smoke:
+        sizes, args.steps, args.warmup, args.micro_batch, args.seq_len = ["tiny"], 2, 1, 2, 32
+    for size in sizes:
+        _models.shape_of(size)
+    dtype = args.dtype if args.dtype != "auto" else "bf16" if cuda and not args.smoke else "fp32"
+    cells = plan(_flags.parse_list(args.only), sizes, args.smoke, cuda)
+    spec = {"dtype": dtype, "steps": args.steps, "warmup": args.warmup, "micro_batch": args.micro_batch,
+            "seq_len": args.seq_len}
+    records = _harness.run(BENCH, __name__ if __name__ != "__main__" else "benchmarks.peers", cells,
+                           lambda cell, scratch: dict(spec, contender=cell.contender, size=cell.size, scratch=scratch),
+                           args, dtype=dtype)
+    for ratio in ratios(records):
+        _harness.emit(ratio, args.out)
+    print(table(records), flush=True)
+    sys.exit(1 if any(r["status"] in ("error", "timeout") for r in records) else 0)
+
+
+if __name__ == "__main__":
+    main()
