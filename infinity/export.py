@@ -85,7 +85,7 @@ def _sources(reader: CheckpointReader, weights: str) -> Dict[str, Tuple[str, tor
 
 
 def _untiled(tensors: dict, layout: dict) -> dict:
-    """Note [untiled export] in tiling.py: tiles written as the tensors they are parts of."""
+    """Note [untiled export] in _tiling.py: tiles written as the tensors they are parts of."""
     if not layout:
         return tensors
     order, owner = untiled_names(list(tensors), layout)

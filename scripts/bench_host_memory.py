@@ -48,7 +48,7 @@ def build_gpt(layers: int, hidden: int, model_defaults: bool = False):
 def nvme_config(path: str, allocator: str, dtype: str = "fp32") -> dict:
     return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
                      "offload_optimizer": {"device": "nvme", "nvme_path": path},
-                     "host_allocator": allocator},  # Note [block cache]: release is the default
+                     "host_allocator": allocator},  # Note [block cache] in host_alloc.cpp: release is the default
             "precision": {"dtype": dtype}, "optimizer": {"lr": 1e-4}, "gradient_clipping": 1.0}
 
 
@@ -117,8 +117,9 @@ def child(spec: dict) -> dict:
                 stop_block_cache()
             elif i:  # the engine installed it for step 0
                 use_block_cache(RELEASE_CACHE_CAP)
-        elif spec.get("toggle") == "host_cache":  # odd steps: the optimizer's host cache kept through forward
-            opt.engine.opt_store.release_cache = not i % 2  # even: released and read again (Note [host cache])
+        elif spec.get("toggle") == "host_cache":  # odd steps: the optimizer's host cache kept through forward; even:
+            # released and read again (Note [host cache] in _nvme_optimizer_store.py)
+            opt.engine.opt_store.release_cache = not i % 2
         ids = torch.randint(VOCAB, (spec["micro_batch"], spec["seq_len"]), generator=gen)
         t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         with autocast:

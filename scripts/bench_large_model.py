@@ -117,7 +117,7 @@ def _mixed_pass(files: list, chunk_bytes: int, bufs: list, reader, aio_cfg) -> f
 
 
 def compare_swap_io(model, opt, spec: dict, gen) -> list:
-    """Note [phased swap I/O]: alternate updates with the swapper's reads and writes overlapped
+    """Note [phased swap I/O] in _nvme_optimizer_store.py: alternate updates with the swapper's reads and writes overlapped
     and taking turns, on the same files in the same process; each update timed on its own
     (``wait_step`` right after ``step``, nothing beside it). (mode, seconds, NVMe bytes) each."""
     import torch
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--dtype", default="fp32", choices=("bf16", "fp32"))
     ap.add_argument("--swap-io", default="overlap", choices=("overlap", "phased"),
-                    help="zero.offload_optimizer.swap_io (Note [phased swap I/O])")
+                    help="zero.offload_optimizer.swap_io (Note [phased swap I/O] in _nvme_optimizer_store.py)")
     ap.add_argument("--compare-swap-io", type=int, default=0, metavar="ROUNDS",
                     help="after the timed steps, ROUNDS pairs of updates timed alone, overlapped and phased in turns")
     ap.add_argument("--warmup", type=int, default=1)
@@ -224,7 +224,7 @@ def main() -> None:
     layers, hidden = (args.layers, args.hidden) if args.layers and args.hidden else gpt_shape(args.params)
     n = gpt_param_count(layers, hidden)
     root = tempfile.mkdtemp(prefix="bench_large_", dir=args.nvme_path)
-    # fp32: the parameters are read from the master file (Note [parameters from the master]), so the
+    # fp32: the parameters are read from the master file (Note [parameters from the master] in _placement.py), so the
     # disk holds the master, both moments and the gradients, 16 bytes per parameter; bf16 adds its shards.
     per_param = 16 if args.dtype == "fp32" else DISK_BYTES_PER_PARAM
     print(f"GPT-style {layers} x {hidden}, {n / 1e9:.2f} B parameters, {args.dtype}, stage 3, everything on NVMe, "

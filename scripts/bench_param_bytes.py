@@ -1,5 +1,6 @@
 """NVMe bytes per step of the parameter tier, this checkout against another (e.g. the commit
-before Note [parameters from the master] and Note [parameter cache]), in one run.
+before Note [parameters from the master] in _placement.py and Note [parameter cache] in
+_param_store.py), in one run.
 
 GPT-2 (GPT2Config defaults: 124M) in fp32, one rank, parameters on NVMe with the optimizer
 states on NVMe or in host memory, micro-batch 1 x 16 tokens; each contender runs in its own

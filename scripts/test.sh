@@ -8,7 +8,7 @@ if [ "${1:-}" = "--sanitize" ]; then  # the native libraries under ASan + UBSan,
     exec bash scripts/test_sanitize.sh "$@"
 fi
 "${PYTHON:-python3}" -m ruff check .  # lint: pyflakes, pycodestyle, import order (pyproject.toml)
-"${PYTHON:-python3}" -m mypy  # types of the core modules (pyproject.toml, Note [type checking])
+"${PYTHON:-python3}" -m mypy  # types of the core modules (pyproject.toml, Note [type checking] in pyproject.toml)
 # Two test processes where there are two cores (pytest-xdist): most tests keep one core busy
 # (a rank's start, a subprocess, an in-process test on one thread). Whole files go to a worker,
 # so a file's module fixtures run once; a later -n in "$@" wins. Not with the `machine` marker:

@@ -33,7 +33,7 @@ def zero_config(stage, *, param=None, optim=None, nvme=None, dtype="fp32", preci
 def streamed_nvme_config(nvme, dtype="fp32", **aio) -> dict:
     """Stage 3 with everything on NVMe and every optimizer range streamed from disk (no host
     cache, gradients in a swap file, no parameter cache): each swap file is read back every
-    step; ``aio`` keys. fp32 parameters are master.swp (Note [parameters from the master]):
+    step; ``aio`` keys. fp32 parameters are master.swp (Note [parameters from the master] in _placement.py):
     bf16 has a params.swp."""
     cfg = zero_config(3, param="nvme", optim="nvme", nvme=nvme, chunk=4096, dtype=dtype,
                       optim_extra={"host_cache": 0, "gradients": "nvme"})

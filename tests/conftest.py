@@ -7,7 +7,7 @@ import pytest
 # Tests run several ranks on two cores: keep each process to its share of threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The emulated accelerator (Note [emulated accelerator]) is registered with torch before any
+# The emulated accelerator (Note [emulated accelerator] in _emulated.py) is registered with torch before any
 # test runs a backward: autograd sizes its per-device queues at the first one. It computes
 # only inside ``infinity._runtime._accelerator.using("emulated")``.
 from infinity._runtime import _accelerator  # noqa: E402
@@ -47,7 +47,7 @@ def infinity_logs(caplog):
 @pytest.fixture
 def glibc_serves_torch():
     """Torch's CPU blocks from glibc for one test: engines of earlier tests that are still alive
-    (Note [block cache]) give up their hold on the block cache and take it back after; no freed
+    (Note [block cache] in host_alloc.cpp) give up their hold on the block cache and take it back after; no freed
     blocks are kept. Yields the native module, or None where it was not built."""
     import gc
 

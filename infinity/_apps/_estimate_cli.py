@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--rates", default="measured", choices=("measured", "dgx2", "h100"),
                     help="FLOP rate, NVMe and Adam bandwidths: measured here (under --nvme-path), the paper's "
                          "DGX-2, or an 8xH100 node with NVMe RAID")
-    ssd = p.add_argument_group("SSD endurance of a planned run (the --offload placement; Note [endurance budget] in _endurance.py)")
+    ssd = p.add_argument_group(
+        "SSD endurance of a planned run (the --offload placement; Note [endurance budget] in _endurance.py)")
     ssd.add_argument("--steps", type=int, help="optimizer steps of the run: the TB it writes to each node's NVMe")
     ssd.add_argument("--endurance-tbw", type=float,
                      help="the drive's rated endurance in TB written (aio.endurance_tbw): the run's share of it")

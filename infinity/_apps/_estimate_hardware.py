@@ -14,7 +14,7 @@ from .._runtime._log import logger
 
 @dataclass(frozen=True)
 class Hardware:
-    """Sizes per node. With no accelerator the device tier is host memory (DESIGN §3)."""
+    """Sizes per node. With no accelerator the device tier is host memory."""
 
     gpus_per_node: int
     nodes: int

@@ -99,7 +99,7 @@ class Precision:
         raise EstimateError(f"dtype: {dtype!r} is not supported; use bf16, fp16 or fp32")
 
     def nvme_saving(self, n: int) -> int:
-        """Bytes the compressed moments save on NVMe for ``n`` elements (Note [compressed moments])."""
+        """Bytes the compressed moments save on NVMe for ``n`` elements (Note [compressed moments] in _moments.py)."""
         return 2 * (4 * n - file_bytes(self.moments, n, chunk_elems(None, n))) if n else 0
 
     @property
@@ -336,8 +336,9 @@ def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, from_master: bo
     plan = store_plan(opt_tier=otier, param_tier=ptier if ptier is Tier.NVME else None, opt_total=tshard,
                       param_total=tshard, itemsize=prec.param, overlapped=False, lazy_grad=False, chunk=chunk, head=head,
                       grads_in_memory=grads_in_host, staging_numel=largest, staging_count=staging_buffers(z),
-                      params_are_master=from_master and otier is not Tier.NVME,  # Note [parameters from
-                      params_in_master_file=from_master and otier is Tier.NVME,  # the master] in _placement.py
+                      # Note [parameters from the master] in _placement.py
+                      params_are_master=from_master and otier is not Tier.NVME,
+                      params_in_master_file=from_master and otier is Tier.NVME,
                       gathered_bytes=0, moments=prec.moments)["host"]
     if otier is not Tier.NVME:  # the memory tier's states are the paper's terms (_placement), not buffers
         plan = {k: v for k, v in plan.items() if k not in (OPT_STATES, GRADIENTS)}

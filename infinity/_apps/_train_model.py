@@ -1,6 +1,6 @@
 """Model loading for ``python -m infinity.train``: a preset, a dict of Hugging Face config
 fields, or a local model directory, built under ``infinity.Init`` for stage 3 and checked
-against the room it needs before a single parameter exists (Note [Init preflight]).
+against the room it needs before a single parameter exists (Note [Init preflight] in _init_context.py).
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def _model_from_dir(directory: str, seq_len: int, init=None, micro_batch: int = 
         logger.warning("model directory %s has no *.safetensors weights: starting from random weights", directory)
         return ModelSpec(_causal_lm_from_config(config, directory), tokenizer, f"{directory} (config only)", directory)
     try:
-        # Under infinity.Init each rank streams its own chunks into the tiers (Note [streamed load]).
+        # Under infinity.Init each rank streams its own chunks into the tiers (Note [streamed load] in _pretrained.py).
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
     except InfinityError:
         raise
@@ -161,7 +161,7 @@ def _model_from_dir(directory: str, seq_len: int, init=None, micro_batch: int = 
 def build_partitioned(cfg: Config) -> ModelSpec:
     """Build the model under ``infinity.Init`` for stage 3: partitioned while it is built (a
     model directory is streamed from its files), each chunk checked against the room on its
-    tier before it is stored (Note [Init preflight])."""
+    tier before it is stored (Note [Init preflight] in _init_context.py)."""
     t = cfg.train
     sizes = _fresh_param_sizes(t.model)  # on the meta device, outside Init (which would take them)
     with Init(config=cfg, enabled=cfg.zero.stage == 3) as init:

@@ -1,6 +1,6 @@
 """The checkpoint format on disk, readable without a process group.
 
-Note [checkpoint layout] (format "infinity-checkpoint", versions 1 and 2: Note [manifest
+Note [checkpoint layout]: format "infinity-checkpoint", versions 1 and 2 (Note [manifest
 versions]). A run's directory holds one subdirectory per tag and a ``latest`` file naming the
 newest complete one:
 

@@ -120,7 +120,7 @@ def export_safetensors(model: nn.Module, directory: str, *, max_shard_bytes: int
     def out_dtype(t_dtype):
         return dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
 
-    layout = untiled_layout(model)  # Note [untiled export] in tiling.py
+    layout = untiled_layout(model)  # Note [untiled export] in _tiling.py
     by_name = {n: p for p, n in names.items()}
     order, tile_owner = untiled_names(list(by_name), layout)
     sizes = {n: _numel(layout[n]["shape"]) * _itemsize(out_dtype(by_name[layout[n]["parts"][0][0]].dtype))

@@ -65,7 +65,8 @@ def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None,
     ``blocking=False`` at once a ``SaveHandle`` (``wait()``, ``done()``) of a save that goes on
     while training does (Note [asynchronous saves] in _async.py), or, where its host copy would
     not fit host memory, a finished one of a blocking save (Note [staged copies preflighted]).
-    A save in flight is waited for first, and its failure raised. Note [crash-safe commit], Note [checkpoint layout]."""
+    A save in flight is waited for first, and its failure raised. Note [crash-safe commit], Note [checkpoint
+    layout] in _format.py."""
     if not isinstance(blocking, bool) or not isinstance(clone, bool):
         raise UsageTypeError(f"save_checkpoint: blocking and clone are True or False, got {blocking!r}, {clone!r}")
     engine, opt = engine_and_optimizer(model, optimizer, "save_checkpoint")
@@ -237,7 +238,7 @@ def _manifest_head(engine, opt, tag: str) -> dict:
         "world_size": engine.world_size, "stage": engine.cfg.zero.stage, "dtype": str(engine.dtype),
         "param_total": opt.layout.param_total, "opt_total": opt.layout.opt_total,
         "params": param_entries(engine, opt),
-        "tiled": untiled_layout(engine.model),  # Note [untiled export] in tiling.py
+        "tiled": untiled_layout(engine.model),  # Note [untiled export] in _tiling.py
         "groups": [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in opt.param_groups],
         "scaler": copy.deepcopy(opt.scaler.state_dict()) if opt.scaler is not None else None,
     }

@@ -99,7 +99,7 @@ class TrainCheckpoints:
         return path
 
     def _count(self, run) -> None:
-        """The SSD bytes of the last save, once it has committed (Note [endurance budget])."""
+        """The SSD bytes of the last save, once it has committed (Note [endurance budget] in _endurance.py)."""
         if self._uncounted is not None and getattr(run, "ssd", None) is not None:
             run.ssd.add_checkpoint(self._uncounted)
         self._uncounted = None

@@ -74,10 +74,11 @@ class GradShards:
             s, f = sq_and_finite(g)
             self._sq += s
             self._finite = self._finite and f
-        if self.mem is not None:  # Note [gradients in host memory]
+        if self.mem is not None:  # Note [gradients in host memory] in _nvme_optimizer_store.py
             _put(self.mem[offset : offset + g.numel()], g, again)
             return
-        for hs, lo, n, at in self.cache.pieces(offset, g.numel()):  # Note [host cache]: in memory only
+        # Note [host cache] in _nvme_optimizer_store.py: in memory only
+        for hs, lo, n, at in self.cache.pieces(offset, g.numel()):
             _put(hs["grad"][lo : lo + n], g[at : at + n], again)
         h = self.cache.within(offset, g.numel())
         if h == g.numel():

@@ -39,7 +39,8 @@ class HeadCache:
         # zeros: the gaps between aligned unit ranges must read as zero gradients
         self.sets = [{n: zeros_host(files.chunk, OPT_HOST_CACHE) for n in files.swapped}
                      for _ in range(head // files.chunk)]
-        self.records = [files.record_set(OPT_HOST_CACHE) for _ in self.sets]  # Note [compressed moments on disk]
+        # Note [compressed moments on disk] in _nvme_optimizer_store.py
+        self.records = [files.record_set(OPT_HOST_CACHE) for _ in self.sets]
         self.io = new_aio(aio_cfg)
         self.state = HeadState.EMPTY
 

@@ -14,12 +14,12 @@ bytes the stores really mapped (Note [host memory ledger] in aio/_memory.py).
 Categories of host memory (the names the ledger and the plan share):
   param_shards      compute-dtype parameter shards on the cpu tier
   param_staging     the NVMe parameter tier's staging pool (filled on first need)
-  param_handoff     the step's fresh parameter output kept for the next forward (Note [hand-off])
+  param_handoff     the step's fresh parameter output kept for the next forward (Note [hand-off] in _param_store.py)
   optimizer_states  fp32 master weights and Adam moments in host memory
   gradients         fp32 gradient shards in host memory (accumulating, sealed, spare)
-  optimizer_buffers the optimizer swapper's buffer sets (Note [optimizer swapper])
-  optimizer_cache   the swapper's host cache of the first chunks (Note [host cache])
-  gathered          gathered parameters returned for reuse on a CPU-only run (Note [recycled host memory])
+  optimizer_buffers the optimizer swapper's buffer sets (Note [optimizer swapper] in _nvme_optimizer_store.py)
+  optimizer_cache   the swapper's host cache of the first chunks (Note [host cache] in _nvme_optimizer_store.py)
+  gathered          gathered parameters returned for reuse on a CPU-only run (Note [recycled host memory] in _recycle.py)
 Beside those the account of a running process (``host_account``) reports the heap of the C
 allocator (torch's CPU tensors: activations, autograd's gradients, temporaries), the free
 pages the allocator keeps, and the rest of the resident set (interpreter, libraries, code).
@@ -171,7 +171,7 @@ _BLOCK_USERS = [0]  # engines using the block cache now; the last one to close r
 
 
 def use_block_cache(cache_cap: Optional[int]) -> bool:
-    """Note [block cache]: serve torch's CPU blocks of BLOCK_MIN bytes or more from the block
+    """Note [block cache] in host_alloc.cpp: serve torch's CPU blocks of BLOCK_MIN bytes or more from the block
     cache, keeping at most ``cache_cap`` bytes of freed blocks (None: every freed block, for
     reuse); process-wide, until every engine that asked has called ``stop_block_cache``.
     False where the module was not built (glibc's allocator stays)."""
@@ -213,17 +213,17 @@ def _status_bytes(field: str) -> int:
 def host_account(plan: Optional[Plan] = None) -> dict:
     """Where this process's host memory is now, by category (Note [one memory model]): the
     engine's aligned buffers as mapped (the ledger: live and peak) and as resident now, the C heap in use and
-    retained, the block cache's blocks in use and cached (Note [block cache]), and the rest of the
+    retained, the block cache's blocks in use and cached (Note [block cache] in host_alloc.cpp), and the rest of the
     resident set; with ``plan``, what the plan says of each."""
     snap = ledger.snapshot()
-    resident = ledger.resident()  # less than mapped where pages were released (Note [released pages])
+    resident = ledger.resident()  # less than mapped where pages were released (Note [released pages] in _memory.py)
     rss = _status_bytes("VmRSS")
     out = {"rss": rss, "peak_rss": _status_bytes("VmHWM"), "mapped": snap["live"], "resident": resident,
            "mapped_peak": snap["peak"], "mapped_peak_total": snap["peak_total"]}
     heap = malloc_bytes()
     rest = rss - sum(resident.values())
     blocks = block_cache_bytes()
-    if blocks is not None:  # torch's large blocks (Note [block cache]); not in the C heap
+    if blocks is not None:  # torch's large blocks (Note [block cache] in host_alloc.cpp); not in the C heap
         out["blocks_in_use"], out["blocks_cached"] = blocks["live"], blocks["cached"]
         rest -= blocks["live"] + blocks["cached"]
     if heap is not None:

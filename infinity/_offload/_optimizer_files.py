@@ -46,14 +46,15 @@ class OptimizerFiles:
 
     @property
     def code(self) -> Codec:
-        """The moments' codec: reached only for the packed arrays (Note [compressed moments on disk])."""
+        """The moments' codec: reached only for the packed arrays (Note [compressed moments on disk] in
+        _nvme_optimizer_store.py)."""
         if self.codec is None:
             raise InvariantError("compressed-moment record used with fp32 moments")
         return self.codec
 
     @property
     def master_shared(self) -> bool:
-        """The parameter store writes the step's master weights (Note [parameters from the master])."""
+        """The parameter store writes the step's master weights (Note [parameters from the master] in _placement.py)."""
         return self.master is not None
 
     def master_landed(self, offset: int = 0, numel: Optional[int] = None, *, block: bool = True) -> bool:

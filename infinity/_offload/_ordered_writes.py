@@ -94,7 +94,8 @@ class MasterFile:
 
     def __init__(self, swap: SwapDir, total: int, aio_cfg):
         nbytes = 4 * total
-        self.path = checksummed(swap.file("master.swp", nbytes), nbytes, aio_cfg.checksums)  # Note [swap checksums]
+        # Note [swap checksums] in _checksum.py
+        self.path = checksummed(swap.file("master.swp", nbytes), nbytes, aio_cfg.checksums)
         self.writes = OrderedWrites(self.path, 4, aio_cfg, swap.rank)
 
     def landed(self, offset: int, numel: int, *, block: bool = True) -> bool:

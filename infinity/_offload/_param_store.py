@@ -146,9 +146,11 @@ class ParamStore:
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
                  update_chunk: int = 0, master: Optional[MasterFile] = None, cache_elems: int = 0):
         tier = Tier.of(tier)
-        self._master = master  # master.swp, shared with the NVMe optimizer store (Note [parameters from the master])
+        # master.swp, shared with the NVMe optimizer store (Note [parameters from the master] in _placement.py)
+        self._master = master
         self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
-        self.direct_reads = direct_reads  # reads land in the caller's buffers: the pool stays empty (Note [one memory model])
+        # reads land in the caller's buffers: the pool stays empty (Note [one memory model] in _memory_plan.py)
+        self.direct_reads = direct_reads
         self.tier, self.dtype, self.total = tier, dtype, total
         self.flat: Optional[torch.Tensor] = None
         self.pool: Optional[HostPool] = None
@@ -161,7 +163,8 @@ class ParamStore:
             else:
                 path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
                                    aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
-                self._file = OrderedWrites(path, nbytes_of(1, dtype), aio_cfg, swap.rank)  # Note [write ordering]
+                # Note [write ordering] in _ordered_writes.py
+                self._file = OrderedWrites(path, nbytes_of(1, dtype), aio_cfg, swap.rank)
             self.path = self._file.path
             size = buffer_size or max_unit
             if size < max_unit:
@@ -177,7 +180,8 @@ class ParamStore:
             self._handoff: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
             self._handoff_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
             self._lock = threading.Lock()  # the step's thread writes while the forward reads
-            self._spans = [(a, a + n) for a, n in slots or []]  # each trainable unit's slot (Note [frozen parameters])
+            # each trainable unit's slot (Note [frozen parameters] in _layout.py)
+            self._spans = [(a, a + n) for a, n in slots or []]
             self._span_starts = [a for a, _ in self._spans]
             self._filling: dict = {}  # span start -> [its output tensor, elements written so far, any changed]
             self._outputs = Recycler(self._handoff_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
@@ -198,7 +202,7 @@ class ParamStore:
     @property
     def bytes_written(self) -> int:
         """Bytes this store wrote to its own file (master.swp's count as the optimizer's:
-        Note [parameters from the master])."""
+        Note [parameters from the master] in _placement.py)."""
         return self._file.bytes_written if self.flat is None and self._master is None else 0
 
     @property
@@ -218,7 +222,7 @@ class ParamStore:
         if values.dtype != self.dtype:
             values = values.to(self.dtype)
         end = offset + values.numel()
-        self._file.write(offset, values)  # Note [write ordering]
+        self._file.write(offset, values)  # Note [write ordering] in _ordered_writes.py
         with self._lock:
             self._handoff = [(o, t) for o, t in self._handoff if o + t.numel() <= offset or o >= end]
             cached = self._update_cache(offset, values)
@@ -437,7 +441,7 @@ class ParamStore:
              files: bool = True, cache: int = 0) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory_plan.py): the shards on their tier;
         on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
-        ``files`` off: the shards are the optimizer's master.swp (Note [parameters from the master]);
+        ``files`` off: the shards are the optimizer's master.swp (Note [parameters from the master] in _placement.py);
         ``cache``: elements of the parameter cache (Note [parameter cache])."""
         own = total * itemsize
         if tier is Tier.NVME:

@@ -34,7 +34,7 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
                lazy_grad: bool, chunk: int, head: int, grads_in_memory: bool, staging_numel: int,
                staging_count: int, params_are_master: bool, gathered_bytes: int, moments: str = "fp32",
                params_in_master_file: bool = False, param_cache: int = 0) -> Plan:
-    """The bytes of every store for a plan (Note [one memory model]). ``param_tier`` is None
+    """The bytes of every store for a plan (Note [one memory model] in _memory_plan.py). ``param_tier`` is None
     when parameters stay whole (stages 1-2); ``gathered_bytes`` is the gathered recycler's
     capacity (0 with an accelerator, whose caching allocator reuses device memory)."""
     if opt_tier is Tier.NVME:
@@ -44,7 +44,7 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
     if param_tier is not None:
         if not params_are_master:
             plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count, chunk,
-                                         files=not params_in_master_file,  # Note [parameters from the master]
+                                         files=not params_in_master_file,  # Note [parameters from the master] in _placement.py
                                          cache=param_cache))  # Note [parameter cache] in _param_store.py
         plans.append({"device": {GATHERED: gathered_bytes}})
     return merge(*plans)
@@ -61,7 +61,8 @@ def plan(placement: "Placement", cfg) -> dict:
         opt_tier=placement.opt_tier, param_tier=placement.param_tier if placement.partition_params else None,
         opt_total=n, param_total=layout.param_total, itemsize=placement.itemsize, overlapped=placement.overlap,
         lazy_grad=z.stage < 2, chunk=chunk,
-        head=head_elems(z.offload_optimizer.host_cache, list(layout.opt_ranges), chunk, n),  # Note [host cache]
+        # Note [host cache] in _nvme_optimizer_store.py
+        head=head_elems(z.offload_optimizer.host_cache, list(layout.opt_ranges), chunk, n),
         grads_in_memory=placement.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, layout.max_shard),
         staging_count=0 if placement.direct_reads else staging_buffers(z),
         params_are_master=placement.params_are_master, gathered_bytes=placement.gathered_reuse_bytes,
@@ -82,7 +83,7 @@ def staging_buffers(z) -> int:
 
 def free_disk(path: str) -> int:
     """Free bytes on the disk under ``path`` (or its nearest existing parent), once what crashed
-    runs left there is reclaimed (Note [swap directories])."""
+    runs left there is reclaimed (Note [swap directories] in _swap.py)."""
     reclaim_stale(path)
     probe = path
     while probe and not os.path.exists(probe):
@@ -95,7 +96,7 @@ def preflight(placement: "Placement", cfg) -> dict:
     ranks = comm.ranks_here()
     problems = []
     host_total = need["host"] + (need["device"] if engine_device_is_host() else 0)
-    avail, bound = host_available()  # a memory cgroup's limit counts (Note [host memory available])
+    avail, bound = host_available()  # a memory cgroup's limit counts (Note [host memory available] in _host_memory.py)
     if host_total * ranks > avail:
         where = "" if bound == "MemAvailable" else f" (bound by {bound})"
         problems.append(

@@ -10,7 +10,7 @@ import enum
 
 
 class Tier(str, enum.Enum):
-    """Where a partition lives, fastest first (DESIGN §3)."""
+    """Where a partition lives, fastest first."""
 
     DEVICE = "device"
     CPU = "cpu"

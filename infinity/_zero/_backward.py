@@ -146,7 +146,8 @@ class BackwardHooks:
     # ------------------------------------------------------------ begin and end
 
     def _begin(self) -> None:
-        if self._calls.in_backward:  # begun by an earlier hook; an overlapped step may still run: Note [step gate]
+        # begun by an earlier hook; an overlapped step may still run: Note [step gate] in _step_gate.py
+        if self._calls.in_backward:
             return
         self._calls.begin_backward()
         for unit in self._units:

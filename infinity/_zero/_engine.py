@@ -5,7 +5,7 @@ installs the hooks (in one place, handles kept), reduce-scatters gradients and h
 optimizer a flat fp32 view of this rank's shards. What differs between ZeRO stages is one
 small frozen policy (``StagePolicy``), not checks scattered through the code.
 
-Note [hook protocol] (stage 3):
+Note [hook protocol]: the hooks at stage 3.
 - pre-forward of module M: acquire (gather) the units M uses: the one it owns and the units
   owning external parameters it touches; post-forward: release them and, when autograd
   will come back through M, hook M's outputs so its units are re-acquired before M's
@@ -21,7 +21,7 @@ Note [hook protocol] (stage 3):
   release every remaining hold. After backward no unit is gathered.
 The backward half (pre-backward, post-accumulate-grad, the end of backward) is
 ``BackwardHooks`` in _backward.py, with Note [hold until the input gradients] and Note [used
-again in one backward]; each module's progress through backward is its ``ModuleState``'s
+again in one backward] in _backward.py; each module's progress through backward is its ``ModuleState``'s
 (Note [backward progress] in _module_state.py). At the model's own hooks the engine begins
 and ends a forward (Note [phases] in _phase.py), except inside backward, where activation
 checkpointing recomputes the model and its hooks run as any module's.
@@ -111,7 +111,7 @@ class EngineParts:
     swap_dirs: "SwapDirs"
     memory_plan: dict  # the preflight's plan, by tier and category (Note [one memory model] in _memory_plan.py)
     activation_offload: Optional["ActivationOffloader"] = None  # activation_checkpointing.offload: cpu
-    block_cache: bool = False  # torch's large CPU blocks come from the block cache (Note [block cache])
+    block_cache: bool = False  # torch's large CPU blocks come from the block cache (Note [block cache] in host_alloc.cpp)
 
 
 class Engine:
@@ -247,7 +247,7 @@ class Engine:
         self._handles.clear()
 
     def _pre_forward_root(self, module, args):
-        if not self.calls.in_backward:  # in backward: recomputed by activation checkpointing (Note [phases])
+        if not self.calls.in_backward:  # in backward: recomputed by activation checkpointing (Note [phases] in _phase.py)
             self.calls.begin_forward()
 
     def _post_forward_root(self, module, args, output):
@@ -377,7 +377,7 @@ class Engine:
         last = self._telemetry_totals
         out.update({k: v - last.get(k, 0) for k, v in totals.items()})
         out["peak_live_parameters"] = self.peak_live_elems
-        out["host_memory"] = host_account(self.memory_plan.get("categories"))  # Note [one memory model]
+        out["host_memory"] = host_account(self.memory_plan.get("categories"))  # Note [one memory model] in _memory_plan.py
         if reset:
             self.counters.reset()
             self._telemetry_totals = totals
@@ -447,11 +447,12 @@ class Engine:
 
 
 def _held_weakly(method):
-    """A parameter hook that holds its engine weakly. Note [hooks the collector cannot see]:
-    torch keeps a parameter's post-accumulate-grad hooks where Python's collector does not
-    look, so a hook holding the engine (which holds the model, which holds the parameter)
-    would keep all of them alive after the user let go; the model holds its engine instead
-    (``_EngineHold``), where the collector sees it."""
+    """A parameter hook that holds its engine weakly.
+
+    Note [hooks the collector cannot see]: torch keeps a parameter's post-accumulate-grad hooks
+    where Python's collector does not look, so a hook holding the engine (which holds the model,
+    which holds the parameter) would keep all of them alive after the user let go; the model
+    holds its engine instead (``_EngineHold``), where the collector sees it."""
     ref = weakref.WeakMethod(method)
 
     def hook(param):

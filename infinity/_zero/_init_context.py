@@ -3,7 +3,7 @@
 
 Note [partitioned construction]: inside the context every ``nn.Module`` subclass's
 ``__init__`` is wrapped; when the outermost ``__init__`` of a module returns, each of its
-direct parameters is flattened, padded and cut into world-size chunks (Note [shard layout]);
+direct parameters is flattened, padded and cut into world-size chunks (Note [shard layout] in _unit.py);
 this rank's fp32 chunk goes to the Init store (memory, or a swap file on NVMe) and the
 parameter keeps a placeholder. Later code that touches such a parameter (Hugging Face's
 ``post_init`` / ``_init_weights``, ``tie_weights``, ``torch.nn.init``) runs on the full
@@ -233,7 +233,7 @@ def room_for(tier: Tier, nvme_path: Optional[str]):
             raise StorageError(err.errno, f"nvme_path {nvme_path!r} cannot be created ({err.strerror}); "
                                           f"point it at a writable directory") from None
         return free_disk(nvme_path) // comm.ranks_here(), f"disk under {nvme_path}"
-    avail, bound = host_available()  # a memory cgroup's limit counts (Note [host memory available])
+    avail, bound = host_available()  # a memory cgroup's limit counts (Note [host memory available] in _host_memory.py)
     return int(avail * _HOST_SHARE) // comm.ranks_here(), "host memory" if bound == "MemAvailable" else \
         f"host memory (bound by {bound})"
 
@@ -295,13 +295,13 @@ class InitUnit:
 
     def store_full(self, full: torch.Tensor) -> None:
         if full.is_meta:
-            return  # still without values (Note [streamed load])
+            return  # still without values (Note [streamed load] in _pretrained.py)
         rows = _chunks(full.detach().to(self.dtype), self.info, self.world_size)
         self.init.store.put(self.index, rows[self.init.rank].contiguous(), self.info.name)
         self.loaded = True
 
     def load(self, pending) -> None:
-        """This rank's chunk, read from the checkpoint file (Note [streamed load])."""
+        """This rank's chunk, read from the checkpoint file (Note [streamed load] in _pretrained.py)."""
         chunk, rank, store = self.info.chunk, self.init.rank, self.init.store
         lo, hi = min(rank * chunk, self.info.numel), min((rank + 1) * chunk, self.info.numel)
         self.loaded = True
@@ -489,7 +489,7 @@ class Init:
         data = raw_data(p)
         unit = InitUnit(self, p, f"{type(module).__name__}.{pname}", data.dtype, data.shape)
         if data.is_meta:
-            self._start_lazy_files()  # a loader will assign the values (Note [streamed load])
+            self._start_lazy_files()  # a loader will assign the values (Note [streamed load] in _pretrained.py)
         unit.store_full(data)
         self._manage(p, unit)
         set_data(p, unit.placeholder())

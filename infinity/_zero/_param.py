@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 class ParamState(enum.Enum):
-    """Where a managed parameter's data is; exactly one at a time (DESIGN.md §3)."""
+    """Where a managed parameter's data is; exactly one at a time (Note [partitioned parameter])."""
 
     RELEASED = "released"  # only the shard exists, on its home tier
     HOST = "host"  # the shard is staged in a host buffer (offload tiers)

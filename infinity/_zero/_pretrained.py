@@ -13,7 +13,7 @@ change what that costs, and nothing else in Hugging Face's loader:
   so a conversion is still exact;
 - the assignment reaches ``Init`` through torch's global parameter-registration hook; a
   pending value becomes a partitioned parameter whose chunk (this rank's element range,
-  Note [shard layout]) is read from the file - and only that range - cast to the
+  Note [shard layout] in _unit.py) is read from the file - and only that range - cast to the
   parameter's dtype and put in the Init store.
 So each rank reads about 1/world of the checkpoint, and the host holds one chunk at a time.
 Reads go through ``infinity.aio`` on the 4 KiB-aligned range that covers the chunk (O_DIRECT);
@@ -174,7 +174,7 @@ class PendingTensor(torch.Tensor):
         return self.reader.read(self.source, lo, hi, aligned_empty(hi - lo, self.dtype) if out is None else out)
 
     def read_chunk(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
-        """A rank's chunk (Note [shard layout]): elements ``[lo, hi)`` into ``out``, the rest of
+        """A rank's chunk (Note [shard layout] in _unit.py): elements ``[lo, hi)`` into ``out``, the rest of
         ``out`` (the padding of the last chunk) zero."""
         self.values(lo, hi, out=out)
         out[hi - lo:].zero_()

@@ -10,7 +10,7 @@ gradients uses the same layout in reverse, so rank r receives exactly the gradie
 chunks. The parameter store holds every unit's shard at ``FetchUnit.param_offset``; the
 optimizer's fp32 master weights, moments and gradient shards of a trainable unit use the
 same shard layout at ``FetchUnit.opt_offset`` (a frozen unit has none: Note [frozen
-parameters] in _zero_optimizer.py).
+parameters] in _layout.py).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class UnitContext:
     gathered: Optional["Recycler"]  # recycled gathered buffers (CPU-only runs)
     param_store: Optional["ParamStore"]  # stage 3's shards
     params_are_master: bool  # the parameter store is the fp32 master itself: nothing to write at partition
-    step_gate: "StepGate"  # Note [step gate]: has the step updated this range yet
+    step_gate: "StepGate"  # Note [step gate] in _step_gate.py: has the step updated this range yet
     make_room: Callable[["FetchUnit"], None]  # the prefetcher releases kept units before a gather
     on_unavailable: Callable[..., Any]  # Calls.on_unavailable: a released parameter touched inside a module call is
     # fetched on demand (a callable, so the unit never names the call stack: Note [phases] in _phase.py)
@@ -74,7 +74,7 @@ class _Gathered:
 # Note [unit payloads]: a unit's data beyond its shard lives in the payload of its state, and
 # ``_expect`` checks the payload with the state on every transition:
 #   RELEASED   no payload (the shard is in the parameter store)
-#   HOST       Staging of one kind (Note [staging kinds]), not yet on the device
+#   HOST       Staging of one kind (Note [staging kinds] in _staging.py), not yet on the device
 #   DEVICE     Staging with the device shard and its copy event (the read has landed)
 #   GATHERING  _Gathered with the all-gather's output and handle, and the Staging it reads from
 #   AVAILABLE  _Gathered (or None before the first partition and for stages 1-2: the model's own tensors)
@@ -119,7 +119,7 @@ class FetchUnit:
         self._grads_pending = 0  # params whose gradient has not arrived in this backward
 
     def on_unavailable(self, func, args, kwargs, infos):
-        """A parameter of this unit reached an operator while released (Note [partitioned parameter])."""
+        """A parameter of this unit reached an operator while released (Note [partitioned parameter] in _param.py)."""
         return self.ctx.on_unavailable(func, args, kwargs, infos)
 
     # ------------------------------------------------------------ state
@@ -342,11 +342,11 @@ class FetchUnit:
         """The NVMe tier's staging: the parameter cache's copy, else the step's hand-off, else
         a read submitted (None when ``block`` is off and no buffer is free)."""
         nbytes = self.shard_numel * self.store.itemsize
-        cached = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache]
+        cached = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache] in _param_store.py
         if cached is not None:
             self.ctx.counters.bytes["param_cache"] += nbytes
             return Staging.cached(cached)
-        handoff = self.store.take_handoff(self.param_offset, self.shard_numel)  # Note [hand-off]
+        handoff = self.store.take_handoff(self.param_offset, self.shard_numel)  # Note [hand-off] in _param_store.py
         if handoff is not None:
             self.ctx.counters.bytes["param_handoff"] += nbytes
             return Staging.handed_off(handoff)
@@ -385,7 +385,7 @@ class FetchUnit:
         if src is None:
             src = self.shard()
         if staging.to_cache:
-            self.store.remember(self.param_offset, src)  # Note [parameter cache]
+            self.store.remember(self.param_offset, src)  # Note [parameter cache] in _param_store.py
         staging = staging.on_device(*acc.start_copy_to_device(src), src)
         if staging.device.copied:
             self.ctx.counters.bytes["host_to_device"] += src.numel() * src.element_size()

@@ -33,7 +33,7 @@ class StagePolicy:
 @dataclass(frozen=True)
 class UnitSpec:
     """What a fetch unit will hold, known before anything is allocated: the layout, the
-    preflight and the stores are computed from these (Note [shard layout])."""
+    preflight and the stores are computed from these (Note [shard layout] in _unit.py)."""
 
     index: int  # position in the unit list: the order of collectives
     module_name: str
@@ -48,7 +48,7 @@ def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter
 
 
 def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
-    """The fetch units of a model (Note [fetch unit grouping]): one per block in ``blocks``
+    """The fetch units of a model (Note [fetch unit grouping] in _engine.py): one per block in ``blocks``
     holding every parameter inside it (nested blocks apart), one per other module that owns
     parameters; each split into trainable, then frozen. And per module, the units it holds in
     its forward and backward: those owning its own parameters (tied ones: the owner's unit)
@@ -90,7 +90,7 @@ def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitS
 
 
 def block_modules(model: nn.Module, cfg) -> list:
-    """Note [fetch unit grouping]: the modules that each form one fetch unit."""
+    """Note [fetch unit grouping] in _engine.py: the modules that each form one fetch unit."""
     if cfg.group == "module":
         return []
     classes = set(cfg.classes)
@@ -111,7 +111,7 @@ def _by_requires_grad(params: list) -> list:
 
 def placement_of(model: nn.Module, cfg, world_size: int) -> Tuple[Placement, List[UnitSpec], list]:
     """The placement of ``model``'s states under ``cfg`` on ``world_size`` ranks, with its
-    units and each module's uses: what ``initialize`` allocates (Note [build order])."""
+    units and each module's uses: what ``initialize`` allocates (Note [build order] in _initialize.py)."""
     policy = StagePolicy.of(cfg.zero.stage)
     blocks = block_modules(model, cfg.zero.fetch_units)  # every stage: the same units, the same flat layout
     specs, uses = plan_units(model, world_size, blocks)  # Note [fetch unit grouping] in _engine.py

@@ -4,8 +4,9 @@ The package is split by what a reader looks for (each module imports only the on
 
 - ``validate.py``: :class:`ConfigError`, every check of a key (``_check_*``: the functions a field's ``check=`` /
   ``parse=`` and a section's ``_cross_check`` name) and the generic walker that runs them (Note [config
-  validation]); it reads the dataclasses it is given and imports nothing of the schema;
-- ``deepspeed.py``: DeepSpeed configs mapped onto the schema (Note [DeepSpeed keys], Note [auto values]);
+  validation] in validate.py); it reads the dataclasses it is given and imports nothing of the schema;
+- ``deepspeed.py``: DeepSpeed configs mapped onto the schema (Note [DeepSpeed keys], Note [auto values] in
+  deepspeed.py);
 - ``schema.py``: the sections and :class:`Config`: every key with its type, default, help text and bounds, and
   the constructors (``from_dict``, ``from_file``, ``from_deepspeed``, ``coerce``).
 

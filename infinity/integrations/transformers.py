@@ -269,7 +269,8 @@ class InfinityTrainer(Trainer):
             self._created_lr_scheduler = True
         else:
             super().create_scheduler(num_training_steps, optimizer)
-        # an fp16 overflow, or an inf/NaN step under precision.on_nonfinite: skip (Note [non-finite steps])
+        # an fp16 overflow, or an inf/NaN step under precision.on_nonfinite: skip (Note [non-finite steps] in
+        # _zero_optimizer.py)
         can_skip = cfg is not None and (cfg.precision.dtype == "fp16" or cfg.precision.on_nonfinite == "skip")
         if can_skip and self.optimizer is not None and not isinstance(self.lr_scheduler, _SkipOnOverflow):
             self.lr_scheduler = _SkipOnOverflow(self.lr_scheduler, self.optimizer)

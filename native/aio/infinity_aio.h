@@ -58,7 +58,7 @@ int64_t infinity_aio_sums_bytes(const infinity_aio_sums *s);
 /* Blocks found bad so far; blocks written whose sum could not be stored (no memory). */
 int64_t infinity_aio_sums_mismatches(const infinity_aio_sums *s);
 int64_t infinity_aio_sums_unrecorded(const infinity_aio_sums *s);
-/* The entries of blocks [first, first + count) into out[0..count) (Note [block sums]: the
+/* The entries of blocks [first, first + count) into out[0..count) (Note [block sums] in sums.h: the
  * CRC32C in the low half, the length of the block prefix it covers above; 0: nothing known),
  * and setting them, e.g. when a clone made the file hold what another table vouches for.
  * -EINVAL for a bad range; set: -ENOMEM when an entry could not be stored. */

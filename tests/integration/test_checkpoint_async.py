@@ -1,6 +1,6 @@
 """``save_checkpoint(..., blocking=False)``: the states as of the call, while training goes on
 (Note [asynchronous saves] in infinity/_checkpoint/_async.py, Note [save fence] in
-infinity/_zero/_save_fence.py).
+infinity/_runtime/_save_fence.py).
 
 An asynchronous save holds the same bytes as a blocking save at the same moment, although the
 next steps run while it is written (a stalled read of the swap file keeps it in flight), and
@@ -198,7 +198,7 @@ def _save_under_a_memory_limit(base, nvme):
 
 
 def test_async_save_whose_host_copy_cannot_fit_saves_blocking_and_says_why(tmp_path):
-    """Note [staged copies preflighted]: under a real memory cgroup limit the save's staging
+    """Note [staged copies preflighted] in _save.py: under a real memory cgroup limit the save's staging
     copy would not fit, so it is made blocking (the same checkpoint), with the bytes, the
     cgroup and what to change in the log; with the host's memory it stays asynchronous."""
     from _cgroup import skip_unless_memory_limits

@@ -160,7 +160,7 @@ def test_cloned_save_resumes_bit_for_bit_and_stays_unchanged(tmp_path):
         losses, weights, *_ = resumed[combo]
         on_nvme = [f"rank0/{a}.bin" for a in ARRAYS if a != "params" or combo[1] == "nvme"]
         assert all(kinds[rel] == "crc32c" for rel in on_nvme), (combo, kinds)  # cloned, checksummed from the sums
-        assert kinds["version"] == 2  # refused by a reader of version 1 only (Note [manifest versions])
+        assert kinds["version"] == 2  # refused by a reader of version 1 only (Note [manifest versions] in _format.py)
         assert before == after, combo  # training on after the save did not change the checkpoint
         assert ref_losses[N:] == losses, combo
         for name, p in ref_weights.items():

@@ -1,5 +1,5 @@
 """The features beside plain training, on the device: each runs on the accelerator (the
-emulated one in CI, Note [emulated accelerator]; CUDA with ``INFINITY_ACCELERATOR=cuda``) and is
+emulated one in CI, Note [emulated accelerator] in _emulated.py; CUDA with ``INFINITY_ACCELERATOR=cuda``) and is
 compared with plain PyTorch on the same device, as tests/integration/test_device_matrix.py compares
 training: fp32, every loss and every final weight within 1e-5.
 
@@ -510,7 +510,7 @@ def _trainer_run(out: str, nvme: str):
 def test_infinity_trainer_on_the_device_matches_the_same_run_on_the_cpu(tmp_path, device):
     """The Trainer computes on the CPU here (``use_cpu``: ``args.device`` is the CPU) and infinity
     on the device: each micro-batch must go where infinity placed the parameters, and each loss
-    back to ``args.device`` where the Trainer sums them (Note [InfinityTrainer seams], batches)."""
+    back to ``args.device`` where the Trainer sums them (Note [InfinityTrainer seams] in transformers.py, batches)."""
     with acc.using("cpu"):
         cpu_losses, cpu_params, cpu_kind = _trainer_run(str(tmp_path / "cpu"), str(tmp_path / "nvme_cpu"))
     losses, params, kind = _trainer_run(str(tmp_path / "dev"), str(tmp_path / "nvme_dev"))

@@ -1,7 +1,7 @@
 """The device path, exact: every stage and tier trains on an accelerator exactly as plain
 PyTorch does on the same accelerator.
 
-In CI the accelerator is the emulated one (Note [emulated accelerator]): copies between host
+In CI the accelerator is the emulated one (Note [emulated accelerator] in _emulated.py): copies between host
 and device land late, from another thread, reading as NaN until then, so a missing wait
 shows as a wrong loss; host and device tensors do not mix. On a GPU machine
 (``INFINITY_ACCELERATOR=cuda``, ``scripts/gpu_check.sh``) the same cells run on CUDA. The

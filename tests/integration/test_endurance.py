@@ -1,4 +1,4 @@
-"""SSD write endurance as a budget (Note [endurance budget] in infinity/_endurance.py): the
+"""SSD write endurance as a budget (Note [endurance budget] in _endurance.py): the
 train job counts the bytes written to each nvme_path per step and per run (swap files and
 checkpoints) in its telemetry and summary, and warns after its first step when the run is
 projected past aio.endurance_warn_fraction of aio.endurance_tbw. A step writes only what it
@@ -101,7 +101,7 @@ def _bytes_per_step(base, nvme):
 
 
 def test_a_step_writes_only_what_it_changed(tmp_path):
-    """Note [unchanged ranges are not written]: per step, the trained layer's master weights
+    """Note [unchanged ranges are not written] in _swap_pipeline.py: per step, the trained layer's master weights
     and both moments (3 x 4 bytes x 4096) and its bf16 shard (2 x 4096) reach the disk; the
     frozen layer's shard and the states of the layer without a gradient are not rewritten; a
     checkpoint cloned from the swap files writes none of their bytes."""

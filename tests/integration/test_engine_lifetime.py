@@ -129,7 +129,7 @@ def test_copies_of_managed_parameters_are_not_managed(tmp_path):
 
 @pytest.mark.parametrize("optim", ["nvme", "cpu"])
 def test_close_frees_the_buffers_of_a_kept_model(optim, tmp_path):
-    """Note [closed engines]: a stage-3 model kept after close keeps none of the engine's buffers."""
+    """Note [closed engines] in _engine.py: a stage-3 model kept after close keeps none of the engine's buffers."""
     from infinity._offload._memory_plan import host_account
 
     cfg = zero_config(3, param="nvme", optim=optim, nvme=str(tmp_path), chunk=2048)

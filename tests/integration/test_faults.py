@@ -53,7 +53,7 @@ CASES = [
 
 
 def _config(nvme, kind):
-    # the parameters' own file exists in bf16 only (fp32: Note [parameters from the master])
+    # the parameters' own file exists in bf16 only (fp32: Note [parameters from the master] in _placement.py)
     return streamed_nvme_config(nvme, "bf16" if kind == "params" else "fp32", timeout=IO_TIMEOUT)
 
 

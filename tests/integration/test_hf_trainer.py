@@ -161,7 +161,7 @@ def _whole_checkpoints(out: str) -> list:
 
 
 def test_async_saves_with_save_total_limit_1_always_leave_a_whole_checkpoint(tmp_path):
-    """Note [rotation after the commit]: with save_total_limit=1 and save_async, a save every
+    """Note [rotation after the commit] in transformers.py: with save_total_limit=1 and save_async, a save every
     step, and each background copy stalled so that it is still in flight when the Trainer's
     save returns, a whole checkpoint exists after every save but the first, and the run ends
     with exactly the last one."""

@@ -5,7 +5,7 @@ fetch unit's range) keep their master weights and moments in host memory as a wr
 cache, and their gradient shards in memory only. Training must not notice: every cache size,
 with gradient accumulation, clipping, an edit through GatheredParameters and two ranks, gives
 the no-offload result; the swap files stay complete; the cached gradients never reach the disk.
-The same holds with every gradient shard in host memory (Note [gradients in host memory]):
+The same holds with every gradient shard in host memory (Note [gradients in host memory] in _nvme_optimizer_store.py):
 then no gradient touches the disk at all.
 """
 import pytest
@@ -127,7 +127,7 @@ def test_gradients_in_host_memory_never_touch_the_disk(tmp_path):
     opt.wait_step()
     assert store.files.io["grad"] == [0, 0]
     need = plan(opt.placement, opt.cfg)
-    # fp32: the parameters are master.swp (Note [parameters from the master]): no file of their own
+    # fp32: the parameters are master.swp (Note [parameters from the master] in _placement.py): no file of their own
     assert store.nbytes()["nvme"] == 12 * store.total == sum(need["nvme"].values())
     assert store.nbytes()["host"] == (store.SETS * store.chunk + store.head) * 16 + 4 * (store.total - store.head)
     opt.engine.close()

@@ -136,7 +136,7 @@ def test_modifier_rank_edit_under_init_reaches_every_rank():
 
 
 def test_a_model_whose_states_cannot_fit_is_refused_before_its_parameters_exist():
-    """Note [Init preflight]: a Hugging Face GPT-2 whose parameters would fit in host memory but
+    """Note [Init preflight] in _init_context.py: a Hugging Face GPT-2 whose parameters would fit in host memory but
     whose optimizer states and gradients (Init(cpu), optimizer on cpu: 16 more bytes per
     parameter) would not is refused at Init, from a copy built on the meta device, before its
     first parameter is allocated: RSS stays flat and nothing was partitioned."""
@@ -192,7 +192,7 @@ def _refusals_under_a_memory_limit(headroom):
 
 
 def test_a_memory_cgroup_limit_is_the_room_not_the_machines_memory():
-    """Note [host memory available]: in a container (a memory cgroup), Init and the preflight
+    """Note [host memory available] in _host_memory.py: in a container (a memory cgroup), Init and the preflight
     measure the room against the cgroup's limit, which the kernel's OOM killer enforces, and
     name it; the machine's MemAvailable would have let both start and be killed."""
     from _cgroup import skip_unless_memory_limits

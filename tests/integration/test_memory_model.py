@@ -105,7 +105,7 @@ def test_estimate_reads_the_store_plan():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_run_model_counts_the_bytes_a_step_moves(tmp_path, dtype):
-    """The run model's NVMe bytes per step (Note [run model]) are the stores' counters of a real
+    """The run model's NVMe bytes per step (Note [run model] in _runmodel.py) are the stores' counters of a real
     steady-state step, within what the hand-off saves or misses (a few units). fp32 parameters
     are the master's (Note [parameters from the master] in _placement.py): none written."""
     from _models import VOCAB
@@ -125,7 +125,7 @@ def test_run_model_counts_the_bytes_a_step_moves(tmp_path, dtype):
     predicted = rm.nvme_bytes(run)
     assert tel["nvme_params_write_bytes"] == (0 if dtype == "fp32" else 2 * opt.layout.param_total)
     # The stores leave the 4 KiB blocks of padding after a unit unwritten (Note [unchanged ranges
-    # are not written]): the moments', and the master weights' where the optimizer store writes
+    # are not written] in _swap_pipeline.py): the moments', and the master weights' where the optimizer store writes
     # them (fp32: the parameter store writes whole unit slots). The run model counts every element.
     blocks = {b for o, n in opt.layout.opt_ranges for b in range(o // 1024, -(-(o + n) // 1024))}
     padding = opt.total - 1024 * len(blocks)
@@ -153,7 +153,7 @@ def measured_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_run_model_peak_rss_agrees_with_a_measured_run(measured_runs, tier):
-    """Issue 18: the run model's peak RSS (Note [run model]; what ``infinity.estimate
+    """Issue 18: the run model's peak RSS (Note [run model] in _runmodel.py; what ``infinity.estimate
     --step-time`` prints) is within 20% of the peak resident set of a real run of the tiny GPT-2
     of scripts/check_run_model.py, trained in a fresh process (its VmHWM is its own)."""
     from infinity._apps import _runmodel as rm
@@ -169,7 +169,7 @@ def test_run_model_peak_rss_agrees_with_a_measured_run(measured_runs, tier):
 
 
 def test_released_allocator_keeps_no_freed_blocks(glibc_serves_torch):
-    """Note [allocator retained pages]: once released (``zero.host_allocator: release`` where the
+    """Note [allocator retained pages] in _memory_plan.py: once released (``zero.host_allocator: release`` where the
     block cache was not built), blocks
     of MMAP_THRESHOLD bytes or more are mappings of their own: freeing every other of 64 blocks of
     2 MiB leaves no free pages in the C heap, where the arenas would keep the holes."""

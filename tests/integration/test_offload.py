@@ -166,11 +166,11 @@ def test_preflight_refuses_what_does_not_fit(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype,swap_file", [("bf16", "params.swp"), ("fp32", "master.swp")])
 def test_injected_io_failure_raises(tmp_path, dtype, swap_file):
-    """fp32 parameters live in the master's file (Note [parameters from the master])."""
+    """fp32 parameters live in the master's file (Note [parameters from the master] in _placement.py)."""
     from infinity.aio import AioError
 
     cfg = _config(3, "nvme", "nvme", str(tmp_path), dtype)
-    cfg["zero"]["offload_param"]["max_in_cpu"] = 0  # every fetch reads the file (no Note [parameter cache])
+    cfg["zero"]["offload_param"]["max_in_cpu"] = 0  # every fetch reads the file (no Note [parameter cache] in _param_store.py)
     model, opt = infinity.initialize(build("stack"), cfg)
     x = torch.randn(4, 32, dtype=opt.engine.dtype)
     loss = model(x)
@@ -187,7 +187,7 @@ def test_injected_io_failure_raises(tmp_path, dtype, swap_file):
 def test_host_memory_flat_over_many_steps(tmp_path):
     """From step 20 on nothing may grow: every buffer, file mapping and cache is sized at
     initialize or by the first steps. What may still move is a few MiB of glibc's and Python's
-    free lists. A leak of one 16 KiB scratch buffer per bf16 matmul (fixed: Note [block cache],
+    free lists. A leak of one 16 KiB scratch buffer per bf16 matmul (fixed: Note [block cache] in host_alloc.cpp,
     the raw deleter) grew RSS by 0.5 MiB a step here on AVX512-bf16 CPUs."""
     model, opt = infinity.initialize(build("gpt2"), _config(3, "nvme", "nvme", str(tmp_path), "bf16"))
     proc = psutil.Process()
@@ -209,7 +209,7 @@ def test_io_wait_timeout_names_the_shard_and_rank(tmp_path, monkeypatch):
     from infinity._runtime import _comm
 
     torch.manual_seed(0)
-    # bf16: fp32 parameters would be read from the master weights in memory (Note [parameters from the master])
+    # bf16: fp32 parameters would be read from the master weights in memory (Note [parameters from the master] in _placement.py)
     cfg = _config(3, "nvme", "none", str(tmp_path), "bf16")
     model, opt = infinity.initialize(torch.nn.Linear(4096, 4096), cfg)
     monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 1e-6)
@@ -221,11 +221,12 @@ def test_io_wait_timeout_names_the_shard_and_rank(tmp_path, monkeypatch):
 
 def test_fresh_shards_are_handed_off_to_the_next_forward(tmp_path):
     """The shards the overlapped step just wrote serve the next forward from memory (Note
-    [hand-off]); what is fetched is still exactly the updated values."""
+    [hand-off] in _param_store.py); what is fetched is still exactly the updated values."""
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
     cfg = _config(3, "nvme", "nvme", str(tmp_path), gradient_accumulation_steps=2)
     cfg["zero"]["offload_optimizer"]["chunk_size"] = 2048  # several chunks per unit
-    cfg["zero"]["offload_param"]["max_in_cpu"] = 0  # else the parameter cache serves first (Note [parameter cache])
+    # else the parameter cache serves first (Note [parameter cache] in _param_store.py)
+    cfg["zero"]["offload_param"]["max_in_cpu"] = 0
     torch.manual_seed(0)
     model, opt = infinity.initialize(_TailHeavy(), cfg)
     g = torch.Generator().manual_seed(3)
@@ -245,7 +246,7 @@ def test_fresh_shards_are_handed_off_to_the_next_forward(tmp_path):
 
 
 def test_param_reads_wait_for_their_own_writes(tmp_path):
-    """Note [write ordering]: writes rotate over several handles; a read right after the
+    """Note [write ordering] in _ordered_writes.py: writes rotate over several handles; a read right after the
     writes returns exactly what was written, whichever handle carried it, and a prefetch
     (non-blocking) read of a range still being written is refused instead of reading it."""
     from infinity._offload._param_store import WRITE_HANDLES, ParamStore
@@ -272,7 +273,7 @@ def test_param_reads_wait_for_their_own_writes(tmp_path):
 
 
 def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, monkeypatch):
-    """Note [overlapped step]: once the first chunk is updated, a fetch of any unit inside it
+    """Note [overlapped step] in _zero_optimizer.py: once the first chunk is updated, a fetch of any unit inside it
     proceeds; the units that chunk completes are published together, not only the first."""
     import threading
 
@@ -324,7 +325,7 @@ sys.stdin.read()  # held until the test closes this pipe (or kills the process)
 
 
 def test_swap_directories_of_killed_runs_are_reclaimed(tmp_path):
-    """Note [swap directories]: a run killed with SIGKILL leaves its directory; the next run
+    """Note [swap directories] in _swap.py: a run killed with SIGKILL leaves its directory; the next run
     on the same nvme_path removes it (and says so), and leaves a live run's alone."""
     import signal
     import subprocess
@@ -363,7 +364,7 @@ def test_swap_directories_of_killed_runs_are_reclaimed(tmp_path):
 
 
 def test_phased_swap_io_takes_turns_and_matches_no_offload(tmp_path, monkeypatch):
-    """Note [phased swap I/O]: with ``swap_io: phased`` no chunk's reads are submitted while
+    """Note [phased swap I/O] in _nvme_optimizer_store.py: with ``swap_io: phased`` no chunk's reads are submitted while
     a write of the swapper is in flight, and training is the same as without offload."""
     from infinity._offload._swap_pipeline import SwapPipeline
 

@@ -122,8 +122,10 @@ def test_the_update_runs_while_the_device_computes_and_training_is_exact(device)
     assert len(background) >= (STEPS - 1) * LAYERS, on_chunks  # every block's chunk after the head, each step
     assert sum(background) >= len(background) // 2, on_chunks  # most ran while the device computed
     assert all(main for main, _ in off_chunks) and not any(busy for _, busy in off_chunks), off_chunks
-    assert grad_bytes == 4 * total  # Note [one gradient buffer]: no second buffer for the overlapped step
-    # Note [gradients landed in place]: every unit's gradient was copied into its range, none added on the host
+    # Note [one gradient buffer] in _optimizer_store.py: no second buffer for the overlapped step
+    assert grad_bytes == 4 * total
+    # Note [gradients landed in place] in _grad_buffer.py: every unit's gradient was copied into its range, none added
+    # on the host
     assert moved["grad_landed_in_place"] == moved["grad_offload"] > 0, moved
 
 

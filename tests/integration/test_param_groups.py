@@ -339,7 +339,7 @@ def _route_by_rank():
 
 
 def test_stage3_ranks_that_gather_different_units_are_stopped():
-    """Note [same gathers on every rank]: identical experts routed differently per rank would
+    """Note [same gathers on every rank] in _same_gathers.py: identical experts routed differently per rank would
     mix shards silently; the forward raises instead, naming both modules and the remedy."""
     for kind, message in run_ranks(_route_by_rank, 2, timeout=120):
         assert kind == "EngineError"

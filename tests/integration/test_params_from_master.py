@@ -105,7 +105,7 @@ def test_matches_plain_adamw_with_no_parameter_writes(tmp_path, plain, world, op
         # the master weights and both moments once each: 12 bytes per parameter, not 16; the
         # parameter store writes the master weights of whole unit slots, the optimizer store the
         # moments' blocks that hold states, not the padding after a unit (Note [unchanged ranges
-        # are not written])
+        # are not written] in _swap_pipeline.py)
         assert got["in_blocks"] < total
         assert got["opt_written"] == [4 * total + 8 * got["in_blocks"]] * STEPS
         assert got["plan_nvme"].get("param_files", 0) == 0 and got["plan_nvme"]["optimizer_files"] == 12 * total

@@ -1,5 +1,5 @@
 """from_pretrained under infinity.Init: Hugging Face's own loader, streamed per rank into the
-tiers (Note [streamed load]), bit-identical to a plain from_pretrained; preflight refusals."""
+tiers (Note [streamed load] in _pretrained.py), bit-identical to a plain from_pretrained; preflight refusals."""
 import json
 import os
 import subprocess
@@ -164,7 +164,7 @@ def test_load_of_a_1gb_model_on_nvme_keeps_host_memory_bounded(tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     # initialize reads each chunk from the checkpoint once, for the fp32 master weights: in fp32 they
     # are the compute-dtype shards too (Note [parameters from the master] in _placement.py; other dtypes
-    # read it again for the shard: Note [chunks left in the checkpoint]); nothing else reads it.
+    # read it again for the shard: Note [chunks left in the checkpoint] in _init_context.py); nothing else reads it.
     assert info["bytes"] > 0.95e9 and r["read"] == info["bytes"]
     # Stated bound: the loader's fixed overhead (256 MiB), plus a few copies of the largest tensor
     # (read buffer, cast, shard), plus what the preflight planned for host memory - not the model.

@@ -63,7 +63,7 @@ def _what_the_rank_read():
 
 def test_each_rank_reads_the_environment_of_its_call_even_at_import(monkeypatch):
     """Ranks fork from a server that imported torch and the model libraries once (Note [ranks
-    from a forkserver]); what infinity reads at import still comes from the caller's environment
+    from a forkserver] in testing.py); what infinity reads at import still comes from the caller's environment
     at each call, not from the one the server started with."""
     monkeypatch.setenv("INFINITY_TEST_HARNESS_VAR", "first")
     first = run_ranks(_what_the_rank_read, 2)
@@ -87,10 +87,11 @@ def test_failing_rank_traceback():
 
 
 def test_hanging_rank_times_out():
-    run_ranks(_rank0_returns_tensor, 2)  # ranks fork from a started server below (Note [ranks from a forkserver])
+    run_ranks(_rank0_returns_tensor, 2)  # ranks fork from a started server below (Note [ranks from a forkserver] in testing.py)
     start = time.monotonic()
     with pytest.raises(RankTimeout, match=r"ranks \[0\]"):
-        # room for rank 1 to start on a loaded machine: forked, or spawned with CUDA (Note [ranks from a forkserver])
+        # room for rank 1 to start on a loaded machine: forked, or spawned with CUDA (Note [ranks from a forkserver]
+        # in testing.py)
         run_ranks(_rank0_hangs, 2, timeout=40 if torch.cuda.is_available() else 15)
     assert time.monotonic() - start < 90
 

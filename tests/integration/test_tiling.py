@@ -459,7 +459,7 @@ def test_hf_gpt2_tied_embedding_tiled_and_conv1d_named(caplog):
 
 
 def test_each_engine_has_its_own_device_budget(tmp_path):
-    """Note [hold ledger]: the device budget belongs to one engine. A model left gathered (not
+    """Note [hold ledger] in _ledger.py: the device budget belongs to one engine. A model left gathered (not
     closed) in one engine does not count against another's ``device_memory_limit``, and each
     engine's peak is its own."""
     torch.manual_seed(0)

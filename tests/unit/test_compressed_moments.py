@@ -221,7 +221,7 @@ def _params_initial():
 def test_bytes_per_step_and_file_sizes(runs, mode, ratio):
     """One step reads and writes each moment once: fp32 4 bytes per element (written only in
     the 4 KiB blocks that hold a unit's states: the padding after the last is never changed,
-    Note [unchanged ranges are not written]), compressed one record per chunk (bf16 half; int8
+    Note [unchanged ranges are not written] in _swap_pipeline.py), compressed one record per chunk (bf16 half; int8
     a quarter plus the scales and the 4 KiB padding). The master weights' and gradients' bytes
     are unchanged; the plan counts the files' real sizes."""
     ref, got = runs[("fp32", 0)], runs[(mode, 0)]
@@ -306,7 +306,7 @@ def test_bad_values_and_tiers_are_refused():
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_memory_plan_equals_the_bytes_mapped(tmp_path, mode):
     """The record buffers (one per moment in each buffer set and each cached chunk) are in the
-    plan, exactly as the ledger counts them where they are mapped (Note [host memory ledger]);
+    plan, exactly as the ledger counts them where they are mapped (Note [host memory ledger] in _memory.py);
     the run model's bytes per step are the counters'."""
     from infinity._apps import _runmodel as rm
     from infinity.aio._memory import ledger

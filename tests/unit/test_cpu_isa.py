@@ -1,4 +1,4 @@
-"""Note [CPU feature level] (infinity/_runtime/_cpu_isa.py): the level read from the CPU's
+"""Note [CPU feature level] in infinity/_runtime/_cpu_isa.py: the level read from the CPU's
 flags, the INFINITY_CPU_ISA override, and what each level the machine has changes: the native
 Adam's default path (checked against the scalar reference on the same inputs) and
 ``precision.dtype: auto``."""

@@ -129,7 +129,7 @@ def test_release_without_acquire_and_wrong_transitions_raise():
 
 
 def test_the_ledger_names_who_holds_a_unit_and_refuses_a_release_for_another_reason():
-    """Note [hold ledger]: every hold has a reason; a release must name one the unit has."""
+    """Note [hold ledger] in _ledger.py: every hold has a reason; a release must name one the unit has."""
     parts = Parts(Chain(1))
     unit = parts.units[0]
     unit.acquire(Hold.CALL)
@@ -293,7 +293,7 @@ def test_reducer_hands_over_each_gradient_once_and_zeros_for_units_without():
 # ------------------------------------------------------------------ phases and backward progress
 
 def test_phase_transitions_raise_outside_their_phase():
-    """Note [phases]: each transition leaves one phase; called in another it raises."""
+    """Note [phases] in _phase.py: each transition leaves one phase; called in another it raises."""
     calls = Calls()
     with pytest.raises(InvariantError, match="end_forward: the engine is in IDLE, expected FORWARD"):
         calls.end_forward()
@@ -345,14 +345,14 @@ def test_a_unit_counts_the_gradients_it_waits_for():
     assert unit.grads_pending == 1  # still waiting: nothing to start again
     assert unit.grad_arrived() and unit.grads_pending == 0
     assert unit.grad_arrived() and unit.grads_pending == 0  # a late accumulation: complete again, never negative
-    unit.expect_grads_again()  # Note [used again in one backward]
+    unit.expect_grads_again()  # Note [used again in one backward] in _backward.py
     assert unit.grads_pending == 1
     unit.grads_handed_over()
     assert unit.grads_pending == 0
 
 
 def test_backward_progress_moves_only_through_its_transitions():
-    """Note [backward progress]: NOT_REACHED -> HELD -> DONE -> (HELD again) -> NOT_REACHED."""
+    """Note [backward progress] in _module_state.py: NOT_REACHED -> HELD -> DONE -> (HELD again) -> NOT_REACHED."""
     parts = Parts(Chain(1))
     state, unit = parts.states[0], parts.units[0]
     assert state.progress is BackwardProgress.NOT_REACHED
@@ -456,7 +456,7 @@ def test_backward_holds_each_module_until_its_gradients_are_in_then_reduces_them
 
 
 def test_a_frozen_module_is_held_until_its_input_gradients_are_in():
-    """Note [hold until the input gradients]: layer 1 has no gradient to wait for, yet its
+    """Note [hold until the input gradients] in _backward.py: layer 1 has no gradient to wait for, yet its
     weights compute the gradient of its input."""
     hooked = Hooked(Chain(3), frozen=[1])
     parts = hooked.parts

@@ -290,7 +290,7 @@ def test_importing_the_command_module_keeps_infinity_estimate_callable():
 
 
 def test_cli_steps_projects_the_ssd_writes_against_the_rating():
-    """Note [endurance budget]: --steps N gives the planned run's TB written per node (the run
+    """Note [endurance budget] in _endurance.py: --steps N gives the planned run's TB written per node (the run
     model's bytes per rank and step, times the node's ranks and the steps) and, with
     --endurance-tbw, its share of the drive's rating, warning past the default fraction."""
     from infinity._apps._estimate_cli import _parser, _run_of

@@ -1,9 +1,10 @@
 """The parts of the NVMe optimizer store, each built alone from small real parts (a swap
 directory, the files, aio handles) and driven directly: the host cache's states and the
-transitions that refuse the wrong one (Note [host cache]), the gradient shards and how their
-norm is known, the swap pipeline's chunks and I/O (Note [optimizer swapper], [phased swap
-I/O]), the checkpoint staging of compressed moments (Note [compressed moments on disk]), and
-the master file both stores share (Note [parameters from the master], [write ordering]).
+transitions that refuse the wrong one (Note [host cache] in _nvme_optimizer_store.py), the gradient shards
+and how their norm is known, the swap pipeline's chunks and I/O (Note [optimizer swapper], [phased swap I/O]
+in _nvme_optimizer_store.py), the checkpoint staging of compressed moments (Note [compressed moments on disk]
+in _nvme_optimizer_store.py), and the master file both stores share (Note [parameters from the master] in
+_placement.py, [write ordering] in _ordered_writes.py).
 In process, no engine."""
 import os
 

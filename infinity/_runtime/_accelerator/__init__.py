@@ -9,7 +9,7 @@ the CPU):
 - ``emulated``: ``_emulated.py``, a device that behaves like CUDA where correctness depends
   on it (asynchronous copies that land late, poisoned until then; pinned memory as a
   property; mixing host and device tensors refused), for tests on machines without a GPU.
-  Never chosen unless asked for (Note [emulated accelerator]);
+  Never chosen unless asked for (Note [emulated accelerator] in _emulated.py);
 - ``cpu``: the device tier is plain host tensors, copies are the tensors themselves and
   events have already happened; an optional ``device_memory_limit`` budget makes "larger
   than device memory" testable.
@@ -165,7 +165,7 @@ def native_bf16() -> Tuple[bool, str]:
         return ok, (f"the CUDA device {'supports bf16 in hardware' if ok else 'has no bf16 in hardware (only emulated)'}")
     flags = _cpu_flags()
     native = sorted({"avx512_bf16", "amx_bf16"} & flags)
-    capped = _cpu_isa.capped()  # Note [CPU feature level]: INFINITY_CPU_ISA may leave bf16 out
+    capped = _cpu_isa.capped()  # Note [CPU feature level] in _cpu_isa.py: INFINITY_CPU_ISA may leave bf16 out
     if native and (capped is None or _cpu_isa.at_least("avx512_bf16", flags)):
         return True, f"this CPU multiplies bf16 natively ({', '.join(native)})"
     if native:
