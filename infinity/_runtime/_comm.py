@@ -270,6 +270,12 @@ def _staged(what: str, outs, ins, collective) -> bool:
     return True
 
 
+# torch 2.13 names the single-tensor collectives all_gather_single and reduce_scatter_single and
+# warns (FutureWarning, on every rank) at each call by the older names; torch before it has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nccl(t: torch.Tensor) -> bool:
     """Whether a collective of ``t`` runs on NCCL (a CUDA tensor): Note [stream waits]."""
     return acc.kind() == "cuda" and t.device.type == "cuda"
@@ -285,13 +291,13 @@ def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *
         if out.data_ptr() != shard.data_ptr():  # one rank may gather in place
             out.copy_(shard)
         return CommHandle(None, what)
-    if _staged(what, [out], [shard], lambda o, i: dist.all_gather_into_tensor(o, i, group=group, async_op=True)):
+    if _staged(what, [out], [shard], lambda o, i: _all_gather_single(o, i, group=group, async_op=True)):
         return CommHandle(None, what)
     if not async_op:
-        _run(what, lambda: dist.all_gather_into_tensor(out, shard, group=group, async_op=True))
+        _run(what, lambda: _all_gather_single(out, shard, group=group, async_op=True))
         return CommHandle(None, what)
     try:
-        work = dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+        work = _all_gather_single(out, shard, group=group, async_op=True)
     except RuntimeError as e:
         raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
     return CommHandle(work, what, _nccl(out))
@@ -307,14 +313,14 @@ def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, 
         if out.data_ptr() != full.data_ptr():  # one rank may reduce in place
             out.copy_(full)
         return CommHandle(None, what)
-    if _staged(what, [out], [full], lambda o, i: dist.reduce_scatter_tensor(o, i, op=dist.ReduceOp.SUM, group=group,
-                                                                            async_op=True)):
+    if _staged(what, [out], [full], lambda o, i: _reduce_scatter_single(o, i, op=dist.ReduceOp.SUM, group=group,
+                                                                        async_op=True)):
         return CommHandle(None, what)
     if not async_op:
-        _run(what, lambda: dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        _run(what, lambda: _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
         return CommHandle(None, what)
     try:
-        work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     except RuntimeError as e:
         raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
     return CommHandle(work, what, _nccl(out))
