@@ -9,7 +9,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from ..config import Config
+from ..config import Config, _looks_like_deepspeed, _read_file
 from ._train_model import PRESETS, TrainError
 
 EXIT_BAD_INPUT = 2
@@ -76,8 +76,21 @@ def _model_arg(text: str):
     return text
 
 
+def _base_config(args: argparse.Namespace) -> Config:
+    """The ``--config`` file or the embedded default, with ``--dtype`` in place before the
+    config is built: ``precision.dtype: auto`` is resolved (and its choice logged) only where
+    it is in effect."""
+    data = _read_file(args.config) if args.config else default_config()
+    if _looks_like_deepspeed(data):
+        return Config.from_deepspeed(data, strict=args.strict)
+    precision = data.get("precision", {})
+    if args.dtype is not None and isinstance(precision, dict):
+        data = {**data, "precision": {**precision, "dtype": args.dtype}}
+    return Config.from_dict(data)
+
+
 def resolve_config(args: argparse.Namespace) -> Config:
-    cfg = Config.from_file(args.config, strict=args.strict) if args.config else Config.from_dict(default_config())
+    cfg = _base_config(args)
     updates: Dict[str, Any] = {}
     for flag, key in (("steps", "train.steps"), ("data", "train.data"), ("output_dir", "train.output_dir"),
                       ("stage", "zero.stage"), ("dtype", "precision.dtype")):
