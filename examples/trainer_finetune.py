@@ -14,9 +14,9 @@ import json
 import os
 
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from infinity.config import _read_file
 from infinity.integrations.transformers import InfinityTrainer
 
 
@@ -39,7 +39,8 @@ def token_rows(data, vocab: int, seq: int = 32, n: int = 64):
 
 def config_with_nvme_path(path, nvme_path):
     """The config file's contents, its DeepSpeed nvme_path keys pointed at ``nvme_path``."""
-    data = _read_file(path)
+    with open(path) as f:
+        data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
     for section in ("offload_param", "offload_optimizer"):
         node = data.get("zero_optimization", {}).get(section)
         if nvme_path and isinstance(node, dict) and "nvme_path" in node:
@@ -71,9 +72,9 @@ def main(argv=None):
     trainer.train()
     trainer.save_model(os.path.join(a.output_dir, "final"))
     if trainer.is_world_process_zero():
+        cfg = trainer.infinity_config(trainer.model)  # the config the run trained with
         print(json.dumps({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                          "dtype": trainer._infinity_cfg.precision.dtype,
-                          "scheduler": trainer._infinity_cfg.scheduler.type}))
+                          "dtype": cfg.precision.dtype, "scheduler": cfg.scheduler.type}))
 
 
 if __name__ == "__main__":
