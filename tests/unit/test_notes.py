@@ -12,7 +12,8 @@ TOML files; this file's own examples excepted):
   keeps it).
 - Every other ``Note [name]`` is a *reference*, and so is each further ``[name]`` of a list:
   ``Note [a], [b]``, ``Note [a] and [b]``, ``Note [a]; [b]``, ``Note [a], Note [b]``. A name
-  may wrap onto the next line (comment leaders are read past).
+  may wrap onto the next line (comment leaders are read past). One that opens inside a code
+  span (between backticks, as in CONTRIBUTING.md's account of this grammar) is an example.
 - ``in F`` after a name says where that Note lives: ``Note [a] in _swap_pipeline.py``. ``F``
   is a path in the repository or its tail (``_layout.py``, ``aio/_checksum.py``,
   ``native/host_alloc/host_alloc.cpp``), in backticks or not. In a list, a name without its
@@ -53,6 +54,7 @@ DEFINITION = re.compile(r"^\s*(?:#+|//+|/\*+|\*+|-)?\s*(?:[rRbBuU]{0,2}(?:\"\"\"
 FIRST = re.compile(rf"Note\s+{_NAME}{_IN}")
 MORE = re.compile(rf"(?:\s*,\s*(?:and\s+)?|\s*;\s*|\s+and\s+)(?:Note\s+)?{_NAME}{_IN}")
 ENTRY_START = re.compile(r"\s*(?:[-*+] |\d+\. |\||#)")  # a Markdown list item, table row or heading
+CODE_SPAN = re.compile(r"(`{1,2})[^`]{1,200}?\1")  # `...` or ``...``
 NAMED = re.compile(rf"{_FILE}|`([\w./-]+/?)`")  # a file, or a folder in backticks
 
 
@@ -96,12 +98,15 @@ def references(text: str) -> list[tuple[int, str, str | None, str | None]]:
     """(offset, name, F or None, the list's next F or None) of each reference in ``text``
     (comment leaders already removed)."""
     found, pos = [], 0
+    examples = [m.span() for m in CODE_SPAN.finditer(text)]
     while m := FIRST.search(text, pos):
         group = [(m.start(), _norm(m.group(1)), m.group(2))]
         pos = m.end()
         while n := MORE.match(text, pos):
             group.append((n.start(), _norm(n.group(1)), n.group(2)))
             pos = n.end()
+        if any(a < m.start() < b for a, b in examples):
+            continue
         for i, (offset, name, in_file) in enumerate(group):
             later = None if in_file else next((f for _, _, f in group[i + 1:] if f), None)
             found.append((offset, name, in_file, later))
@@ -216,8 +221,8 @@ def test_no_file_cites_a_document_outside_the_repository(notes):
             for m in DOCUMENT.finditer(line):
                 doc = "DESIGN.md" if m.group(1) == "DESIGN" else m.group(1)
                 here = os.path.normpath(os.path.join(os.path.dirname(path), doc))
-                outside = doc.startswith(("/", "../")) or here.startswith("..")
-                if outside or not (files_named(doc, files) or (ROOT / here).is_file()):
+                outside = doc.startswith("/") or here.startswith("..")  # docs/guides' ../config.md is inside
+                if outside or not ((ROOT / here).is_file() or files_named(doc, files)):
                     problems.append(f"{path}:{i}: {m.group(1)}")
     assert not problems, "documents outside the repository (a reader of the repository cannot follow them):\n" + \
         "\n".join(problems)
@@ -248,6 +253,7 @@ def test_what_a_definition_is(line, name):
     (["Note [a] in _x.py and Note [b]", "in native/aio/sums.h"], [("a", "_x.py"), ("b", "native/aio/sums.h")]),
     (["# the swap pipeline (Note [phased swap", "# I/O] in _swap_pipeline.py)"], [("phased swap I/O", "_swap_pipeline.py")]),
     (["Note [a] in the engine, [b]"], [("a", None)]),  # "in" not followed by a file; [b] is no list item
+    (["opens with `Note [name]:`, points back with ``Note [name] in FILE``; Note [c] in `_c.py`"], [("c", "_c.py")]),
 ])
 def test_what_a_reference_is(lines, want):
     text = _joined(lines)[0]
