@@ -1,6 +1,8 @@
 """Where a step's time goes on a GPU: infinity's step split into forward, backward and the
-step() call, with the engine's telemetry (bytes and stalls per stage, the update's seconds,
-elements and threads) and the GPU's busy time from torch.profiler, for variants run each in
+step() call (and the parts of that call: the previous step joined, parameter copies, the
+gradients landing, the norm, the update or its launch), with the engine's telemetry (bytes and
+stalls per stage, the update's seconds, elements and threads) and the GPU's busy time from
+torch.profiler, for variants run each in
 a process of its own: the overlapped step on and off (``zero.offload_optimizer.overlap_step``),
 the prefetcher on and off (``zero.prefetch.enabled``).
 
@@ -129,9 +131,11 @@ def child(spec: dict) -> dict:
     moved = {k: round(sum(t["bytes"].get(k, 0) for t in telemetry) / n / 1e9, 3) for k in
              ("host_to_device", "grad_offload", "nvme_read", "param_cache", "param_handoff")}
     update = {k: sum(t["update"][k] for t in telemetry) / n for k in ("seconds", "elements", "background_seconds")}
+    parts = sorted({k for t in telemetry for k in t.get("step_call_s", {})})
+    step_parts = {k: round(sum(t.get("step_call_s", {}).get(k, 0.0) for t in telemetry) / n, 4) for k in parts}
     out = {"variant": spec["variant"], "size": spec["size"], "offload": spec["offload"], "params": params,
            **{k: round(statistics.median(v), 4) for k, v in phases.items()},
-           "stall_s": stalls, "gb_per_step": moved,
+           "stall_s": stalls, "gb_per_step": moved, "step_call_parts_s": step_parts,
            "update_s": round(update["seconds"], 4), "update_background_s": round(update["background_seconds"], 4),
            "update_threads": max(t["update"]["peak_threads"] for t in telemetry),
            "update_gelems_per_s": round(update["elements"] / update["seconds"] / 1e9, 3) if update["seconds"] else None,
@@ -139,12 +143,41 @@ def child(spec: dict) -> dict:
            "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4), **gpu}
     if torch.cuda.is_available():
         out["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    out.update(_predicted(spec, params, VARIANTS[spec["variant"]]["overlap_step"] == "auto"))
+    if out.get("predicted_step_s"):
+        out["predicted_over_measured"] = round(out["predicted_step_s"] / out["step_s"], 3)
     return out
 
 
+def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
+    """The run model's step (Note [run model] in infinity/_apps/_runmodel.py) for this run, from
+    rates measured here and now: the device's FLOP rate on the model's layers, PCIe, the host's
+    Adam on the threads the engine gives it, the disk under --nvme-path."""
+    import torch
+
+    from infinity.testing import Rates, Run, step_time
+
+    shape = _models.shape_of(spec["size"])
+    run = Run(params=params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
+              micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], dtype="bf16", param_tier=spec["offload"],
+              optimizer_tier=spec["offload"], device_is_host=not torch.cuda.is_available())
+    rates = Rates.measure(spec["nvme_path"] if spec["offload"] == "nvme" else None, run)
+    st = step_time(run, rates)
+    step = st["predicted"]
+    if not overlapped and not run.device_is_host:  # the update inside step(): the terms add
+        step = max(st["backward"] + st["forward"] + st["adam"], st["nvme_read"] + st["nvme_write"])
+    terms = {k: round(st[k], 4) for k in ("compute", "forward", "backward", "adam", "h2d", "d2h", "nvme_read",
+                                          "nvme_write") if k in st}
+    return {"predicted_step_s": round(step, 4), "run_model_terms_s": terms,
+            "rates": {"tflops": round(rates.flops / 1e12, 1), "adam_gelems": round(rates.adam / 1e9, 2),
+                      "pcie_gbps": None if rates.pcie == float("inf") else round(rates.pcie / 1e9, 1),
+                      "nvme_read_gbps": None if rates.nvme_read == float("inf") else round(rates.nvme_read / 1e9, 2),
+                      "nvme_write_gbps": None if rates.nvme_write == float("inf") else round(rates.nvme_write / 1e9, 2)}}
+
+
 def table(records: list) -> str:
-    cols = ("variant", "size", "offload", "step_s", "forward_s", "backward_s", "step_call_s", "update_s",
-            "update_background_s", "update_threads", "gpu_busy_s", "gpu_idle_s")
+    cols = ("variant", "size", "offload", "step_s", "predicted_step_s", "forward_s", "backward_s", "step_call_s",
+            "update_s", "update_background_s", "update_threads", "gpu_busy_s", "gpu_idle_s")
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in records:
         lines.append(" | ".join(str(r.get(c, r.get("error", "")) if c != "variant" else r.get(c)) for c in cols))

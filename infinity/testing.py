@@ -5,6 +5,13 @@ forkserver]), each with its torch threads set, a gloo process group over loopbac
 torchrun environment variables.
 It returns every rank's return value (rank order), re-raises a failing rank's traceback,
 and fails instead of hanging when a rank hangs, dies or exits early.
+
+Beside it, what tests, benchmarks and the tools in ``scripts/`` measure or check with: the
+resident set (``rss_now``, ``peak_rss``), I/O fault injection, checkpoints written without a
+model (``write_checkpoint``) and checked file by file (``verify_checkpoint``), the bytes under
+a swap directory (``dir_bytes``), and the run model that ``infinity.estimate --step-time``
+predicts with (``Run``, ``Rates``, ``step_time``, ``host_memory``, ``compute_rate``,
+``adam_rate``: Note [run model] in _apps/_runmodel.py).
 """
 from __future__ import annotations
 
@@ -23,6 +30,9 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ._apps._runmodel import Rates, Run, adam_rate, compute_rate, host_memory, step_time  # noqa: F401
+from ._checkpoint import CheckpointReader
+from ._offload._swap import dir_bytes  # noqa: F401 - the bytes under a swap directory
 from ._runtime import _accelerator as acc
 from ._runtime import _comm
 from ._zero._pretrained import _DTYPES
@@ -63,7 +73,7 @@ def _rank_main(fn, rank, world_size, port, threads, env, args, kwargs, results):
     )
     try:
         torch.set_num_threads(threads)
-        _comm.release_captured_groups()  # Note [process group at exit]: imported before the group
+        _comm.release_captured_groups()  # Note [process group at exit] in _comm.py: imported before the group
         acc.set_device()  # this rank's GPU before the group: NCCL binds to it
         # the backend a torchrun job gets (cpu:gloo,cuda:nccl on CUDA; gloo elsewhere)
         dist.init_process_group(acc.comm_backend(), rank=rank, world_size=world_size, device_id=acc.comm_device_id())
@@ -145,7 +155,7 @@ def _rank_context():
     """The multiprocessing context ranks start from: the forkserver, restarted when the
     environment or the preload list changed since it started; spawn with CUDA."""
     global _server_started_with
-    if torch.cuda.is_available():
+    if acc.has_cuda():
         return mp.get_context("spawn")
     started_with = (tuple(_PRELOAD), tuple(sorted((k, v) for k, v in os.environ.items()
                                                   if k != "PYTEST_CURRENT_TEST")))
@@ -204,6 +214,18 @@ def reset_peak_rss() -> None:
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Check every file of the checkpoint at ``path`` (a tag's directory) against its manifest,
+    size and checksum, without a process group or a model; return the manifest. A file that
+    is missing, of another size or fails its checksum raises ``StorageError`` naming it."""
+    reader = CheckpointReader(path)
+    try:
+        reader.verify(reader.manifest["files"])
+    finally:
+        reader.close()
+    return reader.manifest
 
 
 def write_checkpoint(config, out_dir: str, dtype=None, shard_bytes: int = 2 << 30, fill: str = "random",

@@ -43,8 +43,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import infinity
-    from infinity._apps import _runmodel as rm
-    from infinity.testing import peak_rss
+    from infinity.testing import Run, adam_rate, compute_rate, peak_rss
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -56,13 +55,13 @@ def child(spec: dict) -> dict:
         model = build_gpt(spec["layers"], spec["hidden"])
     model, opt = infinity.initialize(model, cfg)
     gen = torch.Generator().manual_seed(1)
-    shape = rm.Run(params=sum(p.numel() for p in model.parameters()), layers=spec["layers"], hidden=spec["hidden"],
-                   heads=spec["hidden"] // 64, vocab=VOCAB, micro_batch=spec["batch"], seq_len=spec["seq"])
+    shape = Run(params=sum(p.numel() for p in model.parameters()), layers=spec["layers"], hidden=spec["hidden"],
+                heads=spec["hidden"] // 64, vocab=VOCAB, micro_batch=spec["batch"], seq_len=spec["seq"])
     flops, adam = [], []
 
     def rates():  # under the load of the steps: just before and just after them, in this process
-        flops.append(rm.compute_rate(shape))
-        adam.append(rm._adam_rate())
+        flops.append(compute_rate(shape))
+        adam.append(adam_rate())
 
     n = spec["warmup"] + spec["steps"]
     starts, moved = [], []
@@ -72,7 +71,7 @@ def child(spec: dict) -> dict:
             rates()
         if i == n:
             opt.wait_step()  # the last step's overlapped update ends here
-        tel = opt.engine.telemetry()  # the NVMe bytes since the previous boundary, then reset
+        tel = infinity.telemetry(model, reset=True)  # the NVMe bytes since the previous boundary
         starts.append(time.perf_counter())
         moved.append({d: sum(v for k, v in tel.items() if k.startswith("nvme_") and k.endswith(f"_{d}_bytes"))
                       for d in ("read", "write")})
@@ -90,7 +89,7 @@ def child(spec: dict) -> dict:
            "read": statistics.median(moved[i + 1]["read"] for i in timed),
            "write": statistics.median(moved[i + 1]["write"] for i in timed),
            "peak_rss": peak_rss(), "flops": statistics.median(flops), "adam": statistics.median(adam)}
-    opt.engine.close()
+    infinity.close(model)
     return out
 
 
@@ -107,16 +106,16 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from infinity._apps import _runmodel as rm
+    from infinity.testing import Rates, Run, host_memory, step_time
 
     models = args.models.split(",") + (["1b"] if args.big else [])
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     rows = []
     for name in models:
         layers, hidden, batch, seq = MODELS[name]
-        shape = rm.Run(params=0, layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB, micro_batch=batch,
+        shape = Run(params=0, layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB, micro_batch=batch,
                        seq_len=seq)
-        here = rm.Rates.measure(args.nvme_path, shape)  # the disk and its overlap with computation
+        here = Rates.measure(args.nvme_path, shape)  # the disk and its overlap with computation
         for tier in args.tiers.split(","):
             nvme = tempfile.mkdtemp(prefix="runmodel_", dir=args.nvme_path)
             spec = dict(layers=layers, hidden=hidden, batch=batch, seq=seq, tier=tier, nvme=nvme,
@@ -129,10 +128,10 @@ def main() -> None:
             finally:
                 subprocess.run(["rm", "-rf", nvme])
             rates = dataclasses.replace(here, flops=got["flops"], adam=got["adam"])  # the child's, beside its steps
-            run = rm.Run(params=got["params"], layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB,
+            run = Run(params=got["params"], layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB,
                          micro_batch=batch, seq_len=seq, param_tier=tier, optimizer_tier=tier)
-            mem = sum(rm.host_memory(run).values())
-            st = rm.step_time(run, rates)
+            mem = sum(host_memory(run).values())
+            st = step_time(run, rates)
             rows.append((name, tier, st["predicted"], got["step"], st["bottleneck"], mem, got["peak_rss"],
                          st["nvme_bytes"], got))
             print(f"{name:5s} {tier:4s} step predicted {st['predicted']:7.2f} s measured {got['step']:7.2f} s "

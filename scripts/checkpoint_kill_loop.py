@@ -69,23 +69,20 @@ def child(directory: str, asynchronous: bool) -> None:
 def check(directory: str) -> str:
     """'' when ``latest`` names a complete checkpoint that loads, else what is wrong."""
     import infinity
-    from infinity._checkpoint import CheckpointReader
+    from infinity.testing import verify_checkpoint
 
     ck = os.path.join(directory, "ck")
     with open(os.path.join(ck, "latest")) as f:
         tag = f.read().strip()
-    reader = CheckpointReader(os.path.join(ck, tag))
-    try:
-        reader.verify(reader.manifest["files"])
-    finally:
-        reader.close()
+    manifest = verify_checkpoint(os.path.join(ck, tag))
     model, opt = infinity.initialize(Stack(), config(os.path.join(directory, "nvme")))
     try:
         infinity.load_checkpoint(ck, model, opt)
-        if opt._step != reader.manifest["step"]:
-            return f"loaded step {opt._step}, the manifest of {tag} says {reader.manifest['step']}"
+        step = opt.step_count(next(model.parameters()))  # every parameter steps at every step here
+        if step != manifest["step"]:
+            return f"loaded step {step}, the manifest of {tag} says {manifest['step']}"
     finally:
-        opt.engine.close()
+        infinity.close(model)
     return ""
 
 

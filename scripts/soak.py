@@ -24,7 +24,7 @@ import time
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
-from infinity._offload._swap import dir_bytes  # noqa: E402
+from infinity.testing import dir_bytes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

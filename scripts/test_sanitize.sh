@@ -31,12 +31,15 @@ status=0
 "$PY" - <<'PY' || status=$?
 import infinity, os
 assert os.path.dirname(infinity.__file__).endswith("pkg/infinity"), infinity.__file__
-from infinity import _aio_cffi, _cpu_adam  # noqa: F401
-print("sanitized build:", os.path.dirname(infinity.__file__))
+from infinity.aio import AsyncIO
+from infinity.optim import simd_path
+AsyncIO().close()  # both native modules load under the sanitizers
+print("sanitized build:", os.path.dirname(infinity.__file__), "CPU Adam path:", simd_path())
 PY
 [ $status -eq 0 ] && { "$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" \
-    "$ROOT/tests/test_aio.py" "$ROOT/tests/test_aio_errors.py" "$ROOT/tests/test_cpu_adam.py" \
-    "$ROOT/tests/test_checksums.py" -k "not training and not corrupt_swap and not gradient and not init_store and not trains_on" \
+    "$ROOT/tests/unit/test_aio.py" "$ROOT/tests/integration/test_aio_errors.py" "$ROOT/tests/unit/test_cpu_adam.py" \
+    "$ROOT/tests/unit/test_native_abi.py" "$ROOT/tests/unit/test_checksums.py" \
+    -k "not training and not corrupt_swap and not gradient and not init_store and not trains_on" \
     "$@" || status=$?; }
 unset LD_PRELOAD
 reports=$(cat "$TMP"/asan.* "$TMP"/ubsan.* 2>/dev/null || true)

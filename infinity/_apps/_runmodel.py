@@ -28,8 +28,14 @@ bottleneck, from the same numbers the engine uses:
   move them (parameters: backward re-reads every unit and the step writes every shard, while
   the forward takes the step's hand-off; the optimizer: master weights and moments read past
   the host cache and all written; gradients written and read unless in host memory) at the
-  measured read and write bandwidths. With an accelerator the three overlap and the slowest is
-  the bottleneck. Without one (the device is the CPU) compute and Adam share the cores, so
+  measured read and write bandwidths. With an accelerator (Note [overlapped step] in
+  _zero_optimizer.py): the forward takes the longer of its compute and the host->device copy
+  of the parameter shards, the backward the longest of its compute, that copy again and the
+  device->host copy of the fp32 gradient shards (separate copy engines, beside the kernels),
+  at the measured PCIe rate; with the optimizer states off the device the host's Adam over
+  the shard runs beside the next forward, so a step takes backward + max(forward, Adam)
+  (backward + forward + Adam where it cannot overlap), and the disk's time hides under all of
+  it: the step is the longer of the two. Without one (the device is the CPU) compute and Adam share the cores, so
   they add, and the disk's time hides under them only as far as the measured ``overlap``
   allows (a read beside a matmul loop: the share of the read's time the loop lost nothing
   to; on the 2-core machine of the figures, O_DIRECT at 2 GB/s slows the loop 1.7x):
@@ -53,8 +59,10 @@ from .._offload._moments import file_bytes
 from .._offload._optimizer_store import chunk_elems, head_elems
 from .._offload._placement import GATHERED_REUSE, gradients_in_host, param_cache_elems
 from .._offload._preflight import staging_buffers, store_plan
+from .._runtime import _accelerator as acc
 from .._runtime._tiers import Tier
 from .._zero._zero_optimizer import _native_adam, torch_adam_step
+from ..aio import aligned_empty
 from ..config import AioConfig, Config
 from ._disk_probe import probe_disk
 
@@ -69,7 +77,9 @@ class Rates:
     """Per rank: FLOP/s of the device on the model's own layers, NVMe read / write bytes/s of
     its share of the node's drives, Adam elements/s of its share of the host's cores, and how
     much of the disk's time hides under computation (``overlap``: 1 with an accelerator, whose
-    copies and the host's I/O run beside its kernels; measured where the device is the CPU)."""
+    copies and the host's I/O run beside its kernels; measured where the device is the CPU),
+    and the bytes/s of one direction of host<->device copies from pinned memory (``pcie``;
+    unbounded where the device is the host)."""
 
     flops: float
     nvme_read: float
@@ -77,6 +87,7 @@ class Rates:
     adam: float
     overlap: float = 1.0
     name: str = "measured"
+    pcie: float = float("inf")
 
     @classmethod
     def measure(cls, nvme_path: Optional[str], run: Optional["Run"] = None) -> "Rates":
@@ -86,14 +97,15 @@ class Rates:
         the share of a disk read that overlaps a matmul loop."""
         run = run or Run(params=0, layers=1, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
         flops = compute_rate(run)
-        adam = _adam_rate()
+        adam = adam_rate(out_dtype=torch.float32 if run.dtype == "fp32" else torch.bfloat16)
+        pcie = pcie_rate() if acc.has_accelerator() else float("inf")
         read = write = float("inf")
         overlap = 1.0
         if nvme_path:
             bw = probe_disk(nvme_path, AioConfig(), 256 << 20)
             read, write = bw["read"], bw["write"]
             overlap = io_overlap(nvme_path, read, write)
-        return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam, overlap=overlap)
+        return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam, overlap=overlap, pcie=pcie)
 
 
 def _rate(fn, reps: int = 3) -> float:
@@ -108,11 +120,34 @@ def _rate(fn, reps: int = 3) -> float:
     return 1.0 / sorted(times)[len(times) // 2]
 
 
-def _adam_rate(n: int = 8 << 20) -> float:
-    step = _native_adam() or torch_adam_step
+def adam_rate(n: int = 8 << 20, out_dtype: torch.dtype = torch.float32) -> float:
+    """Elements/s of the step's Adam on this host, on the threads the engine gives it (its
+    default: torch's intra-op count), writing the compute-dtype copy where the run's dtype is
+    not fp32. With an accelerator over 64M elements (1 GiB of states: from memory, as a large
+    model's are), else 8M (the CPU runs' models)."""
+    native = _native_adam()
+    n = max(n, 64 << 20) if acc.has_accelerator() else n
     p, g, m, v = (torch.rand(n) for _ in range(4))
     hyper = dict(step=1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True)
-    return n * _rate(lambda: step(p, g, m, v, **hyper))
+    if native is None:
+        return n * _rate(lambda: torch_adam_step(p, g, m, v, **hyper))
+    out = None if out_dtype == torch.float32 else torch.empty(n, dtype=out_dtype)
+    return n * _rate(lambda: native(p, g, m, v, params_out=out, **hyper))
+
+
+def pcie_rate(nbytes: int = 256 << 20) -> float:
+    """Bytes/s of one direction of host<->device copies from and to pinned memory (the slower
+    of the two)."""
+    host = aligned_empty(nbytes, torch.uint8, what="other")  # pinned: the engine's own host buffers are
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=acc.device())
+
+    def copy(dst, src):
+        def run():
+            dst.copy_(src, non_blocking=True)
+            acc.synchronize()
+        return run
+
+    return nbytes * min(_rate(copy(dev, host)), _rate(copy(host, dev)))
 
 
 PROBE_MAX_HIDDEN = 2048  # wider blocks are probed at this width (their matmuls only run faster)
@@ -140,9 +175,14 @@ def compute_rate(run: "Run") -> float:
     probe = Run(params=12 * hd * hd + (run.vocab or 0) * hd, layers=1, hidden=hd, heads=max(1, hd // 64), vocab=run.vocab or 0,
                 micro_batch=bsz, seq_len=seq, ckpt_interval=0)
     g = torch.Generator().manual_seed(0)
-    w = {n: (torch.randn(*s, generator=g) * 0.02).requires_grad_() for n, s in
-         (("qkv", (hd, 3 * hd)), ("proj", (hd, hd)), ("fc", (hd, 4 * hd)), ("out", (4 * hd, hd)))}
-    x = torch.randn(bsz, seq, hd, generator=g, requires_grad=True)
+    dev = acc.device()  # the accelerator's rate where there is one, in the run's dtype
+    dtype = torch.float32 if run.dtype == "fp32" or not acc.has_accelerator() else torch.bfloat16
+
+    def leaf(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g) * scale).to(dev, dtype).requires_grad_()
+
+    w = {n: leaf(*s) for n, s in (("qkv", (hd, 3 * hd)), ("proj", (hd, hd)), ("fc", (hd, 4 * hd)), ("out", (4 * hd, hd)))}
+    x = leaf(bsz, seq, hd, scale=1.0)
     heads = probe.heads
 
     def block():
@@ -152,16 +192,18 @@ def compute_rate(run: "Run") -> float:
         y = x + a @ w["proj"]
         y = y + F.gelu(F.layer_norm(y, (hd,)) @ w["fc"], approximate="tanh") @ w["out"]
         y.sum().backward()
+        acc.synchronize()
 
     t_block = 1.0 / _rate(block)
     blocks, head = compute_flops(probe)
     t_head = 0.0
     if run.vocab:
-        emb = (torch.randn(run.vocab, hd, generator=g) * 0.02).requires_grad_()
-        labels = torch.randint(run.vocab, (bsz * seq,), generator=g)
+        emb = leaf(run.vocab, hd)
+        labels = torch.randint(run.vocab, (bsz * seq,), generator=g).to(dev)
 
         def lm_head():
-            F.cross_entropy(x.view(-1, hd) @ emb.t(), labels).backward()
+            F.cross_entropy((x.view(-1, hd) @ emb.t()).float(), labels).backward()
+            acc.synchronize()
 
         t_head = 1.0 / _rate(lm_head)
     # The run's FLOPs at the probe's rates: blocks at the block's, the head at the head's.
@@ -202,12 +244,15 @@ def io_overlap(nvme_path: str, read: float, write: float, nbytes: int = 256 << 2
 # figure: the same is assumed). CPU Adam (an assumption: the paper gives no rate): memory-bound
 # at ~28 bytes per element over about half of two sockets' DDR4 (~256 GB/s), ~4e9 elements/s
 # per node.
-DGX2 = Rates(flops=45e12, nvme_read=25e9 / 16, nvme_write=25e9 / 16, adam=4e9 / 16, name="DGX-2 (002)")
+# V100s on PCIe Gen3 x16: ~12 GB/s each way from pinned memory.
+DGX2 = Rates(flops=45e12, nvme_read=25e9 / 16, nvme_write=25e9 / 16, adam=4e9 / 16, name="DGX-2 (002)", pcie=12e9)
 # 8 x H100 SXM 80 GB, 2 TB host (DGX H100 datasheet); ~400 TFLOP/s of 989 dense bf16 reached
 # (an assumed 40% of peak); its 8 x 3.84 TB U.2 PCIe Gen4 NVMe (datasheet) in RAID 0 at an
 # assumed ~6.5 GB/s read and ~3.5 GB/s write per drive (Gen4 data-center drives' sequential
 # figures), ~52 / 28 GB/s together; CPU Adam over two sockets' DDR5 (~600 GB/s), ~1e10/s.
-H100_RAID = Rates(flops=400e12, nvme_read=52e9 / 8, nvme_write=28e9 / 8, adam=1e10 / 8, name="8xH100 + NVMe RAID")
+# PCIe Gen5 x16 per GPU: ~45 GB/s each way from pinned memory (of 64 GB/s raw).
+H100_RAID = Rates(flops=400e12, nvme_read=52e9 / 8, nvme_write=28e9 / 8, adam=1e10 / 8, name="8xH100 + NVMe RAID",
+                  pcie=45e9)
 # The nodes themselves, for the memory estimate of the same run: (GPUs, GPU memory, host memory, NVMe).
 NODES = {"dgx2": (DGX2, 16, "32GB", "1.5TB", "28TB"), "h100x8": (H100_RAID, 8, "80GB", "2TB", "30.72TB")}
 
@@ -328,7 +373,8 @@ def nvme_bytes(run: Run) -> dict:
         cached = min(head, total)  # the head is whole chunks: it may end past the last element
         states = int(per_elem * (total - cached))
         read += states
-        write += states + int(per_elem * cached)  # the host cache is write-through (Note [host cache])
+        # the host cache is write-through (Note [host cache] in _nvme_optimizer_store.py)
+        write += states + int(per_elem * cached)
         if not gim:
             read += 4 * (total - cached)
             write += 4 * (total - cached)
@@ -339,7 +385,9 @@ def step_time(run: Run, rates: Rates) -> dict:
     """Seconds per step: each term, the prediction and the bottleneck (Note [run model])."""
     flops = sum(compute_flops(run))
     io = nvme_bytes(run)
-    terms = {"compute": flops / rates.flops, "adam": math.ceil(run.params / run.ranks) / rates.adam,
+    shard = math.ceil(run.params / run.ranks)
+    host_adam = run.device_is_host or run.optimizer_tier != "none"
+    terms = {"compute": flops / rates.flops, "adam": shard / rates.adam if host_adam else 0.0,
              "nvme_read": io["read"] / rates.nvme_read, "nvme_write": io["write"] / rates.nvme_write}
     disk = terms["nvme_read"] + terms["nvme_write"]  # one device: reads and writes share it
     if run.device_is_host:
@@ -349,10 +397,26 @@ def step_time(run: Run, rates: Rates) -> dict:
         bottleneck = "compute" if terms["compute"] >= max(terms["adam"], disk) else (
             "adam" if terms["adam"] >= disk else "nvme")
     else:
-        predicted = max(terms["compute"], terms["adam"], disk)
-        bottleneck = max((("compute", terms["compute"]), ("adam", terms["adam"]), ("nvme", disk)), key=lambda x: x[1])[0]
+        predicted, bottleneck = _on_accelerator(run, rates, terms, shard, disk)
     return {**terms, "flops": flops, "nvme_bytes": io, "predicted": predicted, "bottleneck": bottleneck,
             "tokens_per_s": run.tokens * run.ranks / predicted, "tflops_per_rank": flops / predicted / 1e12}
+
+
+def _on_accelerator(run: Run, rates: Rates, terms: dict, shard: int, disk: float) -> tuple:
+    """(step seconds, bottleneck) with an accelerator (Note [run model]); adds the forward,
+    backward and PCIe terms to ``terms``."""
+    forward_share = 2 / 8 if run.ckpt_interval else 1 / 3  # checkpointing runs the forward again inside backward
+    h2d = shard * run.itemsize / rates.pcie if run.param_tier != "none" else 0.0  # each pass fetches the shards
+    d2h = shard * 4 / rates.pcie if run.optimizer_tier != "none" else 0.0  # the fp32 gradient shards
+    terms.update(h2d=h2d, d2h=d2h, forward=max(terms["compute"] * forward_share, h2d),
+                 backward=max(terms["compute"] * (1 - forward_share), h2d, d2h))
+    overlapped = run.optimizer_tier != "none"  # Note [overlapped step] in _zero_optimizer.py: beside the next forward
+    terms["overlapped"] = overlapped
+    host = terms["backward"] + (max(terms["forward"], terms["adam"]) if overlapped else terms["forward"] + terms["adam"])
+    work = {"compute": terms["compute"], "pcie": max(h2d, d2h), "adam": terms["adam"]}
+    if disk >= host:
+        return disk, "nvme"
+    return host, max(work.items(), key=lambda kv: kv[1])[0]
 
 
 def describe(run: Run, rates: Rates) -> str:

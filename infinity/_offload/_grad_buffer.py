@@ -1,26 +1,42 @@
-"""The fp32 gradient shards of an optimizer store in memory: one flat buffer, what has been
-written into it since it was last zeroed, and its squared norm.
+"""The fp32 gradient shards of an optimizer store in memory: one flat buffer, what each
+unit's range holds, and the buffer's squared norm.
 
 Note [gradients landed in place]: with an accelerator and the buffer in pinned host memory, a
-unit's first gradient since its range was zeroed needs no host arithmetic: the device->host
-copy writes it straight into the unit's range (``landing_slot``), scaled on the device, and
-its squared norm is taken on the device from the same values (``note_norm``), so the CPU
-neither adds it (a read of the staged copy and a read and write of the buffer) nor reads it
-again for the step's norm. A later gradient into the same range (accumulation over
-micro-batches, a late gradient) is added on the host as before, and that range's norm is
-then taken on the host. ``stats`` sums the device norms (one synchronisation) and the host
-norms of the ranges added on the host; everything else is zero (the buffer is zeroed range
-by range as the update reads it, or whole by ``zero_grads``), so it is not read at all.
+unit's first gradient since its range was last used needs no host arithmetic: the
+device->host copy writes it straight into the unit's range (``landing_slot``), scaled on the
+device, and its squared norm is taken on the device from the same values (``note_norm``),
+so the CPU neither adds it (a read of the staged copy and a read and write of the buffer)
+nor reads it again for the step's norm. A later gradient into the same range (accumulation
+over micro-batches, a late gradient) is added on the host, and that range's norm is then
+taken on the host. ``stats`` sums the device norms (one synchronisation) and the host norms
+of the ranges added on the host.
+
+Note [stale gradient ranges]: nothing zeroes the buffer. Each unit's range is in one of four
+states: ZERO, STALE (it holds gradients a step has consumed, or ``zero_grads`` dropped),
+IN_PLACE (landed in place, its norm on the device) or ADDED (written on the host). The next
+gradient into a STALE range overwrites it (a copy in place, or a host write of the scaled
+gradient, which is what adding it to zeros would give), so neither the update nor
+``zero_grads`` makes a pass over the buffer; only the ranges still STALE when the step reads
+the gradients (units that got no gradient this time, rare) are zeroed then. Writes outside
+the units' ranges are not tracked: the buffer is then zeroed and normed whole, as before.
 """
 from __future__ import annotations
 
+import enum
 import math
 import threading
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .._runtime import _accelerator as acc
+
+
+class Held(enum.Enum):
+    ZERO = "zero"
+    STALE = "stale"  # consumed or dropped: the next gradient overwrites it
+    IN_PLACE = "in place"  # copied in from the device, its norm taken there
+    ADDED = "added"  # written on the host
 
 
 class GradBuffer:
@@ -28,12 +44,11 @@ class GradBuffer:
         self._alloc = alloc
         self.lazy = lazy  # stage 1: the buffer exists only during the step
         self._host = host  # in host memory (the ``cpu`` tier), where gradients can land in place
-        self._units: Dict[int, int] = {o: n for o, n in ranges if n}  # each unit's range: offset -> elements
-        self._lock = threading.Lock()  # the overlapped step zeroes ranges while the backward lands others
-        self._in_place: Dict[int, Optional[torch.Tensor]] = {}  # ranges landed in place: offset -> device norm
-        self._added: Set[int] = set()  # ranges (offsets) added on the host
-        self.zero = True  # nothing written since the buffer was last zeroed
-        self.coef = 1.0  # unscaling and clipping, applied by the update as it reads each piece
+        self._size: Dict[int, int] = {o: n for o, n in ranges if n}  # each unit's range: offset -> elements
+        self._held = dict.fromkeys(self._size, Held.ZERO)  # Note [stale gradient ranges]
+        self._norms: Dict[int, torch.Tensor] = {}  # IN_PLACE ranges: offset -> the device norm
+        self._untracked = False  # written outside the units' ranges since last zeroed whole
+        self._lock = threading.Lock()  # the overlapped step marks ranges consumed while the backward writes others
         self.tensor: Optional[torch.Tensor] = None if lazy else alloc()
 
     def get(self) -> torch.Tensor:
@@ -44,77 +59,105 @@ class GradBuffer:
     # ------------------------------------------------------------ writes
 
     def add(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:
+        buf = self.get()
+        view = buf[offset : offset + shard_grad.numel()]
         with self._lock:
-            self._in_place.pop(offset, None)  # its norm is the host's from now on
-            self._added.add(offset)
-        self.get()[offset : offset + shard_grad.numel()].add_(shard_grad, alpha=scale)
-        self.zero = False
+            held = self._held.get(offset) if self._size.get(offset) == shard_grad.numel() else None
+            if held is not None:
+                self._held[offset] = Held.ADDED
+                self._norms.pop(offset, None)  # its norm is the host's from now on
+        if held is None:  # not a unit's range
+            self._zero_stale()
+            self._untracked = True
+            view.add_(shard_grad, alpha=scale)
+        elif held is Held.STALE:  # overwritten: 0 + scale * g
+            view.copy_(shard_grad)
+            if scale != 1.0:
+                view.mul_(scale)
+        else:
+            view.add_(shard_grad, alpha=scale)
 
     def landing_slot(self, offset: int, numel: int) -> Optional[torch.Tensor]:
         """Note [gradients landed in place]: the pinned range a unit's gradient may be copied
-        straight into, or None (written already since it was zeroed, not a unit's range, not
-        pinned host memory)."""
-        if not self._host or self.lazy or self._units.get(offset) != numel:
+        straight into, or None (written already since it was last used, not a unit's range,
+        not pinned host memory)."""
+        if not self._host or self.lazy or self._size.get(offset) != numel:
             return None
         buf = self.get()
         if not acc.is_pinned(buf):
             return None
         with self._lock:
-            if offset in self._in_place or offset in self._added:
+            if self._held[offset] not in (Held.ZERO, Held.STALE):
                 return None
-            self._in_place[offset] = None
-        self.zero = False
+            self._held[offset] = Held.IN_PLACE
         return buf[offset : offset + numel]
 
     def note_norm(self, offset: int, norm: torch.Tensor) -> None:
         """The device norm of what was copied into ``landing_slot(offset)``."""
         with self._lock:
-            if offset in self._in_place:
-                self._in_place[offset] = norm
+            if self._held.get(offset) is Held.IN_PLACE:
+                self._norms[offset] = norm
 
     # ------------------------------------------------------------ reads
 
     def stats(self) -> Tuple[float, bool]:
         """(sum of squares in float64, all finite) over the gradients, once every copy into
-        the buffer has landed."""
+        the buffer has landed. Zeroes the ranges still STALE first (Note [stale gradient
+        ranges]): after this the buffer holds exactly this step's gradients."""
         buf = self.get()
+        self._zero_stale()
         with self._lock:
-            norms = list(self._in_place.values())
-            added = sorted(self._added)
-        device_norms = [n for n in norms if n is not None]
-        if not norms or len(device_norms) < len(norms) or any(o not in self._units for o in added):
+            in_place = [o for o, h in self._held.items() if h is Held.IN_PLACE]
+            added = [o for o, h in self._held.items() if h is Held.ADDED]
+            norms = [self._norms.get(o) for o in in_place]
+        if self._untracked or any(n is None for n in norms):
             return sq_and_finite(buf)
-        sq = float(torch.stack(device_norms).double().square().sum())
-        finite = math.isfinite(sq)
+        sq, finite = 0.0, True
+        if norms:
+            sq = float(torch.stack([n for n in norms if n is not None]).double().square().sum())
+            finite = math.isfinite(sq)
         for offset in added:
-            part, ok = sq_and_finite(buf[offset : offset + self._units[offset]])
+            part, ok = sq_and_finite(buf[offset : offset + self._size[offset]])
             sq, finite = sq + part, finite and ok
         return sq, finite
 
-    # ------------------------------------------------------------ zeroing
+    # ------------------------------------------------------------ consumed, dropped
 
-    def zero_range(self, start: int, end: int) -> None:
-        """The update has read [start, end): zero it for the next backward."""
-        self.get()[start:end].zero_()
-        self._forget(start, end)
+    def consumed(self, start: int, end: int) -> None:
+        """A step has read [start, end): the next gradients overwrite it."""
+        self._mark_stale(start, end)
 
-    def zero_below(self, upto: int) -> None:
-        if self.tensor is not None and not self.zero:
-            self.tensor[:upto].zero_()
-            self._forget(0, upto)
-        self.zero = True
+    def drop_below(self, upto: int) -> None:
+        """``zero_grads`` over [0, upto): dropped, without a pass over the buffer."""
+        if self._untracked:
+            self.get()[:upto].zero_()
+            self._untracked = upto < self.get().numel()
+        self._mark_stale(0, upto)
 
     def drop(self) -> None:
         """Stage 1: the buffer goes until the next step's gradients."""
         self.tensor = None
-        self._forget(0, math.inf)
-        self.zero = True
-
-    def _forget(self, start: float, end: float) -> None:
         with self._lock:
-            for offset in [o for o in self._in_place if start <= o < end]:
-                del self._in_place[offset]
-            self._added -= {o for o in self._added if start <= o < end}
+            self._held = dict.fromkeys(self._size, Held.ZERO)
+            self._norms.clear()
+        self._untracked = False
+
+    def _mark_stale(self, start: float, end: float) -> None:
+        with self._lock:
+            for offset, held in self._held.items():
+                if start <= offset < end and held is not Held.ZERO:
+                    self._held[offset] = Held.STALE
+                    self._norms.pop(offset, None)
+
+    def _zero_stale(self) -> None:
+        with self._lock:
+            stale = [o for o, h in self._held.items() if h is Held.STALE]
+            for offset in stale:
+                self._held[offset] = Held.ZERO
+        buf = self.tensor
+        for offset in stale:
+            if buf is not None:
+                buf[offset : offset + self._size[offset]].zero_()
 
     def nbytes(self) -> int:
         return 0 if self.tensor is None else self.tensor.numel() * 4

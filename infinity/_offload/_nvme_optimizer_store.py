@@ -230,9 +230,6 @@ class NvmeOptimizerStore:
     def note_norm(self, offset: int, norm: torch.Tensor) -> None:
         pass
 
-    def scale_grads(self, coef: float) -> None:
-        self.pipeline.coef = coef  # applied per chunk inside update, saving a pass over the file
-
     def zero_grads(self) -> None:
         self.grads.zero()
 

@@ -23,7 +23,8 @@ from ._memory_plan import GRADIENTS, OPT_STATES, totals
 # Elements per optimizer swap chunk by default: 3 buffer sets x 4 fp32 arrays x 16 MiB =
 # 192 MiB of host memory, and the overlapped step publishes its first units early.
 DEFAULT_CHUNK = 4 << 20
-HOST_CACHE_AUTO = 64 << 20  # elements: at most 1 GiB of optimizer state cached by default (Note [host cache])
+# elements: at most 1 GiB of optimizer state cached by default (Note [host cache] in _nvme_optimizer_store.py)
+HOST_CACHE_AUTO = 64 << 20
 
 
 
@@ -72,8 +73,6 @@ class OptimizerStore(Protocol):
 
     def grad_stats(self) -> tuple: ...
 
-    def scale_grads(self, coef: float) -> None: ...
-
     def seal_grads(self) -> None: ...
 
     def zero_grads(self) -> None: ...
@@ -116,18 +115,16 @@ class MemoryOptimizerStore:
     ``overlapped``: the step runs beside the next forward and backward (Note [overlapped
     step] in _zero_optimizer.py). The update walks the flat space in pieces of whole units,
     about ``chunk`` elements each (``update_head`` the first piece, e.g. a large embedding
-    whole, on the caller's thread; ``update_tail`` the rest), applying the step's gradient
-    coefficient (unscaling, clipping) to each piece as it reads it, off the step's critical
-    path.
+    whole, on the caller's thread; ``update_tail`` the rest).
 
     Note [one gradient buffer]: the overlapped update and the next backward share one
-    gradient buffer. The update zeroes each piece once Adam has read it and before it
-    publishes the piece (``Chunk.grad_read``); the next backward adds a unit's gradient only
-    after computing with the unit, which it fetched only once the step gate had published
-    the unit's range. So every gradient the backward adds lands in a piece already read and
-    zeroed, and a second buffer (4 bytes per parameter of host memory, and its page faults)
-    is not needed. ``zero_grads`` leaves a buffer alone while an update reads it (the update
-    zeroes it) and when nothing was added since it was last zeroed."""
+    gradient buffer. The update marks each piece consumed (Note [stale gradient ranges] in
+    _grad_buffer.py) once Adam has read it and before it publishes the piece
+    (``Chunk.grad_read``); the next backward writes a unit's gradient only after computing
+    with the unit, which it fetched only once the step gate had published the unit's range.
+    So every gradient the backward writes lands in a piece already read, and a second buffer
+    (4 bytes per parameter of host memory, and its page faults) is not needed. ``zero_grads``
+    leaves the pieces an update has yet to read alone (the update consumes them)."""
 
     def __init__(self, tier: Tier, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
@@ -167,9 +164,6 @@ class MemoryOptimizerStore:
         """(sum of squares in float64, all finite) over the gradient shards."""
         return self.grads.stats()
 
-    def scale_grads(self, coef: float) -> None:
-        self.grads.coef = coef  # applied by the update, piece by piece
-
     def finalize_grads(self) -> None:
         pass
 
@@ -177,7 +171,6 @@ class MemoryOptimizerStore:
         if self.overlapped:  # Note [one gradient buffer]
             self._sealed = self.grads.get()
             self._read_upto = 0
-            self.grads.zero = True  # once the update is done, but for what the next backward adds
         # otherwise the step reads ``grad`` in place and zeroes it when done
 
     def wait_grad_writes(self) -> None:
@@ -185,11 +178,7 @@ class MemoryOptimizerStore:
 
     def update(self, fn: Callable[[Chunk], None]) -> None:
         if self._sealed is None:
-            g = self.grads.get()
-            if self.grads.coef != 1.0:
-                g.mul_(self.grads.coef)
-                self.grads.coef = 1.0
-            fn(Chunk(0, self.master, g, self.exp_avg, self.exp_avg_sq))
+            fn(Chunk(0, self.master, self.grads.get(), self.exp_avg, self.exp_avg_sq))
         else:
             self.update_head(fn)
             self.update_tail(fn)
@@ -200,27 +189,24 @@ class MemoryOptimizerStore:
     def update_tail(self, fn: Callable[[Chunk], None]) -> None:
         self._walk(fn, self.head, self.total)
         self._sealed = None
-        self.grads.coef = 1.0
 
     def _walk(self, fn: Callable[[Chunk], None], lo: int, hi: int) -> None:
-        g, coef = self._sealed, self.grads.coef
+        g = self._sealed
         for start, end in self.pieces:
             if lo <= start < hi:
                 sl = slice(start, end)
-                if coef != 1.0:
-                    g[sl].mul_(coef)
                 fn(Chunk(start, self.master[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
                          grad_read=functools.partial(self._grad_read, start, end)))
 
     def _grad_read(self, start: int, end: int) -> None:
-        self.grads.zero_range(start, end)
+        self.grads.consumed(start, end)
         self._read_upto = end  # pieces are walked in order, the head first
 
     def zero_grads(self) -> None:
         if self.lazy_grad:
             self.grads.drop()
-        else:  # Note [one gradient buffer]: while an update reads the buffer, it zeroes the rest itself
-            self.grads.zero_below(self.total if self._sealed is None else self._read_upto)
+        else:  # Note [one gradient buffer]: while an update reads the buffer, it consumes the rest itself
+            self.grads.drop_below(self.total if self._sealed is None else self._read_upto)
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         return self.master[offset : offset + numel]
@@ -297,7 +283,7 @@ def chunk_elems(chunk_size: Optional[int], total: int) -> int:
 
 def head_elems(host_cache: Optional[int], ranges: List[tuple], chunk: int, total: int) -> int:
     """Elements at the start of the flat space cached in host memory, in whole chunks
-    (``zero.offload_optimizer.host_cache``; Note [host cache]). Automatic: the range up to
+    (``zero.offload_optimizer.host_cache``; Note [host cache] in _nvme_optimizer_store.py). Automatic: the range up to
     the end of the first unit with a shard, at most HOST_CACHE_AUTO elements."""
     if host_cache is None:
         end = next((o + n for o, n in ranges if n), 0)

@@ -31,7 +31,7 @@ def written_spans(offset: int, numel: int, changed) -> List[tuple]:
     endurance on nothing (Note [endurance budget] in _apps/_endurance.py). The update function
     says which (start, end) ranges it changed (``Chunk.changed``; None: all); each is widened
     to whole 4 KiB blocks of the file (the sums of a swap file are kept per block, Note [swap
-    checksums]), clamped to the chunk, and neighbours merged. A compressed moment's record
+    checksums] in _checksum.py), clamped to the chunk, and neighbours merged. A compressed moment's record
     covers its chunk, so it is written whole or, where nothing changed, not at all."""
     end = offset + numel
     if changed is None:
@@ -58,24 +58,22 @@ class TailState(enum.Enum):
 
 class SwapPipeline:
     """SETS buffer sets, each with a read and a write handle: while chunk k is updated on the
-    CPU, the reads of chunks k+1 .. k+SETS-2 and the write-back of chunk k-1 are in flight.
-    ``coef`` scales the gradients inside the next update (unscaling and clipping), saving a
-    pass over them."""
+    CPU, the reads of chunks k+1 .. k+SETS-2 and the write-back of chunk k-1 are in flight."""
 
     SETS = 3
 
     def __init__(self, files: OptimizerFiles, head: int, aio_cfg, *, phased: bool, grads_in_memory: bool):
         self.files = files
         self.head = head  # the tail starts here
-        self.phased = phased  # reads and writes take turns (Note [phased swap I/O])
+        self.phased = phased  # reads and writes take turns (Note [phased swap I/O] in _nvme_optimizer_store.py)
         self._grads_in_memory = grads_in_memory
         self.readers = [new_aio(aio_cfg) for _ in range(self.SETS)]
         self.writers = [new_aio(aio_cfg) for _ in range(self.SETS)]
         self.sets = [{n: aligned_empty(files.chunk, torch.float32, what=OPT_BUFFERS) for n in NAMES}
                      for _ in range(self.SETS)]
-        self.records = [files.record_set(OPT_BUFFERS) for _ in range(self.SETS)]  # Note [compressed moments on disk]
+        # Note [compressed moments on disk] in _nvme_optimizer_store.py
+        self.records = [files.record_set(OPT_BUFFERS) for _ in range(self.SETS)]
         self.state = TailState.IDLE
-        self.coef = 1.0
 
     def _starts(self) -> list:
         return list(range(self.head, self.files.total, self.files.chunk))
@@ -118,14 +116,13 @@ class SwapPipeline:
             self.update_one(fn, off, bufs, self.writers[s], self.records[s], before_writes=next_read)
         for w in self.writers:
             self.files.wait(w, "writing back optimizer chunks")
-        for bufs in self.sets + self.records:  # idle until the next step (Note [released pages])
+        for bufs in self.sets + self.records:  # idle until the next step (Note [released pages] in _memory.py)
             for t in bufs.values():
                 release_pages(t)
-        self.coef = 1.0
         self.state = TailState.IDLE
 
     def _drain_writes(self, off: int) -> None:
-        """Note [phased swap I/O]: every write of the chunk at ``off`` has landed, the master
+        """Note [phased swap I/O] in _nvme_optimizer_store.py: every write of the chunk at ``off`` has landed, the master
         weights' (written by the parameter store) included."""
         for w in self.writers:
             self.files.wait(w, "writing back optimizer chunks")
@@ -134,15 +131,13 @@ class SwapPipeline:
     def update_one(self, fn: Callable[[Chunk], None], off: int, bufs: dict, writer, records: dict,
                    cached: bool = False, before_writes: Optional[Callable[[], None]] = None) -> None:
         """``fn`` on one chunk, then its states written back through ``writer`` (a cached chunk:
-        written through, its memory kept equal to the file: Note [host cache])."""
-        if self.coef != 1.0:
-            bufs["grad"].mul_(self.coef)
+        written through, its memory kept equal to the file: Note [host cache] in _nvme_optimizer_store.py)."""
         chunk = Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"])
         fn(chunk)
         if before_writes is not None:
             before_writes()
         if self._grads_in_memory or cached:
-            release_pages(bufs["grad"])  # consumed: idle until backward writes it again (Note [released pages])
+            release_pages(bufs["grad"])  # consumed: idle until backward writes it again (Note [released pages] in _memory.py)
         spans = written_spans(off, bufs["master"].numel(), chunk.changed)
         for name in STATES:
             if name == "master" and self.files.master_shared:
@@ -154,7 +149,7 @@ class SwapPipeline:
             if not spans:
                 continue  # a record is written whole or not at all
             rec = self.files.encode(name, bufs[name], records)
-            if cached:  # the cache holds what the file holds (Note [host cache])
+            if cached:  # the cache holds what the file holds (Note [host cache] in _nvme_optimizer_store.py)
                 self.files.decode(name, rec, bufs[name])
             self.files.write(writer, name, off, rec)
 

@@ -20,6 +20,16 @@ class Counters:
         self.misses = 0
         self.divergences = 0
         self.update = {"seconds": 0.0, "elements": 0, "peak_threads": 0, "background_seconds": 0.0}
+        self.step_call: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per part
+
+    @contextlib.contextmanager
+    def step_part(self, part: str):
+        """Time of one part of the optimizer's ``step()`` call on the caller's thread."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.step_call[part] += time.perf_counter() - start
 
     def note_update(self, seconds: float, elements: int, threads: int, background: bool) -> None:
         """The optimizer updated ``elements`` in ``seconds`` on ``threads`` threads (on the
@@ -49,4 +59,5 @@ class Counters:
             "prefetch_hit_rate": self.hits / fetches if fetches else None,
             "trace_divergences": self.divergences,
             "update": dict(self.update),
+            "step_call_s": dict(self.step_call),
         }

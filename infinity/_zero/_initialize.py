@@ -46,9 +46,10 @@ from .._runtime._telemetry_counters import Counters
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ..config import Config
-from ..errors import EngineError, UsageTypeError
+from ..errors import EngineError, UsageError, UsageTypeError
 from ._activation_offload import ActivationOffloader
 from ._engine import Engine, EngineParts, check_same_model_on_all_ranks, engine_of, forget_engine
+from ._grad_sink import GradSink
 from ._ledger import GatherLedger
 from ._loss_scale import LossScaler
 from ._param_groups import resolve_groups
@@ -60,7 +61,7 @@ from ._swap_labels import label_swap_files
 from ._tiling import check_working_memory, retarget_groups, tile_model
 from ._unit import FetchUnit, UnitContext
 from ._unit_plan import DTYPES, StagePolicy, placement_of
-from ._zero_optimizer import EngineOps, GradSink, ZeroOptimizer
+from ._zero_optimizer import EngineOps, ZeroOptimizer
 
 
 def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Module, ZeroOptimizer]:
@@ -94,7 +95,47 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     logger.info("ZeRO stage %d on %d rank(s): %d fetch units, %.1fM parameters, %s",
                 cfg.zero.stage, engine.world_size, len(engine.units),
                 sum(u.shard_numel for u in engine.units) * engine.world_size / 1e6, cfg.precision.dtype)
+    _warn_slow_bf16(cfg.precision.dtype)
     return model, optimizer
+
+
+def _warn_slow_bf16(dtype: str) -> None:
+    """bf16 asked for by name where it runs far slower than fp32 (``auto`` never picks it
+    there: Note [CPU feature level] in _cpu_isa.py)."""
+    if dtype != "bf16":
+        return
+    fast, why = acc.native_bf16()
+    if not fast:
+        logger.warning("precision.dtype bf16 is slow here: %s; precision.dtype auto (or fp32) trains faster on "
+                       "this machine", why)
+
+
+def close(model: nn.Module) -> None:
+    """``infinity.close(model)``: free the engine's buffers and swap files now, remove its
+    hooks, and wait for an overlapped step or an asynchronous save in flight (Note [closed
+    engines] in _engine.py). Letting go of the model and its optimizer does the same later;
+    closing twice is harmless."""
+    _engine_of_model(model, "close").close()
+
+
+def telemetry(model: nn.Module, reset: bool = False) -> dict:
+    """``infinity.telemetry(model)``: the engine's counters since they were last reset (or
+    since ``initialize``): seconds each transfer stage stalled the step, bytes per stage, the
+    stores' NVMe reads and writes, collective bytes, prefetch hits and trace divergences, the
+    peak of gathered elements and the process's host-memory account. ``reset=True`` starts
+    the counters afresh after reading them."""
+    return _engine_of_model(model, "telemetry").telemetry(reset=reset)
+
+
+def _engine_of_model(model: nn.Module, what: str) -> Engine:
+    if not isinstance(model, nn.Module):
+        raise UsageTypeError(f"infinity.{what} expects the model returned by infinity.initialize, "
+                             f"got {type(model).__name__}")
+    engine = engine_of(model)
+    if engine is None:
+        raise UsageError(f"infinity.{what}: this model has no engine; pass the model returned by "
+                         "infinity.initialize")
+    return engine
 
 
 def _build_engine(model: nn.Module, cfg):
@@ -103,14 +144,15 @@ def _build_engine(model: nn.Module, cfg):
     world, rank = comm.world_size(), comm.rank()
     dtype = DTYPES[cfg.precision.dtype]
     placement, specs, uses = placement_of(model, cfg, world)
-    if policy.partition_params:  # Note [operator working memory] in tiling.py: refused before anything is allocated
+    if policy.partition_params:  # Note [operator working memory] in _tiling.py: refused before anything is allocated
         check_working_memory([(s.module_name, s.shard_numel * world) for s in specs], placement.itemsize, cfg)
     memory_plan = preflight(placement, cfg)  # Note [one memory model] in _memory_plan.py
     swap_dirs = SwapDirs(rank)
     block_cache = _start_host_allocator(cfg.zero.host_allocator)
     try:
+        # Note [parameters from the master] in _placement.py: shared, built first
         master = MasterFile(swap_dirs.under(cfg.zero.offload_optimizer.nvme_path), placement.layout.opt_total, cfg.aio) \
-            if placement.params_in_master_file else None  # Note [parameters from the master]: shared, built first
+            if placement.params_in_master_file else None
         opt_store = _optimizer_store(placement, cfg, swap_dirs, policy, master)
         param_store = _param_store(placement, cfg, swap_dirs, opt_store, master) if policy.partition_params else None
         counters = Counters()

@@ -24,7 +24,6 @@ is caught only through a noted loss.
 """
 from __future__ import annotations
 
-import collections
 import math
 import threading
 import time
@@ -51,6 +50,7 @@ if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
     from .._runtime._telemetry_counters import Counters
     from ._engine import Engine
+    from ._grad_sink import GradSink
     from ._unit import FetchUnit
 
 
@@ -64,9 +64,12 @@ def _native_adam():
     return adam_step
 
 
-def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw):
-    """torch.optim.Adam/AdamW's single-tensor math, elementwise identical."""
+def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw, grad_scale=1.0):
+    """torch.optim.Adam/AdamW's single-tensor math, elementwise identical, on the gradient
+    times ``grad_scale`` (scaled in place: the step consumes its gradients)."""
     beta1, beta2 = betas
+    if grad_scale != 1.0:
+        grad.mul_(grad_scale)
     if adamw:
         param.mul_(1 - lr * weight_decay)
     elif weight_decay:
@@ -95,7 +98,7 @@ class EngineOps:
     param_store: Optional["ParamStore"]
     scaler: Optional[LossScaler]  # fp16's
     counters: "Counters"
-    wait_for_saves: Callable[[], None]  # an asynchronous save still copying swap files (Note [save fence])
+    wait_for_saves: Callable[[], None]  # an asynchronous save still copying swap files (Note [save fence] in _save_fence.py)
     reduce_rest: Callable[[], None]  # stage 1: every gradient reduced now (stages 2-3 did it in backward)
     after_step: Callable[[], None]  # the parameters changed: persistent units' gathered copies are stale
 
@@ -126,7 +129,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_store = ops.param_store
         self.scaler = ops.scaler
         self.sink = sink
-        self.gate = gate  # Note [step gate]: this step owns it
+        self.gate = gate  # Note [step gate] in _step_gate.py: this step owns it
         oc = cfg.optimizer
         named = named_parameters(ops.units)  # groups: torch-style, resolved against the model by initialize
         defaults = dict(lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
@@ -179,26 +182,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        part = self.ops.counters.step_part
         self._gradients_in()
         self._calls += 1
         if loss is not None:
             self.note_loss(loss)
-        stats, finite, bad_loss = self._global_stats()
+        with part("norm"):
+            stats, finite, bad_loss = self._global_stats()
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0  # the scale these gradients carry
         if self._nonfinite(stats, finite, bad_loss):
             self.skipped = True
             self._finish_step()
             return loss
         self.skipped = False
-        self._scale_grads(math.sqrt(stats[0].item()) * inv_scale, inv_scale)
+        coef = self._grad_coef(math.sqrt(stats[0].item()) * inv_scale, inv_scale)
         self._step += 1
-        plan = self.steps.advance(stats[3:], self.param_groups, self.adamw)  # Note [update plan]
+        plan = self.steps.advance(stats[3:], self.param_groups, self.adamw)  # Note [update plan] in _param_groups.py
+        if coef != 1.0:  # Adam multiplies each gradient as it reads it: no pass of its own over them
+            plan = plan.with_hyper(grad_scale=coef)
         out_flat = self._whole_params_out()
         self.store.seal_grads()
         if self.overlap:
-            self._launch_step(plan)
+            with part("launch"):
+                self._launch_step(plan)
             return loss
-        self.store.update(lambda chunk: self._update_chunk(chunk, plan, out_flat))
+        with part("update"):
+            self.store.update(lambda chunk: self._update_chunk(chunk, plan, out_flat))
         if self.param_store is not None:
             self.param_store.flush()
             self.ops.after_step()
@@ -211,12 +220,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Before the step reads the gradients: the previous step joined, no save copying the
         swap files, no fetch's copy reading a host shard the step rewrites, every gradient
         reduced and in the store."""
-        self.wait_step()
+        part = self.ops.counters.step_part
+        with part("previous_step"):
+            self.wait_step()
         self.ops.wait_for_saves()  # Note [save fence] in _save_fence.py
-        if self.param_store is not None:
-            self.param_store.wait_copies()  # the step rewrites host shards a fetch's copy may still read
+        with part("parameter_copies"):
+            if self.param_store is not None:
+                self.param_store.wait_copies()  # the step rewrites host shards a fetch's copy may still read
         self.ops.reduce_rest()  # stage 1; stages 2-3 reduced at the end of each backward
-        self.sink.flush()
+        with part("gradients_landing"):
+            self.sink.flush()
         with self.ops.counters.blocked("grad_offload"):
             self.store.finalize_grads()
 
@@ -243,9 +256,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._on_nonfinite(grads_bad=not finite, loss_bad=bool(bad_loss), any_grad_bad=stats[1].item() > 0)
         return nonfinite
 
-    def _scale_grads(self, norm: float, inv_scale: float) -> None:
-        """Unscaling and clipping by the global norm, as one coefficient the store applies
-        inside the update."""
+    def _grad_coef(self, norm: float, inv_scale: float) -> float:
+        """Unscaling and clipping by the global norm, as one coefficient Adam applies to each
+        gradient as it reads it (``grad_scale``)."""
         self.last_grad_norm = norm
         coef = inv_scale
         clip = self.cfg.gradient_clipping
@@ -253,8 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             clip_coef = clip / (norm + 1e-6)
             if clip_coef < 1.0:
                 coef *= clip_coef
-        if coef != 1.0:
-            self.store.scale_grads(coef)
+        return coef
 
     def _whole_params_out(self) -> Optional[torch.Tensor]:
         """Stages 1-2: where the updated compute-dtype shards go before they are all-gathered
@@ -351,7 +363,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         self.store.update_tail(update)
         self._stage3_params().flush()
-        self._stage3_params().release_idle()  # every output written: idle until the next step (Note [released pages])
+        self._stage3_params().release_idle()  # all written: idle until the next step (Note [released pages] in _memory.py)
 
     def wait_step(self) -> None:
         """Join an in-flight overlapped step; re-raise its error, if any."""
@@ -359,7 +371,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _update_chunk(self, chunk: Chunk, plan: Plan, out_flat: Optional[torch.Tensor],
                       publish: bool = False) -> None:
-        """Adam on the parts of one chunk the plan covers (Note [update plan]); the chunk's
+        """Adam on the parts of one chunk the plan covers (Note [update plan] in _param_groups.py); the chunk's
         fresh compute-dtype values go where they belong (fused into Adam's pass where the
         native Adam can write them)."""
         began = time.perf_counter()
@@ -387,12 +399,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for a, b, out in _pieces(lo, hi, targets):
                 out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])
         chunk.changed = [(lo, hi) for lo, hi, _ in runs_in(plan, chunk.offset, end)]  # Note [unchanged ranges are
-        # not written] in _nvme_optimizer_store.py
+        # not written] in _swap_pipeline.py
         upto = chunk.offset + n
         if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
             upto = self._outputs_done(chunk.offset, end, chunk.changed)
-        if chunk.grad_read is not None:  # before the next backward may add to it (Note [one gradient buffer] in
-            chunk.grad_read()  # _optimizer_store.py)
+        if chunk.grad_read is not None:  # before the next backward may add to it
+            chunk.grad_read()  # Note [one gradient buffer] in _optimizer_store.py
         self.ops.counters.note_update(time.perf_counter() - began, n, _threads_of(plan, self._adam is not None),
                                       threading.current_thread() is not threading.main_thread())
         if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
@@ -469,100 +481,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 
-GRADS_IN_FLIGHT = 4  # device->host gradient copies the sink lets run ahead of the CPU (Note [gradients to the host])
-
-
-class GradSink:
-    """Where the reducer delivers gradients: each unit's shard gradient accumulated into the
-    optimizer store (scaled by 1 / (ranks x accumulation steps)), and which parameters got a
-    gradient in this backward (Note [update plan] in _param_groups.py), consumed by the step.
-
-    Note [gradients to the host]: a store in host memory or on NVMe adds gradients on the CPU.
-    A shard gradient on the device is copied into pinned memory on the device->host stream;
-    before the reducer reuses a bucket (``consumers_done``) the compute stream waits for the
-    last copy's event, the CPU does not. The sink adds a landed copy to the store when a later
-    gradient arrives, waits for the oldest only when GRADS_IN_FLIGHT staged copies are in
-    flight, and lands all of them before the step reads the gradients (``flush``), in the
-    order they came (a range accumulated twice keeps its order). A unit's first gradient into
-    pinned host memory is copied straight into its range instead, with nothing to add (Note
-    [gradients landed in place] in _grad_buffer.py)."""
-
-    def __init__(self, store: OptimizerStore, units: List["FetchUnit"], grad_scale: float, counters):
-        self._store = store
-        self._host_store = store.tier is not Tier.DEVICE  # the CPU and NVMe tiers read gradients on the CPU
-        self._landing: collections.deque = collections.deque()  # (unit, host copy or None, event, scale), oldest first
-        self._staged = 0  # copies in ``_landing`` into staging memory (not landed in place), to add on landing
-        self.grad_scale = grad_scale
-        self._counters = counters
-        self._unit_first = _first_param_index(units)
-        self.got_grad = torch.zeros(sum(len(u.params) for u in units), dtype=torch.float64)
-
-    def note(self, unit: "FetchUnit") -> None:
-        """The reducer takes ``unit``'s gradients: flag the parameters that have one."""
-        first = self._unit_first[unit.index]
-        for j, p in enumerate(unit.params):
-            if p.grad is not None:
-                self.got_grad[first + j] = 1.0
-
-    def accumulate(self, unit: "FetchUnit", shard_grad: torch.Tensor) -> None:
-        self._counters.bytes["grad_offload"] += shard_grad.numel() * shard_grad.element_size()
-        if self._host_store and shard_grad.device.type != "cpu":  # Note [gradients to the host]
-            slot = self._store.landing_slot(unit.opt_offset, shard_grad.numel())
-            if slot is not None:  # Note [gradients landed in place] in _grad_buffer.py
-                src = shard_grad if self.grad_scale == 1.0 else shard_grad * self.grad_scale
-                self._store.note_norm(unit.opt_offset, torch.linalg.vector_norm(src))
-                _, event = acc.start_copy_to_host(src, out=slot)
-                self._counters.bytes["grad_landed_in_place"] += src.numel() * src.element_size()
-                self._landing.append((unit, None, event, 1.0))
-                self._land(wait=False)
-                return
-            host, event = acc.start_copy_to_host(shard_grad)
-            self._landing.append((unit, host, event, self.grad_scale))
-            self._staged += 1
-            self._land(wait=self._staged > GRADS_IN_FLIGHT)
-            return
-        with self._counters.blocked("grad_offload"):
-            self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
-
-    def _land(self, wait: bool, every: bool = False) -> None:
-        """Add the landed copies to the store, oldest first (one copied in place has nothing
-        to add); ``wait``: up to the oldest staged copy at least, ``every``: all of them."""
-        while self._landing and (wait or self._landing[0][2].query()):
-            unit, host, event, scale = self._landing.popleft()
-            with self._counters.blocked("grad_offload"):
-                acc.wait_copy_to_host(event)
-                if host is not None:
-                    self._store.accumulate(unit.opt_offset, host, scale)
-                    self._staged -= 1
-            wait = every or (wait and host is None)
-
-    def flush(self) -> None:
-        """Every gradient delivered so far is in the store."""
-        self._land(wait=True, every=True)
-
-    def consumers_done(self) -> None:
-        """The reducer is about to rewrite a bucket: device work from here on runs after the
-        copies reading it (a stream wait on the newest, which follows the others on its
-        stream), and the store's own writes of gradients have landed."""
-        if self._landing:
-            acc.stream_waits(self._landing[-1][2])
-        self._store.wait_grad_writes()
-
-
 _NO_STATE_DICT = (
     "infinity's optimizer keeps its states (fp32 master weights, Adam moments, step counts) sharded across ranks and "
     "tiers, which a torch state_dict cannot hold; save and resume them with infinity.save_checkpoint(dir, model, "
     "optimizer) and infinity.load_checkpoint(dir, model, optimizer), and export the weights with "
     "`python -m infinity.export CHECKPOINT OUT_DIR`.")
-
-
-def _first_param_index(units) -> List[int]:
-    """Per unit: the index (unit order) of its first parameter, where its gradient flags start."""
-    out, n = [], 0
-    for unit in units:
-        out.append(n)
-        n += len(unit.params)
-    return out
 
 
 def _threads_of(plan: Plan, native: bool) -> int:

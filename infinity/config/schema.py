@@ -345,9 +345,11 @@ class Config:
             raise ConfigError(f"a config must be a mapping of keys to values, got {_describe(data)}")
         problems: list = []
         kwargs = _collect(cls, data, "", problems)
-        if problems and _looks_like_deepspeed(data):
-            problems.append(("", "this looks like a DeepSpeed config: load it with "
-                                 "Config.from_deepspeed (or Config.from_file, which detects it)"))
+        if problems and _looks_like_deepspeed(data):  # said first: the problems below are DeepSpeed's names
+            problems.insert(0, ("", "this looks like a DeepSpeed config: load it with infinity.Config.from_deepspeed("
+                                    "data_or_path), which maps its keys onto infinity's (Config.from_file, "
+                                    "infinity.initialize and python -m infinity.train --config detect one themselves); "
+                                    "read as infinity's keys, it has these problems"))
         try:
             config = cls(**kwargs)
         except ConfigError as err:
@@ -376,7 +378,7 @@ class Config:
         training result if ignored are always errors naming the key. ``"auto"`` values are
         resolved from ``model`` (its hidden size) and ``training_args`` (a
         ``transformers.TrainingArguments``) as transformers resolves them (Note [auto
-        values]), and the resolved values are logged once and kept in ``config.resolved_auto``.
+        values] in deepspeed.py), and the resolved values are logged once and kept in ``config.resolved_auto``.
         """
         data = source if isinstance(source, Mapping) else _read_file(source)
         return map_deepspeed(cls, data, strict, model=model, training_args=training_args)

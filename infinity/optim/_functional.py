@@ -132,8 +132,11 @@ def segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper: Hyper, step: 
     )
 
 
-def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd, written) -> None:
-    """One native call over ``segments``; the caller keeps their tensors alive.
+def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd, written,
+               grad_scale: float = 1.0) -> None:
+    """One native call over ``segments``; the caller keeps their tensors alive. Each gradient
+    is multiplied by ``grad_scale`` as it is read (in fp32, as ``grads.mul_(grad_scale)``
+    would, without the pass over them).
 
     ``written`` are the tensors the call updates: their autograd version counters are
     bumped as an in-place torch op would, so a stale use in a graph is still caught.
@@ -144,6 +147,9 @@ def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd,
     threads = torch.get_num_threads() if num_threads is None else num_threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise UsageError(f"num_threads must be a positive integer or None, got {num_threads!r}")
+    grad_scale = _scalar("grad_scale", grad_scale)
+    if not math.isfinite(grad_scale):
+        raise UsageError(f"grad_scale must be a finite number, got {grad_scale}")
     _native.lib().step(
         segments,
         grad_dtype=_GRAD_CODES[grad_dtype],
@@ -151,6 +157,7 @@ def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd,
         isa=isa,
         hw_bf16=hw_bf16,
         threads=threads,
+        grad_scale=grad_scale,
         **hyper.native_args(),
     )
     torch.autograd.graph.increment_version(written)
@@ -171,6 +178,7 @@ def adam_step(
     params_out: torch.Tensor | None = None,
     num_threads: int | None = None,
     simd: str | None = None,
+    grad_scale: float = 1.0,
 ) -> None:
     """One fused Adam (``adamw=False``, L2 decay) or AdamW step, in place.
 
@@ -180,6 +188,8 @@ def adam_step(
     is a bf16 or fp16 tensor that receives the updated parameters in the same pass.
     ``num_threads`` defaults to ``torch.get_num_threads()``; ``simd`` pins a path
     ("scalar", "avx2", "avx512"), otherwise ``INFINITY_CPU_ADAM_SIMD`` or the best one.
+    ``grad_scale`` multiplies each gradient as it is read (unscaling and clipping by the global
+    norm, folded into the pass: the result is that of ``grads.mul_(grad_scale)`` first).
     """
     hyper = Hyper.checked(lr, betas, eps, weight_decay, adamw)
     step = check_step(step)
@@ -198,4 +208,4 @@ def adam_step(
     seg = segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper, step)
     out_dtype = None if params_out is None else params_out.dtype
     written = [params, exp_avg, exp_avg_sq] + ([] if params_out is None else [params_out])
-    run_native([seg], hyper, grads.dtype, out_dtype, num_threads, simd, written)
+    run_native([seg], hyper, grads.dtype, out_dtype, num_threads, simd, written, grad_scale)

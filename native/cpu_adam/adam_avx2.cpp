@@ -65,20 +65,20 @@ struct Ptrs {
 };
 
 struct Consts {
-  __m256 decay_factor, l2, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt, step_size;
+  __m256 decay_factor, l2, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt, step_size, grad_scale;
 };
 
 AVX2_FN inline Consts make_consts(const Segment& s, const Hyper& h) {
   return {_mm256_set1_ps(h.decay_factor), _mm256_set1_ps(h.l2),
           _mm256_set1_ps(h.one_minus_beta1), _mm256_set1_ps(h.beta2),
           _mm256_set1_ps(h.one_minus_beta2), _mm256_set1_ps(h.eps),
-          _mm256_set1_ps(s.inv_bc2_sqrt), _mm256_set1_ps(s.step_size)};
+          _mm256_set1_ps(s.inv_bc2_sqrt), _mm256_set1_ps(s.step_size), _mm256_set1_ps(h.grad_scale)};
 }
 
 template <DType G, DType O, Decay D>
 AVX2_FN inline void update(const Ptrs& x, const Consts& c, int64_t i) {
   __m256 p = _mm256_loadu_ps(x.p + i);
-  __m256 g = load_grad<G>(x.g, i);
+  __m256 g = _mm256_mul_ps(load_grad<G>(x.g, i), c.grad_scale);
   if constexpr (D == Decay::kL2) {
     g = _mm256_fmadd_ps(c.l2, p, g);
   } else {

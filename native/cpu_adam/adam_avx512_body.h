@@ -76,21 +76,21 @@ struct Ptrs {
 };
 
 struct Consts {
-  __m512 decay_factor, l2, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt, step_size;
+  __m512 decay_factor, l2, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt, step_size, grad_scale;
 };
 
 ADAM512_FN inline Consts make_consts(const Segment& s, const Hyper& h) {
   return {_mm512_set1_ps(h.decay_factor), _mm512_set1_ps(h.l2),
           _mm512_set1_ps(h.one_minus_beta1), _mm512_set1_ps(h.beta2),
           _mm512_set1_ps(h.one_minus_beta2), _mm512_set1_ps(h.eps),
-          _mm512_set1_ps(s.inv_bc2_sqrt), _mm512_set1_ps(s.step_size)};
+          _mm512_set1_ps(s.inv_bc2_sqrt), _mm512_set1_ps(s.step_size), _mm512_set1_ps(h.grad_scale)};
 }
 
 // Masked loads and stores make the tail run the same instructions as the body.
 template <DType G, DType O, Decay D>
 ADAM512_FN inline void update(const Ptrs& x, const Consts& c, int64_t i, __mmask16 k) {
   __m512 p = _mm512_maskz_loadu_ps(k, x.p + i);
-  __m512 g = load_grad<G>(x.g, i, k);
+  __m512 g = _mm512_mul_ps(load_grad<G>(x.g, i, k), c.grad_scale);
   if constexpr (D == Decay::kL2) {
     g = _mm512_fmadd_ps(c.l2, p, g);
   } else {

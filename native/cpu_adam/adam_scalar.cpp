@@ -78,7 +78,7 @@ struct ScalarKernel {
   static void run(const Segment& s, const Hyper& h, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float p = s.param[i];
-      float g = load_grad<G>(s.grad, i);
+      float g = load_grad<G>(s.grad, i) * h.grad_scale;
       if constexpr (D == Decay::kL2) {
         g = g + h.l2 * p;
       } else {

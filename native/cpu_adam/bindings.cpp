@@ -48,7 +48,7 @@ std::vector<Segment> to_segments(const std::vector<SegmentTuple>& tuples, bool h
 
 void step(const std::vector<SegmentTuple>& tuples, double beta1, double beta2, double eps,
           double decay_factor, double l2, int decay_mode, int grad_dtype, int out_dtype, int isa,
-          bool hw_bf16, int threads) {
+          bool hw_bf16, int threads, double grad_scale) {
   if (threads < 1) throw std::invalid_argument("threads must be >= 1, got " + std::to_string(threads));
   if (decay_mode != 0 && decay_mode != 1) throw std::invalid_argument("bad decay mode");
   if (isa < -1 || isa > 2) throw std::invalid_argument("bad isa code " + std::to_string(isa));
@@ -60,6 +60,7 @@ void step(const std::vector<SegmentTuple>& tuples, double beta1, double beta2, d
   h.eps = static_cast<float>(eps);
   h.decay_factor = static_cast<float>(decay_factor);
   h.l2 = static_cast<float>(l2);
+  h.grad_scale = static_cast<float>(grad_scale);
   h.decay = static_cast<Decay>(decay_mode);
   h.grad = dtype_code(grad_dtype, false, "grad");
   h.out = dtype_code(out_dtype, true, "param_out");
@@ -79,7 +80,7 @@ PYBIND11_MODULE(_cpu_adam, m) {
   m.doc() = "Native Adam/AdamW step with AVX512, AVX2 and scalar paths chosen at run time";
   m.def("step", &step, py::arg("segments"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("decay_factor"), py::arg("l2"), py::arg("decay_mode"), py::arg("grad_dtype"),
-        py::arg("out_dtype"), py::arg("isa"), py::arg("hw_bf16"), py::arg("threads"));
+        py::arg("out_dtype"), py::arg("isa"), py::arg("hw_bf16"), py::arg("threads"), py::arg("grad_scale") = 1.0);
   // Compressed moments (Note [compressed moments] in infinity/_offload/_moments.py): addresses and counts.
   m.def("encode_bf16", [](uintptr_t x, uintptr_t out, int64_t n, uint32_t seed, int threads) {
     check_threads(threads);

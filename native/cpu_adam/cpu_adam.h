@@ -41,6 +41,7 @@ struct Hyper {
   float eps;
   float decay_factor;  // 1 - lr*wd for kDecoupled
   float l2;            // wd for kL2
+  float grad_scale;    // each gradient times this first: unscaling and clipping folded into the pass (1: none)
   Decay decay;
   DType grad;
   DType out;

@@ -164,6 +164,24 @@ def test_low_precision_grads_widen_exactly(path, grad_dtype):
     assert torch.equal(m, grad.float())
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32] + LOW)
+@pytest.mark.parametrize("adamw", [True, False])
+def test_grad_scale_equals_scaling_the_gradients_first(path, grad_dtype, adamw):
+    """Clipping folded into the pass: bit for bit what grads.mul_(scale) then the step gives."""
+    g = torch.Generator().manual_seed(7)
+    n = 1000 + 13  # a tail on every path
+    p0, grad = torch.randn(n, generator=g), torch.randn(n, generator=g).to(grad_dtype)
+    scale = 0.3127
+    folded = (p0.clone(), torch.zeros(n), torch.zeros(n))
+    first = (p0.clone(), torch.zeros(n), torch.zeros(n))
+    for step in (1, 2):
+        adam_step(folded[0], grad, folded[1], folded[2], step=step, adamw=adamw, simd=path, grad_scale=scale, **HP)
+        adam_step(first[0], grad.float() * scale, first[1], first[2], step=step, adamw=adamw, simd=path, **HP)
+    for ours, ref in zip(folded, first):
+        assert torch.equal(ours, ref)
+
+
 # ---------------------------------------------------------------- layout and threads
 
 
@@ -278,6 +296,7 @@ def valid(n=8):
         (dict(adamw="yes"), TypeError, "adamw must be True"),
         (dict(simd="sse2"), ValueError, "not a CPU Adam path"),
         (dict(num_threads=0), ValueError, "num_threads must be a positive integer"),
+        (dict(grad_scale=float("inf")), ValueError, "grad_scale must be a finite number"),
     ],
 )
 def test_bad_input_raises_a_clear_error(change, error, match):

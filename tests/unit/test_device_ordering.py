@@ -1,4 +1,4 @@
-"""How the accelerator layer orders copies (Note [copy ordering]), on the emulated device in CI
+"""How the accelerator layer orders copies (Note [copy ordering] in _accelerator/__init__.py), on the emulated device in CI
 and on CUDA in ``scripts/gpu_check.sh``: a copy is ordered before its use even while the
 compute stream is busy; a host->device copy does not queue behind compute; a buffer under a
 copy is not reused until the copy's event; a gather's wait does not block the CPU (CUDA only);
@@ -113,7 +113,7 @@ def _slow_copies(direction: str, seconds: float):
 
 def test_a_staging_buffer_under_a_copy_is_not_handed_out_again(device):
     """Finding 6: a staging buffer given back while its copy to the device may still read it is
-    reused only after the copy's event (Note [buffers under a copy]); the CPU waits only when
+    reused only after the copy's event (Note [buffers under a copy] in _param_store.py); the CPU waits only when
     no other buffer is free, and the copy delivers the values it was given."""
     from infinity._offload._param_store import HostPool
 
@@ -164,33 +164,37 @@ def test_a_handed_off_shard_under_a_copy_is_not_recycled(device, tmp_path):
         store.flush()
 
 
-def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device):
-    """Note [gradients to the host]: the sink copies a device gradient to the host without a
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "landed-in-place"])
+def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device, in_place):
+    """Note [gradients to the host] in _grad_sink.py: the sink copies a device gradient to the host without a
     CPU wait; when the reducer is about to rewrite the bucket (``consumers_done``), device work
     is ordered after the copy, so the store receives the values the bucket held, not the next
-    bucket's."""
+    bucket's: whether the copy goes to staging memory or straight into the unit's range (Note
+    [gradients landed in place] in _grad_buffer.py)."""
     from types import SimpleNamespace
 
     from infinity._offload._optimizer_store import MemoryOptimizerStore
     from infinity._runtime._telemetry_counters import Counters
     from infinity._runtime._tiers import Tier
-    from infinity._zero._zero_optimizer import GradSink
+    from infinity._zero._grad_sink import GradSink
 
     with _slow_copies("d2h", 0.2):
         n = 4096
-        store = MemoryOptimizerStore(Tier.CPU, n)
+        store = MemoryOptimizerStore(Tier.CPU, n, ranges=[(0, n)] if in_place else None)
         unit = SimpleNamespace(opt_offset=0, index=0, params=[])
-        sink = GradSink(store, [unit], 1.0, Counters())
+        counters = Counters()
+        sink = GradSink(store, [unit], 1.0, counters)
         bucket = torch.full((n,), 2.0, device=device)
         sink.accumulate(unit, bucket)  # the copy is in flight
         sink.consumers_done()  # the reducer takes the bucket back for the next gradients
         bucket.fill_(-5.0)  # device work on the bucket: after the copy
         sink.flush()
         assert store.grad.eq(2.0).all()
+        assert counters.bytes["grad_landed_in_place"] == (4 * n if in_place else 0)
 
 
 def test_a_gather_wait_does_not_block_the_cpu(device):
-    """Finding 10 (Note [stream waits]): waiting for a collective of device tensors makes the
+    """Finding 10 (Note [stream waits] in _comm.py): waiting for a collective of device tensors makes the
     compute stream wait for it; the CPU goes on at once. NCCL's ``wait`` given a timeout would
     poll on the CPU until the gather ends, a host sync at every gather."""
     if KIND != "cuda":

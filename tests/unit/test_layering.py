@@ -28,7 +28,7 @@ LAYERS = {
              "_zero._module_state", "_zero._phase", "_zero._pretrained", "_zero._init_context", "_zero._staging",
              "_zero._unit",
              "_zero._step_gate", "_zero._prefetch", "_zero._reduce", "_zero._same_gathers", "_zero._backward",
-             "_zero._loss_scale", "_zero._param_groups", "_zero._zero_optimizer", "_zero._tiling",
+             "_zero._loss_scale", "_zero._param_groups", "_zero._grad_sink", "_zero._zero_optimizer", "_zero._tiling",
              "_zero._activation_offload", "_zero._swap_labels", "_zero._engine", "_zero._gathered", "_zero._initialize"],
     "checkpoint": ["_checkpoint._safetensors_export", "_checkpoint._clone", "_checkpoint._io", "_checkpoint._format",
                    "_checkpoint._model", "_checkpoint._snapshot", "_checkpoint._async", "_checkpoint._save",

@@ -165,19 +165,18 @@ def test_the_swap_pipeline_updates_each_tail_chunk_once_in_order_and_writes_it_b
     _write_states(files, states)
     seen = []
 
-    def fn(chunk):
+    def fn(chunk):  # clipping's coefficient (0.5) is the update's to apply as it reads the gradients
         seen.append((chunk.offset, chunk.master.numel()))
-        torch.testing.assert_close(chunk.grad, 0.5 * states["grad"][chunk.offset : chunk.offset + chunk.grad.numel()])
-        chunk.master.add_(chunk.grad)
+        torch.testing.assert_close(chunk.grad, states["grad"][chunk.offset : chunk.offset + chunk.grad.numel()])
+        chunk.master.add_(chunk.grad, alpha=0.5)
         chunk.exp_avg.mul_(2)
 
     pipeline.prime()
     assert pipeline.state is TailState.PRIMED
     pipeline.prime()  # once per update: a second call submits nothing more
     reads, written = files.io["step"]
-    pipeline.coef = 0.5  # clipping's coefficient, applied to each chunk's gradients
     pipeline.run(fn, lambda bufs, off, n: bufs)
-    assert pipeline.state is TailState.IDLE and pipeline.coef == 1.0
+    assert pipeline.state is TailState.IDLE
     assert seen == [(CHUNK, CHUNK), (2 * CHUNK, CHUNK), (3 * CHUNK, 1024)]  # the head is not the pipeline's
     tail = TOTAL - head
     assert files.io["step"][0] - reads == 4 * 4 * tail - 4 * 4 * CHUNK  # the primed first chunk was read before

@@ -1,4 +1,4 @@
-"""Note [optimizer store protocol]: both optimizer stores, built directly from small parts and
+"""Note [optimizer store protocol] in _optimizer_store.py: both optimizer stores, built directly from small parts and
 driven through the sequence ``ZeroOptimizer.step`` uses (accumulate, finalize, statistics,
 scale, seal, update, zero), hold the same values as a plain torch computation; the NVMe store
 streamed (no host cache) and cached, with its bytes per array counted. In process, no engine."""
@@ -32,11 +32,16 @@ def _store(kind, tmp_path):
                               accumulation_steps=2, host_cache=cache)
 
 
-def _sgd_with_momentum(chunk):
-    """An update touching every array: moments from the gradient, the master from the moments."""
-    chunk.exp_avg.mul_(0.9).add_(chunk.grad)
-    chunk.exp_avg_sq.mul_(0.99).addcmul_(chunk.grad, chunk.grad, value=0.01)
+def _sgd_with_momentum(chunk, coef: float = 1.0):
+    """An update touching every array: moments from the gradient (times ``coef``, clipping's
+    coefficient, which the optimizer's Adam applies as it reads the gradient), the master from
+    the moments."""
+    grad = chunk.grad * coef
+    chunk.exp_avg.mul_(0.9).add_(grad)
+    chunk.exp_avg_sq.mul_(0.99).addcmul_(grad, grad, value=0.01)
     chunk.master.sub_(0.1 * chunk.exp_avg)
+    if chunk.grad_read is not None:
+        chunk.grad_read()
 
 
 @pytest.mark.parametrize("kind", ["memory", "nvme-streamed", "nvme-cached"])
@@ -58,10 +63,9 @@ def test_a_step_sequence_matches_torch(kind, tmp_path):
         want = 0.5 * grads[0] + 0.5 * grads[1]
         sq, finite = store.grad_stats()
         assert finite and sq == pytest.approx(float(want.double().square().sum()), rel=1e-6)
-        store.scale_grads(0.5)  # clipping's coefficient, applied inside the next update
-        want = want * 0.5
+        want = want * 0.5  # clipping's coefficient, applied by the update as it reads the gradients
         store.seal_grads()
-        store.update(_sgd_with_momentum)
+        store.update(lambda chunk: _sgd_with_momentum(chunk, 0.5))
         store.zero_grads()
         if kind != "memory":  # each state read and written once a step; the cached head is read once, at step 1
             cached = store.head if step > 0 else 0
@@ -78,7 +82,7 @@ def test_a_step_sequence_matches_torch(kind, tmp_path):
 
 
 def test_the_parameter_store_reads_what_was_last_written_over_it(tmp_path):
-    """Note [write ordering] (ParamStore on NVMe, no engine): writes rotate over several handles
+    """Note [write ordering] in _ordered_writes.py (ParamStore on NVMe, no engine): writes rotate over several handles
     and land in any order, yet a read of a range waits for every write overlapping it, so it
     always returns the newest values; each byte written and read is counted once."""
     from infinity._offload._param_store import ParamStore

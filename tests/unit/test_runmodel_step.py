@@ -1,4 +1,4 @@
-"""The step-time half of Note [run model] (infinity/_apps/_runmodel.py): its counts and how its terms
+"""The step-time half of Note [run model] in infinity/_apps/_runmodel.py: its counts and how its terms
 combine, and the projections of ``python -m infinity.estimate --hardware ... --step-time``.
 Timings are never asserted: scripts/check_run_model.py compares predictions with measured steps."""
 import math
@@ -34,17 +34,37 @@ def test_on_the_cpu_the_disk_hides_by_the_measured_overlap(overlap):
     assert st["compute"] == st["flops"] / 1e11
 
 
-def test_with_an_accelerator_the_slowest_term_is_the_step():
+def test_with_an_accelerator_the_disk_hides_under_the_rest_of_the_step():
     run = rm.Run(params=10**12, layers=128, hidden=25600, heads=256, vocab=0, micro_batch=7, seq_len=1024, dtype="bf16",
                  ranks=16, device_is_host=False, ckpt_interval=1, host_mem=int(1.5e12))
     st = rm.step_time(run, rm.DGX2)
-    assert st["predicted"] == max(st["compute"], st["adam"], st["nvme_read"] + st["nvme_write"])
+    rest = st["backward"] + max(st["forward"], st["adam"])
+    assert st["predicted"] == max(rest, st["nvme_read"] + st["nvme_write"])
     shard = math.ceil(10**12 / 16)
     # parameters (2 B) re-read by backward past the parameter cache (an eighth of the node's host
-    # memory, Note [parameter cache]), master weights and moments (12 B) past the host cache,
+    # memory, Note [parameter cache] in _param_store.py), master weights and moments (12 B) past the host cache,
     # gradients (4 B: 1.5 TB of host memory cannot hold them) read back by the step
     cached = int(1.5e12) // 8 // 16 // 2
     assert st["nvme_bytes"]["read"] == pytest.approx(18 * shard - 2 * cached, rel=0.001)
+
+
+@pytest.mark.parametrize("optimizer, overlapped", [("cpu", True), ("none", False)])
+def test_with_an_accelerator_the_update_runs_beside_the_next_forward(optimizer, overlapped):
+    """Note [overlapped step] in _zero_optimizer.py: backward + max(forward, Adam); the copies over PCIe bound each pass:
+    the forward by the parameter shards, the backward by them again and by the fp32 gradient shards."""
+    run = rm.Run(params=1_557_611_200, layers=48, hidden=1600, heads=25, vocab=50257, micro_batch=8, seq_len=1024,
+                 dtype="bf16", param_tier="cpu", optimizer_tier=optimizer, device_is_host=False)
+    st = rm.step_time(run, rates(flops=200e12, adam=4e9, pcie=40e9))
+    assert st["h2d"] == run.params * 2 / 40e9
+    assert st["d2h"] == (run.params * 4 / 40e9 if optimizer == "cpu" else 0.0)
+    assert st["forward"] == pytest.approx(max(st["compute"] / 3, st["h2d"]))
+    assert st["backward"] == pytest.approx(max(st["compute"] * 2 / 3, st["h2d"], st["d2h"]))
+    assert st["overlapped"] is overlapped
+    if overlapped:
+        assert st["adam"] == run.params / 4e9
+        assert st["predicted"] == st["backward"] + max(st["forward"], st["adam"])
+    else:  # the optimizer's states on the device: its update is not the host's
+        assert st["adam"] == 0.0 and st["predicted"] == st["backward"] + st["forward"]
 
 
 @pytest.mark.parametrize("node, ranks", [("dgx2", 16), ("h100x8", 8)])
