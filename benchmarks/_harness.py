@@ -127,11 +127,24 @@ def timed_steps(trainer, batches: list, warmup: int, steps: int, at_timed: Calla
 
 
 def child_main(measure: Callable[[dict], dict], spec_json: str) -> None:
-    """In the child: run ``measure(spec)`` and write what it returns where the parent reads it."""
+    """In the child: run ``measure(spec)``, write what it returns where the parent reads it, and
+    exit at once: the interpreter's teardown (freeing pinned host memory buffer by buffer, a
+    CUDA context, process groups) is no part of any figure and takes seconds of the budget."""
     spec = json.loads(spec_json)
     sample = measure(spec)
     with open(spec["result_path"], "w") as f:
         json.dump(sample, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _error_line(lines) -> str:
+    """The line that names the error: the last ``SomethingError: ...`` line (a rank's prefix
+    such as ``[rank0]:`` dropped), else the last line printed."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in lines if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*", line)]
+    return (named or lines or [""])[-1]
 
 
 def _innermost_frame(output: str) -> str:
@@ -189,8 +202,7 @@ def spawn(module: str, spec: dict, timeout: float, env: Optional[dict] = None) -
     output = "\n".join(tail)
     if fired.is_set():
         return {"status": "timeout", "error": f"timed out after {timeout:.0f} s", "where": _innermost_frame(output)}
-    last = next((line for line in reversed(tail) if line.strip()), "")
-    return {"status": "error", "error": f"exit {rc}: {last.strip()[-300:]}", "where": _innermost_frame(output)}
+    return {"status": "error", "error": f"exit {rc}: {_error_line(tail)[-300:]}", "where": _innermost_frame(output)}
 
 
 # ------------------------------------------------------------------ the parent
@@ -269,10 +281,12 @@ def emit(record: dict, out: Optional[str]) -> None:
 
 
 def run(bench: str, module: str, cells: List[Cell], spec_of: Callable[[Cell, str], dict], args,
-        env_of: Callable[[Cell], dict] = lambda cell: {}, dtype: str = "") -> List[dict]:
+        env_of: Callable[[Cell], dict] = lambda cell: {}, dtype: str = "",
+        prepare: Callable[[Cell, float], None] = lambda cell, deadline: None) -> List[dict]:
     """Run every cell for ``args.rounds`` rounds (Note [contender rounds]); returns the records,
     printed as they are done. ``spec_of(cell, scratch)`` is the child's spec: ``scratch`` a
-    fresh directory under ``--nvme-path``, removed after the child."""
+    fresh directory under ``--nvme-path``, removed after the child. ``prepare(cell, deadline)``
+    runs before each cell's time is counted (to wait for what the cell needs, by ``deadline``)."""
     deadline = time.time() + args.budget
     rounds = max(1, args.rounds)
     samples: Dict[Cell, List[dict]] = {cell: [] for cell in cells}
@@ -284,6 +298,7 @@ def run(bench: str, module: str, cells: List[Cell], spec_of: Callable[[Cell, str
             continue
         skip = cell.skip
         if skip is None:
+            prepare(cell, deadline)
             left = min(args.timeout, deadline - time.time())
             if left < (1 if args.smoke else MIN_CELL_SECONDS):
                 skip = f"no time left ({max(left, 0):.0f} s of --budget {args.budget:.0f} s)"

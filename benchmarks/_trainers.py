@@ -132,17 +132,12 @@ class InfinityTrainer(Trainer):
         """The engine's counters since the last call."""
         import infinity
 
-        if hasattr(infinity, "telemetry"):
-            return infinity.telemetry(self.model)
-        return self.opt.engine.telemetry()  # no public infinity.telemetry(model) yet
+        return infinity.telemetry(self.model, reset=True)
 
     def close(self) -> None:
         import infinity
 
-        if hasattr(infinity, "close"):
-            infinity.close(self.model)
-        else:
-            self.opt.engine.close()  # no public infinity.close(model) yet
+        infinity.close(self.model)
 
 
 def free_port() -> int:

@@ -134,6 +134,18 @@ def measure(spec: dict) -> dict:
 # ------------------------------------------------------------------ the parent
 
 
+def wait_for_ops(cell: Cell, deadline: float, args) -> None:
+    """Before a DeepSpeed cell: wait for ``--deepspeed-ops-ready`` (gpu_check builds DeepSpeed's
+    JIT ops in the background while the first cells run), until the budget's deadline."""
+    ready = args.deepspeed_ops_ready
+    if not ready or not cell.contender.startswith("deepspeed-") or os.path.exists(ready):
+        return
+    start = time.time()
+    while not os.path.exists(ready) and time.time() < deadline - _harness.MIN_CELL_SECONDS:
+        time.sleep(1.0)
+    print(f"[{BENCH}] waited {time.time() - start:.0f} s for {ready}", file=sys.stderr, flush=True)
+
+
 def skip_reason(contender: str, cuda: bool) -> Optional[str]:
     if contender.startswith("deepspeed-"):
         if importlib.util.find_spec("deepspeed") is None:
@@ -189,6 +201,8 @@ def main() -> None:
     p.add_argument("--sizes", default="124m,1.5b", help=f"model sizes, of {', '.join(_models.SHAPES)}")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: bf16 with CUDA (not in --smoke), else fp32")
+    p.add_argument("--deepspeed-ops-ready", metavar="FILE",
+                   help="before a DeepSpeed contender, wait until FILE exists (DeepSpeed's ops built elsewhere)")
     args = p.parse_args()
     if args.child:
         _harness.child_main(measure, args.child)
@@ -205,12 +219,12 @@ def main() -> None:
     cells = plan(_flags.parse_list(args.only), sizes, args.smoke, cuda)
     spec = {"dtype": dtype, "steps": args.steps, "warmup": args.warmup, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len}
-    records = _harness.run(BENCH, __name__ if __name__ != "__main__" else "benchmarks.peers", cells,
+    records = _harness.run(BENCH, "benchmarks.peers", cells,
                            lambda cell, scratch: dict(spec, contender=cell.contender, size=cell.size, scratch=scratch),
-                           args, dtype=dtype)
+                           args, dtype=dtype, prepare=lambda cell, deadline: wait_for_ops(cell, deadline, args))
+    print(table(records), flush=True)
     for ratio in ratios(records):
         _harness.emit(ratio, args.out)
-    print(table(records), flush=True)
     sys.exit(1 if any(r["status"] in ("error", "timeout") for r in records) else 0)
 
 
