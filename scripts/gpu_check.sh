@@ -4,10 +4,10 @@
 #
 #   bash scripts/gpu_check.sh OUTDIR
 #
-# installs the carried wheels (.whl/) the image lacks, DeepSpeed's among them, builds the
-# native libraries against the carried liburing (.gpu_libs/; both made by
-# scripts/gpu_check/prepare_carry.sh on the CPU machine), starts building DeepSpeed's JIT ops
-# (cpu_adam, async_io against the carried libaio) in the background, then runs the phases, each
+# installs the carried wheels (.whl/) the image lacks, DeepSpeed's among them, starts building
+# DeepSpeed's JIT ops (cpu_adam, async_io against the carried libaio) in the background, builds
+# the native libraries against the carried liburing (.gpu_libs/; both made by
+# scripts/gpu_check/prepare_carry.sh on the CPU machine), then runs the phases, each
 # under its own time limit, a failed one not stopping the next: env, primitives
 # (scripts/bench_device_primitives.py), peers (benchmarks/peers.py: plain PyTorch, infinity,
 # DeepSpeed and FSDP2 head to head at GPT-2 124M and 1.5B), matrix
@@ -73,6 +73,47 @@ fi
 [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
+cuda=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+
+# DeepSpeed's JIT ops (cpu_adam; async_io, its NVMe offload, against the carried libaio), built
+# in the background from here on (40-80 s on 16 cores, beside the native build and the first
+# phases); the peers phase waits for deepspeed_ops.rc before its first DeepSpeed contender. Its
+# async_io build refuses torch's arch entries such as the image's "9.0a" (DeepSpeed parses each
+# as numbers): the GPU's own capability instead. The carried libaio's links are made again
+# should the transfer drop them.
+AIO=$PWD/.gpu_libs/libaio
+if [ -e "$AIO/include/libaio.h" ]; then
+  so=$(cd "$AIO/lib" && ls libaio.so.1.* 2>/dev/null | head -1)
+  for link in libaio.so.1 libaio.so; do
+    [ -e "$AIO/lib/$link" ] || [ -z "$so" ] || ln -sf "$so" "$AIO/lib/$link"
+  done
+  export CPATH="$AIO/include${CPATH:+:$CPATH}" LIBRARY_PATH="$AIO/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$AIO/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/gpu_check_torch_extensions}
+if [ "$cuda" = 1 ]; then
+  export TORCH_CUDA_ARCH_LIST=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+fi
+ds_ops="" ds_skip=""
+if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("deepspeed") is None)' 2>/dev/null; then
+  ds_skip="DeepSpeed is not installed (scripts/gpu_check/prepare_carry.sh carries it)"
+elif [ "$cuda" != 1 ]; then
+  ds_skip="no CUDA: the peers phase runs no DeepSpeed contender"
+else
+  build_ds_ops() {
+    local start=$SECONDS
+    timeout 300 "$PY" -c 'from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+CPUAdamBuilder().load()
+AsyncIOBuilder().load()'
+    local rc=$?
+    echo "{\"built_s\": $((SECONDS - start)), \"rc\": $rc, \"arch_list\": \"$TORCH_CUDA_ARCH_LIST\"}"
+    echo $rc > "$OUT/.deepspeed_ops.rc" && mv "$OUT/.deepspeed_ops.rc" "$OUT/deepspeed_ops.rc"
+  }
+  rm -f "$OUT/deepspeed_ops.rc"
+  build_ds_ops > "$OUT/deepspeed_ops.log" 2>&1 &
+  ds_ops=$!
+fi
+
 # Native libraries against the carried liburing: headers and a static library, so the built
 # module needs no liburing at run time (the env phase says which aio backend came out). Built
 # beside the tree, then renamed into place where changed: a process still using the old file
@@ -88,7 +129,6 @@ build_native() {
 export -f build_native
 phase build 180 -- bash -c build_native
 
-cuda=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 ACC=${GPU_CHECK_ACCELERATOR:-cuda}
 nogpu="" tiny=""
 if [ "$cuda" != 1 ]; then
@@ -100,61 +140,26 @@ tests() {  # phase name, limit, test file
     PYTHONPATH="$PWD/scripts/gpu_check:$PYTHONPATH" "$PY" -m pytest -q -p pytest_jsonl -p no:cacheprovider "$3"
 }
 
-# DeepSpeed's JIT ops (cpu_adam; async_io, its NVMe offload, against the carried libaio), built
-# in the background while the next phases run (about 40 s on 16 cores), so the peers phase finds
-# them built. Its async_io build refuses torch's arch entries such as "9.0a": the GPU's own
-# capability instead. The carried libaio's links are made again should the transfer drop them.
-AIO=$PWD/.gpu_libs/libaio
-if [ -e "$AIO/include/libaio.h" ]; then
-  so=$(cd "$AIO/lib" && ls libaio.so.1.* 2>/dev/null | head -1)
-  for link in libaio.so.1 libaio.so; do
-    [ -e "$AIO/lib/$link" ] || [ -z "$so" ] || ln -sf "$so" "$AIO/lib/$link"
-  done
-  export CPATH="$AIO/include:$CPATH" LIBRARY_PATH="$AIO/lib:$LIBRARY_PATH"
-  export LD_LIBRARY_PATH="$AIO/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/gpu_check_torch_extensions}
-if [ "$cuda" = 1 ]; then
-  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}
-fi
-ds_ops="" ds_skip=""
-if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("deepspeed") is None)' 2>/dev/null; then
-  ds_skip="DeepSpeed is not installed (scripts/gpu_check/prepare_carry.sh carries it)"
-elif [ "$cuda" != 1 ]; then
-  ds_skip="no CUDA: the peers phase runs no DeepSpeed contender"
-else
-  build_ds_ops() {
-    local start=$SECONDS
-    timeout 300 "$PY" -c 'from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
-CPUAdamBuilder().load()
-AsyncIOBuilder().load()'
-    local rc=$?
-    echo "{\"built_s\": $((SECONDS - start)), \"rc\": $rc, \"arch_list\": \"$TORCH_CUDA_ARCH_LIST\"}"
-    return $rc
-  }
-  build_ds_ops > "$OUT/deepspeed_ops.log" 2>&1 &
-  ds_ops=$!
-fi
-
 phase env 30 -- "$PY" scripts/gpu_check/env_info.py
 phase primitives 60 -- "$PY" scripts/bench_device_primitives.py $tiny
 
 # The head-to-head: both sizes for plain, infinity and DeepSpeed on cpu; NVMe at 124M; FSDP2 at
 # 1.5B last, if time allows. The benchmark's own budget ends before the phase's limit.
-if [ -n "$ds_ops" ]; then
-  wait "$ds_ops"; echo $? > "$OUT/deepspeed_ops.rc"
-  phase deepspeed_ops 30 -- bash -c 'cat "$1"; exit "$(cat "$2")"' _ "$OUT/deepspeed_ops.log" "$OUT/deepspeed_ops.rc"
-else
-  phase deepspeed_ops 30 --skip "$ds_skip"
-fi
 if [ "$cuda" = 1 ]; then
   left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 15 ))
   peers=(--sizes 124m,1.5b --budget $(( left < 255 ? left : 255 )) --timeout 150
          --only plain,infinity-cpu,deepspeed-cpu,infinity-nvme@124m,deepspeed-nvme@124m,fsdp2-cpu@1.5b)
+  [ -n "$ds_ops" ] && peers+=(--deepspeed-ops-ready "$OUT/deepspeed_ops.rc")
 else
   peers=(--smoke)
 fi
 phase peers 270 -- "$PY" -m benchmarks.peers "${peers[@]}" --nvme-path "$GPU_CHECK_DISK"
+if [ -n "$ds_ops" ]; then  # the build's own record: its time, and its output in the log
+  wait "$ds_ops"
+  phase deepspeed_ops 30 -- bash -c 'cat "$1"; exit "$(cat "$2")"' _ "$OUT/deepspeed_ops.log" "$OUT/deepspeed_ops.rc"
+else
+  phase deepspeed_ops 30 --skip "$ds_skip"
+fi
 
 tests matrix 150 tests/integration/test_device_matrix.py
 tests ordering 60 tests/unit/test_device_ordering.py
