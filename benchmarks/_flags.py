@@ -50,7 +50,8 @@ def parser(description: str, *, steps: int, warmup: int, seq_len: int, micro_bat
     p.add_argument("--smoke", action="store_true", help="the smallest size, a few steps: a check that runs on a CPU")
     p.add_argument("--out", metavar="FILE", help="also append each JSON record to FILE")
     p.add_argument("--rounds", type=int, default=rounds,
-                   help="rounds; each runs every contender once, the order rotated (Note [interleaved rounds])")
+                   help="rounds; each runs every contender once, the order rotated "
+                        "(Note [contender rounds] in _harness.py)")
     p.add_argument("--budget", type=float, default=budget, help="seconds for the whole benchmark")
     p.add_argument("--timeout", type=float, default=timeout, help="seconds one contender's process may take")
     p.add_argument("--child", help=argparse.SUPPRESS)

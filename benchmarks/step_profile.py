@@ -6,11 +6,13 @@ torch.profiler, for variants run each in
 a process of its own: the overlapped step on and off (``zero.offload_optimizer.overlap_step``),
 the prefetcher on and off (``zero.prefetch.enabled``).
 
-    python -m benchmarks.step_profile --size 1.5b --offload cpu --variants overlap,no-overlap
-    python -m benchmarks.step_profile --size 124m --offload nvme --variants prefetch,no-prefetch
+    python -m benchmarks.step_profile --only 1.5b/cpu/overlap,1.5b/cpu/no-overlap
+    python -m benchmarks.step_profile --only 124m/nvme/prefetch,124m/nvme/no-prefetch
     python -m benchmarks.step_profile --smoke
 
-One JSON record a line per variant (``--out`` appends them to a file too), then a table.
+Cells are size/offload/variant, each in a process of its own (benchmarks/_harness.py). One JSON
+record a line per cell (``--out`` appends them to a file too), then a table, with the run
+model's prediction for the same run from rates measured in the child (``predicted_step_s``).
 Each phase is timed between device synchronizations, which serialise the GPU at the phase
 edges; the step time of record is benchmarks.peers's, without them. ``gpu_busy_s``: the
 union of the GPU's kernel intervals in one profiled step, ``gpu_idle_s`` the rest of that
@@ -18,15 +20,13 @@ step's wall time.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 
-from benchmarks import _harness, _models
+from benchmarks import _flags, _harness, _models
 from benchmarks._harness import sync_device as sync
 
 VARIANTS = {
@@ -185,41 +185,37 @@ def table(records: list) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="1.5b")
-    ap.add_argument("--offload", default="cpu", choices=("cpu", "nvme"))
-    ap.add_argument("--variants", default="overlap,no-overlap")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--nvme-path", default=None)
-    ap.add_argument("--timeout", type=float, default=240)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 1 warm-up and 2 steps: runs on a CPU in seconds")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    p = _flags.parser(__doc__, steps=3, warmup=2, seq_len=1024, micro_batch=8,
+                      only="1.5b/cpu/overlap,1.5b/cpu/no-overlap", budget=3600.0, timeout=240.0)
+    args = p.parse_args(argv)
     if args.child:
         _harness.child_main(child, args.child)
         return 0
+    cells = [tuple(c.split("/")) for c in _flags.parse_list(args.only)]  # size/offload/variant
+    for cell in cells:
+        if len(cell) != 3 or cell[1] not in ("cpu", "nvme") or cell[2] not in VARIANTS:
+            p.error(f"--only: {'/'.join(cell)!r} is not size/offload/variant (offload cpu or nvme; variant one of "
+                    f"{', '.join(VARIANTS)})")
+        _models.shape_of(cell[0])
     if args.smoke:
-        args.size, args.steps, args.warmup, args.seq_len, args.micro_batch = "tiny", 2, 1, 32, 2
+        cells = [("tiny", offload, variant) for _, offload, variant in cells]
+        args.steps, args.warmup, args.seq_len, args.micro_batch = 2, 1, 32, 2
+    deadline = time.time() + args.budget
     records = []
-    with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
-        for variant in args.variants.split(","):
-            spec = {"variant": variant, "size": args.size, "offload": args.offload, "nvme_path": nvme,
-                    "steps": args.steps, "warmup": args.warmup, "seq_len": args.seq_len,
-                    "micro_batch": args.micro_batch}
-            record = {"bench": "step_profile", "variant": variant, "size": args.size, "offload": args.offload}
-            record.update(_harness.spawn("benchmarks.step_profile", spec, args.timeout))
-            records.append(record)
-            line = json.dumps(record)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
-    print(table(records))
-    return 0 if all("error" not in r for r in records) else 1
+    for size, offload, variant in cells:
+        record = {"bench": "step_profile", "variant": variant, "size": size, "offload": offload}
+        left = deadline - time.time()
+        if left < _harness.MIN_CELL_SECONDS and not args.smoke:
+            record.update(status="skipped", error=f"the budget is spent ({left:.0f} s left)")
+        else:
+            with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
+                spec = {"variant": variant, "size": size, "offload": offload, "nvme_path": nvme, "steps": args.steps,
+                        "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
+                record.update(_harness.spawn("benchmarks.step_profile", spec, min(args.timeout, max(left, 1.0))))
+        records.append(record)
+        _harness.emit(record, args.out)
+    print(table(records), flush=True)
+    return 0 if all(r.get("status", "ok") in ("ok", "skipped") for r in records) else 1
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@
 # DeepSpeed's JIT ops (cpu_adam, async_io against the carried libaio) in the background, builds
 # the native libraries against the carried liburing (.gpu_libs/; both made by
 # scripts/gpu_check/prepare_carry.sh on the CPU machine), then runs the phases, each
-# under its own time limit, a failed one not stopping the next: env, primitives
-# (scripts/bench_device_primitives.py), peers (benchmarks/peers.py: plain PyTorch, infinity,
-# DeepSpeed and FSDP2 head to head at GPT-2 124M and 1.5B), matrix
-# (tests/integration/test_device_matrix.py), ordering (tests/unit/test_device_ordering.py),
-# train (one torchrun rank of infinity.train). Writes OUTDIR/results.jsonl (one JSON object a
+# under its own time limit, a failed one not stopping the next: env, peers (benchmarks/peers.py:
+# plain PyTorch, infinity, DeepSpeed and FSDP2 head to head at GPT-2 124M and 1.5B), matrix
+# (tests/integration/test_device_matrix.py), profile (benchmarks/step_profile.py: where the
+# step's time goes, and the run model's prediction), ordering (tests/unit/test_device_ordering.py),
+# train (one torchrun rank of infinity.train), primitives (scripts/bench_device_primitives.py,
+# last: what time is left). Writes OUTDIR/results.jsonl (one JSON object a
 # line, each with its "phase"), OUTDIR/log.txt (everything the phases printed) and
 # OUTDIR/summary.txt (the table printed at the end). Without CUDA the tests are skipped (or run
 # on GPU_CHECK_ACCELERATOR, e.g. emulated) and the benchmarks run at their smoke sizes.
@@ -141,7 +142,6 @@ tests() {  # phase name, limit, test file
 }
 
 phase env 30 -- "$PY" scripts/gpu_check/env_info.py
-phase primitives 60 -- "$PY" scripts/bench_device_primitives.py $tiny
 
 # The head-to-head: both sizes for plain, infinity and DeepSpeed on cpu; NVMe at 124M; FSDP2 at
 # 1.5B last, if time allows. The benchmark's own budget ends before the phase's limit.
@@ -162,7 +162,20 @@ else
 fi
 
 tests matrix 150 tests/integration/test_device_matrix.py
-tests ordering 60 tests/unit/test_device_ordering.py
-phase train 60 -- "$PY" scripts/gpu_check/train_one_rank.py --timeout 50
+
+# Where the step's time goes (benchmarks/step_profile.py): the 1.5B step with every state in host
+# memory, its parts, the telemetry's bytes and waits, the GPU's idle time, and the run model's
+# prediction from rates measured there; the prefetcher off beside on at 124M on NVMe.
+if [ "$cuda" = 1 ]; then
+  left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 60 ))  # leaves the ordering and train phases their minute
+  profile=(--only 1.5b/cpu/overlap,124m/nvme/prefetch,124m/nvme/no-prefetch,1.5b/cpu/no-prefetch
+           --budget $(( left < 150 ? left : 150 )) --timeout 70)
+else
+  profile=(--smoke --only 1.5b/cpu/overlap,124m/nvme/no-prefetch)
+fi
+phase profile 160 -- "$PY" -m benchmarks.step_profile "${profile[@]}" --nvme-path "$GPU_CHECK_DISK"
+tests ordering 40 tests/unit/test_device_ordering.py
+phase train 45 -- "$PY" scripts/gpu_check/train_one_rank.py --timeout 40
+phase primitives 30 -- "$PY" scripts/bench_device_primitives.py $tiny
 
 "$PY" scripts/gpu_check/phase.py summary "$OUT" | tee "$OUT/summary.txt"

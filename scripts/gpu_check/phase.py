@@ -113,7 +113,9 @@ def execute(args, limit: float) -> dict:
 
 QUIET = {"phase", "path", "steps_s", "min_gbps", "max_gbps", "block_size", "queue_depth", "reps", "setup_s",
          "tokens_per_step", "device", "peak_rss_gib", "loss_first", "disk_free_gib", "kernel", "precision",
-         "tflops_is", "bench", "kind", "steps", "rounds", "params", "dtype", "extra"}  # in results.jsonl only
+         "tflops_is", "bench", "kind", "steps", "rounds", "params", "dtype", "extra", "stall_s", "gb_per_step",
+         "step_call_parts_s", "run_model_terms_s", "rates", "torch_threads", "cpus", "loss_last",
+         "profiled_step_s", "gpu_copy_s"}  # in results.jsonl only
 
 
 def short(value, limit: int = 60) -> str:
