@@ -33,7 +33,8 @@ bottleneck, from the same numbers the engine uses:
   of the parameter shards, the backward the longest of its compute, that copy again and the
   device->host copy of the fp32 gradient shards (separate copy engines, beside the kernels),
   at the measured PCIe rate; with the optimizer states off the device the host's Adam over
-  the shard runs beside the next forward, so a step takes backward + max(forward, Adam)
+  the shard runs beside the next forward but for the first unit's (the token embedding's,
+  updated inside ``step()``), so a step takes backward + Adam(head) + max(forward, Adam(rest))
   (backward + forward + Adam where it cannot overlap), and the disk's time hides under all of
   it: the step is the longer of the two. Without one (the device is the CPU) compute and Adam share the cores, so
   they add, and the disk's time hides under them only as far as the measured ``overlap``
@@ -276,6 +277,7 @@ class Run:
     ckpt_interval: int = 0  # 0: no activation checkpointing
     host_mem: int = 0  # bytes of host memory per node, for the gradients' "auto" rule; 0: this machine's
     moments: str = "fp32"  # zero.offload_optimizer.moments (Note [compressed moments] in _moments.py)
+    host_allocator: str = "release"  # zero.host_allocator: with release the host cache is read again each step
 
     @property
     def itemsize(self) -> int:
@@ -373,6 +375,8 @@ def nvme_bytes(run: Run) -> dict:
         cached = min(head, total)  # the head is whole chunks: it may end past the last element
         states = int(per_elem * (total - cached))
         read += states
+        if run.host_allocator == "release":  # the host cache gave its pages back through forward (Note [host cache]
+            read += int(per_elem * cached)  # in _nvme_optimizer_store.py): read again before the update
         # the host cache is write-through (Note [host cache] in _nvme_optimizer_store.py)
         write += states + int(per_elem * cached)
         if not gim:
@@ -412,7 +416,11 @@ def _on_accelerator(run: Run, rates: Rates, terms: dict, shard: int, disk: float
                  backward=max(terms["compute"] * (1 - forward_share), h2d, d2h))
     overlapped = run.optimizer_tier != "none"  # Note [overlapped step] in _zero_optimizer.py: beside the next forward
     terms["overlapped"] = overlapped
-    host = terms["backward"] + (max(terms["forward"], terms["adam"]) if overlapped else terms["forward"] + terms["adam"])
+    # the first unit (the token embedding) is updated inside step(), before the rest goes to the background
+    terms["adam_head"] = terms["adam"] * min(1.0, run.vocab * run.hidden / max(1, run.params)) if overlapped else 0.0
+    rest = terms["adam"] - terms["adam_head"]
+    host = terms["backward"] + (terms["adam_head"] + max(terms["forward"], rest) if overlapped
+                                else terms["forward"] + terms["adam"])
     work = {"compute": terms["compute"], "pcie": max(h2d, d2h), "adam": terms["adam"]}
     if disk >= host:
         return disk, "nvme"
@@ -431,6 +439,11 @@ def describe(run: Run, rates: Rates) -> str:
              f"(compute {st['compute']:.2f} s, adam {st['adam']:.2f} s, NVMe read {st['nvme_read']:.2f} s of "
              f"{st['nvme_bytes']['read'] / GiB:.2f} GiB, write {st['nvme_write']:.2f} s of "
              f"{st['nvme_bytes']['write'] / GiB:.2f} GiB)"]
+    if not run.device_is_host:
+        lines.append(f"on the accelerator: forward {st['forward']:.3f} s, backward {st['backward']:.3f} s (PCIe "
+                     f"{rates.pcie / 1e9:.0f} GB/s: parameters in {st['h2d']:.3f} s a pass, gradients out "
+                     f"{st['d2h']:.3f} s), Adam {st['adam']:.3f} s of which {st['adam_head']:.3f} s inside step() and "
+                     + ("the rest beside the next forward" if st["overlapped"] else "none beside the forward"))
     if run.device_is_host:
         lines.append(f"predicted peak RSS per rank: {sum(mem.values()) / GiB:.2f} GiB ("
                      + ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(mem.items(), key=lambda kv: -kv[1]) if v) + ")")
