@@ -52,6 +52,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .._offload._layout import ParamSource
 from .._offload._memory_plan import GRADIENTS, OPT_STATES, PARAM_SHARDS
 from .._offload._moments import MODES, file_bytes
 from .._offload._optimizer_store import chunk_elems, head_elems
@@ -296,9 +297,11 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, t
     shard = math.ceil(params / ranks)
     tshard = math.ceil(trainable / ranks)  # gradients and optimizer states exist for trainable parameters only
     tiers = {Tier.DEVICE: 0, Tier.CPU: 0, Tier.NVME: 0}                    # bytes per GPU
-    # Note [parameters from the master] in _placement.py: fp32 NVMe parameters without frozen ones are the master
-    from_master = stage == 3 and prec.name == "fp32" and ptier is Tier.NVME and trainable == params
-    tiers[otier if from_master else ptier] += prec.param * (shard if stage == 3 else params)
+    # Note [parameters from the master] in _placement.py: the engine's rule, for a model whose trainable
+    # parameters are all of it; parameters from the master are counted on the master's tier
+    source = ParamSource.of(partitioned=stage == 3, fp32=prec.name == "fp32", same_spaces=trainable == params,
+                            opt_tier=otier, param_tier=ptier, device_is_host=hw.device_is_host)
+    tiers[otier if source.from_master else ptier] += prec.param * (shard if stage == 3 else params)
     if stage == 1:
         tiers[Tier.DEVICE] += prec.grad * trainable
         tiers[otier] += prec.optimizer * tshard
@@ -309,7 +312,7 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, t
               + terms.activation_working)
     if otier is Tier.NVME:
         tiers[Tier.NVME] -= prec.nvme_saving(tshard)
-    staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, from_master)
+    staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, source)
     host = per_node * (tiers[Tier.CPU] + sum(staging.values()))
     nvme = per_node * tiers[Tier.NVME]
     if hw.device_is_host:     # one memory holds both tiers
@@ -321,7 +324,7 @@ def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, t
                      host_plan={k: per_node * v for k, v in staging.items()})
 
 
-def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, from_master: bool = False) -> dict:
+def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, source: ParamSource = ParamSource.OWN) -> dict:
     """Host buffers of the NVMe tiers per GPU by category: the stores' own plan (Note [one
     memory model] in _memory_plan.py) for a layout made from the shape, with the config's defaults
     (the preflight of a real run checks the same bytes)."""
@@ -336,9 +339,7 @@ def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, from_master: bo
     plan = store_plan(opt_tier=otier, param_tier=ptier if ptier is Tier.NVME else None, opt_total=tshard,
                       param_total=tshard, itemsize=prec.param, overlapped=False, lazy_grad=False, chunk=chunk, head=head,
                       grads_in_memory=grads_in_host, staging_numel=largest, staging_count=staging_buffers(z),
-                      # Note [parameters from the master] in _placement.py
-                      params_are_master=from_master and otier is not Tier.NVME,
-                      params_in_master_file=from_master and otier is Tier.NVME,
+                      param_source=source,  # Note [parameters from the master] in _placement.py
                       gathered_bytes=0, moments=prec.moments)["host"]
     if otier is not Tier.NVME:  # the memory tier's states are the paper's terms (_placement), not buffers
         plan = {k: v for k, v in plan.items() if k not in (OPT_STATES, GRADIENTS)}

@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._offload._layout import ALIGN_ELEMS, round_up
+from .._offload._layout import ALIGN_ELEMS, ParamSource, round_up
 from .._offload._memory_plan import PARAM_HANDOFF
 from .._offload._moments import file_bytes
 from .._offload._optimizer_store import chunk_elems, head_elems
@@ -310,12 +310,11 @@ def host_memory(run: Run) -> dict:
     z, total, largest, max_shard, chunk, head, gim = _layout(run)
     isz = run.itemsize
     direct = run.ranks == 1 and run.device_is_host
-    fp32_master, in_file = _params_from_master(run)
     plan = store_plan(opt_tier=Tier(run.optimizer_tier), param_tier=Tier(run.param_tier), opt_total=total,
                       param_total=total, itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme",
                       lazy_grad=False, chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
-                      staging_count=0 if direct else staging_buffers(z), params_are_master=fp32_master,
-                      params_in_master_file=in_file, param_cache=_param_cache(run, total),
+                      staging_count=0 if direct else staging_buffers(z), param_source=_param_source(run),
+                      param_cache=_param_cache(run, total),
                       gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0,
                       moments=run.moments)
     out = dict(plan["host"])
@@ -346,19 +345,17 @@ def activation_bytes(run: Run) -> int:
 
 def _param_cache(run: Run, total: int) -> int:
     """Elements of the automatic parameter cache (Note [parameter cache] in _param_store.py)."""
-    if run.param_tier != "nvme" or _params_from_master(run)[0]:
+    if run.param_tier != "nvme" or _param_source(run) is ParamSource.MASTER:
         return 0
     return param_cache_elems(None, total, run.itemsize, available=run.host_mem or None, ranks=run.ranks)
 
 
-def _params_from_master(run: Run) -> tuple:
-    """(parameters are the master tensor, parameters live in master.swp): Note [parameters
-    from the master] in _placement.py, for a model without frozen parameters."""
-    if run.dtype != "fp32":
-        return False, False
-    in_host = run.optimizer_tier == "cpu" or run.optimizer_tier == "none" and run.device_is_host
-    aliased = run.param_tier == run.optimizer_tier != "nvme" or run.param_tier == "nvme" and in_host
-    return aliased, run.param_tier == run.optimizer_tier == "nvme"
+def _param_source(run: Run) -> ParamSource:
+    """Where the run's parameter shards are kept, by the engine's own rule (Note [parameters
+    from the master] in _placement.py), for a model without frozen parameters."""
+    return ParamSource.of(partitioned=True, fp32=run.dtype == "fp32", same_spaces=True,
+                          opt_tier=Tier.of(run.optimizer_tier), param_tier=Tier.of(run.param_tier),
+                          device_is_host=run.device_is_host)
 
 
 def nvme_bytes(run: Run) -> dict:
@@ -366,17 +363,17 @@ def nvme_bytes(run: Run) -> dict:
     _, total, _, _, chunk, head, gim = _layout(run)
     per_elem = 4 + 2 * file_bytes(run.moments, total, chunk) / total  # master + both moments as stored
     read = write = 0
-    aliased, in_file = _params_from_master(run)
-    if run.param_tier == "nvme" and not aliased:
+    source = _param_source(run)
+    if run.param_tier == "nvme" and source is not ParamSource.MASTER:
         # backward's re-reads of what the parameter cache does not hold; the forward takes the step's hand-off
         read += (total - _param_cache(run, total)) * run.itemsize
-        write += 0 if in_file else total * run.itemsize  # in master.swp: the optimizer's master write
+        write += 0 if source is ParamSource.MASTER_FILE else total * run.itemsize  # the optimizer's master write
     if run.optimizer_tier == "nvme":
         cached = min(head, total)  # the head is whole chunks: it may end past the last element
         states = int(per_elem * (total - cached))
         read += states
-        if run.host_allocator == "release":  # the host cache gave its pages back through forward (Note [host cache]
-            read += int(per_elem * cached)  # in _nvme_optimizer_store.py): read again before the update
+        if run.host_allocator == "release":  # the host cache gave its pages back through forward: read again
+            read += int(per_elem * cached)  # before the update (Note [host cache] in _nvme_optimizer_store.py)
         # the host cache is write-through (Note [host cache] in _nvme_optimizer_store.py)
         write += states + int(per_elem * cached)
         if not gim:

@@ -98,7 +98,7 @@ def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
     if opt.param_store is not None:
         # the master weights hold the parameters (Note [parameters from the master] in _placement.py): the
         # parameter files are verified (None: not loaded), so a damaged one is still refused
-        shared = opt.aliased or opt.placement.params_in_master_file
+        shared = opt.placement.param_source.from_master
         plan.append((None if shared else opt.param_store.checkpoint_source(), _named(merged(params), "params")))
     plan += [(t, _named(items, "params")) for t, items in whole]
     return plan

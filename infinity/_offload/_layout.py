@@ -13,9 +13,11 @@ parameter store's piece by piece, one shift per unit (``Layout.param_pieces``).
 from __future__ import annotations
 
 import bisect
+import enum
 from dataclasses import dataclass
 from typing import List, Tuple
 
+from .._runtime._tiers import Tier
 from ..errors import UsageError
 
 ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for fp32
@@ -95,3 +97,41 @@ class Layout:
         if i < len(self.param_starts) and p > self.param_starts[i] + self.slots[i]:
             raise UsageError(f"offset {p} of the parameter store is not in a trainable unit's slot")
         return self.opt_starts[i] + (p - self.param_starts[i]) if self.param_starts else 0
+
+
+def states_in_host(opt_tier: Tier, device_is_host: bool) -> bool:
+    """The optimizer's states are in host memory: its tier is the host, or the device where
+    the device is the host (no accelerator)."""
+    return opt_tier is Tier.CPU or (opt_tier is Tier.DEVICE and device_is_host)
+
+
+class ParamSource(enum.Enum):
+    """Where stage 3's parameter store keeps the compute-dtype shards: one fact, read by the
+    stores, the units, the engine, the optimizer, the preflight and the run model (Note
+    [parameters from the master] in _placement.py gives the rules; ``of`` applies them)."""
+
+    OWN = "own"  # the parameter tier keeps its own shards (params.swp on NVMe); also stages 1-2 (no store)
+    MASTER = "master"  # fp32, master weights in memory: the parameter store is a view of the master tensor
+    MASTER_FILE = "master_file"  # fp32, both on NVMe: the parameter store reads and writes master.swp
+
+    @classmethod
+    def of(cls, *, partitioned: bool, fp32: bool, same_spaces: bool, opt_tier: Tier, param_tier: Tier,
+           device_is_host: bool) -> "ParamSource":
+        """The source a placement gets: the master's only in fp32 at stage 3 with no frozen
+        unit (the two flat spaces coincide); the master tensor where it is in memory on the
+        parameter tier, or in host memory under an NVMe parameter tier; master.swp where both
+        tiers are NVMe."""
+        if not (partitioned and fp32 and same_spaces):
+            return cls.OWN
+        if param_tier is Tier.NVME and opt_tier is Tier.NVME:
+            return cls.MASTER_FILE
+        if opt_tier.resident and param_tier is opt_tier \
+                or param_tier is Tier.NVME and states_in_host(opt_tier, device_is_host):
+            return cls.MASTER
+        return cls.OWN
+
+    @property
+    def from_master(self) -> bool:
+        """The parameter shards are the master weights' values: nothing to write at
+        partition, no params.swp, no parameter file to load a checkpoint into."""
+        return self is not ParamSource.OWN

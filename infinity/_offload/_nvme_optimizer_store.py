@@ -18,6 +18,7 @@ from ..aio._checksum import sums_of
 from ..aio._handle import close_handles
 from ._grad_shards import GradShards
 from ._head_cache import HeadCache, HeadState
+from ._layout import ParamSource
 from ._memory_plan import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, totals
 from ._moment_staging import MomentStaging
 from ._moments import file_bytes, record_bytes
@@ -287,7 +288,7 @@ class NvmeOptimizerStore:
 
     # ------------------------------------------------------------ accounting, shutdown
 
-    def state_bytes(self, params_are_master: bool) -> dict:
+    def state_bytes(self, source: ParamSource) -> dict:
         """Optimizer states and gradient shards held in memory the way the engine reports
         them: none, the states being on NVMe."""
         return {"optimizer": 0, "grads": 0}

@@ -17,7 +17,7 @@ from .._runtime import _accelerator as acc
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ._grad_buffer import GradBuffer, sq_and_finite  # noqa: F401 - sq_and_finite: the stores' one norm
-from ._layout import ALIGN_ELEMS, round_up
+from ._layout import ALIGN_ELEMS, ParamSource, round_up
 from ._memory_plan import GRADIENTS, OPT_STATES, totals
 
 # Elements per optimizer swap chunk by default: 3 buffer sets x 4 fp32 arrays x 16 MiB =
@@ -96,7 +96,7 @@ class OptimizerStore(Protocol):
 
     def checkpoint_done(self) -> None: ...
 
-    def state_bytes(self, params_are_master: bool) -> dict: ...  # held in memory, as the engine reports them
+    def state_bytes(self, source: ParamSource) -> dict: ...  # held in memory, as the engine reports them
 
     def nbytes(self) -> dict: ...
 
@@ -243,11 +243,11 @@ class MemoryOptimizerStore:
     def release_idle(self, block: bool = True) -> None:
         """Nothing here sits idle through the activation peak: the states are the only copy."""
 
-    def state_bytes(self, params_are_master: bool) -> dict:
-        """Optimizer states (the fp32 master unless it is the parameter shards) and gradient
-        shards held in memory."""
+    def state_bytes(self, source: ParamSource) -> dict:
+        """Optimizer states (the fp32 master unless it is the parameter shards: Note
+        [parameters from the master] in _placement.py) and gradient shards held in memory."""
         n = self.total * 4
-        return {"optimizer": 2 * n + (0 if params_are_master else n), "grads": self.grad_bytes()}
+        return {"optimizer": 2 * n + (0 if source is ParamSource.MASTER else n), "grads": self.grad_bytes()}
 
     def nbytes(self) -> dict:
         return totals(self.plan(self.tier, self.total, self.overlapped, self.lazy_grad))
@@ -293,6 +293,6 @@ def head_elems(host_cache: Optional[int], ranges: List[tuple], chunk: int, total
 
 
 
-def state_bytes(store: OptimizerStore, params_are_master: bool) -> dict:
+def state_bytes(store: OptimizerStore, source: ParamSource) -> dict:
     """Optimizer states and gradient shards an optimizer store holds in memory."""
-    return store.state_bytes(params_are_master)
+    return store.state_bytes(source)

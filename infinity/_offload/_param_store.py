@@ -23,7 +23,7 @@ from ..aio import aligned_empty
 from ..aio._checksum import checksummed, sums_of
 from ..aio._handle import close_handles
 from ..errors import InfinityError, UsageError
-from ._layout import ALIGN_ELEMS, round_up
+from ._layout import ALIGN_ELEMS, ParamSource, round_up
 from ._memory_plan import PARAM_CACHE, PARAM_FILES, PARAM_HANDOFF, PARAM_SHARDS, PARAM_STAGING, totals
 from ._ordered_writes import WRITE_HANDLES, MasterFile, OrderedWrites
 from ._swap import SwapDir, nbytes_of, new_aio, wait_io
@@ -146,8 +146,10 @@ class ParamStore:
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
                  update_chunk: int = 0, master: Optional[MasterFile] = None, cache_elems: int = 0):
         tier = Tier.of(tier)
-        # master.swp, shared with the NVMe optimizer store (Note [parameters from the master] in _placement.py)
-        self._master = master
+        # Note [parameters from the master] in _placement.py: ``alias`` is the master tensor (MASTER), ``master``
+        # is master.swp shared with the NVMe optimizer store (MASTER_FILE)
+        self.source = ParamSource.MASTER if alias is not None else \
+            ParamSource.MASTER_FILE if master is not None else ParamSource.OWN
         self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
         # reads land in the caller's buffers: the pool stays empty (Note [one memory model] in _memory_plan.py)
         self.direct_reads = direct_reads
@@ -158,7 +160,7 @@ class ParamStore:
         self._lock_copies = threading.Lock()  # the forward gives shards back while the step's thread takes outputs
         self.bytes_read = 0
         if tier is Tier.NVME:
-            if master is not None:  # fp32 on the master's layout: the step hands its master values to this tier
+            if self.source is ParamSource.MASTER_FILE:  # the step hands its master values to this tier
                 self._file = master.writes
             else:
                 path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
@@ -188,7 +190,7 @@ class ParamStore:
             self.cache_elems = cache_elems  # Note [parameter cache]
             self._cache: dict = {}  # unit offset -> its shard in host memory
             self._cached = 0  # elements in _cache
-        elif alias is not None:
+        elif self.source is ParamSource.MASTER:
             self.flat = alias
         elif tier is Tier.CPU:
             self.flat = aligned_empty(total, dtype, what=PARAM_SHARDS)
@@ -203,7 +205,7 @@ class ParamStore:
     def bytes_written(self) -> int:
         """Bytes this store wrote to its own file (master.swp's count as the optimizer's:
         Note [parameters from the master] in _placement.py)."""
-        return self._file.bytes_written if self.flat is None and self._master is None else 0
+        return self._file.bytes_written if self.flat is None and self.source is ParamSource.OWN else 0
 
     @property
     def itemsize(self) -> int:
@@ -416,7 +418,7 @@ class ParamStore:
     def nbytes(self) -> dict:
         pool = self.pool or HostPool(0, 0, self.dtype, "")
         return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
-                                self.update_chunk, files=self._master is None,
+                                self.update_chunk, self.source,
                                 cache=getattr(self, "cache_elems", 0)))
 
     def close(self) -> None:
@@ -433,21 +435,24 @@ class ParamStore:
 
     def checksums(self) -> dict:
         """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
-        sums = sums_of(getattr(self, "path", None)) if self._master is None else None  # master.swp: the optimizer's
+        own = self.source is ParamSource.OWN  # master.swp's sums are the optimizer's
+        sums = sums_of(getattr(self, "path", None)) if own else None
         return {"params": sums} if sums else {}
 
     @staticmethod
     def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0,
-             files: bool = True, cache: int = 0) -> dict:
+             source: ParamSource = ParamSource.OWN, cache: int = 0) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory_plan.py): the shards on their tier;
         on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
-        ``files`` off: the shards are the optimizer's master.swp (Note [parameters from the master] in _placement.py);
-        ``cache``: elements of the parameter cache (Note [parameter cache])."""
+        ``source`` MASTER_FILE: the shards are the optimizer's master.swp, no file of their own
+        (Note [parameters from the master] in _placement.py); ``cache``: elements of the
+        parameter cache (Note [parameter cache])."""
         own = total * itemsize
         if tier is Tier.NVME:
-            return {"nvme": {PARAM_FILES: own if files else 0}, "host": {PARAM_CACHE: min(cache, total) * itemsize,
-                                                                        PARAM_STAGING: buffer_count * buffer_numel * itemsize,
-                                                         PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
+            files = 0 if source is ParamSource.MASTER_FILE else own
+            return {"nvme": {PARAM_FILES: files}, "host": {PARAM_CACHE: min(cache, total) * itemsize,
+                                                           PARAM_STAGING: buffer_count * buffer_numel * itemsize,
+                                                           PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
         return {tier.memory: {PARAM_SHARDS: own}}
 
 

@@ -15,7 +15,7 @@ from .._runtime._comm import ranks_here
 from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
-from ._layout import ALIGN_ELEMS, Layout
+from ._layout import ALIGN_ELEMS, Layout, ParamSource, states_in_host
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 
@@ -25,18 +25,23 @@ class Placement:
     """Note [parameters from the master]: in fp32 the compute-dtype parameter shards and the
     master weights hold the same values, so where the optimizer's flat space and the
     parameter store's coincide (``Layout.same_spaces``: no frozen unit) the parameter tier
-    keeps no copy of its own. With the master weights in memory (``params_are_master``) the
-    parameter store *is* the master tensor, whatever ``offload_param.device`` says: a fetch
-    reads it once the step gate has published its range, and an NVMe parameter tier would
-    only write 4 bytes per parameter per step that nobody needs. With both on NVMe
-    (``params_in_master_file``) the parameter store reads and writes ``master.swp``: the
-    step hands its fresh master values to the parameter store (Note [hand-off] in
-    _param_store.py), which writes them, so the optimizer store writes only the moments, and
-    Note [write ordering] in _ordered_writes.py orders a fetch's read after the master write of its range exactly
-    as it did for ``params.swp``. Either way no ``params.swp`` exists: the disk holds 16
-    bytes per parameter instead of 20, and the step writes 4 fewer. The shared file and its
-    ordered writes are one ``MasterFile`` (_ordered_writes.py), built before both stores and
-    given to each: neither store refers to the other."""
+    keeps no copy of its own. One enum says which case a placement is in,
+    ``param_source`` (``ParamSource`` in _layout.py, decided by ``ParamSource.of`` for the
+    engine and the run model alike), and every reader consults it. OWN, in every other
+    case (another dtype, a frozen unit, stages 1-2, tiers that differ otherwise): the
+    parameter store keeps its own shards, ``params.swp`` on NVMe. MASTER: with
+    the master weights in memory the parameter store *is* the master tensor, whatever
+    ``offload_param.device`` says: a fetch reads it once the step gate has published its
+    range, and an NVMe parameter tier would only write 4 bytes per parameter per step that
+    nobody needs. MASTER_FILE: with both on NVMe the parameter store reads and writes
+    ``master.swp``: the step hands its fresh master values to the parameter store (Note
+    [hand-off] in _param_store.py), which writes them, so the optimizer store writes only
+    the moments, and Note [write ordering] in _ordered_writes.py orders a fetch's read after
+    the master write of its range exactly as it did for ``params.swp``. With MASTER and
+    MASTER_FILE no ``params.swp`` exists (the disk holds 16 bytes per parameter instead of 20,
+    and the step writes 4 fewer) and a unit writes nothing at partition. The shared file
+    and its ordered writes are one ``MasterFile`` (_ordered_writes.py), built before both
+    stores and given to each: neither store refers to the other."""
 
     opt_tier: Tier  # fp32 master weights, gradient shards, Adam moments
     param_tier: Tier  # stage 3's compute-dtype shards (DEVICE in stages 1-2: parameters stay whole)
@@ -45,8 +50,7 @@ class Placement:
     layout: Layout
     overlap: bool  # Note [overlapped step] in _zero_optimizer.py
     grads_in_memory: bool  # Note [gradients in host memory] in _nvme_optimizer_store.py
-    params_are_master: bool  # fp32, master weights in memory: they are the parameter shards (Note [parameters from the master])
-    params_in_master_file: bool  # fp32, both on NVMe: the parameter tier's file is master.swp (same note)
+    param_source: ParamSource  # where the parameter shards are kept (Note [parameters from the master])
     param_cache_elems: int  # Note [parameter cache] in _param_store.py
     gathered_reuse_bytes: int  # recycled gathered buffers (Note [recycled host memory] in _recycle.py)
     direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
@@ -58,22 +62,21 @@ class Placement:
         param_tier = Tier.of(z.offload_param.device) if partition_params else Tier.DEVICE
         align = ALIGN_ELEMS if Tier.NVME in (opt_tier, param_tier) else 1
         layout = Layout.assign(specs, align)
-        states_in_host = opt_tier is Tier.CPU or (opt_tier is Tier.DEVICE and acc.device().type == "cpu")
+        device_is_host = acc.device().type == "cpu"
         overlap = overlap_step(z.offload_optimizer.overlap_step, partition_params, opt_tier, param_tier,
-                               states_in_host)
+                               states_in_host(opt_tier, device_is_host))
         grads_in_memory = opt_tier is Tier.NVME and gradients_in_host(z.offload_optimizer.gradients, layout.opt_total)
-        fp32_same = partition_params and dtype == torch.float32 and layout.same_spaces
-        params_are_master = fp32_same and (opt_tier.resident and param_tier is opt_tier
-                                           or param_tier is Tier.NVME and states_in_host)
-        params_in_master_file = fp32_same and param_tier is Tier.NVME and opt_tier is Tier.NVME
+        source = ParamSource.of(partitioned=partition_params, fp32=dtype == torch.float32,
+                                same_spaces=layout.same_spaces, opt_tier=opt_tier, param_tier=param_tier,
+                                device_is_host=device_is_host)
         itemsize = torch.empty((), dtype=dtype).element_size()
         reuse = GATHERED_REUSE * layout.max_shard * world_size * itemsize \
             if partition_params and not acc.has_accelerator() else 0  # a device caching allocator already reuses memory
         direct = partition_params and world_size == 1 and not acc.has_accelerator()  # FetchUnit._direct_read_buffer
         cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total, itemsize) \
-            if param_tier is Tier.NVME and not params_are_master else 0
-        return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, params_are_master,
-                   params_in_master_file, cache, reuse, direct)
+            if param_tier is Tier.NVME and source is not ParamSource.MASTER else 0
+        return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, source, cache,
+                   reuse, direct)
 
     @property
     def itemsize(self) -> int:

@@ -17,6 +17,7 @@ from .._runtime import _comm as comm
 from .._runtime._host_memory import available as host_available
 from .._runtime._tiers import Tier
 from ..errors import InsufficientResourcesError
+from ._layout import ParamSource
 from ._memory_plan import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
 from ._nvme_optimizer_store import NvmeOptimizerStore
 from ._optimizer_store import MemoryOptimizerStore, chunk_elems, head_elems
@@ -32,8 +33,8 @@ GiB = float(1 << 30)
 
 def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsize: int, overlapped: bool,
                lazy_grad: bool, chunk: int, head: int, grads_in_memory: bool, staging_numel: int,
-               staging_count: int, params_are_master: bool, gathered_bytes: int, moments: str = "fp32",
-               params_in_master_file: bool = False, param_cache: int = 0) -> Plan:
+               staging_count: int, param_source: ParamSource, gathered_bytes: int, moments: str = "fp32",
+               param_cache: int = 0) -> Plan:
     """The bytes of every store for a plan (Note [one memory model] in _memory_plan.py). ``param_tier`` is None
     when parameters stay whole (stages 1-2); ``gathered_bytes`` is the gathered recycler's
     capacity (0 with an accelerator, whose caching allocator reuses device memory)."""
@@ -42,10 +43,9 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
     else:
         plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
     if param_tier is not None:
-        if not params_are_master:
+        if param_source is not ParamSource.MASTER:  # Note [parameters from the master] in _placement.py
             plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count, chunk,
-                                         files=not params_in_master_file,  # Note [parameters from the master] in _placement.py
-                                         cache=param_cache))  # Note [parameter cache] in _param_store.py
+                                         param_source, cache=param_cache))  # Note [parameter cache] in _param_store.py
         plans.append({"device": {GATHERED: gathered_bytes}})
     return merge(*plans)
 
@@ -65,9 +65,8 @@ def plan(placement: "Placement", cfg) -> dict:
         head=head_elems(z.offload_optimizer.host_cache, list(layout.opt_ranges), chunk, n),
         grads_in_memory=placement.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, layout.max_shard),
         staging_count=0 if placement.direct_reads else staging_buffers(z),
-        params_are_master=placement.params_are_master, gathered_bytes=placement.gathered_reuse_bytes,
-        moments=z.offload_optimizer.moments, params_in_master_file=placement.params_in_master_file,
-        param_cache=placement.param_cache_elems)
+        param_source=placement.param_source, gathered_bytes=placement.gathered_reuse_bytes,
+        moments=z.offload_optimizer.moments, param_cache=placement.param_cache_elems)
     need: dict = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
                   "categories": cats}
     for cat, path in ((OPT_FILES, z.offload_optimizer.nvme_path), (PARAM_FILES, z.offload_param.nvme_path)):

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from .._offload._layout import ParamSource
 from .._offload._memory_plan import host_account, stop_block_cache
 from .._offload._optimizer_store import state_bytes
 from .._runtime import _accelerator as acc
@@ -315,7 +316,9 @@ class Engine:
         self.save_fence.wait_writes(comm.timeout_s())  # an asynchronous save may still copy the stores
         if unit.trainable:
             self.opt_store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
-        if self.policy.partition_params and not self.placement.params_are_master:
+        # MASTER_FILE too: the parameter store's cache and hand-off take the new values (Note [parameter cache] in
+        # _param_store.py); only the master tensor itself has nothing to write
+        if self.policy.partition_params and self.placement.param_source is not ParamSource.MASTER:
             self.param_store.write(unit.param_offset, unit.shard_of(full, self.dtype))
             self.param_store.flush()
 
@@ -394,7 +397,7 @@ class Engine:
         out = {"device": 0, "host": 0, "nvme": 0}
         stores = [self.opt_store] + ([self.param_store] if self.param_store else [])
         for store in stores:
-            if store is self.param_store and self.placement.params_are_master:
+            if store is self.param_store and self.placement.param_source is ParamSource.MASTER:  # the master's bytes
                 continue
             for tier, n in store.nbytes().items():
                 out[tier] += n
@@ -442,7 +445,7 @@ class Engine:
             else:
                 params += sum(raw_data(p).numel() * raw_data(p).element_size() for p in unit.params)
             grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)
-        opt = state_bytes(self.opt_store, self.placement.params_are_master)
+        opt = state_bytes(self.opt_store, self.placement.param_source)
         return {"params": params, "grads": grads + opt.get("grads", 0), "optimizer": opt.get("optimizer", 0)}
 
 

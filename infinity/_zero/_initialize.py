@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from .._offload._layout import ParamSource
 from .._offload._memory_plan import (
     BLOCK_MIN,
     GATHERED,
@@ -152,7 +153,7 @@ def _build_engine(model: nn.Module, cfg):
     try:
         # Note [parameters from the master] in _placement.py: shared, built first
         master = MasterFile(swap_dirs.under(cfg.zero.offload_optimizer.nvme_path), placement.layout.opt_total, cfg.aio) \
-            if placement.params_in_master_file else None
+            if placement.param_source is ParamSource.MASTER_FILE else None
         opt_store = _optimizer_store(placement, cfg, swap_dirs, policy, master)
         param_store = _param_store(placement, cfg, swap_dirs, opt_store, master) if policy.partition_params else None
         counters = Counters()
@@ -168,7 +169,7 @@ def _build_engine(model: nn.Module, cfg):
             partitioned=policy.partition_params,
             persistence_threshold=cfg.zero.prefetch.persistence_threshold if policy.partition_params else 0,
             counters=counters, ledger=ledger, gathered=recycler, param_store=param_store,
-            params_are_master=placement.params_are_master or placement.params_in_master_file,  # nothing to write
+            param_source=placement.param_source,
             step_gate=gate, make_room=prefetcher.make_room, on_unavailable=calls.on_unavailable)
         layout = placement.layout
         units = [FetchUnit(ctx, spec, layout.param_ranges[spec.index][0], layout.opt_offsets[spec.index])
@@ -248,20 +249,21 @@ def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store: Opti
                  master: Optional[MasterFile]) -> ParamStore:
     """Stage 3's compute-dtype shards; the fp32 master itself where the two coincide."""
     z = cfg.zero
-    aliased = placement.params_are_master  # Note [parameters from the master] in _placement.py
-    if placement.param_tier is Tier.NVME and not aliased:  # Note [parameter cache] in _param_store.py
+    source = placement.param_source  # Note [parameters from the master] in _placement.py
+    master_tensor = source is ParamSource.MASTER
+    if placement.param_tier is Tier.NVME and not master_tensor:  # Note [parameter cache] in _param_store.py
         cache, total = placement.param_cache_elems, placement.layout.param_total
         logger.info("parameter cache: %d of %d shard elements (%.0f MiB, %s) stay in host memory for backward's "
                     "re-reads", cache, total, cache * placement.itemsize / 2**20,
                     "zero.offload_param.max_in_cpu" if z.offload_param.max_in_cpu is not None else
                     f"automatic: at most 1/{PARAM_CACHE_SHARE} of the available host memory")
-    if placement.param_tier is Tier.NVME and (aliased or placement.params_in_master_file):
+    if placement.param_tier is Tier.NVME and source.from_master:
         logger.info("fp32 parameters on NVMe are read from the master weights (%s): no params.swp, no parameter "
-                    "writes in the step", "host memory" if aliased else "master.swp")
-    tier = placement.opt_tier if aliased else placement.param_tier
+                    "writes in the step", "host memory" if master_tensor else "master.swp")
+    tier = placement.opt_tier if master_tensor else placement.param_tier
     return ParamStore(tier, placement.dtype, placement.layout.param_total,
                       swap=swap_dirs.under(z.offload_param.nvme_path) if tier is Tier.NVME else None,
-                      aio_cfg=cfg.aio, alias=opt_store.master_view() if aliased else None, master=master,
+                      aio_cfg=cfg.aio, alias=opt_store.master_view() if master_tensor else None, master=master,
                       cache_elems=placement.param_cache_elems,
                       max_unit=placement.layout.max_shard, direct_reads=placement.direct_reads,
                       update_chunk=chunk_elems(z.offload_optimizer.chunk_size, placement.layout.opt_total),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 import torch
 from torch import nn
 
-from .._offload._layout import padded
+from .._offload._layout import ParamSource, padded
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from ..aio import aligned_empty
@@ -54,7 +54,7 @@ class UnitContext:
     ledger: GatherLedger["FetchUnit"]
     gathered: Optional["Recycler"]  # recycled gathered buffers (CPU-only runs)
     param_store: Optional["ParamStore"]  # stage 3's shards
-    params_are_master: bool  # the parameter store is the fp32 master itself: nothing to write at partition
+    param_source: ParamSource  # Note [parameters from the master] in _placement.py: from the master, nothing to write
     step_gate: "StepGate"  # Note [step gate] in _step_gate.py: has the step updated this range yet
     make_room: Callable[["FetchUnit"], None]  # the prefetcher releases kept units before a gather
     on_unavailable: Callable[..., Any]  # Calls.on_unavailable: a released parameter touched inside a module call is
@@ -235,11 +235,12 @@ class FetchUnit:
 
     def partition(self) -> None:
         """AVAILABLE -> RELEASED for the first time: keep only this rank's shard (stage 3),
-        written to the parameter store (unless that store is the fp32 master itself)."""
+        written to the parameter store (unless the parameters are the master's: Note
+        [parameters from the master] in _placement.py)."""
         self._expect(ParamState.AVAILABLE, "partition")
         if not self.partitioned:
             raise InvariantError(f"partition: {self!r} is not partitioned (stages 1-2 keep parameters whole)")
-        if not self.ctx.params_are_master:
+        if not self.ctx.param_source.from_master:
             self.store.write(self.param_offset, self.local_shard(self.dtype))
         self._drop_full()
 

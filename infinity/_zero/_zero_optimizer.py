@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
+from .._offload._layout import ParamSource
 from .._offload._optimizer_store import Chunk, OptimizerStore
 from .._offload._placement import Placement
 from .._runtime import _accelerator as acc
@@ -159,23 +160,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def grad_scale(self, value: float) -> None:
         self.sink.grad_scale = float(value)
 
-    @property
-    def params_are_master(self) -> bool:
-        """fp32 with parameters and optimizer states on one resident tier: the master
-        weights are the parameter shards (no second copy)."""
-        return self.placement.params_are_master
-
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_building", False):
             return super().add_param_group(param_group)
         raise EngineError("infinity's optimizer lays out its states for the parameter groups it was built with; "
                            "pass every group to infinity.initialize(model, config=cfg, param_groups=[...]) instead "
                            "of calling add_param_group afterwards")
-
-    @property
-    def aliased(self) -> bool:
-        """The parameter store is the fp32 master itself."""
-        return self.placement.params_are_master
 
     # ------------------------------------------------------------ step
 
@@ -438,7 +428,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             same = out_flat.dtype == torch.float32 and out_flat is self.store.master_view()
             return [] if same else [(offset, out_flat[offset : offset + n])]
         ps = self.param_store
-        if ps is None or self.aliased:
+        if ps is None or self.placement.param_source is ParamSource.MASTER:
             return []
         out = []
         for a, b, p in self.layout.param_pieces(offset, offset + n):  # Note [frozen parameters] in _layout.py
@@ -475,7 +465,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> dict:
         """Optimizer states (fp32 master unless it is the parameter shard, Adam moments) and
         gradient shards this rank holds in memory."""
-        return self.store.state_bytes(self.aliased)
+        return self.store.state_bytes(self.placement.param_source)
 
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 import infinity
-from infinity._offload._layout import ALIGN_ELEMS, Layout
+from infinity._offload._layout import ALIGN_ELEMS, Layout, ParamSource
 from infinity._offload._param_store import ParamStore
 from infinity._offload._swap import SwapDir
 from infinity._runtime._telemetry_counters import Counters
@@ -62,7 +62,7 @@ class Parts:
                                      counters=self.counters)
         ctx = UnitContext(world_size=1, rank=0, dtype=torch.float32, itemsize=4, partitioned=True,
                           persistence_threshold=persistence, counters=self.counters, ledger=self.ledger, gathered=None,
-                          param_store=self.store, params_are_master=False, step_gate=self.gate,
+                          param_store=self.store, param_source=ParamSource.OWN, step_gate=self.gate,
                           make_room=self.prefetcher.make_room,
                           on_unavailable=self.calls.on_unavailable)
         self.units = [FetchUnit(ctx, s, self.layout.param_ranges[s.index][0], self.layout.opt_offsets[s.index])
