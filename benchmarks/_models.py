@@ -1,8 +1,13 @@
-"""The one GPT-2 builder and the one batch maker of the benchmarks.
+"""The one GPT-2 builder and the one batch maker of the benchmarks (and of scripts/).
+
+``build(shape)`` makes Hugging Face's ``GPT2LMHeadModel`` of any ``Shape`` with its own
+constructor, where it is called: under ``infinity.Init`` the engine partitions it as it is made
+(the way a model larger than host memory is built), under ``torch.device("meta")`` it takes no
+memory. ``Shape.of(layers, hidden)`` is a GPT-2-proportioned shape of any depth and width.
 
 Note [identical contenders]: every contender of a benchmark trains the same model from the same
-weights on the same batches. ``gpt2`` builds Hugging Face's ``GPT2LMHeadModel`` on the meta
-device, materializes it on the CPU (``to_empty``) and draws its weights with GPT-2's own rule
+weights on the same batches. ``gpt2`` builds the model of a named size on the meta device,
+materializes it on the CPU (``to_empty``) and draws its weights with GPT-2's own rule
 (normal(0, 0.02); the residual projections ``c_proj`` scaled by 1/sqrt(2 x layers); biases 0;
 LayerNorm 1 and 0), parameter by parameter, each from a generator seeded from ``seed`` and its
 index. That is a few seconds for GPT-2 XL on many cores where Hugging Face's constructor, which
@@ -18,14 +23,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List
 
+VOCAB = 50257  # GPT-2's
+
 
 @dataclass(frozen=True)
 class Shape:
     layers: int
     hidden: int
     heads: int
-    vocab: int = 50257
+    vocab: int = VOCAB
     positions: int = 1024
+
+    @classmethod
+    def of(cls, layers: int, hidden: int) -> "Shape":
+        """GPT-2's proportions at any depth and width: heads of 64 dimensions, its vocabulary."""
+        return cls(layers=layers, hidden=hidden, heads=hidden // 64)
 
 
 SHAPES = {
@@ -48,18 +60,26 @@ def param_count(model) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def build(shape: Shape, user_defaults: bool = False):
+    """``GPT2LMHeadModel`` of ``shape`` from Hugging Face's constructor (its own weight init, from
+    torch's global generator), dropout off and no key/value cache; with ``user_defaults``,
+    ``GPT2Config``'s own dropout and ``use_cache``, as users build it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    quiet = {} if user_defaults else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = GPT2Config(vocab_size=shape.vocab, n_positions=shape.positions, n_embd=shape.hidden,
+                     n_layer=shape.layers, n_head=shape.heads, initializer_range=INIT_STD,
+                     bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1, **quiet)
+    return GPT2LMHeadModel(cfg)
+
+
 def gpt2(size: str, seed: int = 0):
     """GPT-2 of ``size`` on the CPU in fp32, dropout off (Note [identical contenders])."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     shape = shape_of(size)
-    cfg = GPT2Config(vocab_size=shape.vocab, n_positions=shape.positions, n_embd=shape.hidden,
-                     n_layer=shape.layers, n_head=shape.heads, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, use_cache=False, initializer_range=INIT_STD,
-                     bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1)
     with torch.device("meta"):
-        model = GPT2LMHeadModel(cfg)
+        model = build(shape)
     if any(True for _ in model.buffers()):  # to_empty would leave them unset
         raise RuntimeError("this transformers' GPT-2 has buffers; gpt2() materializes parameters only")
     model.to_empty(device="cpu")

@@ -26,18 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
+from benchmarks._flags import parse_size
 from infinity.aio import AsyncIO, aligned_empty
 
 HUGE = 2 << 20
 NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
-
-
-def parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().rstrip("b").rstrip("i")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def human(n: int) -> str:

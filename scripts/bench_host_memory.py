@@ -31,18 +31,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
 from _child import spawn_child  # noqa: E402 - after the path insert
 
+from benchmarks import _models  # noqa: E402
+
 GiB, MiB = 2**30, 2**20
-VOCAB = 50257
-
-
-def build_gpt(layers: int, hidden: int, model_defaults: bool = False):
-    """GPT-2 with dropout off and no key/value cache, or (``model_defaults``) as users build it:
-    ``GPT2Config()``'s own dropout and ``use_cache``."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    quiet = {} if model_defaults else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=hidden // 64, **quiet)
-    return GPT2LMHeadModel(cfg)
+VOCAB = _models.VOCAB
 
 
 def nvme_config(path: str, allocator: str, dtype: str = "fp32") -> dict:
@@ -95,15 +87,16 @@ def child(spec: dict) -> dict:
     torch.manual_seed(0)
     out = {"base_rss": rss_now(), "steps": [], "accounts": {}}
     dtype, defaults = spec.get("dtype", "fp32"), spec.get("model_defaults", False)
+    shape = _models.Shape.of(spec["layers"], spec["hidden"])
     # plain PyTorch in bf16 as the Hugging Face Trainer runs it: fp32 weights and Adam, autocast
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=spec["kind"] == "plain" and dtype == "bf16")
     if spec["kind"] == "plain":
-        model = build_gpt(spec["layers"], spec["hidden"], defaults)
+        model = _models.build(shape, user_defaults=defaults)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         cfg = nvme_config(spec["nvme_path"], spec["allocator"], dtype)
         with infinity.Init(config=cfg):
-            model = build_gpt(spec["layers"], spec["hidden"], defaults)
+            model = _models.build(shape, user_defaults=defaults)
         model, opt = infinity.initialize(model, cfg)
         out["plan"] = opt.engine.memory_plan["categories"]
     out["setup_rss"] = rss_now()

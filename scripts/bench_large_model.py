@@ -35,7 +35,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
 from _child import spawn_child  # noqa: E402 - after the path insert
-from bench_offload import DISK_BYTES_PER_PARAM, VOCAB, build_gpt, check_disk, fmt_bytes, gpt_param_count, gpt_shape, peak_rss  # noqa: E402
+from bench_offload import DISK_BYTES_PER_PARAM, VOCAB, check_disk, fmt_bytes, gpt_param_count, gpt_shape, peak_rss  # noqa: E402
+
+from benchmarks import _models  # noqa: E402
 
 GB = 1e9
 
@@ -156,7 +158,7 @@ def child(spec: dict) -> dict:
            "precision": {"dtype": spec["dtype"]}, "optimizer": {"lr": 1e-4}}
     t0 = time.perf_counter()
     with infinity.Init(config=cfg):
-        model = build_gpt(spec["layers"], spec["hidden"])
+        model = _models.build(_models.Shape.of(spec["layers"], spec["hidden"]))
     model, opt = infinity.initialize(model, cfg)
     out = {"params": sum(p.numel() for p in model.parameters()), "setup_s": time.perf_counter() - t0,
            "tiers": opt.engine.tier_bytes(), "states": opt.engine.model_state_bytes(), "steps": []}

@@ -31,10 +31,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
 from _child import spawn_child  # noqa: E402 - after the path insert
 
-from benchmarks import _trainers  # noqa: E402
+from benchmarks import _models, _trainers  # noqa: E402
 
 GiB = 2**30
-VOCAB = 50257
+VOCAB = _models.VOCAB
 CONTENDERS = ["plain", "none", "cpu", "nvme"]
 # Disk the --big run needs per parameter: Init's fp32 chunks (4), bf16 parameter shards (2),
 # fp32 master + two moments (12), fp32 gradients (4).
@@ -60,14 +60,6 @@ def gpt_shape(params: float) -> tuple[int, int]:
 
 def gpt_param_count(layers: int, hidden: int) -> int:
     return layers * (12 * hidden * hidden + 13 * hidden) + (VOCAB + 1024) * hidden + 2 * hidden
-
-
-def build_gpt(layers: int, hidden: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=hidden // 64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    return GPT2LMHeadModel(cfg)
 
 
 def infinity_config(tier: str, nvme_path: str) -> dict:
@@ -124,11 +116,11 @@ def run_child(spec: dict) -> dict:
     base_rss = peak_rss()
     t0 = time.perf_counter()
     if spec["kind"] == "plain":
-        trainer = PlainTrainer(build_gpt(spec["layers"], spec["hidden"]))
+        trainer = PlainTrainer(_models.build(_models.Shape.of(spec["layers"], spec["hidden"])))
     else:
         cfg = infinity_config(spec["kind"], spec["nvme_path"])
         with infinity.Init(config=cfg):
-            model = build_gpt(spec["layers"], spec["hidden"])
+            model = _models.build(_models.Shape.of(spec["layers"], spec["hidden"]))
         build_s = time.perf_counter() - t0
         build_rss = peak_rss()
         trainer = InfinityTrainer(model, cfg)

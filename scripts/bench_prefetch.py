@@ -51,19 +51,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
-from benchmarks import _trainers  # noqa: E402 - after the path insert
+from benchmarks import _models, _trainers  # noqa: E402 - after the path insert
 
 MiB = 2**20
-VOCAB = 50257
+VOCAB = _models.VOCAB
 STAGES = ("nvme_read", "host_to_device", "all_gather", "reduce_scatter", "grad_offload", "optimizer_io")
-
-
-def build_gpt(layers: int, hidden: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=hidden // 64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    return GPT2LMHeadModel(cfg)
 
 
 def infinity_config(param: str, optim: str, prefetch: bool, nvme_path: str, dtype: str,
@@ -243,7 +235,7 @@ def serve(spec: dict, conn) -> None:
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
-    model = build_gpt(spec["layers"], spec["hidden"])
+    model = _models.build(_models.Shape.of(spec["layers"], spec["hidden"]))
     if spec["kind"] == "plain":
         trainer = PlainTrainer(model, spec["dtype"])
     else:

@@ -49,9 +49,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's infinity
 from _child import ChildFailed, spawn_child  # noqa: E402 - after the path insert
 
+from benchmarks import _models  # noqa: E402
+
 DEEPSPEED = "0.19.8"  # works with torch 2.13's CPU build (DeepSpeedCPUAdam JIT-built with ninja)
 GiB, MiB = 2**30, 2**20
-VOCAB = 50257
+VOCAB = _models.VOCAB
+SHAPE = _models.shape_of("124m")
 CONTENDERS = ("plain", "ds_cpu", "ds_nvme", "ds_nvme_swapped", "inf_cpu", "inf_nvme")
 
 
@@ -95,14 +98,6 @@ def ensure_deepspeed(venv: str) -> str:
 # ------------------------------------------------------------------ a contender's process
 
 
-def build_gpt():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    return GPT2LMHeadModel(cfg)
-
-
 def ds_config(kind: str, nvme: str, micro_batch: int) -> dict:
     zero = {"stage": 3}
     if kind == "ds_cpu":
@@ -132,7 +127,7 @@ def make_trainer(kind: str, nvme: str, micro_batch: int):
 
     torch.manual_seed(0)
     if kind == "plain":
-        model = build_gpt()
+        model = _models.build(SHAPE)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
 
         def step(ids):
@@ -149,7 +144,7 @@ def make_trainer(kind: str, nvme: str, micro_batch: int):
         # Built whole, then partitioned by deepspeed.initialize: deepspeed.zero.Init fails on torch
         # 2.13 ("TypeError: Signature mismatch between ...new_tensor and tensor_pynew": it replaces
         # torch.Tensor.__new__, whose signature torch now checks). A 124M model fits either way.
-        model = build_gpt()
+        model = _models.build(SHAPE)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
         def step(ids):
@@ -161,7 +156,7 @@ def make_trainer(kind: str, nvme: str, micro_batch: int):
 
     cfg = inf_config(kind, nvme)
     with infinity.Init(config=cfg):
-        model = build_gpt()
+        model = _models.build(SHAPE)
     model, opt = infinity.initialize(model, cfg)
 
     def step(ids):

@@ -26,17 +26,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
 from _child import ChildFailed, spawn_child  # noqa: E402 - after the path insert
 
+from benchmarks import _models  # noqa: E402
+
 GiB = 2**30
-VOCAB = 50257
+VOCAB = _models.VOCAB
 MODELS = {"tiny": (2, 256, 4, 128), "124m": (12, 768, 4, 256), "1b": (18, 2048, 1, 256)}  # layers, hidden, batch, seq
-
-
-def build_gpt(layers: int, hidden: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=hidden // 64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    return GPT2LMHeadModel(cfg)
 
 
 def child(spec: dict) -> dict:
@@ -52,7 +46,7 @@ def child(spec: dict) -> dict:
                     "offload_optimizer": {"device": tier, "nvme_path": spec["nvme"]}},
            "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}}
     with infinity.Init(config=cfg):
-        model = build_gpt(spec["layers"], spec["hidden"])
+        model = _models.build(_models.Shape.of(spec["layers"], spec["hidden"]))
     model, opt = infinity.initialize(model, cfg)
     gen = torch.Generator().manual_seed(1)
     shape = Run(params=sum(p.numel() for p in model.parameters()), layers=spec["layers"], hidden=spec["hidden"],
