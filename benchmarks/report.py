@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from . import _models, peers
+from . import _headline, _models, peers
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "records"
@@ -581,16 +581,29 @@ def write(text: str, figures: List[Figure], page: Path = PAGE, images: Path = IM
     return changed
 
 
+def readme_with_headline(runs: List[Run], readme: Path = ROOT / "README.md") -> tuple:
+    """(the README now, the README with the headline the records give; None without its markers)."""
+    main, now = main_run(runs), readme.read_text()
+    machine = _headline.machine_of(main.env() if main is not None else {})
+    return now, _headline.apply(now, _headline.block(merged_cells(runs), machine))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the page or a plot is stale")
     args = p.parse_args(argv)
-    text, figures = render(load_runs())
+    runs = load_runs()
+    text, figures = render(runs)
+    readme_now, readme = readme_with_headline(runs)
     if args.check:
-        problems = stale(text, figures)
+        problems = stale(text, figures) + (["README.md: its headline is not what the records give"]
+                                           if readme is not None and readme != readme_now else [])
         for problem in problems:
             print(f"stale: {problem} (regenerate with: python -m benchmarks.report)", file=sys.stderr)
         return 1 if problems else 0
+    if readme is not None and readme != readme_now:
+        (ROOT / "README.md").write_text(readme)
+        print("wrote README.md (its headline)")
     for name in write(text, figures):
         print(f"wrote {name}")
     return 0
