@@ -17,6 +17,8 @@ import enum
 from dataclasses import dataclass
 from typing import List, Tuple
 
+import torch
+
 from .._runtime._tiers import Tier
 from ..errors import UsageError
 
@@ -26,6 +28,25 @@ ALIGN_ELEMS = 2048  # unit offsets on NVMe: 4 KiB for 2-byte dtypes, 8 KiB for f
 def padded(numel: int, world_size: int) -> int:
     """Note [shard layout] in _unit.py: a parameter's elements rounded up to a multiple of the world size."""
     return -(-numel // world_size) * world_size
+
+
+def chunk_rows(full: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Note [shard layout] in _unit.py: the (N, chunk) view of one parameter's values,
+    flattened and padded with zeros; row r is rank r's chunk. A fetch unit's shards and
+    gradients and Init's chunks are all cut by it."""
+    flat = full.reshape(-1)
+    numel = flat.numel()
+    pad = padded(numel, world_size) - numel
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(world_size, (numel + pad) // world_size)
+
+
+def chunk_range(numel: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """The elements [lo, hi) of a parameter of ``numel`` elements that lie in ``rank``'s
+    chunk of ``chunk_rows`` (the rest of the chunk, if any, is padding)."""
+    chunk = padded(numel, world_size) // world_size
+    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
 
 
 def round_up(n: int, m: int) -> int:

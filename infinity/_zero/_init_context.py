@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from .._offload._layout import padded
+from .._offload._layout import chunk_range, chunk_rows, padded
 from .._offload._preflight import free_disk, preflight
 from .._offload._swap import SwapDir, new_aio
 from .._runtime import _accelerator as acc
@@ -296,14 +296,14 @@ class InitUnit:
     def store_full(self, full: torch.Tensor) -> None:
         if full.is_meta:
             return  # still without values (Note [streamed load] in _pretrained.py)
-        rows = _chunks(full.detach().to(self.dtype), self.info, self.world_size)
+        rows = chunk_rows(full.detach().to(self.dtype), self.world_size)
         self.init.store.put(self.index, rows[self.init.rank].contiguous(), self.info.name)
         self.loaded = True
 
     def load(self, pending) -> None:
         """This rank's chunk, read from the checkpoint file (Note [streamed load] in _pretrained.py)."""
-        chunk, rank, store = self.info.chunk, self.init.rank, self.init.store
-        lo, hi = min(rank * chunk, self.info.numel), min((rank + 1) * chunk, self.info.numel)
+        chunk, store = self.info.chunk, self.init.store
+        lo, hi = chunk_range(self.info.numel, self.world_size, self.init.rank)
         self.loaded = True
         if store.tier is Tier.NVME:  # Note [chunks left in the checkpoint]
             store.refer(self.index, pending, lo, hi, chunk)
@@ -335,14 +335,6 @@ class InitUnit:
         if self._refs == 0:
             set_data(self.params[0], self.placeholder())
             self._state = ParamState.RELEASED
-
-
-def _chunks(full: torch.Tensor, info: ParamInfo, world: int) -> torch.Tensor:
-    flat = full.reshape(-1)
-    pad = info.padded_numel - info.numel
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(world, info.chunk)
 
 
 def _all_subclasses(cls) -> List[type]:

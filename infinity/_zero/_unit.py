@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 import torch
 from torch import nn
 
-from .._offload._layout import ParamSource, padded
+from .._offload._layout import ParamSource, chunk_rows, padded
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from ..aio import aligned_empty
@@ -195,7 +195,7 @@ class FetchUnit:
             return self.shard_of([raw_data(p) for p in self.params], dtype)
         out = aligned_empty(self.shard_numel, dtype)  # mapped, not heap: a build shard by shard leaves no heap behind
         for info, p, iu in zip(self.infos, self.params, self._init_units):
-            src = iu.chunk() if iu is not None else self.chunks_of(raw_data(p), info)[self.rank]
+            src = iu.chunk() if iu is not None else chunk_rows(raw_data(p), self.world_size)[self.rank]
             out[info.shard_offset : info.shard_offset + info.chunk].copy_(src)
         return out
 
@@ -210,14 +210,6 @@ class FetchUnit:
     def forget_init(self) -> None:
         self._init_units = [None] * len(self.params)
 
-    def chunks_of(self, full: torch.Tensor, info: ParamInfo) -> torch.Tensor:
-        """The (N, chunk) view of one parameter's padded, flattened values."""
-        flat = full.reshape(-1)
-        pad = info.padded_numel - info.numel
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad)])
-        return flat.view(self.world_size, info.chunk)
-
     def shard_of(self, tensors: List[torch.Tensor], dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This rank's shard of full tensors laid out like the unit's parameters, where the
         tensors are (host tensors before ``initialize`` moved anything: the shard goes to its
@@ -226,7 +218,7 @@ class FetchUnit:
         out = torch.empty(self.shard_numel, dtype=dtype, device=where) if out is None else out
         with torch.no_grad():
             for info, t in zip(self.infos, tensors):
-                out[info.shard_offset : info.shard_offset + info.chunk].copy_(self.chunks_of(t, info)[self.rank])
+                out[info.shard_offset : info.shard_offset + info.chunk].copy_(chunk_rows(t, self.world_size)[self.rank])
         return out
 
     @property
@@ -472,7 +464,7 @@ class FetchUnit:
                 if p.grad is None:
                     block.zero_()
                 else:
-                    block.copy_(self.chunks_of(p.grad, info))
+                    block.copy_(chunk_rows(p.grad, self.world_size))
 
     def own_shard_grad(self) -> Optional[torch.Tensor]:
         """On one rank, a unit of one unpadded fp32 parameter: its gradient, flat, is already
