@@ -22,10 +22,12 @@ Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where 
   then only averages over ranks (``grad_scale = 1 / world size``).
 - scheduler: the config's ``scheduler`` section (DeepSpeed's WarmupLR/WarmupDecayLR/
   WarmupCosineLR) when it has one, else the Trainer's own ``lr_scheduler_type``.
-- precision: TrainingArguments' ``fp16`` / ``bf16`` set ``precision.dtype`` (infinity casts
-  the model and scales the loss); the Trainer gets a copy of its arguments with both off
-  (``trainer.args.fp16`` is False), so accelerate adds no autocast and no GradScaler. An fp16
-  step infinity skips on overflow does not step the scheduler (``_SkipOnOverflow``).
+- precision: TrainingArguments' ``fp16`` / ``bf16`` set ``precision.dtype`` where the config
+  leaves it open (infinity casts the model and scales the loss; the Trainer gets a copy of its
+  arguments with both off, so accelerate adds no autocast and no GradScaler); ``bf16`` over a
+  config that states fp32 is plain transformers' autocast over fp32 parameters; Note [precision
+  flags] in _precision.py. An fp16 step infinity skips on overflow does not step the scheduler
+  (``_SkipOnOverflow``).
 - batches: each micro-batch goes to ``infinity.device()``, where the engine placed the
   parameters, not to ``args.device``: the two differ where the Trainer computes on the CPU
   (``use_cpu``, or no CUDA device) while infinity computes on an accelerator (CUDA, the
@@ -73,6 +75,7 @@ from .._zero._engine import engine_of
 from ..config import Config, _looks_like_deepspeed, _read_file
 from ..config.deepspeed import _get, hidden_size_of
 from ..errors import UsageError, UsageTypeError
+from ._precision import FlagMeaning, autocast_forward, check_autocast_device, flag_meaning, stated_dtype
 
 __all__ = ["InfinityTrainer", "synced_generate", "with_infinity"]
 
@@ -115,8 +118,10 @@ def synced_generate(model: torch.nn.Module) -> torch.nn.Module:
 
 def _config_source(source: Any) -> tuple:
     """(data or Config, is DeepSpeed) from what ``infinity_config=`` accepts."""
-    if source is None or isinstance(source, Config):
-        return source or Config(), False
+    if source is None:
+        return {}, False  # Config(): stating nothing, so the TrainingArguments' flags set the dtype
+    if isinstance(source, Config):
+        return source, False
     if isinstance(source, (str, os.PathLike)):
         source = _read_file(source)
     if not isinstance(source, dict):
@@ -169,9 +174,13 @@ class InfinityTrainer(Trainer):
         self._save_async = save_async  # Note [asynchronous saves] in infinity/_checkpoint/_async.py
         self._precision_flags = (False, False)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None and (training_args.fp16 or training_args.bf16):
-            # infinity casts the model and scales the loss itself; accelerate's autocast and
-            # GradScaler must stay off, so the Trainer sees fp32 and the config gets the flag.
+        self._flag_meaning = FlagMeaning.OFF
+        if training_args is not None:
+            self._flag_meaning = flag_meaning(training_args.fp16, training_args.bf16,
+                                              stated_dtype(self._infinity_source, self._is_deepspeed))
+        if self._flag_meaning is FlagMeaning.PARAMETERS:
+            # infinity casts the model and scales the loss itself (Note [precision flags] in _precision.py):
+            # accelerate's autocast and GradScaler stay off, so the Trainer sees fp32 and the config gets the flag.
             self._precision_flags = (training_args.fp16, training_args.bf16)
             training_args = dataclasses.replace(training_args, fp16=False, bf16=False)
             if "args" in kwargs:
@@ -182,6 +191,14 @@ class InfinityTrainer(Trainer):
         self._infinity_cfg: Optional[Config] = None
         self._configs: dict = {}
         super().__init__(*args, **kwargs)
+        if self._flag_meaning is FlagMeaning.AUTOCAST:
+            check_autocast_device(self.accelerator, infinity.device().type)
+            logger.info("InfinityTrainer: bf16=True over precision.dtype fp32: fp32 parameters, the forward under bf16 "
+                        "autocast, as in plain transformers")
+        elif self._flag_meaning is FlagMeaning.PARAMETERS:
+            flag = "fp16" if self._precision_flags[0] else "bf16"
+            logger.info("InfinityTrainer: %s=True sets precision.dtype %s (parameters in it, fp32 master weights, no "
+                        "autocast), as under DeepSpeed", flag, flag)
 
     def _move_model_to_device(self, model, device) -> None:
         """The Trainer moves the whole model to the GPU in its constructor; infinity places
@@ -253,6 +270,8 @@ class InfinityTrainer(Trainer):
         # it (its parameters are shards) or wrap it (no DDP: infinity reduces the gradients)
         if model not in self.accelerator._models:
             self.accelerator._models.append(model)
+        if self._flag_meaning is FlagMeaning.AUTOCAST:
+            autocast_forward(model, self.accelerator)
         if cfg.zero.stage == 3:
             synced_generate(model)
         logger.info("InfinityTrainer: ZeRO stage %d, optimizer %s lr=%g, %d parameter groups", cfg.zero.stage,

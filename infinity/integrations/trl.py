@@ -24,6 +24,8 @@ non-DeepSpeed path is the right one here:
   answered by ``synced_generate`` as for ``InfinityTrainer``; only the GRPO-style trainers'
   construction is covered by a test (the vLLM refusal), not their training;
 - ``SyncRefModelCallback`` (gathers both models under ZeRO-3): refused, see below.
+TRL's configs default to ``bf16=True``; what it means beside the infinity config's dtype: Note
+[precision flags] in _precision.py.
 
 The seams used, each checked at construction (``check_seams``): TRL's
 ``trl.kernels.ChunkedLogProbFunction`` (a ``torch.autograd.Function`` that keeps torch's
