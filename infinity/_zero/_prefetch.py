@@ -30,6 +30,10 @@ returned: collectives stay matched across ranks), the rest of the iteration fetc
 demand, the divergence is counted, and the order this iteration took becomes the trace.
 Prefetching never makes a parameter AVAILABLE early to a
 computation: modules still acquire their units, which waits for what is in flight.
+
+The prefetcher decides how far ahead and how much; the unit moves itself: it asks each unit to
+``prefetch`` to a stage (and to ``keep`` what is used again, to ``abandon`` what was not used),
+and never reads or sets a unit's state.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from ..errors import InvariantError
 from ._ledger import Hold
 from ._param import ParamState
 from ._phase import Phase
+from ._unit import Prefetched
 
 if TYPE_CHECKING:
     from .._runtime._telemetry_counters import Counters
@@ -135,9 +140,8 @@ class Prefetcher:
             if at == pos:
                 unit.release(Hold.KEPT)
         for unit, at in self._pass.next_use[pos].items():
-            if at is not None and not self._ledger.holds(unit, Hold.KEPT) and unit.partitioned \
-                    and not unit.persistent and unit.state is ParamState.AVAILABLE:
-                unit.hold(Hold.KEPT, until=at)
+            if at is not None and not self._ledger.holds(unit, Hold.KEPT):
+                unit.keep(Hold.KEPT, until=at)
 
     def _hold_for_backward(self) -> None:
         """The last forward module runs: keep what backward starts with gathered."""
@@ -146,9 +150,8 @@ class Prefetcher:
             return
         for state in trace[: max(1, self.gather_depth)]:
             for unit in state.units:
-                if unit.partitioned and unit.state is ParamState.AVAILABLE and not unit.persistent \
-                        and not self._ledger.holds(unit, Hold.INTO_BACKWARD):
-                    unit.hold(Hold.INTO_BACKWARD)
+                if not self._ledger.holds(unit, Hold.INTO_BACKWARD):
+                    unit.keep(Hold.INTO_BACKWARD)
 
     def _finish_pass(self) -> None:
         if self._pass is None:
@@ -208,39 +211,29 @@ class Prefetcher:
         return out
 
     def _ahead(self, nxt: int) -> None:
-        in_flight = sum(u.shard_numel for u in self._prefetched
-                        if u.state in (ParamState.HOST, ParamState.DEVICE))
+        in_flight = sum(u.staged_numel for u in self._prefetched)
         window = self._window(nxt, self.depth)  # device_depth <= depth and gather_depth <= device_depth (config)
-        for state in window:
+        for state in window:  # reads, within bucket_size elements in flight
             for unit in state.units:
-                if unit.state is not ParamState.RELEASED or not unit.partitioned:
+                done = unit.prefetch(ParamState.HOST, room=self.bucket - in_flight if in_flight else None)
+                if done is Prefetched.SHORT:
+                    break
+                if done is Prefetched.NOW:
+                    in_flight += unit.shard_numel
+                    self._prefetched.append(unit)
+        for state in window[: self.device_depth]:  # copies of the shards whose reads have landed
+            for unit in state.units:
+                unit.prefetch(ParamState.DEVICE, read=False)
+        for state in window[: self.gather_depth]:  # all-gathers, never past max_live_parameters or device_memory_limit
+            for unit in state.units:
+                if not self._ledger.fits(unit, self.max_live):
                     continue
-                if in_flight and in_flight + unit.shard_numel > self.bucket:
-                    break
-                if not unit.stage_to_host(block=False):
-                    break
-                in_flight += unit.shard_numel
-                self._prefetched.append(unit)
-        for state in window[: self.device_depth]:
-            for unit in state.units:
-                if unit.state is ParamState.HOST and unit.partitioned:
-                    unit.stage_to_device(block=False)  # only once its read has landed
-        for state in window[: self.gather_depth]:
-            for unit in state.units:
-                if unit.state in (ParamState.RELEASED, ParamState.HOST, ParamState.DEVICE) and unit.partitioned \
-                        and self._ledger.fits(unit, self.max_live):  # never overruns device_memory_limit
-                    unit.start_gather()
-                    if unit not in self._prefetched:
-                        self._prefetched.append(unit)
-        self._prefetched = [u for u in self._prefetched if u.state is not ParamState.RELEASED or u.refs]
+                if unit.prefetch(ParamState.GATHERING, block=True) is Prefetched.NOW and unit not in self._prefetched:
+                    self._prefetched.append(unit)
+        self._prefetched = [u for u in self._prefetched if not u.idle]
 
     def _abandon_unused(self) -> None:
         for unit in self._prefetched:
-            if unit.refs:
-                continue
-            if unit.state is ParamState.GATHERING:
-                unit.wait_gather()
-            if unit.state in (ParamState.HOST, ParamState.DEVICE) or \
-                    (unit.state is ParamState.AVAILABLE and not unit.persistent):
+            if not unit.refs:
                 unit.abandon()
         self._prefetched = []

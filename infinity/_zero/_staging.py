@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..errors import InvariantError
+
+if TYPE_CHECKING:
+    from .._offload._param_store import ParamStore
 
 
 class Source(enum.Enum):
@@ -46,7 +49,11 @@ class Staging:
     ``__post_init__`` refuses a field the kind does not have, so no combination of fields
     stands for a kind. It is built by one constructor per kind and moves on only through
     ``landed`` (the read is done) and ``on_device`` (the copy started), each a new payload,
-    checked again."""
+    checked again. Every rule that depends on the kind is answered here (what the copy
+    reads, whether the parameter cache takes it, whether the gathered parameters may be
+    views of it and are new device memory, what goes back where once it is consumed), so
+    the fetch unit never tests ``kind`` and a new kind changes this module and the place
+    that builds it."""
 
     kind: Source
     host: Optional[torch.Tensor] = None  # CACHED, HANDED_OFF: the shard; DIRECT_READ: the gathered buffer
@@ -115,3 +122,34 @@ class Staging:
     def recycled(self) -> Optional[torch.Tensor]:
         """A DIRECT_READ's gathered buffer, given back to the recycler when unused or freed."""
         return self.host if self.kind is Source.DIRECT_READ else None
+
+    def _on(self, what: str) -> OnDevice:
+        if self.device is None:
+            raise InvariantError(f"{what}: a {self.kind.name} staging whose copy to the device has not started")
+        return self.device
+
+    def gathers_in_place(self, world_size: int) -> bool:
+        """Whether the gathered parameters are views of the device shard: on one rank, unless
+        the shard is a staging buffer that goes back to its pool (no accelerator, NVMe tier)."""
+        copied = self._on("gathers_in_place").copied
+        return world_size == 1 and (self.kind is not Source.POOL_READ or copied)
+
+    def new_memory(self, world_size: int) -> bool:
+        """Whether the gathered parameters are memory of their own, charged to the device
+        budget: a buffer of the all-gather, a copy, the cache's copy, the step's hand-off, or
+        the gathered buffer a direct read filled (not the parameter store's own tensor)."""
+        copied = self._on("new_memory").copied
+        return not self.gathers_in_place(world_size) or copied or self.kind in HOLDS_HOST
+
+    def give_back(self, store: "ParamStore") -> None:
+        """The device shard was consumed (gathered, or abandoned): its host source goes back
+        with the copy's event, reused only once the copy has landed (Note [buffers under a
+        copy] in _param_store.py); no CPU wait here. A pool buffer returns to the store's
+        pool; any other host tensor a copy read is kept alive until the copy is done."""
+        on = self._on("give_back")
+        if self.kind is Source.POOL_READ:
+            if store.pool is None or self.host is None:
+                raise InvariantError("give_back: a POOL_READ staging without its buffer, or a store without a pool")
+            store.pool.put(self.host, after=on.h2d)
+        elif on.source is not None:  # copied
+            store.keep_until_copied(on.source, on.h2d)

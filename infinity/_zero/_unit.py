@@ -14,6 +14,7 @@ parameters] in _layout.py).
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
@@ -28,7 +29,7 @@ from ..errors import EngineError, InvariantError
 from ._init_context import InitUnit
 from ._ledger import GatherLedger, Hold
 from ._param import ParamInfo, ParamState, info_of, make_plain, raw_data, register, set_data
-from ._staging import HOLDS_HOST, Source, Staging
+from ._staging import Staging
 from ._unit_plan import UnitSpec
 
 if TYPE_CHECKING:
@@ -80,6 +81,17 @@ class _Gathered:
 #   AVAILABLE  _Gathered (or None before the first partition and for stages 1-2: the model's own tensors)
 _PAYLOAD = {ParamState.RELEASED: (None, None), ParamState.HOST: ("host", None), ParamState.DEVICE: ("device", None),
             ParamState.GATHERING: ("device", True), ParamState.AVAILABLE: (None, "maybe")}
+_STEP = {state: i for i, state in enumerate(ParamState)}  # ParamState's members are in the order a fetch takes
+
+
+class Prefetched(enum.Enum):
+    """What ``FetchUnit.prefetch`` did. SHORT: the unit stays where it got to, because its
+    read had no room or was not allowed, no staging buffer was free, its read was still in
+    flight, or the step had not yet updated its range."""
+
+    ALREADY = "already"  # the unit was at the stage asked for, or past it: nothing to do
+    NOW = "now"  # this call took it there
+    SHORT = "short"  # it stopped before
 
 
 class FetchUnit:
@@ -283,6 +295,15 @@ class FetchUnit:
         self._expect(ParamState.AVAILABLE, "hold")
         self.ctx.ledger.take(self, why, until)
 
+    def keep(self, why: Hold, until: Optional[int] = None) -> bool:
+        """Hold the unit for ``why`` if it is gathered and its last release would free it
+        (partitioned, not persistent), so that it stays gathered until ``release(why)``;
+        False, and no hold, otherwise."""
+        if self._state is not ParamState.AVAILABLE or not self.partitioned or self.persistent:
+            return False
+        self.hold(why, until)
+        return True
+
     def release(self, why: Hold) -> None:
         """Drop the hold for ``why``; free the full tensors when it was the last (unless persistent)."""
         left = self.ctx.ledger.drop(self, why)
@@ -300,13 +321,14 @@ class FetchUnit:
             self.ctx.ledger.freed(self)
 
     def abandon(self) -> None:
-        """Undo a prefetch nobody used: back to RELEASED, buffers returned (refs must be 0)."""
+        """Undo a prefetch nobody used, from whatever stage it reached: back to RELEASED,
+        buffers returned (refs must be 0); a persistent unit stays gathered, as after any use."""
         if self.refs:
             raise InvariantError(f"abandon: {self!r} is still held for {self.ctx.ledger.describe(self)}")
         if self._state is ParamState.GATHERING:
-            self.wait_gather()
+            self.wait_gather()  # collectives stay matched across ranks
         if self._state is ParamState.AVAILABLE:
-            if self.partitioned:
+            if self.partitioned and not self.persistent:
                 self._free_full()
             return
         if self._state is ParamState.HOST:
@@ -316,6 +338,43 @@ class FetchUnit:
             if staging.recycled is not None:  # read straight into a gathered buffer
                 self.ctx.gathered.give(staging.recycled)
             self._state = ParamState.RELEASED
+
+    # ------------------------------------------------------------ prefetch (Note [trace and prefetch] in _prefetch.py)
+
+    def prefetch(self, to: ParamState, *, block: bool = False, room: Optional[int] = None,
+                 read: bool = True) -> Prefetched:
+        """Take a partitioned unit toward ``to`` along the path ``acquire`` takes, one
+        transition at a time: HOST, its shard's read submitted (or its resident, cached or
+        handed-off shard staged); DEVICE, its copy to the device started; GATHERING, its
+        all-gather launched. A released unit starts its read only with ``read`` on and its
+        shard within ``room`` elements (None: any size). Without ``block`` a transition
+        that would wait is not taken. ``abandon`` undoes what this did."""
+        if not self.partitioned or _STEP[self._state] >= _STEP[to]:
+            return Prefetched.ALREADY
+        if self._state is ParamState.RELEASED and (not read or room is not None and self.shard_numel > room):
+            return Prefetched.SHORT
+        while _STEP[self._state] < _STEP[to]:
+            if self._state is ParamState.RELEASED:
+                moved = self.stage_to_host(block=block)
+            elif self._state is ParamState.HOST:
+                moved = self.stage_to_device(block=block)
+            else:
+                self.start_gather()
+                moved = True
+            if not moved:
+                return Prefetched.SHORT
+        return Prefetched.NOW
+
+    @property
+    def staged_numel(self) -> int:
+        """Elements of the shard on their way to a gather (its read submitted or landed, its
+        copy started); 0 otherwise. The prefetcher's ``bucket_size`` counts them."""
+        return self.shard_numel if self._state in (ParamState.HOST, ParamState.DEVICE) else 0
+
+    @property
+    def idle(self) -> bool:
+        """Released and unheld: nothing of it is gathered or on its way."""
+        return self._state is ParamState.RELEASED and not self.refs
 
     def stage_to_host(self, *, block: bool = True) -> bool:
         """RELEASED -> HOST: submit the read of the shard from NVMe into a pool buffer
@@ -387,15 +446,10 @@ class FetchUnit:
         return True
 
     def _drop_staging(self) -> Staging:
-        """The device shard was consumed (gathered, or abandoned): its host source goes back
-        with the copy's event, reused only once the copy has landed (Note [buffers under a
-        copy] in _param_store.py); no CPU wait here."""
+        """The device shard was consumed (gathered, or abandoned): the staging gives its host
+        source back (``Staging.give_back``)."""
         staging, self._staging = self._staging, None
-        on = staging.device
-        if staging.kind is Source.POOL_READ:
-            self.store.pool.put(staging.host, after=on.h2d)
-        elif on.copied:
-            self.store.keep_until_copied(on.source, on.h2d)
+        staging.give_back(self.store)
         return staging
 
     def _what(self) -> str:
@@ -414,11 +468,8 @@ class FetchUnit:
         shard = acc.finish_copy_to_device(on.shard, on.h2d)
         nbytes = self.full_nbytes
         gathered = _Gathered(recycled=st.recycled)
-        # One rank: the parameters are views of the device shard unless it is a staging buffer
-        # (no accelerator, NVMe tier); it is new memory when it is a copy, the cache's copy,
-        # was handed off or read straight into a gathered buffer.
-        in_place = self.world_size == 1 and (st.kind is not Source.POOL_READ or on.copied)
-        if not in_place or on.copied or st.kind in HOLDS_HOST:
+        in_place = st.gathers_in_place(self.world_size)
+        if st.new_memory(self.world_size):
             self.ctx.ledger.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             gathered.charged = nbytes
         self.ctx.ledger.gathered(self)
