@@ -36,7 +36,7 @@ def load_checkpoint(directory, model, optimizer, tag=None, *, clone: bool = True
     ``extra.pt`` is a pickle: load checkpoints you trust."""
     engine, opt = engine_and_optimizer(model, optimizer, "load_checkpoint")
     finish_pending(engine, "load_checkpoint")  # a save in flight reads the stores this load rewrites
-    engine.settle_writes()
+    engine.settle_writes(rewriting=True)  # a failed step's states are about to be replaced: Note [failed step] in _step_gate.py
     path = agree(_resolve(directory, tag) if comm.rank() == 0 else None, "load_checkpoint")[0]
     reader = CheckpointReader(path, Mover(engine.cfg.aio))
     try:
@@ -150,6 +150,7 @@ def _restore_optimizer(engine, opt, manifest: dict) -> None:
     for group, values in zip(opt.param_groups, manifest["groups"]):
         group.update({k: tuple(v) if k == "betas" else v for k, v in values.items()})
     opt.store.checkpoint_loaded()
+    opt.gate.clear()  # every state rewritten: Note [failed step] in _step_gate.py
     if opt.param_store is not None:
         opt.param_store.checkpoint_loaded()
     engine.after_step()  # persistent units' gathered copies are stale

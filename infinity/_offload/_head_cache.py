@@ -30,8 +30,8 @@ class HeadCache:
     """``head`` elements (whole chunks) of master weights, moments and gradient shards in host
     memory, written through to the files by the update. Transitions: ``start_reads`` (EMPTY
     -> READING), ``land`` (READING or LOADED -> LOADED), ``release`` (LOADED -> EMPTY, pages
-    given back), ``invalidate`` (any -> EMPTY: the files were rewritten); each raises
-    InvariantError in a state it does not start from."""
+    given back), ``invalidate`` (any -> EMPTY: the files were rewritten), ``forget`` (any ->
+    EMPTY: an update failed); each raises InvariantError in a state it does not start from."""
 
     def __init__(self, files: OptimizerFiles, head: int, aio_cfg):
         self.files = files
@@ -78,6 +78,12 @@ class HeadCache:
     def invalidate(self) -> None:
         """The files were rewritten (master weights loaded, a checkpoint): the next update reads them afresh."""
         self.files.wait(self.io, "writing back the cached optimizer chunks")
+        self.state = HeadState.EMPTY
+
+    def forget(self) -> None:
+        """Any -> EMPTY after a failed update (Note [failed step] in _step_gate.py): its reads
+        and write-backs in flight drained; the next update reads the files afresh."""
+        self.files.drain(self.io, "a failed update's cached optimizer chunks")
         self.state = HeadState.EMPTY
 
     def wait(self, what: str = "writing back the cached optimizer chunks") -> None:

@@ -274,6 +274,14 @@ class NvmeOptimizerStore:
         write of its master weights where the parameter store writes them as published."""
         self.pipeline.run(fn, self.grads.with_grad)
 
+    def abandon_update(self) -> None:
+        """Note [failed step] in _step_gate.py: the buffer sets' and the host cache's I/O
+        drained and read afresh next time, the gradients dropped."""
+        self.pipeline.reset()
+        self.cache.forget()
+        self.files.drain(self.grads.writer, "a failed update's gradient shards")
+        self.grads.zero()
+
     def release_idle(self, block: bool = True) -> None:
         """During forward, before the activation peak, with ``release_cache``: the cached
         chunks' master weights and moments give their pages back once their write-through

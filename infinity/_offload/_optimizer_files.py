@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..aio import aligned_empty
+from ..aio import AioError, aligned_empty
 from ..aio._checksum import checksummed
 from ..errors import InvariantError
 from ._moments import Codec, file_bytes
@@ -105,6 +105,14 @@ class OptimizerFiles:
 
     def wait(self, handle, what: str) -> None:
         wait_io(handle, f"{what} (optimizer swapper, rank {self.rank})")
+
+    def drain(self, handle, what: str) -> None:
+        """``wait``, a failed request's error dropped: after a failed update (Note [failed
+        step] in _step_gate.py) nothing uses what it moved, and its error was raised already."""
+        try:
+            self.wait(handle, what)
+        except AioError:
+            pass
 
     def read(self, handle, name: str, offset: int, out: torch.Tensor) -> None:
         handle.pread(out, self.paths[name], self.byte_offset(name, offset))

@@ -86,6 +86,10 @@ class OptimizerStore(Protocol):
 
     def update_tail(self, fn: Callable[[Chunk], None]) -> None: ...
 
+    # Note [failed step] in _step_gate.py: the update failed before it changed a state, or a checkpoint load
+    # follows one that did: I/O in flight waited for, the gradients it sealed dropped, the next update afresh
+    def abandon_update(self) -> None: ...
+
     # memory: what sits idle through the activation peak (Note [released pages] in aio/_memory.py)
     def release_idle(self, block: bool = True) -> None: ...
 
@@ -201,6 +205,10 @@ class MemoryOptimizerStore:
     def _grad_read(self, start: int, end: int) -> None:
         self.grads.consumed(start, end)
         self._read_upto = end  # pieces are walked in order, the head first
+
+    def abandon_update(self) -> None:
+        self._sealed = None
+        self.zero_grads()
 
     def zero_grads(self) -> None:
         if self.lazy_grad:

@@ -363,11 +363,15 @@ class ParamStore:
         return self.path
 
     def checkpoint_loaded(self) -> None:
-        """A checkpoint rewrote the shards: what the step handed off is stale (Note [hand-off])."""
+        """A checkpoint rewrote the shards: what the step handed off is stale (Note [hand-off]),
+        and so are the units a failed step left filling (Note [failed step] in _step_gate.py)."""
         if self.flat is None:
             with self._lock:
                 self._handoff = []
                 self._cache, self._cached = {}, 0
+            filling, self._filling = self._filling, {}
+            for fill in filling.values():
+                self._outputs.give(fill[0])
 
     def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:
         return self._file.landed(offset, numel, block=block)  # Note [write ordering] in _ordered_writes.py

@@ -153,6 +153,13 @@ class SwapPipeline:
                 self.files.decode(name, rec, bufs[name])
             self.files.write(writer, name, off, rec)
 
+    def reset(self) -> None:
+        """Any -> IDLE after a failed update (Note [failed step] in _step_gate.py): every read
+        and write in flight drained; the next update reads its chunks afresh."""
+        for handle in self.readers + self.writers:
+            self.files.drain(handle, "a failed update's optimizer chunks")
+        self.state = TailState.IDLE
+
     def close(self) -> None:
         close_handles([*self.readers, *self.writers])
         self.sets, self.records = [], []  # Note [closed engines] in _engine.py

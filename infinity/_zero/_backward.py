@@ -24,6 +24,33 @@ whose hold already ended (DONE) is held again when backward reaches it again, it
 for another accumulation; gradients that arrive after the unit's were handed to the reducer
 stay in ``.grad`` and are reduced at the end of backward (Note [bucket plan] in _reduce.py),
 as are those of a unit only some of whose parameters got one.
+
+Note [aborted backward]: a backward can end by an exception (an autograd Function or a hook
+that raises, out of memory, an interrupt), as a forward can (Note [aborted forward] in
+_engine.py). Autograd then drops the callback queued at its start (``_end``) without calling
+it, so nothing ends the backward: the phase stays BACKWARD, the modules HELD keep their units
+gathered, the reducer keeps its partial buckets and the sink its device->host copies in
+flight. The engine ends it at the next call made outside any backward while the phase is
+still BACKWARD (``aborted``: no autograd graph task runs on this thread, which tells it from
+a recomputation inside a live backward): the model's next forward, the optimizer's
+``zero_grad`` and ``step``, and ``close``. ``abort`` then, launching no collective (another
+rank's backward may have ended otherwise):
+- ends the holds of the modules still HELD (their units are released) and resets every
+  module's progress; frames a recomputation left behind are released (``Calls.abort_backward``,
+  BACKWARD -> IDLE);
+- waits for the reduce-scatters in flight and drops them, the partial buckets and this
+  backward's sets of units (``GradReducer.abandon``);
+- lands the device->host copies in flight (``GradSink.backward_aborted``);
+- drops this backward's sequence of all-gathers unchecked and ends the prefetcher's pass
+  (prefetches nobody used are waited for and returned).
+The failed micro-batch's gradients are then partial: those reduced before the exception are
+in the optimizer store, those of units not reduced yet in ``.grad``, those of the dropped
+buckets nowhere. The sink marks them PARTIAL: ``step()`` refuses them (plain PyTorch would
+apply its partial ``.grad``; part of it is gone here), and ``zero_grad()`` discards every
+gradient since the last step (the store's ranges, ``.grad``, copies still landing, which
+parameters got one, the losses noted) and the mark. The next steps are then those of plain
+PyTorch that skipped the batch. Stage 1 reduces nothing in backward and runs no backward
+hook: its partial gradients are the ``.grad`` that ``zero_grad`` drops.
 """
 from __future__ import annotations
 
@@ -81,7 +108,7 @@ class BackwardHooks:
 
     def __init__(self, units: List["FetchUnit"], states: List[ModuleState], *, calls: "Calls",
                  prefetcher: "Prefetcher", reducer: Optional["GradReducer"], ledger: "GatherLedger[FetchUnit]",
-                 counters: "Counters", check_same_gathers: Callable[[str], None]):
+                 counters: "Counters", check_same_gathers: Callable[[str], None], on_abort: Callable[[], None] = lambda: None):
         self._units = units
         self._states = states
         self._calls = calls  # Note [phases] in _phase.py: the first hook of a backward begins it
@@ -90,6 +117,7 @@ class BackwardHooks:
         self._ledger = ledger
         self._counters = counters
         self._check_same_gathers = check_same_gathers  # Note [same gathers on every rank] in _same_gathers.py
+        self._on_abort = on_abort  # the sink: Note [aborted backward]
         self._held: Dict[ModuleState, None] = {}  # the modules HELD now, in the order backward reached them
         self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
         self._inputs_seen: Set[int] = set()  # tokens whose input gradients this backward has computed
@@ -183,3 +211,27 @@ class BackwardHooks:
         self._calls.end_backward()
         self._prefetcher.end()
         self._check_same_gathers("backward")
+
+    # ------------------------------------------------------------ a backward that raised
+
+    @property
+    def aborted(self) -> bool:
+        """Note [aborted backward]: the phase is BACKWARD, yet no backward runs on this thread."""
+        return self._calls.in_backward and torch._C._current_graph_task_id() == -1
+
+    def abort(self) -> None:
+        """Note [aborted backward]: end a backward that ended by an exception."""
+        for state in list(self._held):
+            self._end_hold(state)
+        for state in self._states:
+            state.reset()
+        self._inputs_seen.clear()
+        try:
+            if self._reducer is not None:
+                self._reducer.abandon()
+        finally:
+            self._ledger.take_sequence()  # not compared: the other ranks' backwards may have ended otherwise
+            self._calls.abort_backward()
+            self._prefetcher.end()
+            self._on_abort()
+        self._ledger.check_none(Hold.BACKWARD, where="an aborted backward")

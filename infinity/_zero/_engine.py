@@ -48,7 +48,9 @@ middle of the block's last submodule. The post-forward hook is therefore registe
 ``always_call=True``: every frame pushed by a pre-forward hook is popped and its units
 released, whatever way the forward ended. Before this, the aborted frames kept their units
 gathered with a reference nobody dropped, so the optimizer step could not refresh them and
-later forwards and reads saw the values from before the step.
+later forwards and reads saw the values from before the step. A backward that raises is
+ended at the next forward (or ``zero_grad``, ``step``, ``close``): Note [aborted backward] in
+_backward.py.
 """
 from __future__ import annotations
 
@@ -67,7 +69,9 @@ from .._offload._memory_plan import host_account, stop_block_cache
 from .._offload._optimizer_store import state_bytes
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
+from .._runtime._log import logger
 from .._runtime._save_fence import SaveFence
+from ..aio import AioError
 from ..errors import EngineError
 from . import _function_params
 from ._backward import BackwardHooks
@@ -77,6 +81,7 @@ from ._module_state import ModuleState
 from ._param import info_of, make_partitioned, raw_data, set_data
 from ._phase import Calls, Frame, tensors_in
 from ._same_gathers import check_same_gathers
+from ._step_gate import GateState
 from ._unit import FetchUnit, UnitContext
 from ._unit_plan import DTYPES, StagePolicy, block_modules, plan_units  # noqa: F401 - the engine's planning, re-exported
 
@@ -85,6 +90,7 @@ if TYPE_CHECKING:
     from .._offload._placement import Placement
     from .._offload._swap import SwapDirs
     from ._activation_offload import ActivationOffloader
+    from ._grad_sink import GradSink
     from ._loss_scale import LossScaler
     from ._prefetch import Prefetcher
     from ._reduce import GradReducer
@@ -93,6 +99,7 @@ if TYPE_CHECKING:
 _pending_external: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
 _PARTITION_WRITES_IN_FLIGHT = 128 << 20  # bytes of shards written by cast_and_partition before it waits
+_DRAIN_TRIES = 64  # flushes of a failed step's parameter writes before a load gives up draining them
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ class EngineParts:
     opt_store: "OptimizerStore"  # Note [optimizer store protocol] in _optimizer_store.py
     prefetcher: "Prefetcher"
     reducer: "GradReducer"
+    sink: "GradSink"  # where the reducer delivers gradients (Note [gradients to the host] in _grad_sink.py)
     scaler: Optional["LossScaler"]  # fp16 only
     swap_dirs: "SwapDirs"
     memory_plan: dict  # the preflight's plan, by tier and category (Note [one memory model] in _memory_plan.py)
@@ -156,7 +164,8 @@ class Engine:
         self.backward = BackwardHooks(  # Note [hook protocol]: the backward half
             self.units, list(self.states.values()), calls=self.calls, prefetcher=self.prefetcher,
             reducer=self.reducer if self.policy.reduce_in_backward else None, ledger=self.ledger,
-            counters=self.counters, check_same_gathers=self.check_same_gathers)
+            counters=self.counters, check_same_gathers=self.check_same_gathers,
+            on_abort=parts.sink.backward_aborted)
         self._handles: list = []
         self._telemetry_totals: dict = {}  # running totals at the last telemetry() call
         for module, params in list(_pending_external.items()):
@@ -247,7 +256,14 @@ class Engine:
             h.remove()
         self._handles.clear()
 
+    def end_aborted_backward(self) -> None:
+        """End a backward that ended by an exception, if the last one did (Note [aborted
+        backward] in _backward.py)."""
+        if self.backward.aborted:
+            self.backward.abort()
+
     def _pre_forward_root(self, module, args):
+        self.end_aborted_backward()
         if not self.calls.in_backward:  # in backward: recomputed by activation checkpointing (Note [phases] in _phase.py)
             self.calls.begin_forward()
 
@@ -261,9 +277,11 @@ class Engine:
             scale_outputs(self.scaler, output)
 
     def _pre_forward(self, module, args, kwargs):
-        if module is self.model and not self.calls.in_backward:  # Note [phases] in _phase.py
-            self.calls.begin_forward()
-            self.prefetcher.begin()
+        if module is self.model:
+            self.end_aborted_backward()
+            if not self.calls.in_backward:  # Note [phases] in _phase.py
+                self.calls.begin_forward()
+                self.prefetcher.begin()
         if torch.is_grad_enabled():
             self.opt_store.release_idle(block=False)  # as early as it can: HF models peak in the loss, inside forward
         state = self.states[module]
@@ -341,11 +359,35 @@ class Engine:
         comm.all_gather_into_tensor(full, shard, async_op=False, what=f"restoring {unit.module_name or '<root>'}")
         unit.load_full_into_params(full.view(self.world_size, unit.shard_numel))
 
-    def settle_writes(self) -> None:
-        """Wait for the overlapped step and every parameter-shard write in flight."""
-        self.gate.join()
-        if self.param_store is not None:
+    def settle_writes(self, *, rewriting: bool = False) -> None:
+        """Wait for the overlapped step and every parameter-shard write in flight. ``rewriting``:
+        the caller rewrites every state (a checkpoint load), so a failed step is not refused
+        (Note [failed step] in _step_gate.py): its error is logged and its I/O drained."""
+        if not rewriting:
+            self.gate.join()
+            if self.param_store is not None:
+                self.param_store.flush()
+            return
+        error = self.gate.settle()
+        if error is not None:
+            logger.warning("rank %d: the optimizer step failed (%s: %s); the checkpoint being loaded replaces its "
+                           "states", self.rank, type(error).__name__, error)
+        if self.gate.state is GateState.FAILED:
+            self.opt_store.abandon_update()
+            if self.param_store is not None:
+                self._drain_parameter_writes()
+        elif self.param_store is not None:
             self.param_store.flush()
+
+    def _drain_parameter_writes(self) -> None:
+        """Every parameter-shard write waited for, a failed one's error dropped: each failed
+        flush collects one handle's writes (Note [write ordering] in _ordered_writes.py)."""
+        for _ in range(_DRAIN_TRIES):
+            try:
+                self.param_store.flush()
+                return
+            except AioError:
+                continue
 
     def needs_copy_to_restore(self, unit: FetchUnit) -> bool:
         """An edit of ``unit``'s gathered values would also edit the only stored copy: stage
@@ -420,20 +462,29 @@ class Engine:
             try:
                 self.save_fence.finish(comm.timeout_s())  # an asynchronous save commits first; its error is raised
             finally:
-                self.gate.join()
+                error = self.gate.settle()  # a failed step's error nobody saw yet (Note [failed step] in _step_gate.py)
+                if error is not None:
+                    raise error
         finally:
-            self.prefetcher.release_held()
-            for unit in self.units:
-                unit.refresh()  # gathered copies (persistent units) freed: their device bytes leave the budget
-            self.remove_hooks()
-            for store in (self.opt_store, self.param_store):
-                if store is not None:
-                    store.close()  # Note [closing handles] in aio/_handle.py
-            if self.gathered is not None:
-                self.gathered.clear()
-            self.swap_dirs.remove()
-            if self._block_cache_done is not None:
-                self._block_cache_done()  # once: a finalizer runs at most once
+            try:
+                self.end_aborted_backward()  # its holds and copies in flight too
+            finally:
+                self._let_go()
+
+    def _let_go(self) -> None:
+        """``close``'s second half: Note [closed engines]."""
+        self.prefetcher.release_held()
+        for unit in self.units:
+            unit.refresh()  # gathered copies (persistent units) freed: their device bytes leave the budget
+        self.remove_hooks()
+        for store in (self.opt_store, self.param_store):
+            if store is not None:
+                store.close()  # Note [closing handles] in aio/_handle.py
+        if self.gathered is not None:
+            self.gathered.clear()
+        self.swap_dirs.remove()
+        if self._block_cache_done is not None:
+            self._block_cache_done()  # once: a finalizer runs at most once
 
     def model_state_bytes(self) -> dict:
         """Bytes of model states this rank holds now: parameters, gradients, optimizer."""

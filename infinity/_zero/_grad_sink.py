@@ -3,6 +3,7 @@ a gradient in this backward."""
 from __future__ import annotations
 
 import collections
+import enum
 from typing import TYPE_CHECKING, List
 
 import torch
@@ -16,6 +17,13 @@ if TYPE_CHECKING:
 
 
 GRADS_IN_FLIGHT = 4  # device->host gradient copies the sink lets run ahead of the CPU (Note [gradients to the host])
+
+
+class Received(enum.Enum):
+    """The gradients delivered since the last ``zero_grad`` (Note [aborted backward] in _backward.py)."""
+
+    WHOLE = "whole"  # every backward since then ended
+    PARTIAL = "partial"  # one ended by an exception: some of its gradients are in, the rest never came
 
 
 class GradSink:
@@ -42,6 +50,7 @@ class GradSink:
         self._counters = counters
         self._unit_first = _first_param_index(units)
         self.got_grad = torch.zeros(sum(len(u.params) for u in units), dtype=torch.float64)
+        self.received = Received.WHOLE
 
     def note(self, unit: "FetchUnit") -> None:
         """The reducer takes ``unit``'s gradients: flag the parameters that have one."""
@@ -85,6 +94,27 @@ class GradSink:
     def flush(self) -> None:
         """Every gradient delivered so far is in the store."""
         self._land(wait=True, every=True)
+
+    @property
+    def in_flight(self) -> int:
+        """Device->host copies not yet landed in the store."""
+        return len(self._landing)
+
+    def backward_aborted(self) -> None:
+        """A backward ended by an exception (Note [aborted backward] in _backward.py): what it
+        delivered lands, and the gradients are PARTIAL until ``discard``."""
+        self.flush()
+        self.received = Received.PARTIAL
+
+    def discard(self) -> None:
+        """``zero_grad``: the copies still landing are waited for and dropped (one landing in
+        place would write its range after the store dropped it), the flags of which parameters
+        got a gradient cleared; the gradients to come are WHOLE again."""
+        while self._landing:
+            acc.wait_copy_to_host(self._landing.popleft()[2])
+        self._staged = 0
+        self.got_grad.zero_()
+        self.received = Received.WHOLE
 
     def consumers_done(self) -> None:
         """The reducer is about to rewrite a bucket: device work from here on runs after the

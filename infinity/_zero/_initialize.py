@@ -183,8 +183,8 @@ def _build_engine(model: nn.Module, cfg):
                               on_add=sink.note)
         scaler = _loss_scaler(cfg.precision) if dtype == torch.float16 else None
         offload = ActivationOffloader(ledger.budget) if cfg.activation_checkpointing.offload == "cpu" else None
-        parts = EngineParts(placement, ctx, calls, units, uses, opt_store, prefetcher, reducer, scaler, swap_dirs,
-                            memory_plan, offload, block_cache)
+        parts = EngineParts(placement, ctx, calls, units, uses, opt_store, prefetcher, reducer, sink, scaler,
+                            swap_dirs, memory_plan, offload, block_cache)
         return Engine(model, cfg, parts), sink, gate
     except BaseException:
         swap_dirs.remove()
@@ -202,7 +202,7 @@ def _engine_ops(engine: Engine) -> EngineOps:
         param_store=engine.param_store, scaler=engine.scaler, counters=engine.counters,
         wait_for_saves=lambda: fence.wait_writes(comm.timeout_s()),
         reduce_rest=(lambda: None) if engine.policy.reduce_in_backward else reducer.reduce_all,
-        after_step=engine.after_step)
+        after_step=engine.after_step, end_aborted_backward=engine.end_aborted_backward)
 
 
 def _start_host_allocator(policy: str) -> bool:

@@ -3,7 +3,8 @@
 Note [phases]: the engine is in one ``Phase`` at a time. ``begin_forward`` (the root module's
 pre-forward hook) and ``end_forward`` (its post-forward) bracket a forward; ``begin_backward``
 (the first pre-backward or gradient hook of a backward) and ``end_backward`` (the autograd
-callback queued by ``begin_backward``) bracket a backward. The optimizer step runs between
+callback queued by ``begin_backward``) bracket a backward; a backward that raised never runs
+that callback, and ``abort_backward`` ends it instead (Note [aborted backward] in _backward.py). The optimizer step runs between
 them, outside both: an overlapped step may still run on its thread during the next forward
 (Note [step gate] in _step_gate.py), which is why the step is not a phase of this object.
 A forward inside a backward (reentrant activation checkpointing recomputes each block in
@@ -89,6 +90,14 @@ class Calls:
     def end_backward(self) -> None:
         """BACKWARD -> IDLE, at the autograd callback queued by the first backward hook."""
         self._expect(Phase.BACKWARD, "end_backward")
+        self.phase = Phase.IDLE
+
+    def abort_backward(self) -> None:
+        """BACKWARD -> IDLE for a backward that ended by an exception, whose ``end_backward``
+        never ran (Note [aborted backward] in _backward.py); frames a recomputation inside it
+        left behind are released."""
+        self._expect(Phase.BACKWARD, "abort_backward")
+        self.reset()
         self.phase = Phase.IDLE
 
     @property

@@ -199,6 +199,35 @@ class GradReducer:
         self._late.clear()
         self._next = 0
 
+    @property
+    def idle(self) -> bool:
+        """Nothing of a backward is here: no unit added, no bucket filled, no reduce-scatter in flight."""
+        return not (self._added or self._late or self._inflight or self._next) and \
+            all(b.full is None and not b.arrived and not b.direct for b in self.buckets)
+
+    def abandon(self) -> None:
+        """Note [aborted backward] in _backward.py: the backward ended by an exception. The
+        reduce-scatters in flight are waited for (their buffers go back to the ring) and
+        dropped with the partial buckets and this backward's sets; no collective is launched."""
+        inflight, self._inflight = self._inflight, []
+        buffers = {id(item.full): item.full for item in inflight}
+        buffers.update((id(b.full), b.full) for b in self.buckets if b.full is not None)
+        for bucket in self.buckets:
+            self._reset(bucket)
+        self._added.clear()
+        self._late.clear()
+        self._next = 0
+        error = None
+        for item in inflight:
+            try:
+                item.handle.wait()
+            except Exception as e:  # noqa: BLE001 - every one is waited for; the first error is raised
+                error = error or e
+        for full in buffers.values():
+            self._recycle(full)
+        if error is not None:
+            raise error
+
     def _complete(self, item: _InFlight) -> None:
         item.handle.wait()
         bucket = item.bucket
@@ -206,12 +235,17 @@ class GradReducer:
             if unit not in bucket.direct:
                 self.accumulate(unit, item.out[col : col + unit.shard_numel])
         self._reset(bucket)
-        base = item.full._base if item.full._base is not None else item.full
-        if base.numel() == self.bucket_elems and base is not item.full:
-            self._ring.append(base)
-            self._ring_dirty = True
-        else:  # a one-off buffer for a unit bigger than a bucket: free it as soon as it is read
+        if not self._recycle(item.full):  # a one-off buffer for a unit bigger than a bucket: free it once read
             self.consumers_done()
+
+    def _recycle(self, full: torch.Tensor) -> bool:
+        """Give a bucket's buffer back to the ring; False for a one-off buffer (not the ring's)."""
+        base = full._base if full._base is not None else full
+        if base.numel() != self.bucket_elems or base is full:
+            return False
+        self._ring.append(base)
+        self._ring_dirty = True  # an asynchronous consumer may still read it
+        return True
 
     @staticmethod
     def _reset(bucket: _Bucket) -> None:

@@ -7,17 +7,47 @@ every shard is updated, a fetch ``wait``s until its unit's range is below it, an
 ``join``/``settle`` wait for the whole step. The step owns the gate (it alone opens, advances
 and closes it); the fetch units and the engine only consult it, so they never see the
 optimizer. ``initialize`` builds it before either.
+
+Note [failed step]: an exception inside the optimizer step (an I/O fault, an interrupt, any
+error, on the main thread or on the overlapped step's) ends it in one of two ways, told
+apart by whether the update had begun changing a state (Adam had started on a chunk of the
+flat space), a write had failed or a request timed out, still in flight (a file may no longer
+hold what the engine believes it holds), or other ranks took part (one rank cannot know that
+the others' steps failed too, so none undoes its own alone):
+- neither: every state holds its value BEFORE the step. The step is undone: the step counts,
+  the step number and the loss scale are put back; the sink and the stores drop the step's
+  gradients and forget the reads in flight (``OptimizerStore.abandon_update``; stage 1's
+  ``.grad`` stays, as in plain PyTorch). The batch is skipped, as plain PyTorch skips one whose
+  step raised and whose gradients ``zero_grad`` drops. The gate is SETTLED again and the
+  engine trains on.
+- otherwise the states are between two steps (chunks below the failure hold the new values,
+  those above the old ones, a chunk whose write failed may hold neither); finishing the step
+  would need each chunk's new values kept until its writes land, which the stores do not do.
+  The gate turns FAILED and nothing reads or writes the states any more: every fetch (so
+  every forward at stage 3, and ``GatheredParameters``), ``step()`` and save refuses with an
+  ``EngineError`` that names the failure, until ``infinity.load_checkpoint`` has drained the
+  failed step's I/O, rewritten every state and forgotten what the step left half done (the
+  parameter store's units still filling), and cleared the gate; ``close`` works.
+The error itself is raised once, where it happened (``step()``) or, on the step's thread, by
+the next ``wait`` or ``join`` on the main thread.
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import threading
 from typing import Callable, ContextManager, Optional
 
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
-from ..errors import WaitTimeout
+from ..errors import EngineError, InvariantError, WaitTimeout
+
+
+class GateState(enum.Enum):
+    SETTLED = "settled"  # no step in flight: every offset holds the latest step's values
+    OPEN = "open"  # a step in flight: the offsets below the published one hold its values
+    FAILED = "failed"  # a step failed after it changed a state: Note [failed step]
 
 
 class StepGate:
@@ -25,8 +55,10 @@ class StepGate:
         self._rank = rank
         self._blocked = blocked  # counters.blocked: the time a wait stalls is telemetry's optimizer_io
         self._cond = threading.Condition()
+        self._state = GateState.SETTLED
         self._upto = math.inf  # offsets below this hold the latest step's values
-        self._error: Optional[BaseException] = None
+        self._error: Optional[BaseException] = None  # a failure the main thread has not seen yet
+        self._failure: Optional[BaseException] = None  # FAILED: what ended the step
         self._thread: Optional[threading.Thread] = None
         self._waiting = 0  # threads blocked on the step now
 
@@ -35,7 +67,8 @@ class StepGate:
     def open(self) -> None:
         """A step begins: nothing of the flat space is updated yet."""
         with self._cond:
-            self._upto = 0
+            self._expect(GateState.SETTLED, "open")
+            self._state, self._upto = GateState.OPEN, 0
 
     def publish(self, upto: float) -> None:  # math.inf: every offset
         with self._cond:
@@ -44,17 +77,36 @@ class StepGate:
 
     def close(self) -> None:
         """The step is done: every offset holds its values."""
+        with self._cond:
+            if self._state is GateState.OPEN:
+                self._state = GateState.SETTLED
         self.publish(math.inf)
 
-    def fail(self, error: BaseException) -> None:
-        """The step failed: every waiter raises ``error``."""
+    def fail(self, error: BaseException, *, changed: bool = True, raised: bool = False) -> None:
+        """The step failed (Note [failed step]). ``changed``: it changed a state, and the gate
+        turns FAILED; else it is SETTLED with every offset at the previous step's values.
+        ``raised``: the error reached the caller already; else the next wait or join raises it."""
         with self._cond:
-            self._error = error
+            if changed:
+                self._state, self._failure = GateState.FAILED, error
+            elif self._state is GateState.OPEN:
+                self._state = GateState.SETTLED
+            self._error = None if raised else error
+            self._upto = math.inf
             self._cond.notify_all()
 
-    def run_in_background(self, target: Callable[[], None]) -> None:
-        """Run the rest of the step on a thread; its exception is re-raised by the next wait.
-        Not a daemon: an interpreter that exits right after step() first lets the update land."""
+    def clear(self) -> None:
+        """FAILED -> SETTLED: every state was rewritten (a checkpoint was loaded)."""
+        with self._cond:
+            if self._state is GateState.FAILED:
+                self._state, self._failure = GateState.SETTLED, None
+
+    def run_in_background(self, target: Callable[[], None],
+                          changed: Callable[[BaseException], bool] = lambda e: True) -> None:
+        """Run the rest of the step on a thread; if it raises, ``changed(error)`` undoes what it
+        can and says whether a state changed (Note [failed step]); the error is re-raised by
+        the next wait. Not a daemon: an interpreter that exits right after step() first lets
+        the update land."""
         backend = acc.current()  # Note [backend per thread] in _accelerator/__init__.py
 
         def run():
@@ -63,12 +115,16 @@ class StepGate:
                     target()
                 self.close()
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread at the next wait
-                self.fail(e)
+                self.fail(e, changed=_changed(changed, e))
 
         self._thread = threading.Thread(target=run, name="infinity-optimizer-step", daemon=False)
         self._thread.start()
 
     # ------------------------------------------------------------ the readers' side
+
+    @property
+    def state(self) -> GateState:
+        return self._state
 
     @property
     def waited_on(self) -> bool:
@@ -87,30 +143,56 @@ class StepGate:
 
     def wait(self, end: int, *, block: bool = True, what: str = "") -> bool:
         """True once the flat range below ``end`` holds this step's values; False when
-        ``block`` is off and it does not yet."""
-        if self._upto >= end and self._error is None:
+        ``block`` is off and it does not yet. Raises a failed step's error (Note [failed step])."""
+        if self._upto >= end and self._state is not GateState.FAILED and self._error is None:
             return True
         with self._cond:
-            if not block and self._error is None:
+            if not block and self._state is GateState.OPEN:
                 return self._upto >= end
             with self._blocked("optimizer_io"), self._waiter():
-                ok = self._cond.wait_for(lambda: self._upto >= end or self._error is not None,
-                                         timeout=comm.DEFAULT_TIMEOUT_S)
-            if self._error is not None:
-                raise self._error
+                ok = self._cond.wait_for(lambda: self._upto >= end, timeout=comm.DEFAULT_TIMEOUT_S)
+            self._raise_failure()
             if not ok:
                 raise WaitTimeout(f"rank {self._rank}: waited {comm.DEFAULT_TIMEOUT_S:.0f}s for the optimizer step to "
                                   f"update {what or 'a parameter shard'}")
         return True
 
     def join(self) -> None:
-        """Wait for the whole step in flight (if any); re-raise its error."""
+        """Wait for the whole step in flight (if any); raise a failed step's error, or refuse
+        after one that changed a state (Note [failed step])."""
+        self._join_thread()
+        with self._cond:
+            self._raise_failure()
+
+    def settle(self) -> Optional[BaseException]:
+        """Wait for the whole step in flight (if any); the error of a failed one that nobody
+        saw yet, returned, not raised (``close``, a checkpoint load)."""
+        self._join_thread()
+        with self._cond:
+            error, self._error = self._error, None
+        return error
+
+    def _join_thread(self) -> None:
         if self._thread is not None:
             with self._blocked("optimizer_io"), self._waiter():
                 self._thread.join()
             self._thread = None
-        if self._error is not None:
-            raise self._error
+
+    def _raise_failure(self) -> None:
+        """Under ``_cond``: the failure not seen yet, once; then FAILED's refusal."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        if self._state is GateState.FAILED:
+            raise EngineError(
+                f"rank {self._rank}: the optimizer step failed ({type(self._failure).__name__}: {self._failure}) after "
+                f"it had updated some of the model's states and not others, so they are not used any more. Load a "
+                f"checkpoint (infinity.load_checkpoint) to go on, or close the engine") from self._failure
+
+    def _expect(self, state: GateState, transition: str) -> None:
+        if self._state is not state:
+            self._raise_failure()
+            raise InvariantError(f"step gate: {transition} while {self._state.name}, expected {state.name}")
 
     @property
     def running(self) -> bool:
@@ -121,3 +203,10 @@ class StepGate:
     def updated_upto(self) -> float:
         """The flat offset below which the latest step's values are in place (inf: all)."""
         return self._upto
+
+
+def _changed(changed: Callable[[BaseException], bool], error: BaseException) -> bool:
+    try:
+        return changed(error)
+    except BaseException:  # noqa: BLE001 - undoing failed too: the states cannot be vouched for
+        return True

@@ -39,10 +39,11 @@ from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
-from ..aio import aligned_empty
+from ..aio import AioError, aligned_empty
 from ..errors import EngineError, InvariantError, NativeLibraryMissing, NonFiniteError, NotSupportedError, UsageError
 from ..optim import adam_step
 from ..optim._native import lib as native_adam_library
+from ._grad_sink import Received
 from ._loss_scale import LossScaler
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._step_gate import StepGate
@@ -83,6 +84,16 @@ def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, w
 
 
 @dataclass(frozen=True)
+class _StepUndo:
+    """What a step changes before its update touches a state, as it was (Note [failed step] in
+    _step_gate.py)."""
+
+    counts: torch.Tensor  # StepCounts.counts
+    step: int
+    scale: Optional[dict]  # the loss scaler's state (fp16)
+
+
+@dataclass(frozen=True)
 class EngineOps:
     """Note [the optimizer's engine]: what the optimizer asks of the engine, built by
     ``initialize`` (the composition root) once the engine exists: the parts it shares with
@@ -102,6 +113,7 @@ class EngineOps:
     wait_for_saves: Callable[[], None]  # an asynchronous save still copying swap files (Note [save fence] in _save_fence.py)
     reduce_rest: Callable[[], None]  # stage 1: every gradient reduced now (stages 2-3 did it in backward)
     after_step: Callable[[], None]  # the parameters changed: persistent units' gathered copies are stale
+    end_aborted_backward: Callable[[], None]  # Note [aborted backward] in _backward.py
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -148,6 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._calls = 0  # step() calls, skipped ones included: the step named by errors
         self.nonfinite_skipped = 0  # steps skipped for inf/NaN under precision.on_nonfinite: skip
         self._loss_ok: Optional[torch.Tensor] = None  # all losses noted since the last step were finite
+        self._chunks_begun = 0  # chunks of this step whose update began (Note [failed step] in _step_gate.py)
 
     @property
     def grad_scale(self) -> float:
@@ -172,6 +185,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        self._ready()
+        undo = _StepUndo(self.steps.counts.clone(), self._step, self.scaler.state_dict() if self.scaler else None)
+        self._chunks_begun = 0
+        try:
+            self._update(loss, undo)
+        except BaseException as e:  # Note [failed step] in _step_gate.py
+            self.gate.fail(e, changed=self._step_failed(e, undo), raised=True)
+            raise
+        return loss
+
+    def _update(self, loss, undo: "_StepUndo") -> None:
         part = self.ops.counters.step_part
         self._gradients_in()
         self._calls += 1
@@ -183,7 +207,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._nonfinite(stats, finite, bad_loss):
             self.skipped = True
             self._finish_step()
-            return loss
+            return
         self.skipped = False
         coef = self._grad_coef(math.sqrt(stats[0].item()) * inv_scale, inv_scale)
         self._step += 1
@@ -194,26 +218,50 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.store.seal_grads()
         if self.overlap:
             with part("launch"):
-                self._launch_step(plan)
-            return loss
+                self._launch_step(plan, undo)
+            return
         with part("update"):
             self.store.update(lambda chunk: self._update_chunk(chunk, plan, out_flat))
         if self.param_store is not None:
             self.param_store.flush()
             self.ops.after_step()
-        else:
+        elif out_flat is not None:  # stages 1-2: the whole parameters take the fresh values
             gather_into_whole_params(self.ops, out_flat, self.cfg.zero.reduce_bucket_size)
         self._finish_step()
-        return loss
 
-    def _gradients_in(self) -> None:
-        """Before the step reads the gradients: the previous step joined, no save copying the
-        swap files, no fetch's copy reading a host shard the step rewrites, every gradient
-        reduced and in the store."""
-        part = self.ops.counters.step_part
-        with part("previous_step"):
+    def _ready(self) -> None:
+        """Before a step begins, changing nothing: no gradient partial (Note [aborted backward]
+        in _backward.py), the previous step joined (its failure raised: Note [failed step] in
+        _step_gate.py), no save copying the swap files."""
+        self.ops.end_aborted_backward()
+        if self.sink.received is Received.PARTIAL:
+            raise EngineError(
+                f"step {self._calls + 1}: a backward since the last zero_grad() ended by an exception, so the "
+                f"gradients accumulated since then are partial (some layers' are in, the rest never came); nothing "
+                f"was updated. Call optimizer.zero_grad() to discard them and go on with the next batch")
+        with self.ops.counters.step_part("previous_step"):
             self.wait_step()
         self.ops.wait_for_saves()  # Note [save fence] in _save_fence.py
+
+    def _step_failed(self, error: BaseException, undo: "_StepUndo") -> bool:
+        """Note [failed step] in _step_gate.py: whether the failed step changed a state (Adam
+        began on a chunk, a write failed, a request is still in flight, or another rank's step
+        may have gone through); if not, it is undone and its gradients dropped."""
+        if self._chunks_begun or self.ops.world_size > 1 or isinstance(error, TimeoutError) \
+                or (isinstance(error, AioError) and error.op == "write"):
+            return True
+        self.steps.counts.copy_(undo.counts)
+        self._step = undo.step
+        if self.scaler is not None and undo.scale is not None:
+            self.scaler.load_state_dict(undo.scale)
+        self.sink.discard()
+        self.store.abandon_update()
+        return False
+
+    def _gradients_in(self) -> None:
+        """Before the step reads the gradients: no fetch's copy reading a host shard the step
+        rewrites, every gradient reduced and in the store."""
+        part = self.ops.counters.step_part
         with part("parameter_copies"):
             if self.param_store is not None:
                 self.param_store.wait_copies()  # the step rewrites host shards a fetch's copy may still read
@@ -316,7 +364,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ overlapped step
 
-    def _launch_step(self, plan: Plan) -> None:
+    def _launch_step(self, plan: Plan, undo: "_StepUndo") -> None:
         """Note [overlapped step]: at stage 3 with the optimizer states off the device, the
         update runs on a background thread, chunk by chunk in flat (= unit, = forward) order,
         while the next forward and backward run (``zero.offload_optimizer.overlap_step``;
@@ -338,7 +386,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The cached head (Note [host cache] in _nvme_optimizer_store.py) is what the next forward needs first:
         # update it here, on every core, from memory; the background thread streams the rest.
         self.store.update_head(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
-        self.gate.run_in_background(lambda: self._run_tail(plan))
+        self.gate.run_in_background(lambda: self._run_tail(plan), changed=lambda e: self._step_failed(e, undo))
 
     def _run_tail(self, plan: Plan) -> None:
         # With an accelerator the device computes the next forward and the host's cores are
@@ -364,6 +412,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Adam on the parts of one chunk the plan covers (Note [update plan] in _param_groups.py); the chunk's
         fresh compute-dtype values go where they belong (fused into Adam's pass where the
         native Adam can write them)."""
+        self._chunks_begun += 1  # the states change from here on: Note [failed step] in _step_gate.py
         began = time.perf_counter()
         n = chunk.master.numel()
         end = chunk.offset + n
@@ -442,9 +491,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.zero_grad()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients accumulated since the last step, wherever they are: the
+        store's, ``.grad``, copies still landing, which parameters got one, the losses noted;
+        a backward that raised is ended first (Note [aborted backward] in _backward.py)."""
+        self.ops.end_aborted_backward()
+        self.sink.discard()
         self.store.zero_grads()  # the accumulating gradients; an overlapped step reads sealed ones
         for unit in self.ops.units:
             unit.drop_grads()
+        self._loss_ok = None
 
     def state_dict(self):
         raise NotSupportedError(_NO_STATE_DICT)
