@@ -12,6 +12,17 @@ model (``write_checkpoint``) and checked file by file (``verify_checkpoint``), t
 a swap directory (``dir_bytes``), and the run model that ``infinity.estimate --step-time``
 predicts with (``Run``, ``Rates``, ``step_time``, ``host_memory``, ``compute_rate``,
 ``adam_rate``: Note [run model] in _apps/_runmodel.py).
+
+And what the benchmarks in ``scripts/`` read or drive below the public API, each for one reason:
+
+- ``CheckpointReader``: a checkpoint's manifest and files, read without a model.
+- ``new_aio``: an ``AsyncIO`` handle set up from an ``aio`` config section as the swap files' are.
+- ``chunk_elems``: elements per optimizer swap chunk, as the engine picks them.
+- ``host_account``: this process's host memory by category now (``telemetry`` gives it per engine).
+- ``use_block_cache``, ``stop_block_cache``, ``RELEASE_CACHE_CAP``: the block cache turned on and
+  off between steps, to compare it with glibc's allocator.
+- ``is_parameter_like``: which saved tensors activation offload leaves where they are.
+- ``collective_calls``: how many of each collective this process has issued.
 """
 from __future__ import annotations
 
@@ -32,9 +43,12 @@ import torch.distributed as dist
 
 from ._apps._runmodel import Rates, Run, adam_rate, compute_rate, host_memory, step_time  # noqa: F401
 from ._checkpoint import CheckpointReader
-from ._offload._swap import dir_bytes  # noqa: F401 - the bytes under a swap directory
+from ._offload._memory_plan import RELEASE_CACHE_CAP, host_account, stop_block_cache, use_block_cache  # noqa: F401
+from ._offload._optimizer_store import chunk_elems  # noqa: F401
+from ._offload._swap import dir_bytes, new_aio  # noqa: F401 - dir_bytes: the bytes under a swap directory
 from ._runtime import _accelerator as acc
 from ._runtime import _comm
+from ._zero._activation_offload import _is_parameter_like as is_parameter_like  # noqa: F401
 from ._zero._pretrained import _DTYPES
 from .aio._inject import inject as inject_io_fault  # noqa: F401 - fault injection at the I/O layer
 from .aio._inject import io_fault  # noqa: F401
@@ -193,6 +207,11 @@ def _collect(procs, results, world_size, timeout):
             hung = [r for r in range(world_size) if r not in values]
             raise RankTimeout(f"ranks {hung} of {world_size} did not finish within {timeout:.0f}s (hung or deadlocked)")
     return [values[r] for r in range(world_size)]
+
+
+def collective_calls() -> dict:
+    """How many of each collective (all_gather, reduce_scatter, ...) this process has issued."""
+    return dict(_comm.counters.snapshot()["calls"])
 
 
 def rss_now() -> int:

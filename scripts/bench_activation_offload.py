@@ -29,8 +29,7 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity._zero._activation_offload import _is_parameter_like  # noqa: E402
-from infinity._zero._engine import engine_of  # noqa: E402
+from infinity.testing import is_parameter_like  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tiling import GPTBlock  # noqa: E402
@@ -55,7 +54,7 @@ class SavedBytes:
         self.seen, self.nbytes = set(), 0
 
     def pack(self, t):
-        if not _is_parameter_like(t):
+        if not is_parameter_like(t):
             key = t.untyped_storage().data_ptr()
             if key not in self.seen:
                 self.seen.add(key)
@@ -105,7 +104,7 @@ def main() -> None:
         counter = SavedBytes()
         step(*off, h, tokens, counter)  # warm-up of both; the counter sees one forward
         step(*on, h, tokens)
-        offloader = engine_of(on[0]).activation_offload
+        offloader = on[1].engine.activation_offload
         offloader.reset_peak()
         times = {"off": [], "on": []}
         for _ in range(args.rounds):
@@ -117,7 +116,7 @@ def main() -> None:
               f"{counter.nbytes / max(1, peak_on):>5.1f}x | {t_off * 1e3:>6.0f} ms | {t_on * 1e3:>6.0f} ms | "
               f"{t_on / t_off:>10.2f}x")
         for model, _ in (off, on):
-            engine_of(model).close()
+            infinity.close(model)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def measure(name: str, work: str, repeats: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import infinity
-    from infinity._checkpoint import CheckpointReader
+    from infinity.testing import CheckpointReader
     from infinity.config import Config
     from infinity.testing import peak_rss, reset_peak_rss, rss_now
     from infinity.train import probe_disk
@@ -144,7 +144,7 @@ def torch_reference(path: str, work: str, repeats: int) -> dict:
     """torch.save / torch.load of the same states (one rank: whole flat arrays) in memory."""
     import torch
 
-    from infinity._checkpoint import CheckpointReader
+    from infinity.testing import CheckpointReader
 
     reader = CheckpointReader(path)
     states = {}
@@ -263,7 +263,7 @@ def measure_contenders(name: str, work: str, repeats: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import infinity
-    from infinity._checkpoint import CheckpointReader
+    from infinity.testing import CheckpointReader
     from infinity.aio._clone import clone_support, fs_type
 
     torch.set_num_threads(2)

@@ -34,7 +34,7 @@ def create(root: str, total: float, aio_cfg) -> list:
     """``FILES`` files of ``total`` bytes together, every byte written (an unwritten extent reads as zeros without I/O)."""
     import torch
 
-    from infinity._offload._swap import new_aio
+    from infinity.testing import new_aio
     from infinity.aio import aligned_empty
 
     size = int(total) // FILES // CHUNK * CHUNK
@@ -59,7 +59,7 @@ def phased(files: list, burst: int, aio_cfg) -> float:
     """Read ``burst`` chunks of every file, wait, write them back, wait; bytes/s of both."""
     import torch
 
-    from infinity._offload._swap import new_aio
+    from infinity.testing import new_aio
     from infinity.aio import aligned_empty
 
     rh, wh = new_aio(aio_cfg), new_aio(aio_cfg)

@@ -61,7 +61,7 @@ class PeakSampler:
         self._thread.start()
 
     def _run(self) -> None:
-        from infinity._offload._memory_plan import host_account
+        from infinity.testing import host_account
 
         while not self._stop.wait(self.period):
             acct = host_account()
@@ -80,7 +80,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import infinity
-    from infinity._offload._memory_plan import host_account
+    from infinity.testing import host_account
     from infinity.testing import peak_rss, rss_now
 
     torch.set_num_threads(2)
@@ -104,7 +104,7 @@ def child(spec: dict) -> dict:
     gen = torch.Generator().manual_seed(0)
     for i in range(spec["warmup"] + spec["steps"]):
         if spec.get("toggle") == "allocator":  # odd steps: torch's blocks from glibc's heap, even: from the block cache
-            from infinity._offload._memory_plan import RELEASE_CACHE_CAP, stop_block_cache, use_block_cache
+            from infinity.testing import RELEASE_CACHE_CAP, stop_block_cache, use_block_cache
 
             if i % 2:
                 stop_block_cache()

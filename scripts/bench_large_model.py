@@ -56,7 +56,7 @@ def working_set_bandwidth(files: list, chunk_bytes: int, inflight: int, aio_cfg)
     ``inflight`` chunk groups in flight: bytes/s of each pass."""
     import torch
 
-    from infinity._offload._swap import new_aio
+    from infinity.testing import new_aio
     from infinity.aio import aligned_empty
 
     bufs = [[aligned_empty(chunk_bytes, torch.uint8) for _ in files] for _ in range(inflight)]
@@ -91,7 +91,7 @@ def _mixed_pass(files: list, chunk_bytes: int, bufs: list, reader, aio_cfg) -> f
     chunk k - 1 of every file is written back. Bytes/s of both together."""
     import torch
 
-    from infinity._offload._swap import new_aio
+    from infinity.testing import new_aio
     from infinity.aio import aligned_empty
 
     writer = new_aio(aio_cfg)
@@ -147,7 +147,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import infinity
-    from infinity._offload._optimizer_store import chunk_elems
+    from infinity.testing import chunk_elems
     from infinity.config import AioConfig
     from infinity.train import probe_disk
 

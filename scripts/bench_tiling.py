@@ -34,8 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity._runtime._accelerator import DeviceOutOfMemory  # noqa: E402
-from infinity._zero._engine import engine_of  # noqa: E402
+from infinity.errors import OutOfMemory  # noqa: E402
 from infinity.config import _parse_bytes  # noqa: E402
 from infinity.tiling import tile_params_to_fit, working_memory_bytes  # noqa: E402
 
@@ -90,9 +89,9 @@ def step(model, opt, h: int) -> float:
 def accepted(h: int, factor: int, limit: int, nvme: str) -> bool:
     try:
         model, _ = build(h, factor, limit, nvme)
-    except DeviceOutOfMemory:
+    except OutOfMemory:  # the device budget refused it
         return False
-    engine_of(model).close()
+    infinity.close(model)
     return True
 
 
@@ -109,11 +108,11 @@ def largest(factor: int, limit: int, step_h: int, nvme: str) -> int:
 
 def trains(h: int, factor: int, limit: int, nvme: str) -> tuple:
     model, opt = build(h, factor, limit, nvme)
-    budget = engine_of(model).device_budget
+    budget = opt.engine.device_budget
     for _ in range(2):
         step(model, opt, h)
     peak = budget.stats().peak
-    engine_of(model).close()
+    infinity.close(model)
     return True, peak
 
 
@@ -157,18 +156,18 @@ def section_c(args, h: int, limit: int, nvme: str) -> None:
         step(*runs[f], h)
     for _ in range(args.rounds):
         for f in FACTORS:
-            budget = engine_of(runs[f][0]).device_budget
+            budget = runs[f][1].engine.device_budget
             budget.reset_peak()
             times[f].append(step(*runs[f], h))
             peaks[f] = max(peaks.get(f, 0), budget.stats().peak)
     base = statistics.median(times[1])
     for f in FACTORS:
         med = statistics.median(times[f])
-        tile = max(u.full_numel for u in engine_of(runs[f][0]).units)
+        tile = max(u.full_numel for u in runs[f][1].engine.units)
         print(f"  factor {f:>2}: step {med * 1e3:8.1f} ms (x{med / base:.2f} of untiled), largest unit {tile} "
               f"params, device peak {peaks[f] / 2**20:.2f} MiB")
     for f in FACTORS:
-        engine_of(runs[f][0]).close()
+        infinity.close(runs[f][0])
 
 
 def main() -> None:
