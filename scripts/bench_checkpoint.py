@@ -101,9 +101,8 @@ def measure(name: str, work: str, repeats: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import infinity
-    from infinity.testing import CheckpointReader
     from infinity.config import Config
-    from infinity.testing import peak_rss, reset_peak_rss, rss_now
+    from infinity.testing import CheckpointReader, peak_rss, reset_peak_rss, rss_now
     from infinity.train import probe_disk
 
     torch.set_num_threads(2)
@@ -263,8 +262,8 @@ def measure_contenders(name: str, work: str, repeats: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import infinity
-    from infinity.testing import CheckpointReader
     from infinity.aio._clone import clone_support, fs_type
+    from infinity.testing import CheckpointReader
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

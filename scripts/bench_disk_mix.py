@@ -34,8 +34,8 @@ def create(root: str, total: float, aio_cfg) -> list:
     """``FILES`` files of ``total`` bytes together, every byte written (an unwritten extent reads as zeros without I/O)."""
     import torch
 
-    from infinity.testing import new_aio
     from infinity.aio import aligned_empty
+    from infinity.testing import new_aio
 
     size = int(total) // FILES // CHUNK * CHUNK
     files = [(os.path.join(root, f"f{i}.swp"), size) for i in range(FILES)]
@@ -59,8 +59,8 @@ def phased(files: list, burst: int, aio_cfg) -> float:
     """Read ``burst`` chunks of every file, wait, write them back, wait; bytes/s of both."""
     import torch
 
-    from infinity.testing import new_aio
     from infinity.aio import aligned_empty
+    from infinity.testing import new_aio
 
     rh, wh = new_aio(aio_cfg), new_aio(aio_cfg)
     bufs = [[aligned_empty(CHUNK, torch.uint8) for _ in files] for _ in range(burst)]

@@ -80,8 +80,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import infinity
-    from infinity.testing import host_account
-    from infinity.testing import peak_rss, rss_now
+    from infinity.testing import host_account, peak_rss, rss_now
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

@@ -56,8 +56,8 @@ def working_set_bandwidth(files: list, chunk_bytes: int, inflight: int, aio_cfg)
     ``inflight`` chunk groups in flight: bytes/s of each pass."""
     import torch
 
-    from infinity.testing import new_aio
     from infinity.aio import aligned_empty
+    from infinity.testing import new_aio
 
     bufs = [[aligned_empty(chunk_bytes, torch.uint8) for _ in files] for _ in range(inflight)]
     handles = [new_aio(aio_cfg) for _ in range(inflight)]
@@ -91,8 +91,8 @@ def _mixed_pass(files: list, chunk_bytes: int, bufs: list, reader, aio_cfg) -> f
     chunk k - 1 of every file is written back. Bytes/s of both together."""
     import torch
 
-    from infinity.testing import new_aio
     from infinity.aio import aligned_empty
+    from infinity.testing import new_aio
 
     writer = new_aio(aio_cfg)
     out_bufs = [aligned_empty(chunk_bytes, torch.uint8) for _ in files]
@@ -147,8 +147,8 @@ def child(spec: dict) -> dict:
     import torch
 
     import infinity
-    from infinity.testing import chunk_elems
     from infinity.config import AioConfig
+    from infinity.testing import chunk_elems
     from infinity.train import probe_disk
 
     torch.set_num_threads(2)

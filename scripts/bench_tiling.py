@@ -34,8 +34,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity.errors import OutOfMemory  # noqa: E402
 from infinity.config import _parse_bytes  # noqa: E402
+from infinity.errors import OutOfMemory  # noqa: E402
 from infinity.tiling import tile_params_to_fit, working_memory_bytes  # noqa: E402
 
 FACTORS = (1, 4, 16)

@@ -1,5 +1,5 @@
 """Examples, scripts and benchmarks use only the public API or the documented testing face
-(STYLE.md item 10): no file under scripts/, examples/ or benchmarks/ imports a private module
+(CONTRIBUTING.md, Style): no file under scripts/, examples/ or benchmarks/ imports a private module
 of infinity (``infinity._...``) or a private name from the package (``from infinity import _x``).
 A name a script needs that is not public goes in ``infinity/testing.py``, with its reason."""
 import ast
