@@ -23,6 +23,10 @@ And what the benchmarks in ``scripts/`` read or drive below the public API, each
   off between steps, to compare it with glibc's allocator.
 - ``is_parameter_like``: which saved tensors activation offload leaves where they are.
 - ``collective_calls``: how many of each collective this process has issued.
+- ``parse_bytes``: a size as the config reads one ("24GB", "512MiB", bytes).
+- ``checksummed``, ``crc32c_hardware``, ``native_aio``: the swap files' block sums, whether CRC32C
+  runs in hardware here, and the aio library's cffi module (``ffi``, ``lib``), for the checksum bench.
+- ``clone_support``, ``fs_type``: whether a directory's filesystem clones ranges, and its type.
 """
 from __future__ import annotations
 
@@ -50,8 +54,12 @@ from ._runtime import _accelerator as acc
 from ._runtime import _comm
 from ._zero._activation_offload import _is_parameter_like as is_parameter_like  # noqa: F401
 from ._zero._pretrained import _DTYPES
+from .aio import _native as native_aio  # noqa: F401
+from .aio._checksum import checksummed, crc32c_hardware  # noqa: F401
+from .aio._clone import clone_support, fs_type  # noqa: F401
 from .aio._inject import inject as inject_io_fault  # noqa: F401 - fault injection at the I/O layer
 from .aio._inject import io_fault  # noqa: F401
+from .config import _parse_bytes as parse_bytes  # noqa: F401
 from .errors import UsageError
 
 

@@ -262,8 +262,7 @@ def measure_contenders(name: str, work: str, repeats: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import infinity
-    from infinity.aio._clone import clone_support, fs_type
-    from infinity.testing import CheckpointReader
+    from infinity.testing import CheckpointReader, clone_support, fs_type
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

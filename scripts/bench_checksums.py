@@ -30,8 +30,9 @@ sys.path.insert(0, ROOT)  # this checkout's infinity
 import torch  # noqa: E402
 
 from infinity.aio import AsyncIO, aligned_empty  # noqa: E402
-from infinity.aio._checksum import checksummed, crc32c_hardware  # noqa: E402
-from infinity.aio._native import ffi, lib  # noqa: E402
+from infinity.testing import checksummed, crc32c_hardware, native_aio  # noqa: E402
+
+ffi, lib = native_aio.ffi, native_aio.lib
 
 
 def crc_rates(reps: int) -> dict:

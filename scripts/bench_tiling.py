@@ -34,8 +34,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity.config import _parse_bytes  # noqa: E402
 from infinity.errors import OutOfMemory  # noqa: E402
+from infinity.testing import parse_bytes  # noqa: E402
 from infinity.tiling import tile_params_to_fit, working_memory_bytes  # noqa: E402
 
 FACTORS = (1, 4, 16)
@@ -186,7 +186,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=None, help="hidden size of (c); default: the largest untiled")
     args = p.parse_args()
     TOKENS[:] = [args.batch, args.seq]
-    limit, paper = _parse_bytes(args.limit), _parse_bytes(args.paper_limit)
+    limit, paper = parse_bytes(args.limit), parse_bytes(args.paper_limit)
     nvme = args.nvme_path or tempfile.mkdtemp(prefix="bench_tiling_")
     torch.set_num_threads(args.threads)
     infinity.logger.setLevel("WARNING")

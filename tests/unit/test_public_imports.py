@@ -21,7 +21,7 @@ def _files():
 
 def _private(module: str) -> bool:
     parts = module.split(".")
-    return parts[0] == "infinity" and len(parts) > 1 and parts[1].startswith("_")
+    return parts[0] == "infinity" and any(p.startswith("_") for p in parts[1:])
 
 
 def private_imports(source: str) -> list:
@@ -33,16 +33,17 @@ def private_imports(source: str) -> list:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             if _private(node.module):
                 found.append((node.lineno, node.module))
-            elif node.module == "infinity":
-                found += [(node.lineno, f"infinity.{a.name}") for a in node.names if a.name.startswith("_")]
+            elif node.module.split(".")[0] == "infinity":  # a private name from a public module
+                found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if a.name.startswith("_")]
     return found
 
 
 def test_the_check_sees_each_form():
     src = ("import infinity._zero._engine\nfrom infinity._offload import _swap\nfrom infinity import _checkpoint\n"
            "import infinity, infinity.aio\nfrom infinity.testing import new_aio\nfrom infinity import telemetry\n"
-           "from . import _local\n")
-    assert [line for line, _ in private_imports(src)] == [1, 2, 3]
+           "from . import _local\nfrom infinity.aio._clone import fs_type\nfrom infinity.config import _parse_bytes\n"
+           "import infinity.aio._native\n")
+    assert [line for line, _ in private_imports(src)] == [1, 2, 3, 8, 9, 10]
 
 
 @pytest.mark.parametrize("path", list(_files()), ids=lambda p: os.path.relpath(p, REPO))
