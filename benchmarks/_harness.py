@@ -156,8 +156,9 @@ def _innermost_frame(output: str) -> str:
     return f"{path[cut + 1:]}:{line}"
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the child's whole group, SIGKILL 5 s later."""
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the child's whole group (torchrun's workers, a benchmark's children), SIGKILL
+    5 s later; scripts/gpu_check/phase.py stops its phases with it too."""
     for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
         try:
             os.killpg(proc.pid, sig)
@@ -182,7 +183,7 @@ def spawn(module: str, spec: dict, timeout: float, env: Optional[dict] = None) -
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
     fired = threading.Event()
-    timer = threading.Timer(timeout, lambda: (fired.set(), _stop(proc)))
+    timer = threading.Timer(timeout, lambda: (fired.set(), stop_group(proc)))
     timer.start()
     try:
         for line in proc.stdout:
@@ -191,7 +192,7 @@ def spawn(module: str, spec: dict, timeout: float, env: Optional[dict] = None) -
         rc = proc.wait()
     finally:
         timer.cancel()
-        _stop(proc)  # whatever the child left behind in its group
+        stop_group(proc)  # whatever the child left behind in its group
     try:
         with open(result_path) as f:
             text = f.read()

@@ -26,6 +26,7 @@ DeepSpeed and FSDP2 need a process group: each makes one of its process alone (`
 """
 from __future__ import annotations
 
+import abc
 import os
 import socket
 import time
@@ -38,12 +39,14 @@ def _loss(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
-class Trainer:
+class Trainer(abc.ABC):
+    @abc.abstractmethod
     def forward_backward(self, ids):
-        raise NotImplementedError
+        """One micro-batch's forward and backward; its loss."""
 
+    @abc.abstractmethod
     def update(self) -> None:
-        raise NotImplementedError
+        """The optimizer step and the gradients dropped."""
 
     def step(self, ids):
         loss = self.forward_backward(ids)

@@ -37,13 +37,13 @@ VARIANTS = {
 }
 
 
-def config(offload: str, nvme_path: str, variant: str) -> dict:
+def config(offload: str, nvme_path: str, variant: str, dtype: str = "bf16") -> dict:
     v = VARIANTS[variant]
     return {"zero": {"stage": 3, "offload_param": {"device": offload, "nvme_path": nvme_path},
                      "offload_optimizer": {"device": offload, "nvme_path": nvme_path,
                                            "overlap_step": v["overlap_step"]},
                      "prefetch": {"enabled": v["prefetch"]}},
-            "precision": {"dtype": "bf16"}, "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
+            "precision": {"dtype": dtype}, "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
             "gradient_clipping": 1.0}
 
 
@@ -91,7 +91,8 @@ def child(spec: dict) -> dict:
 
     model = _models.gpt2(spec["size"], seed=0)
     params = _models.param_count(model)
-    model, opt = infinity.initialize(model, config=config(spec["offload"], spec["nvme_path"], spec["variant"]))
+    model, opt = infinity.initialize(model, config=config(spec["offload"], spec["nvme_path"], spec["variant"],
+                                                               spec["dtype"]))
     dev = infinity.device() if hasattr(infinity, "device") else next(model.parameters()).device
     batches = _models.batches(spec["size"], spec["micro_batch"], spec["seq_len"], spec["warmup"] + spec["steps"] + 1)
     phases = {"forward_s": [], "backward_s": [], "step_call_s": [], "step_s": []}
@@ -159,7 +160,7 @@ def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
 
     shape = _models.shape_of(spec["size"])
     run = Run(params=params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
-              micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], dtype="bf16", param_tier=spec["offload"],
+              micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], dtype=spec["dtype"], param_tier=spec["offload"],
               optimizer_tier=spec["offload"], device_is_host=not torch.cuda.is_available())
     rates = Rates.measure(spec["nvme_path"] if spec["offload"] == "nvme" else None, run)
     st = step_time(run, rates)
@@ -173,6 +174,12 @@ def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
                       "pcie_gbps": None if rates.pcie == float("inf") else round(rates.pcie / 1e9, 1),
                       "nvme_read_gbps": None if rates.nvme_read == float("inf") else round(rates.nvme_read / 1e9, 2),
                       "nvme_write_gbps": None if rates.nvme_write == float("inf") else round(rates.nvme_write / 1e9, 2)}}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def table(records: list) -> str:
@@ -200,6 +207,8 @@ def main(argv=None) -> int:
     if args.smoke:
         cells = [("tiny", offload, variant) for _, offload, variant in cells]
         args.steps, args.warmup, args.seq_len, args.micro_batch = 2, 1, 32, 2
+    # bf16 with CUDA (not in --smoke), else fp32, as benchmarks.peers chooses: never by this CPU's features
+    dtype = "bf16" if _cuda_available() and not args.smoke else "fp32"
     deadline = time.time() + args.budget
     records = []
     for size, offload, variant in cells:
@@ -209,7 +218,8 @@ def main(argv=None) -> int:
             record.update(status="skipped", error=f"the budget is spent ({left:.0f} s left)")
         else:
             with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
-                spec = {"variant": variant, "size": size, "offload": offload, "nvme_path": nvme, "steps": args.steps,
+                spec = {"variant": variant, "size": size, "offload": offload, "nvme_path": nvme, "dtype": dtype,
+                        "steps": args.steps,
                         "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
                 record.update(_harness.spawn("benchmarks.step_profile", spec, min(args.timeout, max(left, 1.0))))
         records.append(record)

@@ -22,14 +22,9 @@ class Counters:
         self.update = {"seconds": 0.0, "elements": 0, "peak_threads": 0, "background_seconds": 0.0}
         self.step_call: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per part
 
-    @contextlib.contextmanager
     def step_part(self, part: str):
         """Time of one part of the optimizer's ``step()`` call on the caller's thread."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.step_call[part] += time.perf_counter() - start
+        return _seconds_into(self.step_call, part)
 
     def note_update(self, seconds: float, elements: int, threads: int, background: bool) -> None:
         """The optimizer updated ``elements`` in ``seconds`` on ``threads`` threads (on the
@@ -40,14 +35,9 @@ class Counters:
         if background:
             self.update["background_seconds"] += seconds
 
-    @contextlib.contextmanager
     def blocked(self, stage: str):
         """Time spent waiting on ``stage`` on the critical path."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.stall[stage] += time.perf_counter() - start
+        return _seconds_into(self.stall, stage)
 
     def snapshot(self) -> dict:
         fetches = self.hits + self.misses
@@ -61,3 +51,13 @@ class Counters:
             "update": dict(self.update),
             "step_call_s": dict(self.step_call),
         }
+
+
+@contextlib.contextmanager
+def _seconds_into(totals, key: str):
+    """Add the block's wall time to ``totals[key]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        totals[key] += time.perf_counter() - start

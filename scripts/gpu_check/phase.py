@@ -14,11 +14,13 @@ the command did, so one phase's failure never stops the next.
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+from benchmarks._harness import stop_group  # noqa: E402 - one way to stop a process group: the benchmarks'
 
 MIN_SECONDS = 10  # a phase that would get less than this is skipped
 
@@ -41,20 +43,6 @@ def as_record(line: str):
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command's whole group (torchrun's workers, a benchmark's children), then SIGKILL."""
-    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def run(args) -> None:
@@ -84,7 +72,7 @@ def execute(args, limit: float) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             text=True, errors="replace", start_new_session=True)
     fired = threading.Event()
-    timer = threading.Timer(limit, lambda: (fired.set(), stop(proc)))
+    timer = threading.Timer(limit, lambda: (fired.set(), stop_group(proc)))
     timer.start()
     records, last = 0, ""
     with open(os.path.join(args.out, "log.txt"), "a") as logf:
