@@ -86,6 +86,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
     args = ap.parse_args()
+    smallest = FILES * CHUNK / GB
+    if args.gb < smallest:
+        ap.error(f"--gb {args.gb:g}: the working set is {FILES} files of whole {CHUNK >> 20} MiB chunks, so at least "
+                 f"{smallest:.2f} GB; larger sets spread the requests over more of the drive")
     from infinity.config.schema import AioConfig
 
     aio = AioConfig()
