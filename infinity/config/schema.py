@@ -34,6 +34,7 @@ from .validate import (
     _check_data_path,
     _check_dir,
     _check_model,
+    _check_numa,
     _check_offload_section,
     _check_optimizer_offload_section,
     _check_precision_section,
@@ -173,6 +174,15 @@ class ZeroConfig:
         "pages back through each forward and is read again in backward (the lowest peak); cache: the block cache "
         "keeping every freed block (no page faults after the first step, a higher peak); keep: glibc's heap, whose "
         "freed blocks up to 32 MiB stay in the process, fragmented")
+    cpu_threads: Optional[int] = _opt(
+        None, "threads of this rank's CPU work (the native Adam, torch's intra-op pool); null = its share of the "
+        "node's cores: the cores it may use (sched_getaffinity) divided among the node's local ranks "
+        "(LOCAL_WORLD_SIZE), at least 1", ge=1)
+    numa: Union[Literal["auto", "off"], int] = _opt(
+        "auto", "where this rank's threads and host memory are placed: auto: its share of the cores of its GPU's "
+        "NUMA node (without a GPU, the local ranks spread over the nodes), its threads pinned there and its host "
+        "memory preferred there; a node number: that node; off: nothing pinned, memory where the kernel puts it",
+        check=_check_numa)
 
     _cross_check = _check_zero_section
 

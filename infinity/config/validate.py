@@ -129,6 +129,12 @@ def _check_block_size(value: int) -> Optional[str]:
     return None
 
 
+def _check_numa(value: Any) -> Optional[str]:
+    if isinstance(value, int) and value < 0:
+        return f"{value} is not a NUMA node; write a node number (0, 1, ...), auto or off"
+    return None
+
+
 def _check_betas(value: tuple) -> Optional[str]:
     if not all(0.0 <= b < 1.0 for b in value):
         return f"{list(value)} out of range; both betas must be in [0, 1), e.g. [0.9, 0.999]"
