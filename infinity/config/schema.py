@@ -31,20 +31,23 @@ from .validate import (
     ConfigError,
     _check_betas,
     _check_block_size,
+    _check_config,
     _check_data_path,
-    _check_dir,
+    _check_dirs,
     _check_model,
     _check_numa,
     _check_offload_section,
     _check_optimizer_offload_section,
     _check_precision_section,
     _check_prefetch_section,
+    _check_stripe_size,
     _check_zero_section,
     _describe,
     _fields,
     _is_section,
     _leaf_fields,
     _parse_bytes,
+    _parse_dirs,
     _read_file,
     _rule_text,
     _type_name,
@@ -70,8 +73,10 @@ class OffloadConfig:
     """Where parameter shards live when they are not in use (stage 3 only)."""
 
     device: Device = _opt("none", "tier of the parameter shards: none (device memory), cpu or nvme")
-    nvme_path: Optional[str] = _opt(None, "directory for the swap files; required when device is nvme",
-                                    check=_check_dir)
+    nvme_path: Optional[Union[str, Tuple[str, ...]]] = _opt(
+        None, "directory for the swap files, or a list of them, one per drive (Note [many drives] in "
+        "`infinity/_offload/_drives.py`; zero.nvme_layout says how a rank uses them); required when device is nvme",
+        parse=_parse_dirs, check=_check_dirs)
     buffer_size: Optional[int] = _opt(None, "elements per staging buffer; null = sized from the model",
                                       gt=0)
     buffer_count: Optional[int] = _opt(None, "number of staging buffers; null = from the prefetch depth",
@@ -89,8 +94,10 @@ class OptimizerOffloadConfig:
     """Where optimizer states (fp32 master, Adam moments) and gradient shards live."""
 
     device: Device = _opt("none", "tier of optimizer states and gradient shards: none, cpu or nvme")
-    nvme_path: Optional[str] = _opt(None, "directory for the swap files; required when device is nvme",
-                                    check=_check_dir)
+    nvme_path: Optional[Union[str, Tuple[str, ...]]] = _opt(
+        None, "directory for the swap files, or a list of them, one per drive (Note [many drives] in "
+        "`infinity/_offload/_drives.py`; zero.nvme_layout says how a rank uses them); required when device is nvme",
+        parse=_parse_dirs, check=_check_dirs)
     chunk_size: Optional[int] = _opt(None, "elements per optimizer swap chunk (and per chunk of a "
                                      "background step over states in host memory); null = automatic", gt=0)
     host_cache: Optional[int] = _opt(None, "nvme: elements at the start of the optimizer states (the first the "
@@ -183,6 +190,15 @@ class ZeroConfig:
         "NUMA node (without a GPU, the local ranks spread over the nodes), its threads pinned there and its host "
         "memory preferred there; a node number: that node; off: nothing pinned, memory where the kernel puts it",
         check=_check_numa)
+    # Note [many drives] in _drives.py
+    nvme_layout: Literal["rank", "stripe"] = _opt(
+        "rank", "how a rank uses the drives of a list of nvme_path: rank: all its swap files on one drive, "
+        "paths[LOCAL_RANK % len(paths)] (no two ranks share a drive while there are as many drives as ranks per "
+        "node); stripe: each swap file spread over every drive in extents of nvme_stripe_size (fewer drives than "
+        "ranks, or one rank reading from all of them)")
+    nvme_stripe_size: int = _opt(
+        8 << 20, "stripe: bytes of one extent, a multiple of 4096 and of aio.block_size (bytes or a size like '8MiB')",
+        gt=0, parse=_parse_bytes, check=_check_stripe_size, type_doc="int or size string")
 
     _cross_check = _check_zero_section
 
@@ -333,6 +349,8 @@ class Config:
     scheduler: SchedulerConfig = _opt(SchedulerConfig, "learning-rate schedule (DeepSpeed's, by its names)")
     activation_checkpointing: ActivationCheckpointingConfig = _opt(ActivationCheckpointingConfig,
                                                                   "activation checkpoint offload")
+
+    _cross_check = _check_config
     # DeepSpeed keys that were ignored (from_deepspeed with strict=False); not a config key.
     unsupported: list = field(default_factory=list, compare=False, repr=False,
                               metadata={_INTERNAL: True})

@@ -100,6 +100,42 @@ def _check_dir(value: str) -> Optional[str]:
     return None
 
 
+def _parse_dirs(value: Any) -> Any:
+    """Note [many drives] in _drives.py: a list of directories, one per drive, each a string and
+    none twice (a list of one is one drive); anything else is returned for the type check."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if not value:
+        raise _LeafError("an empty list names no drive; give a directory, or a list of one directory per drive")
+    seen: dict = {}
+    for i, d in enumerate(value):
+        if not isinstance(d, (str, os.PathLike)):
+            raise _LeafError(f"[{i}]: expected a directory (str), got {_describe(d)}")
+        key = os.path.abspath(os.fspath(d))
+        if key in seen:
+            raise _LeafError(f"[{i}] {os.fspath(d)!r} is [{seen[key]}] again; list each drive's directory once")
+        seen[key] = i
+    return tuple(os.fspath(d) for d in value)
+
+
+def _check_dirs(value: Union[str, tuple]) -> Optional[str]:
+    """``_check_dir`` of one directory, or of each of a list, naming the index."""
+    if isinstance(value, str):
+        return _check_dir(value)
+    for i, d in enumerate(value):
+        message = _check_dir(d)
+        if message:
+            return f"[{i}]: {message}"
+    return None
+
+
+def _check_stripe_size(value: int) -> Optional[str]:
+    if value % 4096:
+        return (f"{value} is not a multiple of 4096 (an extent holds whole 4 KiB blocks, each with its checksum), "
+                f"e.g. 8388608 (8 MiB)")
+    return None
+
+
 def _why_not_writable(path: str) -> str:
     try:
         read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
@@ -193,6 +229,17 @@ def _check_zero_section(zero: Any, prefix: str) -> list:
                  f"({zero.tiling.max_tile_params}) is below {prefix}.prefetch.persistence_threshold "
                  f"({zero.prefetch.persistence_threshold}), so every tile would stay gathered; lower "
                  f"persistence_threshold below max_tile_params or raise max_tile_params")]
+    return []
+
+
+def _check_config(config: Any, prefix: str) -> list:
+    """Keys of different sections checked against each other (the whole config)."""
+    zero, aio = config.zero, config.aio
+    if zero.nvme_layout == "stripe" and zero.nvme_stripe_size % aio.block_size:
+        # Note [striped swap files] in aio/_stripe.py: a request of one aio block never spans two drives
+        return [("zero.nvme_stripe_size", f"{zero.nvme_stripe_size} is not a multiple of aio.block_size "
+                 f"({aio.block_size}); set zero.nvme_stripe_size to a multiple of it, e.g. "
+                 f"{max(1, zero.nvme_stripe_size // aio.block_size) * aio.block_size}")]
     return []
 
 

@@ -274,6 +274,44 @@ def test_missing_nvme_path_directory_is_accepted(tmp_path):
     assert cfg.zero.offload_param.nvme_path == path
 
 
+def test_nvme_path_takes_a_list_of_drives(tmp_path):
+    """Note [many drives] in _drives.py: one string stays one drive; a list is one directory
+    per drive, kept in order."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    cfg = Config.from_dict({"zero": {"offload_param": {"device": "nvme", "nvme_path": [a, b]},
+                                     "offload_optimizer": {"device": "nvme", "nvme_path": a}}})
+    assert cfg.zero.offload_param.nvme_path == (a, b) and cfg.zero.offload_optimizer.nvme_path == a
+    assert cfg.zero.nvme_layout == "rank" and cfg.zero.nvme_stripe_size == 8 << 20
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("drives,message", [
+    ([], "names no drive"),
+    (["A", 5], "[1]: expected a directory (str), got int 5"),
+    (["A", "A/"], "[1] 'A/' is [0] again"),
+    (["A", "FILE"], "[1]: 'FILE' exists but is not a directory"),
+])
+def test_bad_list_of_drives_names_the_key_and_index(tmp_path, drives, message):
+    (tmp_path / "file").write_text("x")
+    names = {"A": str(tmp_path), "A/": str(tmp_path) + "/", "FILE": str(tmp_path / "file")}
+    drives = [names.get(d, d) for d in drives]
+    message = message.replace("'A/'", repr(names["A/"])).replace("'FILE'", repr(names["FILE"]))
+    err = _error(Config.from_dict, {"zero": {"offload_optimizer": {"device": "nvme", "nvme_path": drives}}})
+    assert err.keys == ["zero.offload_optimizer.nvme_path"] and message in str(err), str(err)
+
+
+@pytest.mark.parametrize("zero,aio,message", [
+    ({"nvme_layout": "per_rank"}, {}, "allowed values: 'rank', 'stripe'"),
+    ({"nvme_stripe_size": 5000}, {}, "not a multiple of 4096"),
+    ({"nvme_layout": "stripe", "nvme_stripe_size": "1MiB"}, {"block_size": 2 << 20},
+     "not a multiple of aio.block_size (2097152)"),
+])
+def test_bad_nvme_layout_keys(zero, aio, message):
+    err = _error(Config.from_dict, {"zero": zero, "aio": aio})
+    assert err.keys == [f"zero.{next(iter(zero)) if 'nvme_stripe_size' not in zero else 'nvme_stripe_size'}"]
+    assert message in str(err), str(err)
+
+
 @pytest.mark.parametrize("name,text,message", [
     ("x.toml", "a = 1", "extension"),
     ("bad.json", "{not json", "not valid JSON"),
