@@ -74,8 +74,8 @@ class OffloadConfig:
 
     device: Device = _opt("none", "tier of the parameter shards: none (device memory), cpu or nvme")
     nvme_path: Optional[Union[str, Tuple[str, ...]]] = _opt(
-        None, "directory for the swap files, or a list of them, one per drive (Note [many drives] in "
-        "`infinity/_offload/_drives.py`; zero.nvme_layout says how a rank uses them); required when device is nvme",
+        None, "directory for the swap files, or a list of them, one per drive (zero.nvme_layout says how a rank "
+        "uses them: Note [many drives] in `infinity/_offload/_drives.py`); required when device is nvme",
         parse=_parse_dirs, check=_check_dirs)
     buffer_size: Optional[int] = _opt(None, "elements per staging buffer; null = sized from the model",
                                       gt=0)
@@ -95,8 +95,8 @@ class OptimizerOffloadConfig:
 
     device: Device = _opt("none", "tier of optimizer states and gradient shards: none, cpu or nvme")
     nvme_path: Optional[Union[str, Tuple[str, ...]]] = _opt(
-        None, "directory for the swap files, or a list of them, one per drive (Note [many drives] in "
-        "`infinity/_offload/_drives.py`; zero.nvme_layout says how a rank uses them); required when device is nvme",
+        None, "directory for the swap files, or a list of them, one per drive (zero.nvme_layout says how a rank "
+        "uses them: Note [many drives] in `infinity/_offload/_drives.py`); required when device is nvme",
         parse=_parse_dirs, check=_check_dirs)
     chunk_size: Optional[int] = _opt(None, "elements per optimizer swap chunk (and per chunk of a "
                                      "background step over states in host memory); null = automatic", gt=0)

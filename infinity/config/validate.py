@@ -236,7 +236,7 @@ def _check_config(config: Any, prefix: str) -> list:
     """Keys of different sections checked against each other (the whole config)."""
     zero, aio = config.zero, config.aio
     if zero.nvme_layout == "stripe" and zero.nvme_stripe_size % aio.block_size:
-        # Note [striped swap files] in aio/_stripe.py: a request of one aio block never spans two drives
+        # a request of one aio block never spans two drives
         return [("zero.nvme_stripe_size", f"{zero.nvme_stripe_size} is not a multiple of aio.block_size "
                  f"({aio.block_size}); set zero.nvme_stripe_size to a multiple of it, e.g. "
                  f"{max(1, zero.nvme_stripe_size // aio.block_size) * aio.block_size}")]
