@@ -181,6 +181,7 @@ class ZeroConfig:
         "pages back through each forward and is read again in backward (the lowest peak); cache: the block cache "
         "keeping every freed block (no page faults after the first step, a higher peak); keep: glibc's heap, whose "
         "freed blocks up to 32 MiB stay in the process, fragmented")
+    # Note [rank placement] in _runtime/_topology.py
     cpu_threads: Optional[int] = _opt(
         None, "threads of this rank's CPU work (the native Adam, torch's intra-op pool); null = its share of the "
         "node's cores: the cores it may use (sched_getaffinity) divided among the node's local ranks "

@@ -18,7 +18,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.absp
 LAYERS = {
     "runtime": ["_runtime.__init__", "errors", "_runtime._cpu_isa", "_runtime._log", "_runtime._accelerator", "_runtime._comm",
                 "_runtime._telemetry_counters", "_runtime._telemetry", "_runtime._tiers", "config", "_runtime._schedule",
-                "_aio_cffi", "aio", "_runtime._recycle", "_runtime._save_fence", "_runtime._host_memory", "_cpu_adam",
+                "_aio_cffi", "aio", "_runtime._recycle", "_runtime._save_fence", "_runtime._host_memory", "_runtime._topology",
+                "_cpu_adam",
                 "_host_alloc", "optim"],
     "offload": ["_offload.__init__", "_offload._layout", "_offload._moments", "_offload._memory_plan", "_offload._swap",
                 "_offload._ordered_writes", "_offload._grad_buffer", "_offload._optimizer_store", "_offload._optimizer_files",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -28,6 +29,15 @@ def is_bf16_supported() -> bool:
 
 def device_count() -> int:
     return torch.cuda.device_count()
+
+
+def pci_address(index: int) -> Optional[str]:
+    """GPU ``index``'s PCI address as sysfs spells it; None where this torch does not give it."""
+    props = torch.cuda.get_device_properties(index)
+    parts = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+    if any(p is None for p in parts):
+        return None
+    return f"{parts[0]:04x}:{parts[1]:02x}:{parts[2]:02x}.0"
 
 
 # ---------------------------------------------------------------- memory
