@@ -12,7 +12,8 @@ share, decided alike on every rank from what each one reads on its own (no colle
 - the node: with ``zero.numa: auto`` the NUMA node of the rank's GPU (sysfs's
   ``/sys/bus/pci/devices/<pci address>/numa_node``, the address from the accelerator layer),
   or, without one, the local ranks spread over the nodes in blocks (ranks 0-3 on node 0 and
-  4-7 on node 1 for 8 ranks on two); a node number pins every rank there;
+  4-7 on node 1 for 8 ranks on two; fewer ranks than nodes keep every node's cores, a lone
+  rank on two sockets among them); a node number pins every rank there;
 - the share: the ranks placed on one node divide its cores in contiguous blocks by their order,
   so no two overlap while there are at least as many cores as ranks (with fewer, a core is
   shared by the fewest ranks); its thread count is its number of physical cores, at least 1
@@ -207,6 +208,8 @@ def _auto_nodes(nodes: List[int], local_world: int,
         return dict(enumerate(known)), "its GPU's"
     if len(nodes) == 1:
         return {r: nodes[0] for r in range(local_world)}, "the only node"
+    if local_world < len(nodes):  # one rank on two sockets keeps both: more cores beat nearer memory
+        return {r: None for r in range(local_world)}, "across the NUMA nodes (fewer local ranks than nodes)"
     return {r: nodes[r * len(nodes) // local_world] for r in range(local_world)}, "local ranks spread over nodes"
 
 
@@ -255,12 +258,12 @@ def current() -> Optional[CoreShare]:
 
 
 def default_threads() -> int:
-    """Threads of CPU work where nothing says otherwise: the placed share's, else torch's count
-    capped at this rank's share of the cores (the native Adam used outside an engine)."""
-    share = _Placed.share
-    if share is not None:
-        return share.threads
-    local_rank, local_world = local_ranks()
+    """Threads of CPU work where nothing says otherwise (the native Adam's): torch's intra-op
+    count once ``place`` set it, else that count capped at this rank's share of the CPUs it may
+    use (the native Adam used without an engine, under torchrun)."""
+    if _Placed.share is not None:
+        return torch.get_num_threads()
+    _, local_world = local_ranks()
     return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)) // max(1, local_world)))
 
 

@@ -57,6 +57,7 @@ from .._runtime import _comm as comm
 from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
+from .._runtime._topology import place
 from ..aio import aligned_empty
 from ..aio._checksum import checksummed, sums_of
 from ..config import Config
@@ -383,6 +384,7 @@ class Init:
             return self
         comm.configure(self.cfg)  # Note [comm timeout] in _comm.py
         comm.ensure_initialized()
+        place(self.cfg.zero.numa, self.cfg.zero.cpu_threads)  # before the Init store: Note [rank placement] in _topology.py
         self.rank, self.world_size = comm.rank(), comm.world_size()
         off = self.cfg.zero.offload_param
         self.store = InitStore(Tier.of(off.device), off.nvme_path, self.cfg.aio, self.rank)

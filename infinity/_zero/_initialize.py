@@ -45,6 +45,7 @@ from .._runtime._log import logger
 from .._runtime._recycle import Recycler
 from .._runtime._telemetry_counters import Counters
 from .._runtime._tiers import Tier
+from .._runtime._topology import place
 from ..aio import aligned_empty
 from ..config import Config
 from ..errors import EngineError, UsageError, UsageTypeError
@@ -80,6 +81,7 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     cfg = Config.coerce(config)
     comm.configure(cfg)  # Note [comm timeout] in _comm.py
     comm.ensure_initialized()
+    place(cfg.zero.numa, cfg.zero.cpu_threads)  # before any buffer: Note [rank placement] in _topology.py
     tiling = cfg.zero.tiling
     replaced = tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
     groups = resolve_groups(list(model.named_parameters()), retarget_groups(param_groups, replaced))  # refused early

@@ -39,6 +39,7 @@ from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
+from .._runtime._topology import default_threads
 from ..aio import AioError, aligned_empty
 from ..errors import EngineError, InvariantError, NativeLibraryMissing, NonFiniteError, NotSupportedError, UsageError
 from ..optim import adam_step
@@ -534,10 +535,10 @@ _NO_STATE_DICT = (
 
 
 def _threads_of(plan: Plan, native: bool) -> int:
-    """Threads the update of ``plan`` runs on: the native Adam's (its default, torch's
-    intra-op count), else torch's."""
+    """Threads the update of ``plan`` runs on: the native Adam's (its default, the rank's share:
+    Note [rank placement] in _topology.py), else torch's."""
     asked = plan.runs[0].hyper.get("num_threads") if native and plan.runs else None
-    return asked or torch.get_num_threads()
+    return asked or (default_threads() if native else torch.get_num_threads())
 
 
 def _pieces(lo: int, hi: int, targets: list):

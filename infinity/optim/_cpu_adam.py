@@ -35,7 +35,8 @@ class CPUAdam(torch.optim.Optimizer):
 
     ``adamw=True`` decouples weight decay (``torch.optim.AdamW``); ``adamw=False`` adds it
     to the gradient (``torch.optim.Adam``). Parameters must be fp32 CPU tensors.
-    ``num_threads`` (default ``torch.get_num_threads()``) and ``simd`` are passed to
+    ``num_threads`` (default: this rank's share of the cores, Note [rank placement] in
+    _runtime/_topology.py) and ``simd`` are passed to
     ``adam_step``.
     """
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._runtime._topology import default_threads
 from ..errors import UsageError, UsageTypeError
 from . import _native
 
@@ -144,7 +145,7 @@ def run_native(segments, hyper: Hyper, grad_dtype, out_dtype, num_threads, simd,
     if not segments:
         return
     isa, hw_bf16, _ = _native.resolve(simd)
-    threads = torch.get_num_threads() if num_threads is None else num_threads
+    threads = default_threads() if num_threads is None else num_threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise UsageError(f"num_threads must be a positive integer or None, got {num_threads!r}")
     grad_scale = _scalar("grad_scale", grad_scale)
@@ -186,7 +187,8 @@ def adam_step(
     storage offset are fine); ``grads`` is fp32, bf16 or fp16 with as many elements;
     ``step`` counts steps including this one (1 on the first). ``params_out``, when given,
     is a bf16 or fp16 tensor that receives the updated parameters in the same pass.
-    ``num_threads`` defaults to ``torch.get_num_threads()``; ``simd`` pins a path
+    ``num_threads`` defaults to this rank's share (``torch.get_num_threads()`` once an engine placed
+    the rank, else capped at its share of the CPUs: Note [rank placement] in _runtime/_topology.py); ``simd`` pins a path
     ("scalar", "avx2", "avx512"), otherwise ``INFINITY_CPU_ADAM_SIMD`` or the best one.
     ``grad_scale`` multiplies each gradient as it is read (unscaling and clipping by the global
     norm, folded into the pass: the result is that of ``grads.mul_(grad_scale)`` first).

@@ -55,6 +55,12 @@ def test_eight_ranks_without_gpus_spread_over_the_nodes_and_never_overlap():
     assert shares[0].cpus == (0, 1, 16, 17)
 
 
+def test_a_lone_rank_without_a_gpu_keeps_both_sockets():
+    share = topo.share_of(TWO, ALL_TWO, 0, 1)
+    assert share.node is None and share.cpus == tuple(range(32)) and share.threads == 16
+    assert "across the NUMA nodes" in share.describe()
+
+
 def test_the_launchers_mask_is_respected():
     allowed = set(range(8, 12)) | set(range(24, 28))  # e.g. a cpuset of four cores on node 1
     shares = [topo.share_of(TWO, allowed, r, 2) for r in range(2)]
