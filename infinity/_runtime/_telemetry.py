@@ -8,9 +8,10 @@ tier in this step, its direction taken from ``read``/``write`` (or ``in``/``out`
 path; a path holding ``stall`` counts seconds a stage waited in this step. Both feed the
 progress bar (bandwidth per tier) and the summary (stall time, achieved disk bandwidth).
 A few numbers are levels, not counts of the step (``is_level``): the host-memory account
-(``host_memory.*``, as it is now and at its peaks), peaks (a path holding ``peak``) and rates
-(ending in ``_rate``). The summary adds up counts over the steps, and takes the largest of a
-level over the steps and the ranks: a sum of peaks measures nothing.
+(``host_memory.*``, as it is now and at its peaks), where the rank runs (``placement.*``: its
+threads, cores and node), peaks (a path holding ``peak``) and rates (ending in ``_rate``). The
+summary adds up counts over the steps, and takes the largest of a level over the steps and the
+ranks: a sum of peaks measures nothing.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def tier_traffic(flat: Dict[str, float]) -> Dict[str, Dict[str, float]]:
 
 def is_level(path: str) -> bool:
     """A level or a peak, not a count of one step (Note [engine telemetry keys])."""
-    return path.startswith("host_memory.") or "peak" in path or path.endswith("_rate")
+    return path.startswith(("host_memory.", "placement.")) or "peak" in path or path.endswith("_rate")
 
 
 def stall_seconds(flat: Dict[str, float]) -> float:

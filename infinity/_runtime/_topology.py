@@ -40,6 +40,7 @@ the share placed.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import os
 import platform
@@ -140,19 +141,20 @@ class CoreShare:
     local_rank: int
     local_world: int
     pinned: bool                   # its threads are to be moved to ``cpus``
-    multi_node: bool               # the machine has more than one node with cores
+    memory_node: Optional[int]     # where its host memory is preferred; None: where the kernel puts it
 
     def describe(self) -> str:
         where = f"NUMA node {self.node} ({self.why})" if self.node is not None else self.why
         verb = "pinned to" if self.pinned else "sized for"
+        memory = f", host memory preferred on node {self.memory_node}" if self.memory_node is not None else ""
         return (f"local rank {self.local_rank}/{self.local_world}: {self.threads} thread(s), {verb} CPUs "
-                f"{format_cpulist(self.cpus)} ({self.cores} core(s)), {where}")
+                f"{format_cpulist(self.cpus)} ({self.cores} core(s)), {where}{memory}")
 
     def record(self) -> dict:
         """For telemetry: numbers, and the CPU list as text."""
         return {"local_rank": self.local_rank, "threads": self.threads, "cores": self.cores,
                 "cpus": format_cpulist(self.cpus), "node": -1 if self.node is None else self.node,
-                "pinned": self.pinned}
+                "pinned": self.pinned, "memory_node": -1 if self.memory_node is None else self.memory_node}
 
 
 Numa = Union[str, int]
@@ -171,7 +173,6 @@ def share_of(topo: Topology, allowed: Iterable[int], local_rank: int, local_worl
     if not usable:
         raise UsageError(f"none of the CPUs this process may use ({format_cpulist(allowed)}) is on a NUMA node "
                          f"of {topo.root}")
-    multi = len(usable) > 1
     node_of: Dict[int, Optional[int]]
     if numa == "off":
         node_of = {r: None for r in range(local_world)}
@@ -195,8 +196,10 @@ def share_of(topo: Topology, allowed: Iterable[int], local_rank: int, local_worl
     groups.sort(key=lambda g: g[0])
     taken = _block(groups, peers.index(local_rank), len(peers))
     cpus = tuple(sorted(c for g in taken for c in g))
+    pinned = numa != "off"
+    memory_node = mine if pinned and len(usable) > 1 else None  # one node: nothing to choose
     return CoreShare(cpus=cpus, cores=len(taken), threads=cpu_threads or len(taken), node=mine, why=why,
-                     local_rank=local_rank, local_world=local_world, pinned=numa != "off", multi_node=multi)
+                     local_rank=local_rank, local_world=local_world, pinned=pinned, memory_node=memory_node)
 
 
 def _auto_nodes(nodes: List[int], local_world: int,
@@ -277,12 +280,11 @@ def place(numa: Numa = "auto", cpu_threads: Optional[int] = None, root: str = SY
         _pin_threads(share.cpus)
     if cpu_threads is not None or torch.get_num_threads() > share.threads:
         torch.set_num_threads(share.threads)
-    memory = prefer_node(share.node) if share.pinned and share.multi_node and share.node is not None else None
+    if share.memory_node is not None and not prefer_node(share.memory_node):
+        share = dataclasses.replace(share, memory_node=None)  # prefer_node said why
     with _Placed.lock:
         _Placed.share = share
-    logger.info("placement: %s; host memory %s", share.describe(),
-                f"preferred on node {share.node}" if memory else
-                "where the kernel puts it (one NUMA node)" if share.pinned else "not placed (zero.numa off)")
+    logger.info("placement: %s", share.describe())
     return share
 
 

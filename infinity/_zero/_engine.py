@@ -71,6 +71,7 @@ from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._log import logger
 from .._runtime._save_fence import SaveFence
+from .._runtime._topology import current as placed_share
 from ..aio import AioError
 from ..errors import EngineError
 from . import _function_params
@@ -423,6 +424,9 @@ class Engine:
         out.update({k: v - last.get(k, 0) for k, v in totals.items()})
         out["peak_live_parameters"] = self.peak_live_elems
         out["host_memory"] = host_account(self.memory_plan.get("categories"))  # Note [one memory model] in _memory_plan.py
+        share = placed_share()
+        if share is not None:  # where this rank runs (Note [rank placement] in _topology.py)
+            out["placement"] = share.record()
         if reset:
             self.counters.reset()
             self._telemetry_totals = totals

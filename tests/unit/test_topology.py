@@ -37,8 +37,8 @@ def test_four_gpu_ranks_split_their_gpus_nodes():
     assert [s.node for s in shares] == [0, 0, 1, 1]
     assert [s.cpus for s in shares] == [(0, 1, 2, 3, 16, 17, 18, 19), (4, 5, 6, 7, 20, 21, 22, 23),
                                         (8, 9, 10, 11, 24, 25, 26, 27), (12, 13, 14, 15, 28, 29, 30, 31)]
-    assert [s.threads for s in shares] == [4, 4, 4, 4] and all(s.pinned and s.multi_node for s in shares)
-    assert "NUMA node 1 (its GPU's)" in shares[2].describe()
+    assert [s.threads for s in shares] == [4, 4, 4, 4] and all(s.pinned and s.memory_node == s.node for s in shares)
+    assert shares[2].describe().endswith("NUMA node 1 (its GPU's), host memory preferred on node 1")
 
 
 def test_one_gpu_on_node_1_takes_node_1s_cores():
@@ -71,7 +71,7 @@ def test_the_launchers_mask_is_respected():
 def test_more_ranks_than_cores_share_the_fewest():
     shares = [topo.share_of(ONE, range(8), r, 8) for r in range(8)]
     assert [s.cpus for s in shares] == [(0, 4)] * 2 + [(1, 5)] * 2 + [(2, 6)] * 2 + [(3, 7)] * 2
-    assert all(s.threads == 1 and s.node == 0 and not s.multi_node for s in shares)
+    assert all(s.threads == 1 and s.node == 0 and s.memory_node is None for s in shares)
     assert "the only node" in shares[0].describe()
 
 

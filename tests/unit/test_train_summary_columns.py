@@ -1,9 +1,10 @@
 """The train job's closing table: a label that fills its column keeps a gap before its value,
 and the engine's telemetry adds up counts but takes the largest of levels and peaks, over the
-steps and the ranks (Note [engine telemetry keys] in _runtime/_telemetry.py)."""
+steps and the ranks (Note [engine telemetry keys] in _runtime/_telemetry.py); where each rank
+runs is one row a rank (Note [rank placement] in _runtime/_topology.py)."""
 import pytest
 
-from infinity._apps._train_summary import _levels, engine_rows
+from infinity._apps._train_summary import PLACEMENT_ROWS, _levels, engine_rows, placement_rows
 from infinity._runtime._telemetry import StepStats, is_level, render_table
 
 
@@ -40,3 +41,13 @@ def test_counts_are_summed_and_peaks_maxed_over_steps_and_ranks():
                                          ("nvme_optimizer_write_bytes", False), ("prefetch_hits", False)])
 def test_levels_are_told_from_counts(path, level):
     assert is_level(path) is level
+
+
+def test_where_each_rank_runs_is_a_row_a_rank_up_to_a_bound():
+    per_rank = [{"host": "node7", "placement": f"local rank {r}/20: 1 thread(s)"} for r in range(20)]
+    rows = placement_rows(per_rank)
+    assert rows[0][0] == "where each rank runs"
+    assert rows[1] == ("  rank 0 on node7", "local rank 0/20: 1 thread(s)")
+    assert len(rows) == 1 + PLACEMENT_ROWS + 1 and rows[-1][0] == f"  {20 - PLACEMENT_ROWS} more rank(s)"
+    assert len(placement_rows(per_rank[:2])) == 3
+    assert is_level("placement.threads")  # a level: never summed over steps or ranks
