@@ -96,10 +96,16 @@ def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
     for name in STATE_ARRAYS:
         plan.append((sources[name], _named(merged(fp32), name)))
     if opt.param_store is not None:
-        # the master weights hold the parameters (Note [parameters from the master] in _placement.py): the
-        # parameter files are verified (None: not loaded), so a damaged one is still refused
-        shared = opt.placement.param_source.from_master
-        plan.append((None if shared else opt.param_store.checkpoint_source(), _named(merged(params), "params")))
+        # the master weights hold the trainable units' parameters (Note [parameters from the master] in
+        # _placement.py): their pieces are verified (None: not loaded), so a damaged file is still refused
+        own = opt.param_store.own_part()
+        first = size * (own[1] if own is not None else opt.layout.param_total)
+        master_held = [x for x in params if x[2] < first]
+        if master_held:
+            plan.append((None, _named(merged(master_held), "params")))
+        if own is not None:
+            kept = [(k, src, dst - first, n) for k, src, dst, n in params if dst >= first]
+            plan.append((own[0], _named(merged(kept), "params")))
     plan += [(t, _named(items, "params")) for t, items in whole]
     return plan
 

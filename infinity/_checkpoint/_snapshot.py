@@ -50,9 +50,11 @@ def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stag
     jobs: List[Job] = []
     size = itemsize(engine.dtype)
     params = rank_file(rank, "params")
-    if opt.param_store is not None:
-        _add(made, jobs, tmp, params, opt.param_store.checkpoint_source(), size * opt.layout.param_total, cloner,
-             mover, stage)
+    parts = opt.param_store.checkpoint_parts() if opt.param_store is not None else []
+    if len(parts) == 1:
+        _add(made, jobs, tmp, params, parts[0][0], size * opt.layout.param_total, cloner, mover, stage)
+    elif parts:  # master.swp, then the frozen units' params.swp (Note [parameters from the master] in _placement.py)
+        jobs.append(Job(params, _parts_writer(tmp, params, [(src, size * n) for src, n in parts]), True))
     elif stage:
         jobs.append(Job(params, _flat_writer(tmp, params, _params_flat(engine, opt), size * opt.layout.param_total),
                         False))
@@ -97,6 +99,18 @@ def _add(made: dict, jobs: List[Job], tmp: str, rel: str, source, nbytes: int, c
         jobs.append(Job(rel, _flat_writer(tmp, rel, source, nbytes), True))
     else:
         jobs.append(Job(rel, _flat_writer(tmp, rel, _staged(source, nbytes) if stage else source, nbytes), False))
+
+
+def _parts_writer(tmp: str, rel: str, parts: List[Tuple[str, int]]) -> Callable[[Mover], dict]:
+    """One checkpoint file made of the first bytes of several swap files, in order."""
+    def write(mover: Mover) -> dict:
+        sink = FileSink(os.path.join(tmp, rel), mover, sum(n for _, n in parts))
+        for source, nbytes in parts:
+            sink.append(source, 0, nbytes)
+        size, crc = sink.close()
+        return {"bytes": size, "crc32": crc}
+
+    return write
 
 
 def _staged(t: torch.Tensor, nbytes: int) -> torch.Tensor:

@@ -7,8 +7,12 @@ else (LoRA: the optimizer's bytes scale with the adapters, not with the model). 
 never puts trainable and frozen parameters in one unit (a module with both gets two units),
 so a unit is in the optimizer's space whole or not at all. Each unit has a *slot* in each
 space: its shard rounded up to ``align`` elements (NVMe transfers stay aligned); a trainable
-unit's two slots have the same length, so a range of the optimizer's space maps to the
-parameter store's piece by piece, one shift per unit (``Layout.param_pieces``).
+unit's two slots have the same length. The parameter store's space holds the trainable units
+first, in unit order, then the frozen ones: a trainable unit's slot is at the same offset in
+both spaces, so the first ``opt_total`` elements of the parameter store's space are the
+optimizer's space, and the master weights can hold the trainable units' shards while the
+frozen ones sit after them, apart (Note [parameters from the master] in _placement.py).
+``Layout.param_pieces`` maps a range of the optimizer's space to the parameter store's.
 """
 from __future__ import annotations
 
@@ -70,18 +74,22 @@ class Layout:
     def assign(cls, specs, align: int) -> "Layout":
         """The offsets of units with these ``shard_numel`` and ``trainable`` (``UnitSpec``s),
         in order, each slot rounded up to ``align`` elements."""
-        param_total = opt_total = 0
-        opt_starts, param_starts, slots, param_ranges, opt_offsets = [], [], [], [], []
+        opt_total = 0
+        opt_starts, slots, opt_offsets = [], [], []
         for spec in specs:
-            slot = round_up(spec.shard_numel, align)
-            param_ranges.append((param_total, spec.shard_numel))
             opt_offsets.append(opt_total)
             if spec.trainable:
                 opt_starts.append(opt_total)
-                param_starts.append(param_total)
-                slots.append(slot)
-                opt_total += slot
-            param_total += slot
+                slots.append(round_up(spec.shard_numel, align))
+                opt_total += slots[-1]
+        param_total, param_ranges = opt_total, []  # the trainable units first (Note [frozen parameters])
+        for spec, opt_offset in zip(specs, opt_offsets):
+            if spec.trainable:
+                param_ranges.append((opt_offset, spec.shard_numel))
+            else:
+                param_ranges.append((param_total, spec.shard_numel))
+                param_total += round_up(spec.shard_numel, align)
+        param_starts = opt_starts
         opt_ranges = tuple((o, s.shard_numel) for o, s in zip(opt_offsets, specs) if s.trainable)
         return cls(param_total, opt_total, tuple(opt_starts), tuple(param_starts), tuple(slots),
                    tuple(param_ranges), opt_ranges, tuple(opt_offsets))
@@ -95,6 +103,11 @@ class Layout:
     def same_spaces(self) -> bool:
         """No frozen unit: the two spaces coincide."""
         return self.param_total == self.opt_total
+
+    @property
+    def frozen_total(self) -> int:
+        """Elements of the frozen units' slots: the parameter store's space after the optimizer's."""
+        return self.param_total - self.opt_total
 
     def param_slots(self) -> List[Tuple[int, int]]:
         """(start, length) of every trainable unit's slot in the parameter store."""
@@ -133,19 +146,21 @@ class ParamSource(enum.Enum):
 
     OWN = "own"  # the parameter tier keeps its own shards (params.swp on NVMe); also stages 1-2 (no store)
     MASTER = "master"  # fp32, master weights in memory: the parameter store is a view of the master tensor
-    MASTER_FILE = "master_file"  # fp32, both on NVMe: the parameter store reads and writes master.swp
+    MASTER_FILE = "master_file"  # fp32, both on NVMe: the trainable units' shards are master.swp's
 
     @classmethod
     def of(cls, *, partitioned: bool, fp32: bool, same_spaces: bool, opt_tier: Tier, param_tier: Tier,
            device_is_host: bool) -> "ParamSource":
-        """The source a placement gets: the master's only in fp32 at stage 3 with no frozen
-        unit (the two flat spaces coincide); the master tensor where it is in memory on the
-        parameter tier, or in host memory under an NVMe parameter tier; master.swp where both
-        tiers are NVMe."""
-        if not (partitioned and fp32 and same_spaces):
+        """The source a placement gets: the master's only in fp32 at stage 3; master.swp where
+        both tiers are NVMe, frozen units or not (theirs go to params.swp beside it); the
+        master tensor, with no frozen unit (the two flat spaces coincide), where it is in
+        memory on the parameter tier, or in host memory under an NVMe parameter tier."""
+        if not (partitioned and fp32):
             return cls.OWN
         if param_tier is Tier.NVME and opt_tier is Tier.NVME:
             return cls.MASTER_FILE
+        if not same_spaces:
+            return cls.OWN
         if opt_tier.resident and param_tier is opt_tier \
                 or param_tier is Tier.NVME and states_in_host(opt_tier, device_is_host):
             return cls.MASTER

@@ -93,6 +93,7 @@ class MasterFile:
     ``writes.landed`` before it reads the file or hands it to a checkpoint."""
 
     def __init__(self, swap: SwapDir, total: int, aio_cfg):
+        self.total = total  # elements: the optimizer's flat space
         nbytes = 4 * total
         # Note [swap checksums] in _checksum.py
         self.path = checksummed(swap.file("master.swp", nbytes), nbytes, aio_cfg.checksums)

@@ -159,15 +159,11 @@ class ParamStore:
         self._copying: List[tuple] = []  # (event, host shard) a copy to the device may still read: Note [buffers under a copy]
         self._lock_copies = threading.Lock()  # the forward gives shards back while the step's thread takes outputs
         self.bytes_read = 0
+        self.own_from = master.total if master is not None else 0  # below: the master's elements
+        self._own: Optional[OrderedWrites] = None  # params.swp's writes, where it exists
         if tier is Tier.NVME:
-            if self.source is ParamSource.MASTER_FILE:  # the step hands its master values to this tier
-                self._file = master.writes
-            else:
-                path = checksummed(swap.file("params.swp", nbytes_of(total, dtype)), nbytes_of(total, dtype),
-                                   aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
-                # Note [write ordering] in _ordered_writes.py
-                self._file = OrderedWrites(path, nbytes_of(1, dtype), aio_cfg, swap.rank)
-            self.path = self._file.path
+            self._files = self._swap_files(swap, aio_cfg, master)
+            self.path = self._files[0][1].path
             size = buffer_size or max_unit
             if size < max_unit:
                 raise UsageError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
@@ -197,6 +193,33 @@ class ParamStore:
         else:
             self.flat = torch.empty(total, dtype=dtype, device=acc.device())
 
+    def _swap_files(self, swap: SwapDir, aio_cfg, master: Optional[MasterFile]) -> List[tuple]:
+        """(first element, its ordered writes) of each file the shards are in (Note [write
+        ordering] in _ordered_writes.py): under MASTER_FILE master.swp holds the trainable
+        units (the first ``master.total`` elements: Note [frozen parameters] in _layout.py), the
+        step handing its master values to this tier; params.swp holds the rest, if any (every
+        unit where the store keeps its own; the frozen ones under MASTER_FILE: Note
+        [parameters from the master] in _placement.py)."""
+        files = [] if master is None else [(0, master.writes)]
+        if self.total > self.own_from:
+            nbytes = nbytes_of(self.total - self.own_from, self.dtype)
+            path = checksummed(swap.file("params.swp", nbytes), nbytes,
+                               aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
+            self._own = OrderedWrites(path, nbytes_of(1, self.dtype), aio_cfg, swap.rank)
+            files.append((self.own_from, self._own))
+        return files
+
+    def _file_at(self, offset: int) -> tuple:
+        """The ordered writes of the file holding element ``offset``, and its offset there."""
+        start, writes = self._files[-1] if offset >= self._files[-1][0] else self._files[0]
+        return writes, offset - start
+
+    @property
+    def own_path(self) -> Optional[str]:
+        """params.swp: the shards this store keeps in a file of its own, from element
+        ``own_from`` on; None where there is none (Note [parameters from the master] in _placement.py)."""
+        return None if self._own is None else self._own.path
+
     @property
     def resident(self) -> bool:
         return self.flat is not None
@@ -205,7 +228,7 @@ class ParamStore:
     def bytes_written(self) -> int:
         """Bytes this store wrote to its own file (master.swp's count as the optimizer's:
         Note [parameters from the master] in _placement.py)."""
-        return self._file.bytes_written if self.flat is None and self.source is ParamSource.OWN else 0
+        return 0 if self._own is None else self._own.bytes_written
 
     @property
     def itemsize(self) -> int:
@@ -224,7 +247,8 @@ class ParamStore:
         if values.dtype != self.dtype:
             values = values.to(self.dtype)
         end = offset + values.numel()
-        self._file.write(offset, values)  # Note [write ordering] in _ordered_writes.py
+        writes, at = self._file_at(offset)
+        writes.write(at, values)  # Note [write ordering] in _ordered_writes.py
         with self._lock:
             self._handoff = [(o, t) for o, t in self._handoff if o + t.numel() <= offset or o >= end]
             cached = self._update_cache(offset, values)
@@ -362,6 +386,28 @@ class ParamStore:
         self.flush()
         return self.path
 
+    def checkpoint_parts(self) -> List[tuple]:
+        """(source, elements) that make up the shards for a checkpoint, in order: the flat
+        tensor, or each swap file once every write to it has landed (under MASTER_FILE with
+        frozen units master.swp, then params.swp: Note [parameters from the master] in
+        _placement.py)."""
+        if self.flat is not None:
+            return [(self.flat, self.total)]
+        self.flush()
+        bounds = [start for start, _ in self._files[1:]] + [self.total]
+        return [(w.path, stop - start) for (start, w), stop in zip(self._files, bounds)]
+
+    def own_part(self) -> Optional[tuple]:
+        """(destination, first element) of the shards this store keeps itself, which a
+        checkpoint load rewrites; None where the master weights hold them all (Note
+        [parameters from the master] in _placement.py)."""
+        if self.flat is not None:
+            return None if self.source is ParamSource.MASTER else (self.flat, 0)
+        if self._own is None:
+            return None
+        self.flush()
+        return self._own.path, self.own_from
+
     def checkpoint_loaded(self) -> None:
         """A checkpoint rewrote the shards: what the step handed off is stale (Note [hand-off]),
         and so are the units a failed step left filling (Note [failed step] in _step_gate.py)."""
@@ -374,7 +420,13 @@ class ParamStore:
                 self._outputs.give(fill[0])
 
     def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:
-        return self._file.landed(offset, numel, block=block)  # Note [write ordering] in _ordered_writes.py
+        end = offset + numel  # Note [write ordering] in _ordered_writes.py
+        for i, (start, writes) in enumerate(self._files):
+            stop = self._files[i + 1][0] if i + 1 < len(self._files) else self.total
+            lo, hi = max(offset, start), min(end, stop)
+            if lo < hi and not writes.landed(lo - start, hi - lo, block=block):
+                return False
+        return True
 
     def start_read(self, offset: int, numel: int, *, block: bool = True, into: Optional[torch.Tensor] = None):
         """Submit NVMe -> a pool buffer (or ``into``, aligned host memory of the caller's);
@@ -387,7 +439,8 @@ class ParamStore:
         if buf is None:
             return None
         reader = self._readers.pop()
-        reader.pread(buf[:numel], self.path, offset * self.itemsize)
+        writes, at = self._file_at(offset)
+        reader.pread(buf[:numel], writes.path, at * self.itemsize)
         self.bytes_read += numel * self.itemsize
         return buf, reader, into is None
 
@@ -423,12 +476,13 @@ class ParamStore:
         pool = self.pool or HostPool(0, 0, self.dtype, "")
         return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
                                 self.update_chunk, self.source,
-                                cache=getattr(self, "cache_elems", 0)))
+                                cache=getattr(self, "cache_elems", 0), frozen=self.total - self.own_from))
 
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
         if self.tier is Tier.NVME:
-            self._file.close()
+            for _, writes in self._files:
+                writes.close()
             close_handles(self._all_readers)
             # Note [closed engines] in _engine.py: the cache, hand-off and staging memory goes now
             self._cache, self._cached = {}, 0
@@ -439,21 +493,21 @@ class ParamStore:
 
     def checksums(self) -> dict:
         """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
-        own = self.source is ParamSource.OWN  # master.swp's sums are the optimizer's
-        sums = sums_of(getattr(self, "path", None)) if own else None
+        sums = sums_of(self.own_path) if self.own_path else None  # master.swp's sums are the optimizer's
         return {"params": sums} if sums else {}
 
     @staticmethod
     def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0,
-             source: ParamSource = ParamSource.OWN, cache: int = 0) -> dict:
+             source: ParamSource = ParamSource.OWN, cache: int = 0, frozen: int = 0) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory_plan.py): the shards on their tier;
         on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
-        ``source`` MASTER_FILE: the shards are the optimizer's master.swp, no file of their own
-        (Note [parameters from the master] in _placement.py); ``cache``: elements of the
-        parameter cache (Note [parameter cache])."""
+        ``source`` MASTER_FILE: the trainable shards are the optimizer's master.swp, and only
+        the ``frozen`` elements after them have a file of their own (Note [parameters from
+        the master] in _placement.py); ``cache``: elements of the parameter cache (Note
+        [parameter cache])."""
         own = total * itemsize
         if tier is Tier.NVME:
-            files = 0 if source is ParamSource.MASTER_FILE else own
+            files = frozen * itemsize if source is ParamSource.MASTER_FILE else own
             return {"nvme": {PARAM_FILES: files}, "host": {PARAM_CACHE: min(cache, total) * itemsize,
                                                            PARAM_STAGING: buffer_count * buffer_numel * itemsize,
                                                            PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}

@@ -21,27 +21,48 @@ GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers
 
 
 @dataclass(frozen=True)
+class Machine:
+    """What a placement reads of the node it is for: whether the ranks compute on an
+    accelerator, the host memory available to the node's ranks, and how many ranks share it.
+    ``here()`` for a run; ``infinity.estimate --plan`` describes another node, so that the
+    engine's own rules plan it without running there."""
+
+    accelerator: bool
+    host_available: int  # bytes
+    ranks_on_node: int
+
+    @classmethod
+    def here(cls) -> "Machine":
+        return cls(acc.has_accelerator(), host_available()[0], ranks_here())
+
+
+@dataclass(frozen=True)
 class Placement:
     """Note [parameters from the master]: in fp32 the compute-dtype parameter shards and the
-    master weights hold the same values, so where the optimizer's flat space and the
-    parameter store's coincide (``Layout.same_spaces``: no frozen unit) the parameter tier
-    keeps no copy of its own. One enum says which case a placement is in,
-    ``param_source`` (``ParamSource`` in _layout.py, decided by ``ParamSource.of`` for the
-    engine and the run model alike), and every reader consults it. OWN, in every other
-    case (another dtype, a frozen unit, stages 1-2, tiers that differ otherwise): the
-    parameter store keeps its own shards, ``params.swp`` on NVMe. MASTER: with
-    the master weights in memory the parameter store *is* the master tensor, whatever
-    ``offload_param.device`` says: a fetch reads it once the step gate has published its
-    range, and an NVMe parameter tier would only write 4 bytes per parameter per step that
-    nobody needs. MASTER_FILE: with both on NVMe the parameter store reads and writes
-    ``master.swp``: the step hands its fresh master values to the parameter store (Note
-    [hand-off] in _param_store.py), which writes them, so the optimizer store writes only
-    the moments, and Note [write ordering] in _ordered_writes.py orders a fetch's read after
-    the master write of its range exactly as it did for ``params.swp``. With MASTER and
-    MASTER_FILE no ``params.swp`` exists (the disk holds 16 bytes per parameter instead of 20,
-    and the step writes 4 fewer) and a unit writes nothing at partition. The shared file
-    and its ordered writes are one ``MasterFile`` (_ordered_writes.py), built before both
-    stores and given to each: neither store refers to the other."""
+    master weights hold the same values, so the parameter tier keeps no copy of its own of a
+    trainable unit's shard where the master can serve it. One enum says which case a
+    placement is in, ``param_source`` (``ParamSource`` in _layout.py, decided by
+    ``ParamSource.of`` for the engine, the planner and the run model alike), and every reader
+    consults it. OWN, in every other case (another dtype, stages 1-2, tiers that differ
+    otherwise): the parameter store keeps its own shards, ``params.swp`` on NVMe. MASTER:
+    with the master weights in memory and no frozen unit the parameter store *is* the master
+    tensor, whatever ``offload_param.device`` says: a fetch reads it once the step gate has
+    published its range, and an NVMe parameter tier would only write 4 bytes per parameter
+    per step that nobody needs. MASTER_FILE: with both on NVMe the parameter store reads and
+    writes the trainable units' shards in ``master.swp``: the step hands its fresh master
+    values to the parameter store (Note [hand-off] in _param_store.py), which writes them, so
+    the optimizer store writes only the moments, and Note [write ordering] in
+    _ordered_writes.py orders a fetch's read after the master write of its range exactly as
+    it did for ``params.swp``. Frozen units have no master weights: under MASTER_FILE their
+    shards are the rest of the parameter store's space (Note [frozen parameters] in
+    _layout.py puts them after the trainable ones), kept in a ``params.swp`` of their own, so
+    a partly frozen model's disk holds its trainable states plus its frozen shards and nothing
+    twice. Frozen units turn MASTER off (OWN): one flat tensor cannot be both the master and
+    the frozen shards. With MASTER and MASTER_FILE no trainable shard is in ``params.swp``
+    (the disk holds 16 bytes per trainable parameter instead of 20, and the step writes 4
+    fewer) and a trainable unit writes nothing at partition. The shared file and its ordered
+    writes are one ``MasterFile`` (_ordered_writes.py), built before both stores and given to
+    each: neither store refers to the other."""
 
     opt_tier: Tier  # fp32 master weights, gradient shards, Adam moments
     param_tier: Tier  # stage 3's compute-dtype shards (DEVICE in stages 1-2: parameters stay whole)
@@ -56,24 +77,28 @@ class Placement:
     direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
 
     @classmethod
-    def of(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int) -> "Placement":
+    def of(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int,
+           machine: Optional[Machine] = None) -> "Placement":
+        """The placement on ``world_size`` ranks of ``machine`` (None: this one, read when needed)."""
         z = cfg.zero
         opt_tier = Tier.of(z.offload_optimizer.device)
         param_tier = Tier.of(z.offload_param.device) if partition_params else Tier.DEVICE
         align = ALIGN_ELEMS if Tier.NVME in (opt_tier, param_tier) else 1
         layout = Layout.assign(specs, align)
-        device_is_host = acc.device().type == "cpu"
+        accelerator = acc.has_accelerator() if machine is None else machine.accelerator
         overlap = overlap_step(z.offload_optimizer.overlap_step, partition_params, opt_tier, param_tier,
-                               states_in_host(opt_tier, device_is_host))
-        grads_in_memory = opt_tier is Tier.NVME and gradients_in_host(z.offload_optimizer.gradients, layout.opt_total)
+                               states_in_host(opt_tier, not accelerator), accelerator)
+        grads_in_memory = opt_tier is Tier.NVME and gradients_in_host(z.offload_optimizer.gradients, layout.opt_total,
+                                                                      machine)
         source = ParamSource.of(partitioned=partition_params, fp32=dtype == torch.float32,
                                 same_spaces=layout.same_spaces, opt_tier=opt_tier, param_tier=param_tier,
-                                device_is_host=device_is_host)
+                                device_is_host=not accelerator)
         itemsize = torch.empty((), dtype=dtype).element_size()
         reuse = GATHERED_REUSE * layout.max_shard * world_size * itemsize \
-            if partition_params and not acc.has_accelerator() else 0  # a device caching allocator already reuses memory
-        direct = partition_params and world_size == 1 and not acc.has_accelerator()  # FetchUnit._direct_read_buffer
-        cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total, itemsize) \
+            if partition_params and not accelerator else 0  # a device caching allocator already reuses memory
+        direct = partition_params and world_size == 1 and not accelerator  # FetchUnit._direct_read_buffer
+        cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total, itemsize,
+                                  *((machine.host_available, machine.ranks_on_node) if machine else ())) \
             if param_tier is Tier.NVME and source is not ParamSource.MASTER else 0
         return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, source, cache,
                    reuse, direct)
@@ -83,7 +108,8 @@ class Placement:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
-def overlap_step(choice: str, partition_params: bool, opt_tier: Tier, param_tier: Tier, states_in_host: bool) -> bool:
+def overlap_step(choice: str, partition_params: bool, opt_tier: Tier, param_tier: Tier, states_in_host: bool,
+                 accelerator: Optional[bool] = None) -> bool:
     """Whether the update runs beside the next forward (``zero.offload_optimizer.overlap_step``;
     Note [overlapped step] in _zero_optimizer.py). Only at stage 3 with the states off the
     device (on the host or NVMe) can it. ``auto``: with an accelerator, always (the device
@@ -93,16 +119,18 @@ def overlap_step(choice: str, partition_params: bool, opt_tier: Tier, param_tier
     if choice != "auto":
         return can and choice == "on"
     io_bound = opt_tier is Tier.NVME or (param_tier is Tier.NVME and states_in_host)
-    return can and (io_bound or (acc.has_accelerator() and opt_tier is not Tier.DEVICE))
+    accelerator = acc.has_accelerator() if accelerator is None else accelerator
+    return can and (io_bound or (accelerator and opt_tier is not Tier.DEVICE))
 
 
-def gradients_in_host(choice: str, total: int) -> bool:
+def gradients_in_host(choice: str, total: int, machine: Optional[Machine] = None) -> bool:
     """``zero.offload_optimizer.gradients`` for an NVMe optimizer tier (Note [gradients in host
     memory] in _nvme_optimizer_store.py): ``auto`` keeps the gradient shards in host memory when those of
-    every rank on this node take at most a quarter of the available host memory."""
+    every rank on the node (this one, unless given) take at most a quarter of the available host memory."""
     if choice != "auto":
         return choice == "cpu"
-    need, avail = 4 * total * ranks_here(), host_available()[0]
+    machine = machine or Machine.here()
+    need, avail = 4 * total * machine.ranks_on_node, machine.host_available
     logger.info("zero.offload_optimizer.gradients auto: %s (%.2f GiB of gradient shards on this node, %.2f GiB of "
                 "host memory available; host memory when at most a quarter)", "host memory" if need <= avail // 4
                 else "swap file", need / 2**30, avail / 2**30)

@@ -34,10 +34,10 @@ def label_swap_files(opt: "ZeroOptimizer") -> None:
     if opt.param_store is not None:
         units = sorted(engine.units, key=lambda u: u.param_offset)
         starts = [u.param_offset for u in units]
-        itemsize = opt.param_store.itemsize
+        itemsize, first = opt.param_store.itemsize, opt.param_store.own_from  # params.swp's first element
 
         def describe_param(offset: int) -> str:
-            element = offset // itemsize
+            element = first + offset // itemsize
             unit = _unit_at(units, starts, element, "param_offset")
             if unit is None:
                 return f"parameter shards, element {element}"

@@ -239,12 +239,12 @@ class FetchUnit:
 
     def partition(self) -> None:
         """AVAILABLE -> RELEASED for the first time: keep only this rank's shard (stage 3),
-        written to the parameter store (unless the parameters are the master's: Note
-        [parameters from the master] in _placement.py)."""
+        written to the parameter store (unless a trainable unit's parameters are the master's:
+        Note [parameters from the master] in _placement.py)."""
         self._expect(ParamState.AVAILABLE, "partition")
         if not self.partitioned:
             raise InvariantError(f"partition: {self!r} is not partitioned (stages 1-2 keep parameters whole)")
-        if not self.ctx.param_source.from_master:
+        if not (self.trainable and self.ctx.param_source.from_master):
             self.store.write(self.param_offset, self.local_shard(self.dtype))
         self._drop_full()
 

@@ -6,13 +6,13 @@ allocates (Note [Init preflight] in _init_context.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .._offload._layout import padded
-from .._offload._placement import Placement
+from .._offload._placement import Machine, Placement
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -109,10 +109,14 @@ def _by_requires_grad(params: list) -> list:
     return [g for g in ([x for x in params if x[1].requires_grad], [x for x in params if not x[1].requires_grad]) if g]
 
 
-def placement_of(model: nn.Module, cfg, world_size: int) -> Tuple[Placement, List[UnitSpec], list]:
-    """The placement of ``model``'s states under ``cfg`` on ``world_size`` ranks, with its
-    units and each module's uses: what ``initialize`` allocates (Note [build order] in _initialize.py)."""
+def placement_of(model: nn.Module, cfg, world_size: int, machine: Optional[Machine] = None
+                 ) -> Tuple[Placement, List[UnitSpec], list]:
+    """The placement of ``model``'s states under ``cfg`` on ``world_size`` ranks of ``machine``
+    (None: this one), with its units and each module's uses: what ``initialize`` allocates
+    (Note [build order] in _initialize.py), and what ``infinity.estimate --plan`` reports for a
+    model built on the meta device."""
     policy = StagePolicy.of(cfg.zero.stage)
     blocks = block_modules(model, cfg.zero.fetch_units)  # every stage: the same units, the same flat layout
     specs, uses = plan_units(model, world_size, blocks)  # Note [fetch unit grouping] in _engine.py
-    return Placement.of(cfg, policy.partition_params, DTYPES[cfg.precision.dtype], specs, world_size), specs, uses
+    placement = Placement.of(cfg, policy.partition_params, DTYPES[cfg.precision.dtype], specs, world_size, machine)
+    return placement, specs, uses

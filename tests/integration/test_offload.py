@@ -269,7 +269,7 @@ def test_param_reads_wait_for_their_own_writes(tmp_path):
             assert torch.equal(buf[:n], values[i]), f"chunk {i} read back wrong"
             store.pool.put(buf)
     store.flush()
-    assert store._file._writes == []  # every write seen to land (Note [write ordering] in _ordered_writes.py)
+    assert store._own._writes == []  # every write seen to land (Note [write ordering] in _ordered_writes.py)
 
 
 def test_the_step_publishes_every_complete_unit_of_its_first_chunk(tmp_path, monkeypatch):

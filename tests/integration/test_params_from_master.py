@@ -11,6 +11,7 @@ from _configs import zero_config
 from _models import batches, build, loss_of
 
 import infinity
+from infinity._offload._layout import ParamSource
 from infinity.testing import run_ranks
 
 STEPS, ACCUM, LR, WD, CLIP = 4, 2, 2e-3, 0.01, 0.5
@@ -137,5 +138,77 @@ def test_checkpoint_round_trip_matches_plain_adamw(tmp_path, plain, src, dst):
     losses, params = _checkpoint_round_trip(str(tmp_path), src, dst)
     ref_losses, ref_params = plain
     assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+FROZEN_LAYERS = 7  # of 9 transformer blocks; the embeddings, the last two blocks and ln_f train
+
+
+def _partly_frozen(seed=0):
+    from _models import gpt2
+
+    model = gpt2(seed, layers=9)
+    for block in model.transformer.h[:FROZEN_LAYERS]:
+        block.requires_grad_(False)
+    return model
+
+
+def _plain_partly_frozen():
+    model = _partly_frozen()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    losses = []
+    for ids in batches(STEPS, global_batch=8):
+        total = 0.0
+        for half in ids.chunk(ACCUM):
+            loss = loss_of(model, "gpt2", half)
+            (loss / ACCUM).backward()
+            total += loss.item() / ACCUM
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _swap_bytes(opt) -> dict:
+    return {f: os.path.getsize(os.path.join(d.path, f)) for d in opt.engine.swap_dirs.values()
+            for f in os.listdir(d.path) if f.endswith(".swp")}
+
+
+@pytest.mark.parametrize("resume", ["nvme", "cpu"])
+def test_partly_frozen_model_stores_nothing_twice(tmp_path, resume):
+    """Frozen units leave the trainable ones read from master.swp: the swap files hold the
+    trainable units' master weights and moments and the frozen units' parameters, each once;
+    training stays exact, also resumed from a checkpoint in the same placement or in one that
+    keeps every unit in params.swp (optimizer states in host memory)."""
+    model, opt = infinity.initialize(_partly_frozen(), _cfg("nvme", f"{tmp_path}/nvme"))
+    layout = opt.layout
+    assert opt.placement.param_source is ParamSource.MASTER_FILE and layout.frozen_total > 0
+    files = _swap_bytes(opt)
+    assert files == {"master.swp": 4 * layout.opt_total, "exp_avg.swp": 4 * layout.opt_total,
+                     "exp_avg_sq.swp": 4 * layout.opt_total, "params.swp": 4 * layout.frozen_total}
+    assert opt.engine.memory_plan["categories"]["nvme"] == {"optimizer_files": 12 * layout.opt_total,
+                                                            "param_files": 4 * layout.frozen_total}
+    # the states of the trainable parameters plus the frozen parameters, each slot padded to 2048
+    # elements: at most one slot's padding per unit above 12 bytes per trainable parameter and 4
+    # per frozen one
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    padding = 4 * 3 * 2048 * len(opt.engine.units)
+    assert 12 * trainable + 4 * frozen <= sum(files.values()) <= 12 * trainable + 4 * frozen + padding
+    losses, tele = _train(model, opt, batches(STEPS // 2, global_batch=8))
+    assert [t.get("nvme_params_write_bytes", 0) for t in tele] == [0] * (STEPS // 2)  # frozen: never rewritten
+    infinity.save_checkpoint(f"{tmp_path}/ck", model, opt)
+    opt.engine.close()
+    model, opt = infinity.initialize(_partly_frozen(seed=5), _cfg(resume, f"{tmp_path}/nvme"))
+    assert opt.placement.param_source is (ParamSource.OWN if resume == "cpu" else ParamSource.MASTER_FILE)
+    infinity.load_checkpoint(f"{tmp_path}/ck", model, opt)
+    more, _ = _train(model, opt, batches(STEPS, global_batch=8)[STEPS // 2 :])
+    with infinity.GatheredParameters(list(model.parameters())):
+        params = [p.detach().clone() for p in model.parameters()]
+    opt.engine.close()
+    ref_losses, ref_params = _plain_partly_frozen()
+    assert losses + more == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
