@@ -4,7 +4,7 @@ share of them, and the placement of its threads and host memory there.
 Note [rank placement]: a node runs several ranks (torchrun's LOCAL_WORLD_SIZE), and each rank's
 CPU work (the native Adam, torch's intra-op pool, the copies) left to its defaults would use
 every core: 8 ranks on a node oversubscribe its cores 8 times over. So each rank takes its
-share, decided alike on every rank from what each one reads on its own (no collective):
+share, decided alike on every rank from what each one reads on its own and one exchange of masks:
 
 - the cores: those this process may use (``os.sched_getaffinity``: a container or a launcher
   may restrict it; placement never widens it), grouped into physical cores (a core's
@@ -14,10 +14,14 @@ share, decided alike on every rank from what each one reads on its own (no colle
   or, without one, the local ranks spread over the nodes in blocks (ranks 0-3 on node 0 and
   4-7 on node 1 for 8 ranks on two; fewer ranks than nodes keep every node's cores, a lone
   rank on two sockets among them); a node number pins every rank there;
+- the ranks it divides with: the local ranks launched with the same CPU mask (one all-gather
+  of the masks): all of them under torchrun; none but itself where the launcher already gave each
+  rank cores of its own (``srun --cpu-bind``), which it then keeps whole;
 - the share: the ranks placed on one node divide its cores in contiguous blocks by their order,
   so no two overlap while there are at least as many cores as ranks (with fewer, a core is
   shared by the fewest ranks); its thread count is its number of physical cores, at least 1
-  (``zero.cpu_threads`` overrides the count alone).
+  (``zero.cpu_threads`` overrides the count alone). The aio workers keep their count
+  (``aio.threads``: they wait on the disk more than they compute) and run on the share too.
 
 Placing a rank (``place``) moves every thread the process has to its share (the threads of
 ``/proc/self/task``: gloo's and torch's pools exist before ``initialize``; a thread started later
@@ -44,6 +48,7 @@ import dataclasses
 import glob
 import os
 import platform
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -52,6 +57,7 @@ import torch
 
 from ..errors import UsageError
 from . import _accelerator as acc
+from . import _comm as comm
 from ._log import logger
 
 SYSFS = "/sys"
@@ -161,9 +167,11 @@ Numa = Union[str, int]
 
 
 def share_of(topo: Topology, allowed: Iterable[int], local_rank: int, local_world: int, numa: Numa = "auto",
-             cpu_threads: Optional[int] = None, device_nodes: Sequence[Optional[int]] = ()) -> CoreShare:
+             cpu_threads: Optional[int] = None, device_nodes: Sequence[Optional[int]] = (),
+             sharing: Optional[Sequence[int]] = None) -> CoreShare:
     """This rank's share (Note [rank placement]). ``device_nodes[r]``: the NUMA node of local rank
-    r's GPU, where known."""
+    r's GPU, where known; ``sharing``: the local ranks launched with this rank's CPU mask (None:
+    all of them), the only ones it divides its cores with."""
     if not 0 <= local_rank < local_world:
         raise UsageError(f"LOCAL_RANK {local_rank} is outside LOCAL_WORLD_SIZE {local_world}; launch with torchrun "
                          "or set both as it does")
@@ -189,7 +197,8 @@ def share_of(topo: Topology, allowed: Iterable[int], local_rank: int, local_worl
     else:
         node_of, why = _auto_nodes(sorted(usable), local_world, device_nodes)
     mine = node_of[local_rank]
-    peers = [r for r in range(local_world) if node_of[r] == mine]
+    sharing = range(local_world) if sharing is None else sorted(sharing)
+    peers = [r for r in sharing if node_of[r] == mine]
     pool = usable[mine] if mine is not None else tuple(sorted(allowed))
     groups = [g for g in (tuple(c for c in core if c in pool) for core in topo.cores) if g]
     groups += [(c,) for c in pool if not any(c in g for g in groups)]  # CPUs sysfs gave no core for
@@ -273,9 +282,10 @@ def default_threads() -> int:
 def place(numa: Numa = "auto", cpu_threads: Optional[int] = None, root: str = SYSFS) -> CoreShare:
     """Note [rank placement]: this rank's share, its threads and memory placed there."""
     local_rank, local_world = local_ranks()
-    topo = Topology.read(root)
+    topo, allowed = Topology.read(root), allowed_cpus()
     device_nodes = [topo.device_node(a) for a in acc.pci_addresses(local_world)]
-    share = share_of(topo, allowed_cpus(), local_rank, local_world, numa, cpu_threads, device_nodes)
+    share = share_of(topo, allowed, local_rank, local_world, numa, cpu_threads, device_nodes,
+                     _sharing(local_rank, allowed))
     if share.pinned:
         _pin_threads(share.cpus)
     if cpu_threads is not None or torch.get_num_threads() > share.threads:
@@ -286,6 +296,15 @@ def place(numa: Numa = "auto", cpu_threads: Optional[int] = None, root: str = SY
         _Placed.share = share
     logger.info("placement: %s", share.describe())
     return share
+
+
+def _sharing(local_rank: int, allowed: frozenset) -> List[int]:
+    """The local ranks of this host launched with this rank's CPU mask: every one under plain
+    torchrun; only itself where the launcher gave each rank cores of its own (``srun
+    --cpu-bind``, ``taskset`` per rank), whose cores it then keeps whole. One all-gather."""
+    mine = (socket.gethostname(), local_rank, sorted(allowed))
+    return [r for host, r, mask in comm.all_gather_object(mine, what="all-gather of the ranks' CPU masks")
+            if host == mine[0] and mask == mine[2]]
 
 
 def _pin_threads(cpus: Tuple[int, ...]) -> None:

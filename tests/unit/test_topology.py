@@ -68,6 +68,15 @@ def test_the_launchers_mask_is_respected():
     assert [s.cpus for s in shares] == [(8, 9, 24, 25), (10, 11, 26, 27)]
 
 
+def test_ranks_a_launcher_gave_cores_of_their_own_keep_them_whole():
+    masks = [set(range(4 * r, 4 * r + 4)) | set(range(16 + 4 * r, 20 + 4 * r)) for r in range(4)]  # srun --cpu-bind
+    shares = [topo.share_of(TWO, masks[r], r, 4, sharing=[r]) for r in range(4)]
+    assert [set(s.cpus) for s in shares] == masks and all(s.threads == 4 for s in shares)
+    assert [s.node for s in shares] == [0, 0, 1, 1]
+    # torchrun: one mask for all, every local rank shares it
+    assert topo.share_of(TWO, ALL_TWO, 1, 4, sharing=range(4)) == topo.share_of(TWO, ALL_TWO, 1, 4)
+
+
 def test_more_ranks_than_cores_share_the_fewest():
     shares = [topo.share_of(ONE, range(8), r, 8) for r in range(8)]
     assert [s.cpus for s in shares] == [(0, 4)] * 2 + [(1, 5)] * 2 + [(2, 6)] * 2 + [(3, 7)] * 2
