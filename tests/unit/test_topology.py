@@ -135,3 +135,18 @@ def test_memory_policy_prefers_the_node_in_the_calling_thread_only():
     assert seen["before"][0] == topo.MPOL_DEFAULT
     assert seen["after"] == (topo.MPOL_PREFERRED, (node,))
     assert topo.memory_policy()[0] == topo.MPOL_DEFAULT  # the test's own thread is untouched
+
+
+def test_the_native_adams_default_before_any_placement_is_capped_at_the_share(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(topo._Placed, "share", None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert topo.local_ranks() == (3, 100000)
+    assert topo.default_threads() == 1  # more ranks than CPUs here: one thread each, never zero
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert topo.default_threads() == min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(UsageError, match="LOCAL_RANK / LOCAL_WORLD_SIZE must be integers"):
+        topo.local_ranks()
