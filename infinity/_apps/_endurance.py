@@ -1,15 +1,16 @@
-"""SSD write endurance as a budget: the bytes written to each nvme_path, and the run's projection.
+"""SSD write endurance as a budget: the bytes written to each drive, and the run's projection.
 
 Note [endurance budget]: an SSD is rated for so many terabytes written (TBW), and training with
 NVMe offload rewrites the optimizer states every step (12 bytes per parameter and more), so a
-long run can spend a visible part of a disk's life. ``SsdLedger`` counts, per nvme_path, the
-bytes this rank wrote there: the swap files (the stores' own counters, attributed to the
-nvme_path that holds each store's file) and the checkpoints saved under a directory on the same
-filesystem (the files the manifest lists as written; a file cloned from a swap file shares its
-blocks and writes nothing then, and the copy-on-write it causes later is counted as the swap
-file's writes that cause it). The train job records the bytes of each step and of the run in
-its telemetry and summary, and after the first step projects the run (that step's bytes times
-the steps, times the ranks of this node sharing the disk) against ``aio.endurance_tbw``,
+long run can spend a visible part of a disk's life. ``SsdLedger`` counts, per drive (each
+directory of ``nvme_path``, Note [many drives] in _offload/_drives.py), the bytes this rank
+wrote there: the swap files (every write through the engine's swap files, counted by the drive
+it went to) and the checkpoints saved under a directory on the same filesystem (the files the
+manifest lists as written; a file cloned from a swap file shares its blocks and writes nothing
+then, and the copy-on-write it causes later is counted as the swap file's writes that cause
+it). The train job records the bytes of each step and of the run in its telemetry and summary,
+and after the first step projects the run (that step's bytes times the steps, times the ranks
+of this node writing to that drive: ``sharing``) against ``aio.endurance_tbw``,
 warning when it passes ``aio.endurance_warn_fraction`` of it. Checkpoints are not projected
 (how many bytes a save writes depends on whether it clones); they are counted as they happen.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Dict, List, Optional
+
+from .._offload._drives import configured_drives, rank_drives
 
 TB = 10**12  # TBW ratings are decimal terabytes
 
@@ -44,20 +47,13 @@ class SsdLedger:
         self.checkpoints: Dict[str, int] = {p: 0 for p in self.paths}
 
     def swap_written(self) -> Dict[str, int]:
+        """Bytes written to this rank's swap files on each drive: every write, a striped file's
+        to the drive each extent is on (Note [striped swap files] in aio/_stripe.py)."""
         out = {p: 0 for p in self.paths}
-        for store, count in self._stores():
-            where = _holder(store, self.paths)
-            if where is not None:
-                out[where] += count
+        for drive, (_, written) in self.engine.swap_dirs.drive_bytes().items():
+            if drive in out:
+                out[drive] += written
         return out
-
-    def _stores(self):
-        engine = self.engine
-        opt, params = engine.opt_store, engine.param_store
-        if opt is not None and getattr(opt, "paths", None):
-            yield str(opt.paths["master"]), int(opt.bytes_written)
-        if params is not None and getattr(params, "path", None) is not None and params.flat is None:
-            yield str(params.path), int(params.bytes_written)
 
     def written(self) -> Dict[str, int]:
         swap = self.swap_written()
@@ -81,14 +77,27 @@ def local_ranks() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def budget_warning(aio_cfg, per_step: Dict[str, int], steps: int) -> Optional[str]:
-    """The warning of Note [endurance budget], or None (no budget, or within it)."""
+def sharing(cfg) -> Dict[str, int]:
+    """Ranks of this node that write to each drive (Note [many drives] in _offload/_drives.py)."""
+    z, ranks = cfg.zero, local_ranks()
+    out: Dict[str, int] = {}
+    for drive in configured_drives(cfg):
+        out[drive] = sum(1 for r in range(ranks) if any(
+            section.device == "nvme" and section.nvme_path and drive in rank_drives(section.nvme_path, z.nvme_layout, r)
+            for section in (z.offload_optimizer, z.offload_param)))
+    return out
+
+
+def budget_warning(aio_cfg, per_step: Dict[str, int], steps: int,
+                   ranks_per_drive: Optional[Dict[str, int]] = None) -> Optional[str]:
+    """The warning of Note [endurance budget], or None (no budget, or within it);
+    ``ranks_per_drive``: ``sharing``'s (None: every rank of the node on every drive)."""
     if aio_cfg.endurance_tbw is None:
         return None
     budget = aio_cfg.endurance_tbw * TB
     over = []
     for path, nbytes in per_step.items():
-        projected = nbytes * steps * local_ranks()
+        projected = nbytes * steps * (ranks_per_drive or {}).get(path, local_ranks())
         if projected > aio_cfg.endurance_warn_fraction * budget:
             over.append(f"{path}: {projected / TB:.3g} TB ({100 * projected / budget:.2g}% of "
                         f"aio.endurance_tbw {aio_cfg.endurance_tbw:g} TB)")

@@ -3,17 +3,20 @@ config it suggests."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
 from typing import Optional, Sequence
 
+from .._offload._drives import rank_bandwidth
 from .._runtime._accelerator import device_count
 from .._runtime._tiers import Tier
 from ..config import AioConfig
+from . import _plan as pl
 from . import _runmodel as rm
 from ._endurance import TB
-from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, _format_count
+from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, _config_dict, _format_count
 from ._estimator import Estimate, estimate
 
 # --------------------------------------------------------------------------- CLI
@@ -98,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     hw.add_argument("--cpu-mem", help="host memory per node")
     hw.add_argument("--nvme", help="NVMe space per node")
     hw.add_argument("--nvme-path", help="NVMe directory (measured when --nvme is left out)")
+    _drive_flags(hw)
     run.add_argument("--tiling-factor", type=int, default=1,
                      help="the largest operator split into this many tiles (zero.tiling)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -112,10 +116,28 @@ def _parser() -> argparse.ArgumentParser:
     ssd.add_argument("--steps", type=int, help="optimizer steps of the run: the TB it writes to each node's NVMe")
     ssd.add_argument("--endurance-tbw", type=float,
                      help="the drive's rated endurance in TB written (aio.endurance_tbw): the run's share of it")
+    own = p.add_argument_group("the engine's own plan (Note [planned by the engine] in _plan.py)")
+    own.add_argument("--plan", action="store_true",
+                     help="build the model on the meta device and run the engine's planner for the node (--gpus x "
+                          "--nodes ranks, --drives, --nvme-layout): fetch units, each rank's bytes by tier, swap "
+                          "files, buffers and host memory, each drive's swap bytes; nothing is allocated")
+    own.add_argument("--arch", default="gpt2", choices=pl.ARCHS,
+                     help="--plan: the decoder a shape (--layers, --hidden, --params) is built as")
+    own.add_argument("--config", help="--plan: the infinity config to plan (its tiers, dtype, buffers) instead of "
+                                      "stage 3 at --offload in --dtype")
     st.add_argument("--hardware", choices=("dgx2", "h100x8"),
                     help="a whole node: its GPUs, memories and NVMe for the estimate and its rates for --step-time "
                          "(the paper's DGX-2, or an 8xH100 node with NVMe RAID; figures in _runmodel.py)")
     return p
+
+
+def _drive_flags(hw) -> None:
+    hw.add_argument("--drives", type=int, help="--step-time: NVMe drives per node, each as fast as --drive-bandwidth "
+                    "or as the one measured under --nvme-path (Note [many drives] in _offload/_drives.py)")
+    hw.add_argument("--drive-bandwidth", metavar="READ[,WRITE]",
+                    help="--step-time: GB/s one drive reads (and writes; default: as it reads), instead of measuring")
+    hw.add_argument("--nvme-layout", default="rank", choices=("rank", "stripe"),
+                    help="--step-time with --drives: each rank on its drive, or every file striped (zero.nvme_layout)")
 
 
 def _run_of(est: Estimate, args):
@@ -179,9 +201,43 @@ def _step_report(est: Estimate, args) -> str:
                             "dgx2, or --hardware h100x8 / dgx2 for a whole node, or leave out --gpus and --gpu-mem to "
                             "predict this machine")
     if rates is None:
-        on_nvme = "nvme" in (run.param_tier, run.optimizer_tier)
+        on_nvme = "nvme" in (run.param_tier, run.optimizer_tier) and args.drive_bandwidth is None
         rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if on_nvme else None), run)
+        rates = _drive_rates(rates, args, run.ranks)
     return rm.describe(run, rates)
+
+
+def _drive_rates(rates: "rm.Rates", args, ranks: int) -> "rm.Rates":
+    """A rank's NVMe rates from one drive's (given, or the one measured) over ``--drives`` drives
+    shared by the node's ranks (Note [many drives] in _offload/_drives.py)."""
+    if args.drives is None and args.drive_bandwidth is None:
+        return rates
+    if args.drives is not None and args.drives < 1:
+        raise EstimateError(f"drives: {args.drives} must be at least 1")
+    read, write = rates.nvme_read, rates.nvme_write
+    if args.drive_bandwidth is not None:
+        try:
+            figures = [float(x) * 1e9 for x in args.drive_bandwidth.split(",")]
+        except ValueError:
+            figures = []
+        if len(figures) not in (1, 2) or min(figures) <= 0:
+            raise EstimateError(f"drive-bandwidth: {args.drive_bandwidth!r} must be READ or READ,WRITE in GB/s, "
+                                f"e.g. 6.5,3.5")
+        read, write = figures[0], figures[-1]
+    drives = args.drives or 1
+    return dataclasses.replace(rates, nvme_read=rank_bandwidth(read, drives, args.nvme_layout, ranks),
+                               nvme_write=rank_bandwidth(write, drives, args.nvme_layout, ranks))
+
+
+def _plan_report(est: Estimate, args) -> str:
+    """Note [planned by the engine] in _plan.py: the model built on the meta device and planned for the node."""
+    node = pl.node_of(est.hardware, drives=args.drives, nvme_layout=args.nvme_layout, preset=args.hardware,
+                      nvme_path=args.nvme_path)
+    cfg = pl.plan_config(args.offload, args.dtype, args.config,
+                         est.max_tile_params if args.tiling_factor > 1 else None)
+    fields = _config_dict(args.model)[0] if args.model is not None else None
+    result = pl.timed_plan(lambda: pl.build_meta(fields, est.shape, args.arch), cfg, node)
+    return json.dumps(result.to_dict(), indent=2) if args.json else pl.report(result)
 
 
 def _gpu_described(est: Estimate, args) -> bool:
@@ -207,7 +263,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))     # exits 2 with the usage and the message
     try:
         writes = _ssd_writes(est, args) if args.steps is not None else None
-        if args.step_time:
+        if args.plan:
+            text = _plan_report(est, args)
+        elif args.step_time:
             text = _step_report(est, args)
         elif args.json:
             text = json.dumps(dict(est.to_dict(), **({"ssd_writes": writes} if writes else {})), indent=2)

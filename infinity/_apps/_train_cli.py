@@ -9,10 +9,12 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
+from .._offload._drives import configured_drives
 from ..config import Config, _looks_like_deepspeed, _read_file
 from ._train_model import PRESETS, TrainError
 
 EXIT_BAD_INPUT = 2
+EXIT_SIGINT = 130  # 128 + SIGINT, as shells report it; SIGTERM exits 143 (Note [preemption] in _checkpoint/_train.py)
 
 
 def default_nvme_path() -> str:
@@ -50,7 +52,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--stage", type=int, choices=(1, 2, 3), help="ZeRO stage (zero.stage)")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"),
                    help="tier of parameters (stage 3) and optimizer states")
-    p.add_argument("--nvme-path", help="directory for NVMe swap files (zero.offload_*.nvme_path)")
+    p.add_argument("--nvme-path", help="directory for NVMe swap files, or several separated by commas, one per drive "
+                   "(zero.offload_*.nvme_path)")
+    p.add_argument("--nvme-layout", choices=("rank", "stripe"),
+                   help="with several drives: rank = each local rank on its own drive, stripe = every swap file "
+                        "spread over all of them (zero.nvme_layout)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"),
                    help="training precision (precision.dtype); auto = bf16 where the machine runs it natively")
     p.add_argument("--save-every", type=int, metavar="N",
@@ -61,6 +67,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--save-async", action="store_true",
                    help="--save-every saves without stopping training: the states are snapshotted at the save "
                         "(NVMe states cloned where the filesystem can) and written while the next steps run")
+    p.add_argument("--save-on-signal", action="store_true",
+                   help="on SIGTERM (what cluster schedulers send before they kill) or SIGINT, finish the step in "
+                        "flight, save a checkpoint under --output-dir/checkpoints and exit 0; a second signal stops at "
+                        "once. Without it either signal stops the job at once, saving nothing (exit 130 for SIGINT, "
+                        "143 for SIGTERM)")
     p.add_argument("--strict", action="store_true",
                    help="a DeepSpeed --config: refuse keys that only tune DeepSpeed (default: accept them with "
                         "one warning)")
@@ -106,9 +117,12 @@ def resolve_config(args: argparse.Namespace) -> Config:
         updates["zero.offload_param.device"] = args.offload if stage == 3 else "none"
     elif stage < 3 and cfg.zero.offload_param.device != "none":
         updates["zero.offload_param.device"] = "none"  # --stage 1/2 on a config offloading parameters
+    if args.nvme_layout is not None:
+        updates["zero.nvme_layout"] = args.nvme_layout
     if args.nvme_path is not None:
-        updates["zero.offload_param.nvme_path"] = args.nvme_path
-        updates["zero.offload_optimizer.nvme_path"] = args.nvme_path
+        drives = [d for d in args.nvme_path.split(",") if d] or [args.nvme_path]  # Note [many drives] in _drives.py
+        updates["zero.offload_param.nvme_path"] = drives[0] if len(drives) == 1 else drives
+        updates["zero.offload_optimizer.nvme_path"] = drives[0] if len(drives) == 1 else drives
     elif args.offload == "nvme":
         for key in ("offload_param", "offload_optimizer"):
             if getattr(cfg.zero, key).nvme_path is None:
@@ -117,8 +131,5 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 
 def nvme_paths(cfg: Config) -> List[str]:
-    paths = []
-    for section in (cfg.zero.offload_param, cfg.zero.offload_optimizer):
-        if section.device == "nvme" and section.nvme_path not in paths:
-            paths.append(section.nvme_path)
-    return paths
+    """Every drive the NVMe sections name, each once (Note [many drives] in _drives.py)."""
+    return list(configured_drives(cfg))

@@ -25,7 +25,7 @@ from .._runtime._telemetry import StepStats, Telemetry, flatten, fmt_bytes, fmt_
 from .._zero._initialize import initialize
 from ..config import Config
 from ._disk_probe import PROBE_BYTES, probe_disk
-from ._endurance import SsdLedger, budget_warning
+from ._endurance import SsdLedger, budget_warning, sharing
 from ._train_cli import nvme_paths
 from ._train_data import Batches, builtin_corpus, has_tokenizer_files, read_texts, token_windows
 from ._train_model import ModelSpec, build_partitioned
@@ -46,6 +46,7 @@ class Run:
     export: Any = None
     export_s: float = 0.0
     first_step: int = 1  # after a resume: the step after the checkpoint's
+    step: int = 0  # the step in flight (the last one begun)
     checkpoints: Any = None  # _checkpoint._train.TrainCheckpoints
     ssd: Any = None  # _endurance.SsdLedger, with NVMe offload (Note [endurance budget] in _endurance.py)
     ssd_seen: Dict[str, int] = field(default_factory=dict)  # its counts at the end of the last step
@@ -154,7 +155,7 @@ def _count_ssd(run: Run, step: int, record: dict) -> None:
     this_step = {p: n - run.ssd_seen.get(p, 0) for p, n in written.items()}
     record["ssd_written_bytes"] = float(sum(this_step.values()))
     if step == run.first_step and run.rank0:
-        warning = budget_warning(run.cfg.aio, this_step, run.cfg.train.steps - run.first_step + 1)
+        warning = budget_warning(run.cfg.aio, this_step, run.cfg.train.steps - run.first_step + 1, sharing(run.cfg))
         if warning:
             logger.warning(warning)
     run.ssd_seen = written
@@ -166,6 +167,7 @@ def train_loop(run: Run) -> None:
                dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
     try:
         for step in range(run.first_step, cfg.steps + 1):
+            run.step = step
             record = train_step(run, step)
             _count_ssd(run, step, record)
             run.stats.add(record)

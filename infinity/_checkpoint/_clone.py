@@ -16,7 +16,8 @@ staging files of compressed moments) is read whole for its CRC-32 as before. A l
 each file as always, computing its block sums in the same pass; a file that fills a swap file
 from offset 0 at the same offsets (same world size and layout) is then cloned back and the
 swap file's table is given those sums. Elsewhere (ext4, two filesystems) both copy as before,
-and the log says once per directory pair which it did and why.
+and the log says once per directory pair which it did and why. A swap file striped over several
+drives is always copied (Note [striped swap files] in aio/_stripe.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ..aio._checksum import BLOCK, sums_of
 from ..aio._clone import CloneSupport, clone_range, clone_support
 from ..aio._crc_combine import combine_blocks
 from ..aio._native import ffi, lib
+from ..aio._stripe import StripedPath
 
 READ_PIECE = 16 << 20  # blocks without a known sum are read from the clone this much at a time
 
@@ -42,9 +44,16 @@ class Cloner:
         self.enabled = enabled
         self._pairs: Dict[Tuple[int, int], CloneSupport] = {}
         self.cloned_bytes = 0
+        self._striped_said = False
 
     def can(self, src: str, dst_dir: str) -> bool:
         if not self.enabled or not isinstance(src, str):
+            return False
+        if isinstance(src, StripedPath):  # Note [striped swap files] in aio/_stripe.py
+            if not self._striped_said:
+                self._striped_said = True
+                logger.info("checkpoint: copying the NVMe states striped over %d drives (a striped swap file is not "
+                            "the checkpoint file's layout)", len(src.members))
             return False
         src_dir = os.path.dirname(os.fspath(src))
         key = (os.stat(src_dir).st_dev, os.stat(dst_dir).st_dev)
@@ -63,6 +72,10 @@ class Cloner:
         if crc is None:
             return {"bytes": nbytes, "crc32": checksum_by_reading(dest, nbytes)}
         return {"bytes": nbytes, "crc32c": crc}
+
+    def can_back(self, src: str, dest) -> bool:
+        """Whether the checkpoint file ``src`` can be cloned over the swap file ``dest``."""
+        return not isinstance(dest, StripedPath) and self.can(src, os.path.dirname(dest))
 
     def clone_back(self, src: str, dest, nbytes: int, entries: Optional[np.ndarray]) -> None:
         """Clone the verified checkpoint file ``src`` over ``dest``'s first ``nbytes``; the

@@ -125,7 +125,7 @@ def _clones(engine, opt, reader: CheckpointReader, plan, cloner: Cloner) -> Dict
             continue
         rel = rels.pop()
         if rel == rank_file(engine.rank, os.path.basename(rel)[: -len(".bin")]) and \
-                cloner.can(reader.file(rel), os.path.dirname(dest)):
+                cloner.can_back(reader.file(rel), dest):
             out[rel] = cloner
     return out
 

@@ -63,3 +63,23 @@ def node_bytes_per_drive(nvme_path: NvmePath, layout: str, bytes_per_rank: int, 
         for p in mine:
             out[p] += bytes_per_rank // len(mine)
     return out
+
+
+def configured_drives(cfg) -> Tuple[str, ...]:
+    """Every drive the config's NVMe sections name, in order, each once: drive ``k`` of the
+    telemetry (``drive<k>_read_bytes``) and the summary."""
+    z = cfg.zero
+    drives: Dict[str, None] = {}
+    for section in (z.offload_optimizer, z.offload_param):
+        if section.device == "nvme" and section.nvme_path:
+            drives.update(dict.fromkeys(drive_paths(section.nvme_path)))
+    return tuple(drives)
+
+
+def rank_bandwidth(per_drive: float, drives: int, layout: str, ranks_on_node: int) -> float:
+    """Note [many drives]: bytes/s one rank moves when every rank of the node moves as much at
+    once and each drive serves ``per_drive`` bytes/s: the busiest drive sets the pace."""
+    paths = tuple(str(d) for d in range(max(1, drives)))
+    whole = 1 << 40  # a rank's bytes, large enough that the striped split's rounding is nothing
+    busiest = max(node_bytes_per_drive(paths, layout, whole, max(1, ranks_on_node)).values())
+    return per_drive * whole / busiest

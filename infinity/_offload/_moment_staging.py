@@ -5,12 +5,12 @@ _nvme_optimizer_store.py).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from ..aio._handle import close_handles
+from ..aio._stripe import unlink
 from ._optimizer_files import OptimizerFiles
-from ._swap import SwapDir, new_aio
+from ._swap import Swap, new_aio
 from ._swap_pipeline import SwapPipeline
 
 
@@ -20,7 +20,7 @@ class MomentStaging:
     of ``pipeline`` (no step is in flight around a checkpoint). The files have their own
     handle, opened when first needed: closing it lets go of the removed files' descriptors."""
 
-    def __init__(self, files: OptimizerFiles, swap: SwapDir, aio_cfg, pipeline: SwapPipeline, reader):
+    def __init__(self, files: OptimizerFiles, swap: Swap, aio_cfg, pipeline: SwapPipeline, reader):
         self.files = files
         self.swap, self._aio_cfg = swap, aio_cfg  # the staging files go beside the swap files
         self._pipeline = pipeline
@@ -72,5 +72,5 @@ class MomentStaging:
             close_handles([io])
             self._io = None
         for path in self.paths.values():
-            os.unlink(path)
+            unlink(path)  # every member of a striped file (Note [striped swap files] in aio/_stripe.py)
         self.paths.clear()

@@ -25,7 +25,7 @@ from ._moments import file_bytes, record_bytes
 from ._optimizer_files import NAMES, STATES, OptimizerFiles
 from ._optimizer_store import Chunk, chunk_elems, head_elems
 from ._ordered_writes import MasterFile
-from ._swap import SwapDir, new_aio
+from ._swap import Swap, new_aio
 from ._swap_pipeline import SwapPipeline
 
 
@@ -86,7 +86,7 @@ class NvmeOptimizerStore:
 
     SETS = SwapPipeline.SETS
 
-    def __init__(self, total: int, ranges: List[tuple], swap: SwapDir, aio_cfg, chunk: Optional[int],
+    def __init__(self, total: int, ranges: List[tuple], swap: Swap, aio_cfg, chunk: Optional[int],
                  accumulation_steps: int, host_cache: Optional[int] = None, grads_in_memory: bool = False,
                  moments: str = "fp32", release_cache: bool = False, phased: bool = False,
                  master: Optional[MasterFile] = None):

@@ -15,7 +15,7 @@ from ..aio._checksum import checksummed
 from ..errors import InvariantError
 from ._moments import Codec, file_bytes
 from ._ordered_writes import MasterFile
-from ._swap import SwapDir, wait_io
+from ._swap import Swap, wait_io
 
 NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")
 STATES = NAMES[:3]  # what an update reads and writes back; the gradients it only consumes
@@ -29,7 +29,7 @@ class OptimizerFiles:
     ``master``: master.swp shared with the parameter store, which writes the step's master
     weights (Note [parameters from the master] in _placement.py); None: this store's own."""
 
-    def __init__(self, total: int, chunk: int, swap: SwapDir, aio_cfg, *, grads_in_memory: bool, moments: str,
+    def __init__(self, total: int, chunk: int, swap: Swap, aio_cfg, *, grads_in_memory: bool, moments: str,
                  master: Optional[MasterFile] = None):
         self.total, self.chunk, self.rank = total, chunk, swap.rank
         self.swapped = STATES if grads_in_memory else NAMES  # the arrays with a swap file

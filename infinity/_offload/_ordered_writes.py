@@ -13,7 +13,7 @@ import torch
 
 from ..aio._checksum import checksummed
 from ..aio._handle import close_handles
-from ._swap import SwapDir, new_aio, wait_io
+from ._swap import Swap, new_aio, wait_io
 
 WRITE_HANDLES = 4  # the writes rotate over these (Note [write ordering])
 
@@ -92,7 +92,7 @@ class MasterFile:
     through ``writes``; the optimizer store writes only the moments, and waits for
     ``writes.landed`` before it reads the file or hands it to a checkpoint."""
 
-    def __init__(self, swap: SwapDir, total: int, aio_cfg):
+    def __init__(self, swap: Swap, total: int, aio_cfg):
         self.total = total  # elements: the optimizer's flat space
         nbytes = 4 * total
         # Note [swap checksums] in _checksum.py

@@ -26,7 +26,7 @@ from ..errors import InfinityError, UsageError
 from ._layout import ALIGN_ELEMS, ParamSource, round_up
 from ._memory_plan import PARAM_CACHE, PARAM_FILES, PARAM_HANDOFF, PARAM_SHARDS, PARAM_STAGING, totals
 from ._ordered_writes import WRITE_HANDLES, MasterFile, OrderedWrites
-from ._swap import SwapDir, nbytes_of, new_aio, wait_io
+from ._swap import Swap, nbytes_of, new_aio, wait_io
 
 HANDOFF_BUFFERS = 2  # staging buffers' worth of the step's fresh parameter output kept in memory (Note [hand-off])
 
@@ -141,7 +141,7 @@ class ParamStore:
     the cap.
     """
 
-    def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[SwapDir] = None, aio_cfg=None,
+    def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[Swap] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
                  update_chunk: int = 0, master: Optional[MasterFile] = None, cache_elems: int = 0):
@@ -193,7 +193,7 @@ class ParamStore:
         else:
             self.flat = torch.empty(total, dtype=dtype, device=acc.device())
 
-    def _swap_files(self, swap: SwapDir, aio_cfg, master: Optional[MasterFile]) -> List[tuple]:
+    def _swap_files(self, swap: Swap, aio_cfg, master: Optional[MasterFile]) -> List[tuple]:
         """(first element, its ordered writes) of each file the shards are in (Note [write
         ordering] in _ordered_writes.py): under MASTER_FILE master.swp holds the trainable
         units (the first ``master.total`` elements: Note [frozen parameters] in _layout.py), the

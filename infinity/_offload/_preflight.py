@@ -17,6 +17,7 @@ from .._runtime import _comm as comm
 from .._runtime._host_memory import available as host_available
 from .._runtime._tiers import Tier
 from ..errors import InsufficientResourcesError
+from ._drives import drive_paths, local_rank, node_bytes_per_drive, rank_drives
 from ._layout import ParamSource
 from ._memory_plan import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
 from ._nvme_optimizer_store import NvmeOptimizerStore
@@ -52,7 +53,7 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
 
 
 def plan(placement: "Placement", cfg) -> dict:
-    """Bytes per tier this rank will hold, and per nvme_path on disk, from the one memory model
+    """Bytes per tier this rank will hold, and per drive on disk, from the one memory model
     (Note [one memory model] in _memory_plan.py); ``categories`` says what they are."""
     z = cfg.zero
     layout = placement.layout
@@ -70,10 +71,29 @@ def plan(placement: "Placement", cfg) -> dict:
         moments=z.offload_optimizer.moments, param_cache=placement.param_cache_elems)
     need: dict = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
                   "categories": cats}
+    for path, nbytes in _nvme_files(cfg, cats):
+        mine = rank_drives(path, z.nvme_layout, local_rank())  # Note [many drives] in _drives.py
+        for i, drive in enumerate(mine):  # a striped rank's bytes evenly, to the byte
+            need["nvme"][drive] = need["nvme"].get(drive, 0) + nbytes // len(mine) + (i < nbytes % len(mine))
+    return need
+
+
+def _nvme_files(cfg, cats: dict):
+    """(nvme_path, bytes of this rank's swap files there) of the optimizer's and the parameters' files."""
+    z = cfg.zero
     for cat, path in ((OPT_FILES, z.offload_optimizer.nvme_path), (PARAM_FILES, z.offload_param.nvme_path)):
         if cats["nvme"].get(cat):
-            need["nvme"][path] = need["nvme"].get(path, 0) + cats["nvme"][cat]
-    return need
+            yield path, cats["nvme"][cat]
+
+
+def node_need(cfg, need: dict, ranks: int) -> dict:
+    """Bytes the swap files of this node's ``ranks`` ranks take on each drive (every rank holds
+    what this one does; Note [many drives] in _drives.py)."""
+    out: dict = {}
+    for path, nbytes in _nvme_files(cfg, need["categories"]):
+        for drive, n in node_bytes_per_drive(path, cfg.zero.nvme_layout, nbytes, ranks).items():
+            out[drive] = out.get(drive, 0) + n
+    return out
 
 
 def staging_buffers(z) -> int:
@@ -111,18 +131,34 @@ def preflight(placement: "Placement", cfg) -> dict:
                 f"device memory ({acc.device()}): {_amounts(on_device, free_device, 1, 'of model states ')} free, "
                 f"before activations; offload states (zero.offload_optimizer.device / zero.offload_param.device: "
                 f"cpu or nvme), partition parameters (zero.stage: 3), or use a device with more memory")
-    for path, nbytes in need["nvme"].items():
-        free = free_disk(path)
-        if nbytes * ranks > free:
-            others = stale_elsewhere(path)
-            note = (f"; {len(others)} other run director{'y' if len(others) == 1 else 'ies'} there "
-                    f"({', '.join(others[:3])}) belong to live runs or other hosts") if others else ""
-            problems.append(
-                f"disk under {path}: {ranks} rank(s) x {_amounts(nbytes, free, ranks, 'of swap files ')} free{note}; "
-                f"point nvme_path at a larger disk or free space")
+    problems += _disk_problems(cfg, need, ranks)
     if problems:
         raise InsufficientResourcesError("this placement does not fit on this machine:\n  - " + "\n  - ".join(problems))
     return need
+
+
+def _disk_problems(cfg, need: dict, ranks: int) -> list:
+    """Note [many drives] in _drives.py: free space on every drive of every nvme_path, for what
+    this node's ranks put there (what crashed runs left is reclaimed on each first, the drives
+    this rank does not write to included)."""
+    problems = []
+    node = node_need(cfg, need, ranks)
+    z = cfg.zero
+    for section in (z.offload_optimizer, z.offload_param):
+        if section.device == "nvme" and section.nvme_path:
+            for drive in drive_paths(section.nvme_path):
+                node.setdefault(drive, 0)
+    for drive, nbytes in node.items():
+        free = free_disk(drive)
+        if nbytes > free:
+            others = stale_elsewhere(drive)
+            note = (f"; {len(others)} other run director{'y' if len(others) == 1 else 'ies'} there "
+                    f"({', '.join(others[:3])}) belong to live runs or other hosts") if others else ""
+            share = f"{ranks} rank(s) together: " if ranks > 1 else ""
+            problems.append(
+                f"disk under {drive}: {share}{_amounts(nbytes, free, 1, 'of swap files ')} free{note}; "
+                f"point nvme_path at a larger disk or free space, or list more drives in it")
+    return problems
 
 
 def _amounts(need: int, have: int, ranks: int, what: str = "") -> str:

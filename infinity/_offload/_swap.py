@@ -27,22 +27,29 @@ import shutil
 import socket
 import uuid
 import weakref
-from typing import Optional
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .._runtime import _comm as comm
 from .._runtime._log import logger
 from ..aio import AsyncIO
+from ..aio._checksum import SwapPath
+from ..aio._stripe import DriveTally, StripedPath, member_bytes
 from ..errors import StorageError, UsageError
+from ._drives import NvmePath, local_rank, rank_drives
 
 
 class SwapDir:
+    """This run's directory for one rank on one drive; its files count their bytes in ``tally``."""
+
     def __init__(self, nvme_path: str, rank: int, run_id: Optional[str] = None):
         if not nvme_path:
             raise UsageError("NVMe offload needs nvme_path: set zero.offload_param.nvme_path / "
                              "zero.offload_optimizer.nvme_path to a directory on a fast local disk")
         self.rank = rank
+        self.drive = nvme_path
+        self.tally = DriveTally(nvme_path)  # Note [striped swap files] in aio/_stripe.py
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.path = os.path.join(os.path.abspath(nvme_path), f"infinity-{self.run_id}", f"rank{rank}")
         _make_nvme_path(nvme_path)
@@ -56,8 +63,9 @@ class SwapDir:
         self._finalizer = weakref.finalize(self, _remove, os.path.dirname(self.path), self.path, lock_fd)
 
     def file(self, name: str, nbytes: int) -> str:
-        """Create (preallocated to ``nbytes``) and return the path of a swap file."""
-        path = os.path.join(self.path, name)
+        """Create (preallocated to ``nbytes``) and return the path of a swap file, which counts
+        its bytes in this drive's tally."""
+        path = SwapPath(os.path.join(self.path, name), None, self.tally)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             if nbytes:
@@ -96,20 +104,76 @@ def _make_nvme_path(nvme_path: str) -> None:
     logger.info("created nvme_path %s", path)
 
 
+class StripedSwap:
+    """This run's swap directories on several drives, each swap file striped over them (Note
+    [striped swap files] in aio/_stripe.py); each file's members start one drive further on."""
+
+    def __init__(self, dirs: List[SwapDir], extent: int):
+        self.dirs, self.extent, self.rank = list(dirs), extent, dirs[0].rank
+        self._made = 0
+
+    def file(self, name: str, nbytes: int) -> StripedPath:
+        n = len(self.dirs)
+        first, self._made = self._made % n, self._made + 1
+        order = self.dirs[first:] + self.dirs[:first]
+        return StripedPath([d.file(name, member_bytes(nbytes, self.extent, n, i)) for i, d in enumerate(order)],
+                           self.extent)
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            d.remove()
+
+
+Swap = Union[SwapDir, StripedSwap]  # where one store's swap files go: one drive, or striped over several
+
+
 class SwapDirs:
-    """This run's swap directory under each ``nvme_path``, made on first use; removed together."""
+    """This run's swap directory on each drive it uses, made on first use; removed together.
+    ``under(nvme_path)`` is where a store's files go: the one drive the rank uses of that
+    ``nvme_path``, or all of them striped (Note [many drives] in _drives.py)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, layout: str = "rank", stripe_size: int = 8 << 20,
+                 rank_on_node: Optional[int] = None):
         self._rank = rank
-        self._dirs: dict = {}
+        self._layout, self._extent = layout, stripe_size
+        self._rank_on_node = local_rank() if rank_on_node is None else rank_on_node
+        self._run_id = uuid.uuid4().hex[:12]  # the same run directory name on every drive
+        self._dirs: Dict[str, SwapDir] = {}
+        self._striped: Dict[Tuple[str, ...], StripedSwap] = {}
 
-    def under(self, nvme_path: str) -> SwapDir:
-        if nvme_path not in self._dirs:
-            self._dirs[nvme_path] = SwapDir(nvme_path, self._rank)
-        return self._dirs[nvme_path]
+    @classmethod
+    def of(cls, cfg, rank: int) -> "SwapDirs":
+        return cls(rank, cfg.zero.nvme_layout, cfg.zero.nvme_stripe_size)
+
+    def under(self, nvme_path: NvmePath) -> Swap:
+        drives = rank_drives(nvme_path, self._layout, self._rank_on_node)
+        for d in drives:
+            if d not in self._dirs:
+                self._dirs[d] = SwapDir(d, self._rank, self._run_id)
+        if len(drives) == 1:
+            return self._dirs[drives[0]]
+        if drives not in self._striped:
+            self._striped[drives] = StripedSwap([self._dirs[d] for d in drives], self._extent)
+        return self._striped[drives]
 
     def values(self):
+        """The swap directory on each drive this rank uses."""
         return self._dirs.values()
+
+    def drive_bytes(self) -> Dict[str, Tuple[int, int]]:
+        """(read, written) bytes of this rank's swap files on each drive so far."""
+        return {d: (s.tally.read, s.tally.written) for d, s in self._dirs.items()}
+
+    def drive_totals(self, drives: Sequence[str]) -> Dict[str, int]:
+        """The engine's telemetry of each drive ``drives[k]`` this rank uses: ``drive<k>_read_bytes``
+        and ``drive<k>_write_bytes`` (no tier's name in them: the stores' ``nvme_*`` bytes count the
+        tier's traffic; Note [engine telemetry keys] in _telemetry.py)."""
+        out = {}
+        for k, drive in enumerate(drives):
+            if drive in self._dirs:
+                tally = self._dirs[drive].tally
+                out[f"drive{k}_read_bytes"], out[f"drive{k}_write_bytes"] = tally.read, tally.written
+        return out
 
     def remove(self) -> None:
         for d in self._dirs.values():

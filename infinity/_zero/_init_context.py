@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from .._offload._drives import NvmePath, local_rank, rank_drives
 from .._offload._layout import chunk_range, chunk_rows, padded
 from .._offload._preflight import free_disk, preflight
 from .._offload._swap import SwapDir, new_aio
@@ -85,7 +86,7 @@ class InitStore:
     in one swap file. Each chunk is checked against the room this rank has on its tier before
     it is stored (Note [Init preflight])."""
 
-    def __init__(self, tier: Tier, nvme_path: Optional[str], aio_cfg, rank: int):
+    def __init__(self, tier: Tier, nvme_path: Optional[NvmePath], aio_cfg, rank: int):
         tier = self.tier = Tier.of(tier)
         self._mem: Dict[int, torch.Tensor] = {}
         self._offsets: Dict[int, int] = {}
@@ -95,6 +96,9 @@ class InitStore:
         self._files: Dict[int, tuple] = {}
         self._names: Dict[int, str] = {}  # NVMe: slot offset -> parameter name, for error messages
         self.swap = None  # NVMe: made by the first chunk written (loaded chunks stay in the checkpoint)
+        if tier is Tier.NVME and nvme_path:  # one drive, by the rank rule whatever the layout
+            # (Note [many drives] in _drives.py): init.swp lives only until initialize
+            nvme_path = rank_drives(nvme_path, "rank", local_rank())[0]
         if tier is Tier.NVME:
             self._swap_args = (nvme_path, rank, aio_cfg)
         self.room, self.where = room_for(tier, nvme_path)

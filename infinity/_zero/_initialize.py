@@ -150,7 +150,7 @@ def _build_engine(model: nn.Module, cfg):
     if policy.partition_params:  # Note [operator working memory] in _tiling.py: refused before anything is allocated
         check_working_memory([(s.module_name, s.shard_numel * world) for s in specs], placement.itemsize, cfg)
     memory_plan = preflight(placement, cfg)  # Note [one memory model] in _memory_plan.py
-    swap_dirs = SwapDirs(rank)
+    swap_dirs = SwapDirs.of(cfg, rank)  # Note [many drives] in _drives.py
     block_cache = _start_host_allocator(cfg.zero.host_allocator)
     try:
         # Note [parameters from the master] in _placement.py: shared, built first

@@ -22,12 +22,13 @@ written (1/512 of the swap bytes), allocated 64 MiB of file at a time as writes 
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Union
 
 import numpy as np
 
 from ..errors import InvariantError, OutOfMemory
 from ._native import ffi, lib
+from ._stripe import DriveTally, StripedPath, member_bytes, tally_of
 
 BLOCK = 4096
 ENTRY_BYTES = 8  # per block (Note [block sums] in native/aio/sums.h)
@@ -89,30 +90,87 @@ class BlockSums:
 
 
 class SwapPath(str):
-    """The path of a swap file, carrying its ``BlockSums``: ``AsyncIO`` records and checks
-    sums on every transfer made through it (Note [swap checksums]). A ``str`` everywhere else;
-    pickled, it is the plain path."""
+    """The path of a swap file, carrying its ``BlockSums`` (None: not checksummed) and its
+    drive's ``DriveTally`` (Note [striped swap files] in _stripe.py): ``AsyncIO`` records and
+    checks sums on every transfer made through it (Note [swap checksums]) and counts its bytes.
+    A ``str`` everywhere else; pickled, it is the plain path."""
 
-    sums: BlockSums
+    sums: Optional[BlockSums]
+    tally: Optional[DriveTally]
 
-    def __new__(cls, path: str, sums: BlockSums):
+    def __new__(cls, path: str, sums: Optional[BlockSums], tally: Optional[DriveTally] = None):
         self = super().__new__(cls, path)
         self.sums = sums
+        self.tally = tally
         return self
 
     def __reduce__(self):
         return (str, (str(self),))
 
 
+class StripedSums:
+    """The tables of a striped file's members, labelled as one: ``describe`` is told the
+    logical offset of a member's block (Note [striped swap files] in _stripe.py)."""
+
+    def __init__(self, path: StripedPath, tables: List[BlockSums]):
+        self._path, self._tables = path, tables
+        self._describe: Callable[[int], str] = lambda offset: ""
+        self._when: Callable[[], str] = lambda: ""
+
+    @property
+    def describe(self) -> Callable[[int], str]:
+        return self._describe
+
+    @describe.setter
+    def describe(self, fn: Callable[[int], str]) -> None:
+        self._describe = fn
+        for i, table in enumerate(self._tables):
+            table.describe = self._member_describe(i, fn)
+
+    def _member_describe(self, member: int, fn: Callable[[int], str]) -> Callable[[int], str]:
+        return lambda offset: fn(self._path.logical(member, offset))
+
+    @property
+    def when(self) -> Callable[[], str]:
+        return self._when
+
+    @when.setter
+    def when(self, fn: Callable[[], str]) -> None:
+        self._when = fn
+        for table in self._tables:
+            table.when = fn
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._tables)
+
+    @property
+    def mismatches(self) -> int:
+        return sum(t.mismatches for t in self._tables)
+
+    @property
+    def unrecorded(self) -> int:
+        return sum(t.unrecorded for t in self._tables)
+
+
 def checksummed(path: str, capacity: int, enabled: bool) -> str:
-    """``path`` with a fresh table of sums for a file of up to ``capacity`` bytes, or the plain
-    path when checksums are off (``aio.checksums``)."""
+    """``path`` with a fresh table of sums for a file of up to ``capacity`` bytes (each member
+    of a striped file its own, for the member's share), or the path as it is when checksums
+    are off (``aio.checksums``)."""
+    if isinstance(path, StripedPath):
+        n = len(path.members)
+        return path.with_members([checksummed(m, member_bytes(capacity, path.extent, n, i), enabled)
+                                  for i, m in enumerate(path.members)])
     if not enabled:
         return path
-    return SwapPath(path, BlockSums(capacity, os.path.basename(path)))
+    return SwapPath(path, BlockSums(capacity, os.path.basename(path)), tally_of(path))
 
 
-def sums_of(path) -> Optional[BlockSums]:
+def sums_of(path) -> Optional[Union[BlockSums, StripedSums]]:
+    """A swap file's table of block sums; a striped file's members' tables as one."""
+    if isinstance(path, StripedPath):
+        tables = [m.sums for m in path.members if isinstance(m, SwapPath) and m.sums is not None]
+        return StripedSums(path, tables) if len(tables) == len(path.members) else None
     return path.sums if isinstance(path, SwapPath) else None
 
 

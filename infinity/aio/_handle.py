@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ from ..errors import EngineError, UsageError, UsageTypeError, WaitTimeout
 from ._checksum import BlockSums, sums_of
 from ._errors import AioError, CorruptionError
 from ._native import READ, THREADS, URING, WRITE, ffi, lib
+from ._stripe import StripedPath, members_of, tally_of
 
 _BACKENDS = {"auto": 0, "io_uring": URING, "threads": THREADS}
 _ENV_BACKEND = "INFINITY_AIO_BACKEND"
@@ -48,6 +49,21 @@ class _Pending:
     offset: int
     length: int
     sums: Optional[BlockSums] = None  # kept alive while the request may use it
+
+
+def _pieces(path, offset: int, nbytes: int) -> Iterator[Tuple[str, int, int, int]]:
+    """``(file, offset in it, offset in the request, bytes)`` of a request: one piece, or one
+    per extent of a striped file (Note [striped swap files] in _stripe.py)."""
+    if isinstance(path, StripedPath):
+        for member, at, start, n in path.pieces(offset, nbytes):
+            yield path.members[member], at, start, n
+    else:
+        yield path, offset, 0, nbytes
+
+
+def _table(path) -> Optional[BlockSums]:
+    sums = sums_of(path)
+    return sums if isinstance(sums, BlockSums) else None
 
 
 def _resolve_backend(backend: Optional[str]) -> str:
@@ -171,18 +187,26 @@ class AsyncIO:
 
     def _submit(self, op: int, tensor, path, offset: int, name: str) -> None:
         ptr, nbytes = self._view(tensor, offset, name)
-        what = "read" if op == READ else "write"
-        sums = sums_of(path)
         with self._lock:
             self._check_open()
-            f = self._open(path, op == WRITE, what, offset, nbytes)
-            rid = lib.infinity_aio_submit(self._h, op, f.fd_direct, f.fd_buffered, ffi.cast("void *", ptr),
-                                          nbytes, offset, sums.native if sums else ffi.NULL)
-            if rid < 0:
-                raise AioError(-rid, f.path, what, offset, nbytes, " (submission refused)")
-            self._pending[rid] = _Pending(tensor, what, f.path, offset, nbytes, sums)
-            if op == WRITE:
-                self._dirty[f.path] = f
+            for file, at, start, n in _pieces(path, offset, nbytes):  # Note [striped swap files] in _stripe.py
+                self._submit_piece(op, tensor, ptr + start, n, file, at)
+
+    def _submit_piece(self, op: int, tensor, ptr: int, nbytes: int, path, offset: int) -> None:
+        """One request on one file; the caller holds ``self._lock``."""
+        what = "read" if op == READ else "write"
+        sums = _table(path)
+        f = self._open(path, op == WRITE, what, offset, nbytes)
+        rid = lib.infinity_aio_submit(self._h, op, f.fd_direct, f.fd_buffered, ffi.cast("void *", ptr),
+                                      nbytes, offset, sums.native if sums else ffi.NULL)
+        if rid < 0:
+            raise AioError(-rid, f.path, what, offset, nbytes, " (submission refused)")
+        self._pending[rid] = _Pending(tensor, what, f.path, offset, nbytes, sums)
+        tally = tally_of(path)
+        if tally is not None:
+            tally.add(op == WRITE, nbytes)
+        if op == WRITE:
+            self._dirty[f.path] = f
 
     def pread(self, tensor: torch.Tensor, path, offset: int = 0) -> None:
         """Queues a read of ``tensor.nbytes`` bytes of ``path`` at ``offset`` into ``tensor``."""
@@ -194,8 +218,13 @@ class AsyncIO:
 
     def _sync(self, op: int, tensor, path, offset: int, name: str) -> int:
         ptr, nbytes = self._view(tensor, offset, name)
+        for file, at, start, n in _pieces(path, offset, nbytes):  # Note [striped swap files] in _stripe.py
+            self._sync_piece(op, tensor, ptr + start, n, file, at)
+        return nbytes
+
+    def _sync_piece(self, op: int, tensor, ptr: int, nbytes: int, path, offset: int) -> None:
         what = "read" if op == READ else "write"
-        sums = sums_of(path)
+        sums = _table(path)
         with self._lock:
             self._check_open()
             f = self._open(path, op == WRITE, what, offset, nbytes)
@@ -205,9 +234,11 @@ class AsyncIO:
         self._note_fallbacks()
         if rc < 0:
             raise self._failure(err, _Pending(tensor, what, f.path, offset, nbytes, sums), "")
+        tally = tally_of(path)
+        if tally is not None:
+            tally.add(op == WRITE, nbytes)
         if op == WRITE and self.fsync_on_wait:
             os.fsync(f.fd_buffered)
-        return nbytes
 
     def sync_pread(self, tensor: torch.Tensor, path, offset: int = 0) -> int:
         """Reads into ``tensor`` and returns the bytes read once they are there."""
@@ -346,12 +377,14 @@ class AsyncIO:
                 files = list(self._dirty.values()) or [f for f in self._files.values() if f.writable]
                 self._dirty.clear()
             else:
-                key = os.path.abspath(os.fspath(path))
-                f = self._files.get((key, True)) or self._files.get((key, False))
-                if f is None:
-                    raise UsageError(f"AsyncIO.fsync: {key!r} was never opened by this handle")
-                files = [f]
-                self._dirty.pop(key, None)
+                files = []
+                for member in members_of(path):  # a striped file: every member
+                    key = os.path.abspath(os.fspath(member))
+                    f = self._files.get((key, True)) or self._files.get((key, False))
+                    if f is None:
+                        raise UsageError(f"AsyncIO.fsync: {key!r} was never opened by this handle")
+                    files.append(f)
+                    self._dirty.pop(key, None)
         for f in files:
             os.fsync(f.fd_buffered)
 

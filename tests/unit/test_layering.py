@@ -21,7 +21,8 @@ LAYERS = {
                 "_aio_cffi", "aio", "_runtime._recycle", "_runtime._save_fence", "_runtime._host_memory", "_runtime._topology",
                 "_cpu_adam",
                 "_host_alloc", "optim"],
-    "offload": ["_offload.__init__", "_offload._layout", "_offload._moments", "_offload._memory_plan", "_offload._swap",
+    "offload": ["_offload.__init__", "_offload._layout", "_offload._moments", "_offload._memory_plan", "_offload._drives",
+                "_offload._swap",
                 "_offload._ordered_writes", "_offload._grad_buffer", "_offload._optimizer_store", "_offload._optimizer_files",
                 "_offload._head_cache", "_offload._grad_shards", "_offload._swap_pipeline", "_offload._moment_staging",
                 "_offload._nvme_optimizer_store", "_offload._param_store", "_offload._preflight", "_offload._placement"],
@@ -36,7 +37,7 @@ LAYERS = {
                    "_checkpoint._load", "_checkpoint.__init__", "_checkpoint._train"],
     "apps": ["_apps.__init__", "_apps._train_data", "_apps._endurance", "_apps._disk_probe", "tiling", "export",
              "_apps._train_model", "_apps._train_cli", "_apps._train_loop", "_apps._train_summary", "train",
-             "_apps._runmodel", "_apps._estimate_model", "_apps._estimate_hardware", "_apps._estimator",
+             "_apps._runmodel", "_apps._estimate_model", "_apps._estimate_hardware", "_apps._estimator", "_apps._plan",
              "_apps._estimate_cli", "estimate", "testing", "integrations", "__init__"],
 }
 LAYER_PACKAGES = {"_runtime", "_offload", "_zero", "_checkpoint", "_apps"}

@@ -1,0 +1,168 @@
+"""Striped swap files (Note [striped swap files] in infinity/aio/_stripe.py) and the drives a
+rank uses (Note [many drives] in infinity/_offload/_drives.py).
+
+The offset mapping against a byte-by-byte reference; ``AsyncIO`` on a striped, checksummed
+path over two directories: what lands in each member file, reads at any offset and length,
+a corrupt block named by its member file with the logical offset described, bytes counted per
+drive; ``SwapDirs`` giving each rank its drive or a striped file, with the same run directory
+name on every drive.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from infinity._offload._drives import node_bytes_per_drive, rank_drives
+from infinity._offload._swap import StripedSwap, SwapDir, SwapDirs
+from infinity.aio import AsyncIO, CorruptionError, aligned_empty
+from infinity.aio._checksum import SwapPath, checksummed, sums_of
+from infinity.aio._stripe import DriveTally, StripedPath, member_bytes, unlink
+from infinity.errors import UsageError
+
+EXTENT = 8192
+
+
+def _reference(n: int, size: int, extent: int = EXTENT):
+    """(member, member offset) of every logical byte, dealt extent by extent."""
+    out = []
+    for b in range(size):
+        k = b // extent
+        out.append((k % n, (k // n) * extent + b % extent))
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_pieces_map_every_byte_as_the_reference(n):
+    size = 7 * EXTENT + 123
+    ref = _reference(n, size)
+    path = StripedPath([f"/d{i}/f" for i in range(n)], EXTENT)
+    for offset, length in [(0, size), (1, 5), (EXTENT - 3, 7), (3 * EXTENT, 2 * EXTENT + 9), (size - 1, 1), (5, 0)]:
+        got = []
+        for member, at, start, count in path.pieces(offset, length):
+            assert start == len(got) and 0 < count <= EXTENT
+            got += [(member, at + j) for j in range(count)]
+        assert got == ref[offset : offset + length]
+    for b in range(0, size, 997):  # logical() inverts the mapping
+        assert path.logical(*ref[b]) == b
+    for i in range(n):  # each member holds exactly its bytes
+        assert member_bytes(size, EXTENT, n, i) == sum(1 for m, _ in ref if m == i)
+
+
+def test_a_striped_path_is_no_file_and_refuses_bad_shapes():
+    path = StripedPath(["/a/f", "/b/f"], EXTENT)
+    assert str(path) == "/a/f|/b/f" and not os.path.exists(path)
+    with pytest.raises(UsageError, match="two members"):
+        StripedPath(["/a/f"], EXTENT)
+    with pytest.raises(UsageError, match="multiple of 4096"):
+        StripedPath(["/a/f", "/b/f"], 5000)
+
+
+def _striped(tmp_path, size: int, tallies):
+    dirs = [tmp_path / "d0", tmp_path / "d1"]
+    for d in dirs:
+        d.mkdir()
+    members = [SwapPath(str(d / "x.swp"), None, t) for d, t in zip(dirs, tallies)]
+    return checksummed(StripedPath(members, EXTENT), size, True)
+
+
+def test_aio_on_a_striped_checksummed_file(tmp_path):
+    size = 6 * EXTENT
+    tallies = [DriveTally("d0"), DriveTally("d1")]
+    path = _striped(tmp_path, size, tallies)
+    data = torch.from_numpy(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8))
+    src = aligned_empty(size)
+    src.copy_(data)
+    with AsyncIO(block_size=4096) as h:
+        h.pwrite(src, path, 0)
+        h.wait()
+        member0 = open(path.members[0], "rb").read()
+        assert member0[:EXTENT] == data[:EXTENT].numpy().tobytes()  # extent 0 on drive 0
+        assert member0[EXTENT : 2 * EXTENT] == data[2 * EXTENT : 3 * EXTENT].numpy().tobytes()  # extent 2 too
+        assert open(path.members[1], "rb").read()[:EXTENT] == data[EXTENT : 2 * EXTENT].numpy().tobytes()
+        assert [t.written for t in tallies] == [size // 2, size // 2]
+        for offset, length in [(0, size), (4096, 3 * 4096), (EXTENT, EXTENT)]:
+            out = aligned_empty(length)
+            h.pread(out, path, offset)
+            h.wait()
+            assert torch.equal(out, data[offset : offset + length])
+        out = aligned_empty(2 * EXTENT)
+        assert h.sync_pread(out, path, EXTENT) == 2 * EXTENT and torch.equal(out, data[EXTENT : 3 * EXTENT])
+        h.fsync(path)
+    sums = sums_of(path)
+    sums.describe = lambda offset: f"logical byte {offset}"
+    fd = os.open(path.members[1], os.O_RDWR)  # member 1's second block: logical extent 1, block 1
+    os.pwrite(fd, b"\xff" * 16, 4096)
+    os.close(fd)
+    with AsyncIO(block_size=4096) as h:
+        out = aligned_empty(size)
+        h.pread(out, path, 0)
+        with pytest.raises(CorruptionError) as err:
+            h.wait()
+    assert path.members[1] in str(err.value) and f"logical byte {EXTENT + 4096}" in str(err.value)
+    assert sums.mismatches == 1
+    unlink(path)
+    assert not any(os.path.exists(m) for m in path.members)
+
+
+def test_rank_drives_and_node_bytes():
+    paths = ("/n0", "/n1")
+    assert [rank_drives(paths, "rank", r) for r in range(3)] == [("/n0",), ("/n1",), ("/n0",)]
+    assert rank_drives(paths, "stripe", 5) == paths and rank_drives("/n0", "stripe", 1) == ("/n0",)
+    assert node_bytes_per_drive(paths, "rank", 100, 3) == {"/n0": 200, "/n1": 100}
+    assert node_bytes_per_drive(paths, "stripe", 100, 3) == {"/n0": 150, "/n1": 150}
+
+
+def test_swap_dirs_give_a_rank_its_drive_or_a_striped_file(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a)
+    os.mkdir(b)
+    ranked = SwapDirs(rank=1, layout="rank", rank_on_node=1)
+    try:
+        swap = ranked.under((a, b))
+        assert isinstance(swap, SwapDir) and swap.path.startswith(b)
+        assert ranked.under(b) is swap  # one directory per drive
+    finally:
+        ranked.remove()
+    striped = SwapDirs(rank=0, layout="stripe", stripe_size=EXTENT)
+    try:
+        swap = striped.under([a, b])
+        assert isinstance(swap, StripedSwap)
+        first, second = swap.file("m.swp", 3 * EXTENT), swap.file("v.swp", 3 * EXTENT)
+        assert [os.path.dirname(os.path.dirname(m))[: len(a)] for m in first.members] == [a, b]
+        assert [os.path.dirname(os.path.dirname(m))[: len(a)] for m in second.members] == [b, a]  # rotated
+        assert [os.path.getsize(m) for m in first.members] == [2 * EXTENT, EXTENT]
+        assert len({os.path.basename(os.path.dirname(d.path)) for d in striped.values()}) == 1  # one run id
+        assert set(striped.drive_bytes()) == {a, b}
+    finally:
+        striped.remove()
+    assert os.listdir(a) == [] and os.listdir(b) == []
+
+
+def test_a_ranks_bandwidth_over_its_nodes_drives():
+    """The estimate's rates (infinity.estimate --drives --drive-bandwidth): the busiest drive sets the pace."""
+    import argparse
+
+    from infinity._apps import _runmodel as rm
+    from infinity._apps._estimate_cli import _drive_rates
+    from infinity._apps._estimate_model import EstimateError
+    from infinity._offload._drives import rank_bandwidth
+
+    assert rank_bandwidth(1.0, 8, "rank", 8) == 1.0 and rank_bandwidth(1.0, 8, "rank", 16) == 0.5
+    assert rank_bandwidth(1.0, 8, "stripe", 2) == 4.0 and rank_bandwidth(1.0, 2, "rank", 1) == 1.0
+    measured = rm.Rates(flops=1e12, nvme_read=2e9, nvme_write=1e9, adam=1e9)
+
+    def args(**kw):
+        return argparse.Namespace(**{"drives": None, "drive_bandwidth": None, "nvme_layout": "rank", **kw})
+
+    assert _drive_rates(measured, args(), 8) is measured  # neither flag: as measured
+    striped = _drive_rates(measured, args(drives=4, nvme_layout="stripe"), 2)
+    assert (striped.nvme_read, striped.nvme_write) == (4e9, 2e9)  # the measured drive, times 4 drives / 2 ranks
+    given = _drive_rates(measured, args(drives=8, drive_bandwidth="6.5,3.5"), 8)
+    assert (given.nvme_read, given.nvme_write) == (6.5e9, 3.5e9)
+    with pytest.raises(EstimateError, match="READ or READ,WRITE in GB/s"):
+        _drive_rates(measured, args(drive_bandwidth="fast"), 1)
+    with pytest.raises(EstimateError, match="drives: 0 must be at least 1"):
+        _drive_rates(measured, args(drives=0), 1)
