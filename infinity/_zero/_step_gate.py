@@ -30,6 +30,24 @@ the others' steps failed too, so none undoes its own alone):
   parameter store's units still filling), and cleared the gate; ``close`` works.
 The error itself is raised once, where it happened (``step()``) or, on the step's thread, by
 the next ``wait`` or ``join`` on the main thread.
+
+Note [interrupted step]: a signal's exception (KeyboardInterrupt from SIGINT, SystemExit from
+the train job's SIGTERM handler) lands on the main thread only, anywhere, while the rest of
+an overlapped step may be running on its own thread with reads and writes in flight. That
+thread is not a daemon (a daemon would be killed mid-I/O while the interpreter finalizes,
+with native handles still in use: an abort at exit), so whatever ends the process waits for
+it, and the whole tail of a large model's step is minutes of I/O. So the step stops at its
+next chunk (``StepStopped``; the chunks before it updated, the rest not: FAILED, Note [failed
+step]) when (a) the thread that started it has ended: the interpreter is shutting down after
+an exception left the main thread (its ``threading`` shutdown marks that thread stopped before
+it joins the others); (b) a join of the step (``wait_step``, the next ``step()``, ``close``) is
+interrupted: the thread is asked to stop and joined again, so nothing is torn down under it;
+(c) ``close`` runs while a KeyboardInterrupt or SystemExit unwinds (a ``finally:
+infinity.close(model)``), since nothing reads the states of an engine being closed. The
+stopped step drains its own I/O before its thread ends. A step asked to stop is no failure
+``close`` reports; a later ``step()`` or fetch refuses, as after any failed step, until a
+checkpoint is loaded. A wait of a fetch on the step (``wait``) is interruptible as it is:
+the exception leaves the forward (Note [aborted forward] in _engine.py) and the step goes on.
 """
 from __future__ import annotations
 
@@ -42,6 +60,10 @@ from typing import Callable, ContextManager, Optional
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from ..errors import EngineError, InvariantError, WaitTimeout
+
+
+class StepStopped(EngineError):
+    """The overlapped step was asked to stop before its end (Note [interrupted step])."""
 
 
 class GateState(enum.Enum):
@@ -60,6 +82,8 @@ class StepGate:
         self._error: Optional[BaseException] = None  # a failure the main thread has not seen yet
         self._failure: Optional[BaseException] = None  # FAILED: what ended the step
         self._thread: Optional[threading.Thread] = None
+        self._owner: Optional[threading.Thread] = None  # the thread that started the step in flight
+        self._stop_reason: Optional[str] = None  # why the step in flight was asked to stop: Note [interrupted step]
         self._waiting = 0  # threads blocked on the step now
 
     # ------------------------------------------------------------ the step's side
@@ -108,6 +132,7 @@ class StepGate:
         the next wait. Not a daemon: an interpreter that exits right after step() first lets
         the update land."""
         backend = acc.current()  # Note [backend per thread] in _accelerator/__init__.py
+        self._owner, self._stop_reason = threading.current_thread(), None
 
         def run():
             try:
@@ -119,6 +144,21 @@ class StepGate:
 
         self._thread = threading.Thread(target=run, name="infinity-optimizer-step", daemon=False)
         self._thread.start()
+
+    def stop(self, reason: str) -> None:
+        """Ask the step in flight, if any, to end at its next chunk (Note [interrupted step])."""
+        with self._cond:
+            if self.running:
+                self._stop_reason = reason
+
+    def check_stop(self) -> None:
+        """On the step's thread, before each chunk: raise ``StepStopped`` once the step was
+        asked to stop or the thread that started it has ended (Note [interrupted step])."""
+        reason = self._stop_reason
+        if reason is None and self._owner is not None and not self._owner.is_alive():
+            reason = f"the thread that started it ({self._owner.name}) has ended"
+        if reason is not None:
+            raise StepStopped(f"rank {self._rank}: the optimizer step was stopped before its end: {reason}")
 
     # ------------------------------------------------------------ the readers' side
 
@@ -170,13 +210,19 @@ class StepGate:
         self._join_thread()
         with self._cond:
             error, self._error = self._error, None
-        return error
+        return None if isinstance(error, StepStopped) else error  # asked for: Note [interrupted step]
 
     def _join_thread(self) -> None:
-        if self._thread is not None:
-            with self._blocked("optimizer_io"), self._waiter():
+        if self._thread is None:
+            return
+        with self._blocked("optimizer_io"), self._waiter():
+            try:
                 self._thread.join()
-            self._thread = None
+            except BaseException as interrupt:  # a signal's exception: Note [interrupted step]
+                self.stop(f"{type(interrupt).__name__} while rank {self._rank} waited for it")
+                self._thread.join(timeout=comm.DEFAULT_TIMEOUT_S)  # one chunk, its I/O drained
+                raise
+        self._thread = None
 
     def _raise_failure(self) -> None:
         """Under ``_cond``: the failure not seen yet, once; then FAILED's refusal."""

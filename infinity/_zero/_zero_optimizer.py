@@ -47,7 +47,7 @@ from ..optim._native import lib as native_adam_library
 from ._grad_sink import Received
 from ._loss_scale import LossScaler
 from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
-from ._step_gate import StepGate
+from ._step_gate import StepGate, StepStopped
 
 if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
@@ -248,6 +248,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Note [failed step] in _step_gate.py: whether the failed step changed a state (Adam
         began on a chunk, a write failed, a request is still in flight, or another rank's step
         may have gone through); if not, it is undone and its gradients dropped."""
+        if isinstance(error, StepStopped):  # on its own thread: its reads and writes end with it
+            self.store.abandon_update()
+            return True
         if self._chunks_begun or self.ops.world_size > 1 or isinstance(error, TimeoutError) \
                 or (isinstance(error, AioError) and error.op == "write"):
             return True
@@ -398,6 +401,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         alone = plan.with_hyper(num_threads=1) if self._adam is not None and not acc.has_accelerator() else plan
 
         def update(chunk: Chunk) -> None:
+            self.gate.check_stop()  # Note [interrupted step] in _step_gate.py
             self._update_chunk(chunk, plan if self.gate.waited_on else alone, None, publish=True)
 
         self.store.update_tail(update)

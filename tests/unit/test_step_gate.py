@@ -1,11 +1,16 @@
 """The step gate after a failed step (Note [failed step] in infinity/_zero/_step_gate.py): a
 failure that changed nothing is raised once and the gate is settled again; one that changed
-a state is raised once, then refused at every wait and join until ``clear``."""
+a state is raised once, then refused at every wait and join until ``clear``. A step in flight
+stops at its next chunk when asked or when the thread that started it has ended (Note
+[interrupted step] in infinity/_zero/_step_gate.py)."""
 import contextlib
+import os
+import signal
+import threading
 
 import pytest
 
-from infinity._zero._step_gate import GateState, StepGate
+from infinity._zero._step_gate import GateState, StepGate, StepStopped
 from infinity.errors import EngineError
 
 
@@ -67,3 +72,66 @@ def test_the_background_step_says_whether_it_changed_a_state():
         with pytest.raises(OSError, match="step's thread"):
             g.join()
         assert g.state is state and isinstance(seen[0], OSError)
+
+
+def _chunks(g: StepGate, done: list, started: threading.Event, chunks: int = 10_000):
+    """A step's tail: one chunk at a time, each after the gate's stop check."""
+    def tail():
+        for k in range(chunks):
+            g.check_stop()
+            done.append(k)
+            started.set()
+            threading.Event().wait(0.001)
+    return tail
+
+
+def test_a_step_asked_to_stop_ends_at_its_next_chunk_and_close_goes_on():
+    g = gate()
+    g.open()
+    done, started, why = [], threading.Event(), []
+    g.run_in_background(_chunks(g, done, started), changed=lambda e: why.append(e) or True)
+    assert started.wait(60)
+    g.stop("the test asked")
+    assert g.settle() is None  # asked for: not a failure close reports
+    assert 0 < len(done) < 10_000 and isinstance(why[0], StepStopped) and "the test asked" in str(why[0])
+    assert g.state is GateState.FAILED  # the chunks after it were not updated
+    with pytest.raises(EngineError, match=r"step failed \(StepStopped.*load_checkpoint"):
+        g.join()
+
+
+def test_a_step_whose_starting_thread_ended_stops():
+    """The interpreter's shutdown marks the main thread stopped before it joins the step's
+    thread: a step started by a thread that has ended stops at its next chunk."""
+    g = gate()
+    done, started, why = [], threading.Event(), []
+
+    def owner():
+        g.open()
+        g.run_in_background(_chunks(g, done, started), changed=lambda e: why.append(e) or True)
+        started.wait(60)
+
+    t = threading.Thread(target=owner)
+    t.start()
+    t.join(60)
+    assert g.settle() is None
+    assert 0 < len(done) < 10_000 and "has ended" in str(why[0])
+
+
+def test_an_interrupted_join_stops_the_step_and_raises_the_interrupt():
+    """A real SIGINT while the main thread joins the step (close, wait_step)."""
+    g = gate()
+    g.open()
+    done, started = [], threading.Event()
+    g.run_in_background(_chunks(g, done, started), changed=lambda e: True)
+    assert started.wait(60)
+    step_thread = g._thread
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            g.join()  # 10 s of chunks: the signal lands inside
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
+    assert not step_thread.is_alive() and len(done) < 10_000  # stopped at its next chunk, joined

@@ -394,14 +394,13 @@ def device_count() -> int:
     return 0 if _b() is None else _b().device_count()
 
 
-def pci_addresses(local_world: int) -> list:
-    """The PCI address (``0000:3b:00.0``) of the GPU each of ``local_world`` local ranks computes
-    on, whose NUMA node sysfs gives (Note [rank placement] in _topology.py); None for each where
-    it is unknown, and on the emulated device and the CPU, which have none."""
+def pci_address() -> Optional[str]:
+    """The PCI address (``0000:3b:00.0``) of the GPU this rank computes on, whose NUMA node sysfs
+    gives (Note [rank placement] in _topology.py); None where it is unknown, and on the emulated
+    device and the CPU, which have none."""
     if kind() != "cuda":
-        return [None] * local_world
-    count = device_count()
-    return [_b().pci_address(r % count) for r in range(local_world)]
+        return None
+    return _b().pci_address(device().index)
 
 
 # ---------------------------------------------------------------- random numbers

@@ -1,0 +1,301 @@
+"""``python -m infinity.estimate --plan``: the engine's own plan of a model on a node it does not run on.
+
+Note [planned by the engine]: the estimator's formulas (Note: the formulas, in _estimator.py)
+say what a model needs from the paper's terms; the plan says what ``infinity.initialize``
+would allocate. It builds the model on the meta device (no parameter memory, whatever its size)
+and runs the functions the engine runs before its first byte (Note [build order] in
+_initialize.py): ``placement_of`` (fetch units, tiers, flat layout, the automatic rules for a
+``Machine`` that describes the target node instead of this one) and the preflight's ``plan`` (the
+one memory model: Note [one memory model] in _memory_plan.py), then spreads each rank's swap
+bytes over the node's drives with Note [many drives] in _drives.py. Nothing is allocated, no
+file is made and no process group is needed: the world size and the node are parameters. Every
+rank of a node gets the same plan (bandwidth-centric partitioning gives each the same shard of
+every unit), so one rank's figures are every rank's. A trillion-parameter decoder plans in
+seconds within a few hundred MiB.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._offload._drives import LAYOUTS, node_bytes_per_drive, rank_drives
+from .._offload._layout import ParamSource
+from .._offload._memory_plan import totals
+from .._offload._moments import file_bytes
+from .._offload._optimizer_files import NAMES, SIGNED, STATES
+from .._offload._optimizer_store import chunk_elems
+from .._offload._placement import Machine, Placement
+from .._offload._preflight import plan as preflight_plan
+from .._runtime._tiers import Tier
+from .._zero._tiling import check_working_memory, tile_model, working_memory_bytes
+from .._zero._unit_plan import placement_of
+from ..config import Config
+from . import _runmodel as rm
+from ._estimate_hardware import Hardware
+from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, Shape, _format_bytes, _format_count
+
+GPT2_VOCAB = 50257  # the vocabulary of a decoder given by its shape only (GPT-2's)
+
+
+@dataclass(frozen=True)
+class Node:
+    """The node a plan is for: its ranks (one per GPU), host memory, NVMe space and drives."""
+
+    ranks: int  # per node
+    nodes: int
+    accelerator: bool
+    gpu_mem: int  # bytes per GPU (the host's memory without an accelerator)
+    host_mem: int  # bytes per node
+    nvme: int  # bytes per node
+    drives: Tuple[str, ...]  # the data drives' directories (names where the node is not this one)
+    nvme_layout: str = "rank"  # Note [many drives] in _drives.py
+    drive_read: Optional[float] = None  # bytes/s per drive (a preset's), for the I/O times
+    drive_write: Optional[float] = None
+    name: str = ""
+
+    @property
+    def world(self) -> int:
+        return self.ranks * self.nodes
+
+    @property
+    def machine(self) -> Machine:
+        return Machine(accelerator=self.accelerator, host_available=self.host_mem, ranks_on_node=self.ranks)
+
+
+@dataclass
+class Plan:
+    """One rank's plan and the node's totals (Note [planned by the engine])."""
+
+    params: int
+    trainable: int
+    node: Node
+    dtype: str
+    units: int
+    trainable_units: int
+    largest_unit: Tuple[str, int]  # (module, parameters)
+    param_total: int  # elements of a rank's parameter store
+    opt_total: int  # elements of a rank's optimizer space
+    param_source: str
+    tiers: Dict[str, str]
+    categories: Dict[str, Dict[str, int]]  # per rank: tier -> category -> bytes
+    swap_files: Dict[str, int]  # per rank: file -> bytes
+    working_memory: int  # device bytes while the largest unit runs
+    drives: Dict[str, int]  # per node: drive -> swap bytes
+    seconds: float = 0.0  # to build the model and plan it
+
+    @property
+    def per_rank(self) -> Dict[str, int]:
+        return totals(self.categories)
+
+    @property
+    def host_per_rank(self) -> int:
+        """Host memory of a rank: the host tier, and the device tier where the device is the host."""
+        t = self.per_rank
+        return t["host"] + (0 if self.node.accelerator else t["device"])
+
+    def to_dict(self) -> dict:
+        node = self.node
+        return {
+            "params": self.params, "trainable": self.trainable, "dtype": self.dtype,
+            "node": {"name": node.name, "ranks": node.ranks, "nodes": node.nodes, "accelerator": node.accelerator,
+                     "gpu_mem": node.gpu_mem, "host_mem": node.host_mem, "nvme": node.nvme, "drives": list(node.drives),
+                     "nvme_layout": node.nvme_layout, "drive_read": node.drive_read, "drive_write": node.drive_write},
+            "units": self.units, "trainable_units": self.trainable_units,
+            "largest_unit": {"module": self.largest_unit[0], "params": self.largest_unit[1]},
+            "param_total": self.param_total, "opt_total": self.opt_total, "param_source": self.param_source,
+            "tiers": self.tiers, "per_rank": {"bytes": self.per_rank, "categories": self.categories,
+                                              "host": self.host_per_rank, "swap_files": self.swap_files,
+                                              "working_memory": self.working_memory},
+            "per_node": {"host": self.host_per_rank * node.ranks, "nvme": self.per_rank["nvme"] * node.ranks,
+                         "drives": self.drives, "fits_host": self.host_per_rank * node.ranks <= node.host_mem,
+                         "fits_nvme": self.per_rank["nvme"] * node.ranks <= node.nvme},
+            "seconds": self.seconds,
+        }
+
+
+ARCHS = ("gpt2", "llama")  # the decoders a shape is built as
+
+
+def build_meta(model_config=None, shape: Optional[Shape] = None, arch: str = "gpt2") -> nn.Module:
+    """The model on the meta device: from a transformers config (or its fields), else a decoder
+    of ``shape``: GPT-2 (its vocabulary where the shape has none), or Llama (its MLP 8/3 as wide
+    as the hidden size, a multiple of 256, where the shape gives none: as many parameters as
+    GPT-2's 4x MLP; its Linear layers are what zero.tiling tiles)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig  # the hf extra
+
+    if model_config is None:
+        if shape is None:
+            raise EstimateError("plan: give a model config (--model) or its shape (--layers and --hidden, or --params)")
+        if arch not in ARCHS:
+            raise EstimateError(f"arch: {arch!r}; use one of {', '.join(ARCHS)}")
+        vocab = shape.vocab or GPT2_VOCAB
+        model_config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, vocab_size=vocab,
+                                  n_inner=shape.ffn) if arch == "gpt2" else \
+            LlamaConfig(num_hidden_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+                        num_key_value_heads=shape.heads, vocab_size=vocab,
+                        intermediate_size=shape.ffn or -(-8 * shape.hidden // 3 // 256) * 256)
+    elif isinstance(model_config, dict):
+        fields = dict(model_config)
+        if "model_type" not in fields:
+            raise EstimateError("plan: the model config has no model_type; name the architecture (e.g. \"gpt2\", "
+                                "\"llama\") so that the model can be built")
+        model_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
+    """Note [planned by the engine]: ``model`` (on the meta device, or anywhere: nothing of it
+    is read but its parameters' shapes and flags) under ``cfg`` on ``node``."""
+    if node.nvme_layout not in LAYOUTS:
+        raise EstimateError(f"nvme_layout: {node.nvme_layout!r}; use one of {', '.join(LAYOUTS)}")
+    world = node.world
+    tiling = cfg.zero.tiling  # as initialize does, before the units are planned
+    tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
+    placement, specs, _ = placement_of(model, cfg, world, node.machine)
+    numel = [(s.module_name, s.shard_numel * world) for s in specs]
+    check_working_memory(numel, placement.itemsize, cfg)  # refused as initialize refuses it
+    need = preflight_plan(placement, cfg)
+    cats = {tier: dict(c) for tier, c in need["categories"].items()}
+    largest = max(numel, key=lambda u: u[1], default=("", 0))
+    prefetch = cfg.zero.prefetch
+    per_rank_nvme = totals(cats)["nvme"]
+    params = sum(p.numel() for p in model.parameters())
+    return Plan(
+        params=params, trainable=sum(p.numel() for p in model.parameters() if p.requires_grad), node=node,
+        dtype=cfg.precision.dtype, units=len(specs), trainable_units=sum(s.trainable for s in specs),
+        largest_unit=largest, param_total=placement.layout.param_total, opt_total=placement.layout.opt_total,
+        param_source=placement.param_source.value,
+        tiers={"params": str(placement.param_tier), "optimizer": str(placement.opt_tier)}, categories=cats,
+        swap_files=swap_files(placement, cfg),
+        working_memory=working_memory_bytes(largest[1], placement.itemsize,
+                                            prefetch.gather_depth if prefetch.enabled else 0),
+        drives=node_bytes_per_drive(node.drives, node.nvme_layout, per_rank_nvme, node.ranks))
+
+
+def swap_files(placement: Placement, cfg) -> Dict[str, int]:
+    """The swap files of one rank and their bytes, named and sized as the stores make them
+    (``ParamStore._swap_files``, ``OptimizerFiles``), block sums aside."""
+    layout, out = placement.layout, {}
+    if placement.partition_params and placement.param_tier is Tier.NVME:
+        source = placement.param_source  # Note [parameters from the master] in _placement.py
+        own = layout.frozen_total if source is ParamSource.MASTER_FILE else \
+            0 if source is ParamSource.MASTER else layout.param_total
+        if own:
+            out["params.swp"] = own * placement.itemsize
+    if placement.opt_tier is Tier.NVME:
+        z = cfg.zero.offload_optimizer
+        chunk = chunk_elems(z.chunk_size, layout.opt_total)
+        for name in STATES if placement.grads_in_memory else NAMES:
+            out[f"{name}.swp"] = file_bytes(z.moments if name in SIGNED else "fp32", layout.opt_total, chunk)
+    return out
+
+
+def timed_plan(build, cfg, node: Node) -> Plan:
+    """Build the model (``build()``) and plan it, timing both."""
+    began = time.perf_counter()
+    result = plan_model(build(), cfg, node)
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+# --------------------------------------------------------------------------- the report
+
+def report(p: Plan) -> str:
+    node, t = p.node, p.per_rank
+    hw = node.name or f"{node.nodes} node(s) x {node.ranks} rank(s)"
+    lines = [
+        f"plan (the engine's own, on the meta device; nothing allocated): {_format_count(p.params)} parameters "
+        f"({_format_count(p.trainable)} trainable), {p.dtype}, stage-3 parameters on {p.tiers['params']}, "
+        f"optimizer states on {p.tiers['optimizer']}",
+        f"node: {hw}: {node.world} rank(s) in all, host {_format_bytes(node.host_mem)}/node, "
+        f"NVMe {_format_bytes(node.nvme)}/node on {len(node.drives)} drive(s), layout {node.nvme_layout}",
+        f"fetch units: {p.units} ({p.trainable_units} trainable), the largest {p.largest_unit[0] or '<root>'} "
+        f"({_format_count(p.largest_unit[1])} parameters); per rank {_format_count(p.param_total)} parameter "
+        f"elements, {_format_count(p.opt_total)} optimizer elements; parameters from {p.param_source}",
+        "",
+        "per rank (every rank the same):",
+    ]
+    for tier in ("device", "host", "nvme"):
+        cats = p.categories.get(tier, {})
+        if cats:
+            parts = ", ".join(f"{c} {_format_bytes(n)}" for c, n in sorted(cats.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  {tier:<6} {_format_bytes(t[tier]):>11}  {parts}")
+    device = t["device"] + p.working_memory
+    fit = "fits" if device <= node.gpu_mem else "does not fit: tile the largest operators, zero.tiling"
+    lines.append(f"  device working memory of the largest unit: {_format_bytes(p.working_memory)} "
+                 "(it, the units gathered ahead, its gradient)" + (
+                     f"; with the device tier {_format_bytes(device)} of {_format_bytes(node.gpu_mem)}/GPU before "
+                     f"activations ({fit})" if node.accelerator else ""))
+    files = ", ".join(f"{name} {_format_bytes(n)}" for name, n in p.swap_files.items()) or "none"
+    lines.append(f"  swap files: {files}")
+    lines.append(f"  host memory of the rank: {_format_bytes(p.host_per_rank)}")
+    lines += ["", "per node:"]
+    host, nvme = p.host_per_rank * node.ranks, t["nvme"] * node.ranks
+    lines.append(f"  host {_format_bytes(host)} of {_format_bytes(node.host_mem)}"
+                 f" ({'fits' if host <= node.host_mem else 'does not fit'}), NVMe {_format_bytes(nvme)} of "
+                 f"{_format_bytes(node.nvme)} ({'fits' if nvme <= node.nvme else 'does not fit'})")
+    lines.append(f"  {'drive':<12} {'ranks':<8} {'swap bytes':>11}" +
+                 ("  read once  write once" if node.drive_read else ""))
+    for drive, nbytes in p.drives.items():
+        ranks = [r for r in range(node.ranks) if drive in rank_drives(node.drives, node.nvme_layout, r)]
+        row = f"  {drive:<12} {_ranks(ranks):<8} {_format_bytes(nbytes):>11}"
+        if node.drive_read and node.drive_write:
+            row += f"  {nbytes / node.drive_read:8.1f} s  {nbytes / node.drive_write:9.1f} s"
+        lines.append(row)
+    lines.append(f"planned in {p.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def _ranks(ranks: List[int]) -> str:
+    if not ranks:
+        return "-"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+# --------------------------------------------------------------------------- what the command line gives
+
+PRESET_DRIVES = {"dgx2": 8, "h100x8": 8}  # data drives of the nodes of _runmodel.NODES (their datasheets)
+
+
+def node_of(hw: Hardware, *, drives: Optional[int] = None, nvme_layout: str = "rank", preset: Optional[str] = None,
+            nvme_path: Optional[str] = None) -> Node:
+    """The node of an estimate's hardware: ``drives`` data drives (else the preset's, else one,
+    ``nvme_path`` where given), each read and written at the preset node's NVMe bandwidth
+    shared evenly (Note [run model] in _runmodel.py gives the figures)."""
+    count = drives or PRESET_DRIVES.get(preset or "", 1)
+    if count < 1:
+        raise EstimateError(f"drives: {count} must be at least 1")
+    names = (nvme_path,) if count == 1 and nvme_path else tuple(f"nvme{i}" for i in range(count))
+    read = write = None
+    if preset:
+        rates, gpus = rm.NODES[preset][0], rm.NODES[preset][1]
+        read, write = rates.nvme_read * gpus / count, rates.nvme_write * gpus / count
+    return Node(ranks=hw.gpus_per_node, nodes=hw.nodes, accelerator=not hw.device_is_host, gpu_mem=hw.gpu_mem,
+                host_mem=hw.cpu_mem,
+                nvme=hw.nvme, drives=names, nvme_layout=nvme_layout, drive_read=read, drive_write=write,
+                name=preset or "")
+
+
+def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_params: Optional[int] = None) -> Config:
+    """The config a plan is for: a file's (``--config``), else stage 3 at the ``offload`` tiers
+    (parameters,optimizer) in ``dtype``, tiled to ``max_tile_params`` where given (zero.tiling)."""
+    if path is not None:
+        return Config.from_file(path)
+    tiers = [t.strip() for t in offload.split(",")]
+    if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
+        raise EstimateError(f"offload: {offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
+
+    def section(device: str) -> dict:
+        return {"device": device, "nvme_path": _NVME_PATH_PLACEHOLDER} if device == "nvme" else {"device": device}
+
+    zero = {"stage": 3, "offload_param": section(tiers[0]), "offload_optimizer": section(tiers[1])}
+    if max_tile_params is not None:
+        zero["tiling"] = {"enabled": True, "max_tile_params": max_tile_params}
+    return Config.from_dict({"zero": zero, "precision": {"dtype": dtype}})

@@ -1,0 +1,88 @@
+"""The engine's own plan on the meta device (Note [planned by the engine] in
+infinity/_apps/_plan.py): a trillion-parameter decoder planned for a DGX-2 and a DGX H100 agrees
+with the estimator's formulas and allocates nothing; a small model's plan is what a real engine
+on this machine builds, swap file by swap file."""
+import os
+
+import pytest
+import torch
+from _configs import zero_config
+from _models import gpt2
+
+import infinity
+from infinity._apps import _runmodel as rm
+from infinity._apps._estimate_model import Shape, parse_size
+from infinity._apps._estimator import Precision, estimate
+from infinity._apps._plan import Node, build_meta, plan_config, plan_model
+from infinity._offload._placement import Machine
+
+SHAPE = Shape(layers=128, hidden=25600, heads=200)  # GPT-2 of 1.008T parameters
+NODES = {"dgx2": 8, "h100x8": 8}  # drives
+
+
+def _node(name: str, tmp: str) -> Node:
+    _, gpus, gpu_mem, cpu_mem, nvme = rm.NODES[name]
+    drives = tuple(f"{tmp}/nvme{i}" for i in range(NODES[name]))
+    return Node(ranks=gpus, nodes=1, accelerator=True, gpu_mem=parse_size(gpu_mem), host_mem=parse_size(cpu_mem),
+                nvme=parse_size(nvme), drives=drives, name=name)
+
+
+@pytest.fixture(scope="module")
+def trillion():
+    return build_meta(shape=SHAPE)
+
+
+@pytest.mark.parametrize("name", sorted(NODES))
+def test_a_trillion_parameters_planned_agree_with_the_formulas(tmp_path, trillion, name):
+    node = _node(name, str(tmp_path))
+    cfg = plan_config("nvme,nvme", "bf16")
+    plan = plan_model(trillion, cfg, node)
+    psi, ranks = plan.params, node.ranks
+    assert 1.0e12 < psi < 1.01e12 and plan.trainable == psi
+    assert all(p.device.type == "meta" for p in trillion.parameters())  # nothing allocated ...
+    assert not any(os.scandir(tmp_path))  # ... and no file made
+    _, gpus, gpu_mem, cpu_mem, nvme = rm.NODES[name]
+    est = estimate(psi, layers=SHAPE.layers, hidden=SHAPE.hidden, heads=SHAPE.heads, gpus=gpus, gpu_mem=gpu_mem,
+                   cpu_mem=cpu_mem, nvme=nvme, dtype="bf16")
+    formula = est.placement(3, "nvme", "nvme")
+    prec = Precision.of("bf16")
+    shard = -(-psi // ranks)
+    # 002 §3 per rank: the bf16 parameters (2 bytes) and the fp32 states with the fp32 gradient
+    # (16 bytes: master, m, v, gradient), to within each unit's padding and 4 KiB alignment
+    files = plan.swap_files
+    assert files["params.swp"] == pytest.approx(prec.param * shard, rel=1e-4)
+    fp32 = sum(n for f, n in files.items() if f != "params.swp") + plan.categories["host"].get("gradients", 0)
+    assert fp32 == pytest.approx(prec.optimizer * shard, rel=1e-4)
+    assert sum(files.values()) == plan.per_rank["nvme"]  # the swap files are the memory model's NVMe bytes
+    # the formulas also count the bf16 gradient (2 bytes) with the optimizer's tier; the engine
+    # never stores it: it is reduce-scattered from the device's buckets into the fp32 gradient
+    assert formula.nvme_bytes - plan.per_rank["nvme"] * ranks == pytest.approx(prec.grad * shard * ranks, rel=1e-3)
+    assert est.terms.model_states == pytest.approx(plan.per_rank["nvme"] * ranks + prec.grad * psi, rel=1e-4)
+    # the optimizer swapper's buffer sets are the same store formula in both
+    assert plan.categories["host"]["optimizer_buffers"] == formula.host_plan["optimizer_buffers"] // ranks
+    # every drive of the node: its ranks' swap files (Note [many drives] in _drives.py)
+    assert sorted(plan.drives) == sorted(node.drives)
+    assert set(plan.drives.values()) == {plan.per_rank["nvme"] * ranks // len(node.drives)}
+    assert plan.host_per_rank * ranks <= node.host_mem and plan.per_rank["nvme"] * ranks <= node.nvme
+
+
+def test_a_small_plan_is_what_the_engine_builds_here(tmp_path):
+    """The plan of a model on the meta device, for this machine, is the preflight's plan of the
+    real engine, and its swap files are the files the engine makes."""
+    nvme = str(tmp_path / "nvme")
+    cfg = infinity.Config.from_dict(zero_config(3, param="nvme", optim="nvme", nvme=nvme, dtype="bf16", chunk=4096))
+    here = Machine.here()
+    node = Node(ranks=1, nodes=1, accelerator=here.accelerator, gpu_mem=here.host_available,
+                host_mem=here.host_available, nvme=1 << 40, drives=(nvme,))
+    with torch.device("meta"):
+        planned = plan_model(gpt2(layers=3), cfg, node)
+    model, opt = infinity.initialize(gpt2(layers=3), cfg)
+    try:
+        assert planned.categories == {t: c for t, c in opt.engine.memory_plan["categories"].items()}
+        made = {f: os.path.getsize(os.path.join(d.path, f)) for d in opt.engine.swap_dirs.values()
+                for f in os.listdir(d.path) if f.endswith(".swp")}
+        assert made == planned.swap_files
+        assert (planned.param_total, planned.opt_total, planned.units) == \
+            (opt.layout.param_total, opt.layout.opt_total, len(opt.engine.units))
+    finally:
+        infinity.close(model)
