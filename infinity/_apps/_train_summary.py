@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import resource
 import socket
-from typing import List, Optional
+from typing import Dict, List, Optional
 
+from .._offload._drives import configured_drives
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._telemetry import StepStats, fmt_bytes, fmt_count, fmt_rate, is_level, mean, render_table
@@ -53,6 +54,7 @@ def _disk_rows(run: Run, per_rank: List[dict]) -> List[tuple]:
         rows.append((f"  {direction}", achieved, measured))
     moved = sum(r["nvme"].get("total", 0.0) for r in per_rank)
     rows.append(("  moved in training", f"{fmt_bytes(moved)} ({fmt_bytes(moved / max(1, len(run.stats.records)))} per step)"))
+    rows += drive_rows(per_rank, elapsed)
     steps = max(1, len(run.stats.records))
     tbw = run.cfg.aio.endurance_tbw
     for path in sorted({p for r in per_rank for p in r.get("ssd", {})}):
@@ -60,6 +62,30 @@ def _disk_rows(run: Run, per_rank: List[dict]) -> List[tuple]:
         share = f", {100 * written / (tbw * 1e12):.2g}% of aio.endurance_tbw" if tbw else ""
         rows.append((f"  SSD writes to {path}", f"{fmt_bytes(written)} this run, initialize and checkpoints "
                                                 f"included ({fmt_bytes(written / steps)} per step{share})"))
+    return rows
+
+
+def drive_traffic(run: Run) -> Dict[str, Dict[str, float]]:
+    """This rank's bytes read and written on each drive over its steps (the engine's
+    ``drive<k>_*_bytes``; Note [many drives] in _offload/_drives.py)."""
+    out = {}
+    for k, drive in enumerate(configured_drives(run.cfg)):
+        read, write = (sum(run.stats.column(f"engine.drive{k}_{d}_bytes")) for d in ("read", "write"))
+        if read or write:
+            out[drive] = {"read": read, "write": write}
+    return out
+
+
+def drive_rows(per_rank: List[dict], elapsed: float) -> List[tuple]:
+    """Bytes and GB/s of each drive in training, every rank's together (none with one drive
+    and one rank: the lines above say it)."""
+    drives = sorted({d for r in per_rank for d in r.get("drives", {})})
+    if len(drives) < 2 and len(per_rank) < 2:
+        return []
+    rows: List[tuple] = [("  per drive, all ranks", "read", "write", "moved")]
+    for d in drives:
+        read, write = (sum(r.get("drives", {}).get(d, {}).get(k, 0.0) for r in per_rank) for k in ("read", "write"))
+        rows.append((f"    {d}", fmt_rate(read / elapsed), fmt_rate(write / elapsed), fmt_bytes(read + write)))
     return rows
 
 
@@ -146,12 +172,16 @@ def finish(run: Run) -> Optional[str]:
             "nvme": run.stats.tier_totals().get("nvme", {}), "ssd": run.ssd.written() if run.ssd is not None else {},
             "levels": _levels(run.stats), "host": socket.gethostname(),
             "placement": share.describe() if share is not None else "not placed"}
+    mine["drives"] = drive_traffic(run)  # Note [many drives] in _offload/_drives.py
     per_rank = comm.all_gather_object(mine)
     if not run.rank0:
         return None
     text = summary_text(run, per_rank)
     run.telemetry.event({"event": "summary", "peak_rss_per_rank": [r["peak_rss"] for r in per_rank],
                          "disk_probe": run.disk, "tier_totals": run.stats.tier_totals(),
+                         "drive_bytes": {d: {k: sum(r["drives"].get(d, {}).get(k, 0.0) for r in per_rank)
+                                             for k in ("read", "write")}
+                                         for d in sorted({d for r in per_rank for d in r["drives"]})},
                          "ssd_written_bytes": {p: sum(r["ssd"].get(p, 0) for r in per_rank)
                                                for p in sorted({p for r in per_rank for p in r["ssd"]})},
                          "placement_per_rank": [{"host": r["host"], "placement": r["placement"]} for r in per_rank],

@@ -51,3 +51,22 @@ def test_where_each_rank_runs_is_a_row_a_rank_up_to_a_bound():
     assert len(rows) == 1 + PLACEMENT_ROWS + 1 and rows[-1][0] == f"  {20 - PLACEMENT_ROWS} more rank(s)"
     assert len(placement_rows(per_rank[:2])) == 3
     assert is_level("placement.threads")  # a level: never summed over steps or ranks
+
+
+def test_each_drive_is_a_row_with_every_ranks_bytes():
+    """Note [many drives] in _offload/_drives.py: the engine's drive<k>_*_bytes over the steps,
+    per drive, every rank's together, as GB/s over the training time."""
+    from types import SimpleNamespace
+
+    import infinity
+    from infinity._apps._train_summary import drive_rows, drive_traffic
+
+    cfg = infinity.Config.from_dict({"zero": {"offload_optimizer": {"device": "nvme", "nvme_path": ["/tmp", "/var/tmp"]}}})
+    stats = _stats([{"engine.drive1_read_bytes": 2e9, "engine.drive1_write_bytes": 1e9},
+                    {"engine.drive1_read_bytes": 2e9, "engine.drive1_write_bytes": 1e9}])
+    mine = drive_traffic(SimpleNamespace(cfg=cfg, stats=stats))
+    assert mine == {"/var/tmp": {"read": 4e9, "write": 2e9}}  # drive 0 untouched by this rank
+    rows = drive_rows([{"drives": mine}, {"drives": {"/tmp": {"read": 1e9, "write": 0.0}}}], elapsed=2.0)
+    assert rows == [("  per drive, all ranks", "read", "write", "moved"),
+                    ("    /tmp", "500.0 MB/s", "0 B/s", "1.0 GB"), ("    /var/tmp", "2.0 GB/s", "1.0 GB/s", "6.0 GB")]
+    assert drive_rows([{"drives": {"/tmp": {"read": 1.0, "write": 1.0}}}], 1.0) == []  # one drive, one rank
