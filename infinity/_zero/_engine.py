@@ -64,6 +64,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from .._offload._drives import configured_drives
 from .._offload._layout import ParamSource
 from .._offload._memory_plan import host_account, stop_block_cache
 from .._offload._optimizer_store import state_bytes
@@ -418,6 +419,7 @@ class Engine:
             if store is not None and hasattr(store, "bytes_read"):
                 totals[f"nvme_{name}_read_bytes"] = store.bytes_read
                 totals[f"nvme_{name}_write_bytes"] = store.bytes_written
+        totals.update(self.swap_dirs.drive_totals(configured_drives(self.cfg)))  # Note [many drives] in _drives.py
         for kind, n in comm.counters.snapshot()["bytes"].items():
             totals[f"comm_{kind}_bytes"] = n
         last = self._telemetry_totals
