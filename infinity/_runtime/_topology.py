@@ -4,19 +4,20 @@ share of them, and the placement of its threads and host memory there.
 Note [rank placement]: a node runs several ranks (torchrun's LOCAL_WORLD_SIZE), and each rank's
 CPU work (the native Adam, torch's intra-op pool, the copies) left to its defaults would use
 every core: 8 ranks on a node oversubscribe its cores 8 times over. So each rank takes its
-share, decided alike on every rank from what each one reads on its own and one exchange of masks:
+share, decided alike on every rank from what the ranks read and exchange in one all-gather:
 
 - the cores: those this process may use (``os.sched_getaffinity``: a container or a launcher
   may restrict it; placement never widens it), grouped into physical cores (a core's
   hyperthreads go together: sysfs's ``thread_siblings_list``);
 - the node: with ``zero.numa: auto`` the NUMA node of the rank's GPU (sysfs's
-  ``/sys/bus/pci/devices/<pci address>/numa_node``, the address from the accelerator layer),
+  ``/sys/bus/pci/devices/<pci address>/numa_node``, the address from the accelerator layer; each
+  rank reads its own and the ranks exchange them, with their CPU masks, in one all-gather),
   or, without one, the local ranks spread over the nodes in blocks (ranks 0-3 on node 0 and
   4-7 on node 1 for 8 ranks on two; fewer ranks than nodes keep every node's cores, a lone
   rank on two sockets among them); a node number pins every rank there;
-- the ranks it divides with: the local ranks launched with the same CPU mask (one all-gather
-  of the masks): all of them under torchrun; none but itself where the launcher already gave each
-  rank cores of its own (``srun --cpu-bind``), which it then keeps whole;
+- the ranks it divides with: the local ranks launched with the same CPU mask: all of them
+  under torchrun; none but itself where the launcher already gave each rank cores of its own
+  (``srun --cpu-bind``), which it then keeps whole;
 - the share: the ranks placed on one node divide its cores in contiguous blocks by their order,
   so no two overlap while there are at least as many cores as ranks (with fewer, a core is
   shared by the fewest ranks); its thread count is its number of physical cores, at least 1
@@ -283,9 +284,8 @@ def place(numa: Numa = "auto", cpu_threads: Optional[int] = None, root: str = SY
     """Note [rank placement]: this rank's share, its threads and memory placed there."""
     local_rank, local_world = local_ranks()
     topo, allowed = Topology.read(root), allowed_cpus()
-    device_nodes = [topo.device_node(a) for a in acc.pci_addresses(local_world)]
-    share = share_of(topo, allowed, local_rank, local_world, numa, cpu_threads, device_nodes,
-                     _sharing(local_rank, allowed))
+    device_nodes, sharing = _local_peers(local_rank, local_world, allowed, topo.device_node(acc.pci_address()))
+    share = share_of(topo, allowed, local_rank, local_world, numa, cpu_threads, device_nodes, sharing)
     if share.pinned:
         _pin_threads(share.cpus)
     if cpu_threads is not None or torch.get_num_threads() > share.threads:
@@ -298,13 +298,19 @@ def place(numa: Numa = "auto", cpu_threads: Optional[int] = None, root: str = SY
     return share
 
 
-def _sharing(local_rank: int, allowed: frozenset) -> List[int]:
-    """The local ranks of this host launched with this rank's CPU mask: every one under plain
-    torchrun; only itself where the launcher gave each rank cores of its own (``srun
-    --cpu-bind``, ``taskset`` per rank), whose cores it then keeps whole. One all-gather."""
-    mine = (socket.gethostname(), local_rank, sorted(allowed))
-    return [r for host, r, mask in comm.all_gather_object(mine, what="all-gather of the ranks' CPU masks")
-            if host == mine[0] and mask == mine[2]]
+def _local_peers(local_rank: int, local_world: int, allowed: frozenset,
+                 gpu_node: Optional[int]) -> Tuple[List[Optional[int]], List[int]]:
+    """One all-gather among the ranks: the NUMA node of each local rank's GPU (each rank reads its
+    own: a launcher may show each rank its GPU alone), and the local ranks of this host launched
+    with this rank's CPU mask: every one under plain torchrun; only itself where the launcher gave
+    each rank cores of its own (``srun --cpu-bind``, ``taskset`` per rank), which it keeps whole."""
+    host, mask = socket.gethostname(), sorted(allowed)
+    gathered = comm.all_gather_object((host, local_rank, mask, gpu_node), what="all-gather of the ranks' placement")
+    here = [(r, m, node) for h, r, m, node in gathered if h == host and 0 <= r < local_world]
+    device_nodes: List[Optional[int]] = [None] * local_world
+    for r, _, node in here:
+        device_nodes[r] = node
+    return device_nodes, [r for r, m, _ in here if m == mask]
 
 
 def _pin_threads(cpus: Tuple[int, ...]) -> None:
