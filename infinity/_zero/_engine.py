@@ -464,6 +464,9 @@ class Engine:
         and gradients (the master weights in host memory stay: they may be the parameters'
         own shards). Letting go of the model and the optimizer frees the rest (Note
         [parameter side objects] in _param.py)."""
+        unwinding = sys.exc_info()[1]
+        if isinstance(unwinding, (KeyboardInterrupt, SystemExit)):  # Note [interrupted step] in _step_gate.py
+            self.gate.stop(f"the engine was closed while {type(unwinding).__name__} unwound")
         try:
             try:
                 self.save_fence.finish(comm.timeout_s())  # an asynchronous save commits first; its error is raised
