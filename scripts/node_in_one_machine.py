@@ -4,7 +4,7 @@ given drives, each rank on its share of the cores (Note [rank placement] in
 infinity/_runtime/_topology.py), and rank 0 checks every step's loss and the trained parameters
 against plain PyTorch AdamW on the whole global batch.
 
-    python scripts/node_in_one_machine.py                         # 8 ranks, fresh drive directories under /tmp
+    python scripts/node_in_one_machine.py                         # 8 ranks, two drive directories under /tmp
     python scripts/node_in_one_machine.py --ranks 8 --drives /mnt/nvme0,/mnt/nvme1 --steps 3
 
 Run it from the repository root with infinity installed (``pip install -e .``, or ``PYTHONPATH=.``).
@@ -113,7 +113,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=8, help="ranks on this machine (torchrun's --nproc-per-node)")
     ap.add_argument("--drives", default=None, help="comma-separated swap directories, one per drive (default: "
                                                    "--drive-count fresh directories under the temporary directory)")
-    ap.add_argument("--drive-count", type=int, default=1, help="drive directories made when --drives is not given")
+    ap.add_argument("--drive-count", type=int, default=2, help="drive directories made when --drives is not given")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=32)

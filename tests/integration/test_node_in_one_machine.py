@@ -1,8 +1,9 @@
 """A node in one machine: 8 gloo ranks (LOCAL_RANK / LOCAL_WORLD_SIZE as torchrun sets them) of a
-tiny GPT-2, stage 3 with parameters and optimizer states on NVMe over DRIVES drives (Note [many
-drives] in _offload/_drives.py), each rank on its share of the cores (Note [rank placement] in
-_runtime/_topology.py): every step's loss and the trained parameters match plain PyTorch AdamW on
-the whole global batch, and each rank's threads are split and placed as the note says."""
+tiny GPT-2, stage 3 with parameters and optimizer states on NVMe over 2 drives (Note [many drives]
+in _offload/_drives.py: each rank's swap files on one of them), each rank on its share of the
+cores (Note [rank placement] in _runtime/_topology.py): every step's loss and the trained
+parameters match plain PyTorch AdamW on the whole global batch, and each rank's threads are split
+and placed as the note says."""
 import os
 import threading
 
@@ -16,7 +17,7 @@ from infinity._runtime import _topology as topo
 from infinity.testing import run_ranks
 
 RANKS, STEPS, LR, CLIP = 8, 3, 2e-3, 0.5
-DRIVES = 1  # 2 once the engine takes a list of drives as nvme_path
+DRIVES = 2
 GLOBAL_BATCH = RANKS  # a row a rank
 
 
