@@ -15,6 +15,8 @@ seconds within a few hundred MiB.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -30,6 +32,7 @@ from .._offload._optimizer_files import NAMES, SIGNED, STATES
 from .._offload._optimizer_store import chunk_elems
 from .._offload._placement import Machine, Placement
 from .._offload._preflight import plan as preflight_plan
+from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from .._zero._tiling import check_working_memory, tile_model, working_memory_bytes
 from .._zero._unit_plan import placement_of
@@ -155,7 +158,8 @@ def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
         raise EstimateError(f"nvme_layout: {node.nvme_layout!r}; use one of {', '.join(LAYOUTS)}")
     world = node.world
     tiling = cfg.zero.tiling  # as initialize does, before the units are planned
-    tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
+    with _quiet():  # a line per tiled module: thousands for a trillion parameters
+        tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
     placement, specs, _ = placement_of(model, cfg, world, node.machine)
     numel = [(s.module_name, s.shard_numel * world) for s in specs]
     check_working_memory(numel, placement.itemsize, cfg)  # refused as initialize refuses it
@@ -175,6 +179,16 @@ def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
         working_memory=working_memory_bytes(largest[1], placement.itemsize,
                                             prefetch.gather_depth if prefetch.enabled else 0),
         drives=node_bytes_per_drive(node.drives, node.nvme_layout, per_rank_nvme, node.ranks))
+
+
+@contextlib.contextmanager
+def _quiet():
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def swap_files(placement: Placement, cfg) -> Dict[str, int]:
@@ -205,6 +219,11 @@ def timed_plan(build, cfg, node: Node) -> Plan:
 
 # --------------------------------------------------------------------------- the report
 
+SOURCES = {  # Note [parameters from the master] in _placement.py
+    ParamSource.OWN.value: "the parameter shards in a store of their own",
+    ParamSource.MASTER.value: "the parameter shards read from the master weights in memory",
+    ParamSource.MASTER_FILE.value: "the trainable parameter shards read from master.swp"}
+
 def report(p: Plan) -> str:
     node, t = p.node, p.per_rank
     hw = node.name or f"{node.nodes} node(s) x {node.ranks} rank(s)"
@@ -216,7 +235,7 @@ def report(p: Plan) -> str:
         f"NVMe {_format_bytes(node.nvme)}/node on {len(node.drives)} drive(s), layout {node.nvme_layout}",
         f"fetch units: {p.units} ({p.trainable_units} trainable), the largest {p.largest_unit[0] or '<root>'} "
         f"({_format_count(p.largest_unit[1])} parameters); per rank {_format_count(p.param_total)} parameter "
-        f"elements, {_format_count(p.opt_total)} optimizer elements; parameters from {p.param_source}",
+        f"elements, {_format_count(p.opt_total)} optimizer elements; {SOURCES[p.param_source]}",
         "",
         "per rank (every rank the same):",
     ]
@@ -269,7 +288,7 @@ def node_of(hw: Hardware, *, drives: Optional[int] = None, nvme_layout: str = "r
     """The node of an estimate's hardware: ``drives`` data drives (else the preset's, else one,
     ``nvme_path`` where given), each read and written at the preset node's NVMe bandwidth
     shared evenly (Note [run model] in _runmodel.py gives the figures)."""
-    count = drives or PRESET_DRIVES.get(preset or "", 1)
+    count = drives if drives is not None else PRESET_DRIVES.get(preset or "", 1)
     if count < 1:
         raise EstimateError(f"drives: {count} must be at least 1")
     names = (nvme_path,) if count == 1 and nvme_path else tuple(f"nvme{i}" for i in range(count))

@@ -314,3 +314,37 @@ def test_cli_steps_projects_the_ssd_writes_against_the_rating():
     assert "give --endurance-tbw" in unrated
     bad = _cli(*hw, "--steps", "0")
     assert bad.returncode == 2 and "steps: 0 must be at least 1" in bad.stderr
+
+
+def _plan_json(*args) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--plan", "--json", "--gpus", "4", "--gpu-mem", "16GB", "--cpu-mem", "64GB", "--nvme", "1TB",
+                     *args]) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("layout", ["rank", "stripe"])
+def test_cli_plan_of_a_model_config_over_drives(tmp_path, layout):
+    """Note [planned by the engine] in infinity/_apps/_plan.py: the model of a config.json built
+    on the meta device and planned by the engine for 4 ranks over 2 drives."""
+    fields = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000,
+              "n_positions": 128}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    data = _plan_json("--model", str(tmp_path / "config.json"), "--drives", "2", "--nvme-layout", layout)
+    assert data["params"] == data["trainable"] == 172_288
+    assert data["units"] == 5  # wte and wpe, two blocks, ln_f (the head is tied to wte)
+    rank = data["per_rank"]
+    assert sum(rank["swap_files"].values()) == rank["bytes"]["nvme"] > 0
+    assert set(rank["swap_files"]) == {"params.swp", "master.swp", "exp_avg.swp", "exp_avg_sq.swp"}  # gradients: host
+    # 4 ranks, 2 drives: two ranks' files on each (rank), or half of every rank's files on each (stripe)
+    assert data["per_node"]["drives"] == {"nvme0": 2 * rank["bytes"]["nvme"], "nvme1": 2 * rank["bytes"]["nvme"]}
+    assert data["node"]["nvme_layout"] == layout
+
+
+def test_cli_plan_bad_input_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--plan", "--layers", "2", "--hidden", "64", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB",
+              "--drives", "0"])
+    assert exc.value.code == 2
+    assert "drives: 0 must be at least 1" in capsys.readouterr().err
