@@ -25,6 +25,7 @@ import torch
 from ._apps._disk_probe import PROBE_BYTES, PROBE_REPS, probe_disk
 from ._apps._train_cli import (
     EXIT_BAD_INPUT,
+    EXIT_SIGINT,
     default_config,
     default_nvme_path,
     nvme_paths,
@@ -35,7 +36,7 @@ from ._apps._train_data import Batches, ByteTokenizer, read_texts, token_windows
 from ._apps._train_loop import Run, _loss, save, setup, start, train_loop, train_step
 from ._apps._train_model import PRESETS, ModelSpec, TrainError, activation_bytes, build_model, build_partitioned
 from ._apps._train_summary import finish, summary_text
-from ._checkpoint._train import TrainCheckpoints
+from ._checkpoint._train import TrainCheckpoints, interrupted_text
 from ._runtime import _comm as comm
 from .config import Config
 from .errors import InsufficientResourcesError, NonFiniteError, UsageError
@@ -66,15 +67,21 @@ def run_job(cfg: Config, checkpoints=None) -> Optional[str]:
         if checkpoints is None or checkpoints.stopped_by is None:
             save(run)
         return finish(run)
+    except (KeyboardInterrupt, SystemExit) as stop:  # a signal stopped the job at once (Note [preemption] in _train.py)
+        if isinstance(stop, KeyboardInterrupt) or stop.code == 128 + signal.SIGTERM:
+            name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else "SIGTERM"
+            print(interrupted_text(checkpoints, name, run.step), file=sys.stderr, flush=True)
+        raise
     finally:
         if run.telemetry is not None:
             run.telemetry.close()
         if run.optimizer is not None:
-            run.optimizer.engine.close()  # hooks off, this run's swap files removed
+            run.optimizer.engine.close()  # hooks off, this run's swap files removed; an interrupt stops the step
 
 
 def _exit_on_sigterm(signum, frame):
-    # torchrun and job schedulers stop workers with SIGTERM: unwind so the swap files go too.
+    # torchrun and job schedulers stop workers with SIGTERM: unwind so the swap files go too
+    # (with --save-on-signal the loop saves first: Note [preemption] in _checkpoint/_train.py).
     raise SystemExit(128 + signum)
 
 
@@ -87,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parse_args(argv)
         cfg = resolve_config(args)
         checkpoints = TrainCheckpoints.from_args(args.save_every, args.resume, args.keep_last, cfg.train.output_dir,
-                                                  save_async=args.save_async)
+                                                  save_async=args.save_async, save_on_signal=args.save_on_signal)
         text = run_job(cfg, checkpoints)
         finished = True
     except (UsageError, InsufficientResourcesError) as err:  # TrainError, DataError, ConfigError among them
@@ -96,6 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except NonFiniteError as err:  # precision.on_nonfinite: error; not bad input, but no traceback either
         print(f"infinity.train: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # said by run_job; no traceback (Note [preemption] in _checkpoint/_train.py)
+        return EXIT_SIGINT
     finally:
         if comm.is_distributed():
             if finished:

@@ -1,9 +1,15 @@
-"""Checkpoints in the main job: ``--save-every N``, ``--resume auto|DIR``, stop on SIGTERM/SIGINT.
+"""Checkpoints in the main job: ``--save-every N``, ``--resume auto|DIR``, ``--save-on-signal``.
 
-Note [preemption]: a signal only raises a flag; the step in flight finishes, then the ranks
-agree (one all-reduce of the flags per step: a signal may reach some ranks only) to save a
-checkpoint and stop, and the job exits 0 saying how to resume. The data position is the
-step number (``Batches.step`` is a function of it), saved with the LR scheduler's state.
+Note [preemption]: with ``--save-on-signal``, SIGTERM (what cluster schedulers send before they
+kill) or SIGINT only raises a flag; the step in flight finishes, then the ranks agree (one
+all-reduce of the flags per step: a signal may reach some ranks only) to save a checkpoint and
+stop, and the job exits 0 saying how to resume. A second signal stops the job at once, as
+without the flag: SIGINT raises KeyboardInterrupt and SIGTERM SystemExit where the main thread
+is, the engine is closed while it unwinds (the overlapped step stops at its next chunk: Note
+[interrupted step] in _step_gate.py, the swap files are removed), nothing is saved, the last
+complete checkpoint stays the one to resume from, and the job exits 128 + the signal's number
+(130, 143). The data position is the step number (``Batches.step`` is a function of it),
+saved with the LR scheduler's state.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ class TrainCheckpoints:
     resume: Optional[str] = None  # "auto", a run's checkpoint directory, or one checkpoint
     keep_last: Optional[int] = None
     save_async: bool = False  # Note [asynchronous saves] in _async.py; a save on a signal still blocks
+    save_on_signal: bool = False  # SIGTERM/SIGINT save at the step's end (Note [preemption])
     stopped_by: Optional[str] = None  # the signal that stopped the job
     _flag: bool = False
     _last_saved: int = -1
@@ -40,7 +47,8 @@ class TrainCheckpoints:
 
     @classmethod
     def from_args(cls, save_every: Optional[int], resume: Optional[str], keep_last: Optional[int],
-                  output_dir: Optional[str], save_async: bool = False) -> "TrainCheckpoints":
+                  output_dir: Optional[str], save_async: bool = False,
+                  save_on_signal: bool = False) -> "TrainCheckpoints":
         if save_every is not None and save_every < 1:
             raise UsageError(f"--save-every must be >= 1 (steps between checkpoints), got {save_every}")
         directory = os.path.join(output_dir, "checkpoints") if output_dir else None
@@ -49,7 +57,9 @@ class TrainCheckpoints:
                              "pass --output-dir")
         if save_async and not save_every:
             raise UsageError("--save-async makes the saves of --save-every asynchronous: pass --save-every N too")
-        return cls(directory, save_every or 0, resume, keep_last, save_async)
+        if save_on_signal and directory is None:
+            raise UsageError("--save-on-signal saves a checkpoint under --output-dir/checkpoints: pass --output-dir")
+        return cls(directory, save_every or 0, resume, keep_last, save_async, save_on_signal)
 
     # ------------------------------------------------------------ resume
 
@@ -122,12 +132,15 @@ class TrainCheckpoints:
 
     @contextlib.contextmanager
     def on_signals(self):
-        """SIGTERM and SIGINT raise the stop flag while the loop runs (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
+        """With ``--save-on-signal``, SIGTERM and SIGINT raise the stop flag while the loop runs
+        (main thread only); a second signal stops at once (Note [preemption])."""
+        if not self.save_on_signal or threading.current_thread() is not threading.main_thread():
             yield
             return
 
         def handler(signum, frame):
+            if self._flag:
+                raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
             self._flag = True
             self.stopped_by = signal.Signals(signum).name
 
@@ -139,14 +152,33 @@ class TrainCheckpoints:
                 signal.signal(s, h)
 
 
-def _stopped_text(signal_name: Optional[str], step: int, path: Optional[str]) -> str:
-    if path is None:
-        return f"infinity.train: stopped by {signal_name or 'a signal'} after step {step}; no --output-dir, nothing saved"
+def _resume_command() -> str:
     argv, skip = [], False
     for a in sys.argv[1:]:  # the same command, its --resume replaced
         if skip or a == "--resume" or a.startswith("--resume="):
             skip = a == "--resume"
             continue
         argv.append(a)
+    return f"python -m infinity.train {' '.join(argv + ['--resume', 'auto'])}"
+
+
+def _stopped_text(signal_name: Optional[str], step: int, path: Optional[str]) -> str:
+    if path is None:
+        return f"infinity.train: stopped by {signal_name or 'a signal'} after step {step}; no --output-dir, nothing saved"
     return (f"infinity.train: stopped by {signal_name or 'a signal'} after step {step}; saved {path}. Resume with: "
-            f"python -m infinity.train {' '.join(argv + ['--resume', 'auto'])}")
+            f"{_resume_command()}")
+
+
+def interrupted_text(checkpoints: Optional[TrainCheckpoints], signal_name: str, step: int) -> str:
+    """What a job stopped at once by a signal says (Note [preemption]): nothing saved, and the
+    checkpoint to resume from, if any."""
+    where = f"in step {step}" if step else "before its first step"
+    text = f"infinity.train: stopped by {signal_name} {where}, without saving"
+    if checkpoints is None or not checkpoints.save_on_signal:
+        text += " (--save-on-signal saves a checkpoint at the step's end instead)"
+    directory = checkpoints.directory if checkpoints is not None else None
+    done = complete_checkpoints(directory) if directory else []
+    if not directory or not done:
+        return text + "; no checkpoint was saved (--save-every N saves one every N steps)"
+    return (f"{text}; the last complete checkpoint is {os.path.join(directory, done[-1][1])}. "
+            f"Resume with: {_resume_command()}")

@@ -1,8 +1,12 @@
-"""The main job with checkpoints: ``--save-every``, ``--resume auto`` and SIGTERM.
+"""The main job with checkpoints: ``--save-every``, ``--resume auto``, SIGTERM and SIGINT
+(Note [preemption] in infinity/_checkpoint/_train.py).
 
 A run stopped after 3 steps and resumed to 6 ends with the same weights, bit for bit, as an
-uninterrupted 6-step run (one rank, fp32), and logs the same losses for steps 4-6. SIGTERM
-mid-run finishes the step, saves, exits 0 and says how to resume.
+uninterrupted 6-step run (one rank, fp32), and logs the same losses for steps 4-6. With
+``--save-on-signal``, SIGTERM mid-run finishes the step, saves, exits 0 and says how to resume,
+and the resumed run logs the losses of a run never stopped, bit for bit. Without it, SIGINT and
+SIGTERM stop the job at once: exit 130 or 143, no traceback, the swap files removed, the last
+complete checkpoint named and loaded by the next run.
 """
 import json
 import os
@@ -11,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from test_train import TIMEOUT, _env, load_saved, read_jsonl, run_cli, run_clis, tiny_config, write_config
 
@@ -39,28 +44,78 @@ def test_resume_auto_matches_uninterrupted_run(tmp_path):
     assert sorted(os.listdir(os.path.join(split, "checkpoints"))) == ["latest", "step6"]
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path):
-    cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=10000, log_every=1))
-    out = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "infinity.train", "--config", cfg, "--output-dir", out],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+def _signalled(args, sig, ready):
+    """Run the job, send ``sig`` once ``ready()``, and return (exit code, stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "infinity.train"] + args, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.monotonic() + TIMEOUT
-        telemetry = os.path.join(out, "telemetry.jsonl")
-        while not (os.path.exists(telemetry) and '"step"' in open(telemetry).read()):
+        while not ready():
             assert proc.poll() is None and time.monotonic() < deadline, "the job ended or never started a step"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
     finally:
         proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "stopped by SIGTERM" in stdout and "--resume auto" in stdout, stdout[-2000:]
+    return proc.returncode, stdout, stderr
+
+
+def _stepped(out):
+    telemetry = os.path.join(out, "telemetry.jsonl")
+    return lambda: os.path.exists(telemetry) and '"step"' in open(telemetry).read()
+
+
+def _latest(out) -> int:
     ck = os.path.join(out, "checkpoints")
     tag = open(os.path.join(ck, "latest")).read().strip()
     step = json.load(open(os.path.join(ck, tag, "manifest.json")))["step"]
     assert tag == f"step{step}" and step >= 1
-    again = run_cli(["--config", cfg, "--output-dir", out, "--resume", "auto", "--steps", str(step + 1), "--no-save"])
+    return step
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=10000, log_every=1))
+    out = str(tmp_path / "run")
+    code, stdout, stderr = _signalled(["--config", cfg, "--output-dir", out, "--save-on-signal"], signal.SIGTERM,
+                                      _stepped(out))
+    assert code == 0, stderr[-3000:]
+    assert "stopped by SIGTERM" in stdout and "--resume auto" in stdout, stdout[-2000:]
+    step = _latest(out)
+    first = _steps(out)
+    assert sorted(first) == list(range(1, step + 1))  # the step in flight finished, then the job saved
+    ref_out = str(tmp_path / "ref")
+    again, ref = run_clis(["--config", cfg, "--output-dir", out, "--resume", "auto", "--steps", str(step + 2),
+                           "--no-save"],
+                          ["--config", cfg, "--output-dir", ref_out, "--steps", str(step + 2), "--no-save"])
+    for proc in (again, ref):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"after step {step}" in again.stderr
+    assert _steps(out) == _steps(ref_out)  # every loss, before the signal and after the resume, bit for bit
+
+
+def test_save_on_signal_needs_an_output_dir(tmp_path):
+    cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=1))
+    proc = run_cli(["--config", cfg, "--save-on-signal"])
+    assert proc.returncode == 2 and "--save-on-signal saves a checkpoint under --output-dir" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_without_save_on_signal_stops_at_once(tmp_path, sig, code):
+    cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=10000, log_every=1))
+    out, nvme = str(tmp_path / "run"), tmp_path / "nvme"
+    args = ["--config", cfg, "--output-dir", out, "--save-every", "1", "--offload", "nvme", "--nvme-path", str(nvme),
+            "--no-save"]
+    code_, stdout, stderr = _signalled(args, sig, lambda: os.path.exists(os.path.join(out, "checkpoints", "latest")))
+    assert code_ == code, stderr[-3000:]
+    name = signal.Signals(sig).name
+    assert f"stopped by {name} in step" in stderr and "without saving (--save-on-signal" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "Exception in thread" not in stderr, stderr[-3000:]
+    assert os.listdir(nvme) == []  # the swap files went with the job
+    step = _latest(out)
+    assert f"the last complete checkpoint is {os.path.join(out, 'checkpoints', f'step{step}')}" in stderr
+    if sig == signal.SIGTERM:  # the resume once (SIGINT's case)
+        return
+    again = run_cli(args[:-1] + ["--resume", "auto", "--steps", str(step + 1), "--no-save"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"after step {step}" in again.stderr
 

@@ -1,0 +1,45 @@
+"""The train job's signal handling (Note [preemption] in infinity/_checkpoint/_train.py), with
+real signals sent to this process: with ``--save-on-signal`` the first SIGTERM or SIGINT only
+asks the loop to save and stop, a second stops at once as without the flag; without it the
+handlers are left as they are."""
+import os
+import signal
+
+import pytest
+
+from infinity._checkpoint._train import TrainCheckpoints, interrupted_text
+from infinity.errors import UsageError
+
+
+def _send(sig) -> None:
+    os.kill(os.getpid(), sig)  # the handler runs before the next bytecode
+
+
+@pytest.mark.parametrize("sig,stops", [(signal.SIGTERM, SystemExit), (signal.SIGINT, KeyboardInterrupt)])
+def test_the_first_signal_asks_the_second_stops(tmp_path, sig, stops):
+    ck = TrainCheckpoints.from_args(None, None, None, str(tmp_path), save_on_signal=True)
+    before = signal.getsignal(sig)
+    with ck.on_signals():
+        _send(sig)
+        assert ck._flag and ck.stopped_by == signal.Signals(sig).name
+        with pytest.raises(stops) as e:
+            _send(sig)
+    if stops is SystemExit:
+        assert e.value.code == 128 + sig
+    assert signal.getsignal(sig) is before  # restored after the loop
+
+
+def test_without_the_flag_the_handlers_stay(tmp_path):
+    ck = TrainCheckpoints.from_args(1, None, None, str(tmp_path))
+    before = signal.getsignal(signal.SIGINT)
+    with ck.on_signals():
+        assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(UsageError, match="--save-on-signal saves a checkpoint under --output-dir"):
+        TrainCheckpoints.from_args(None, None, None, None, save_on_signal=True)
+
+
+def test_what_a_job_stopped_at_once_says(tmp_path):
+    ck = TrainCheckpoints.from_args(2, None, None, str(tmp_path))
+    text = interrupted_text(ck, "SIGINT", 3)
+    assert "stopped by SIGINT in step 3, without saving (--save-on-signal" in text
+    assert "no checkpoint was saved (--save-every N" in text
