@@ -305,6 +305,8 @@ def _local_peers(local_rank: int, local_world: int, allowed: frozenset,
     with this rank's CPU mask: every one under plain torchrun; only itself where the launcher gave
     each rank cores of its own (``srun --cpu-bind``, ``taskset`` per rank), which it keeps whole."""
     host, mask = socket.gethostname(), sorted(allowed)
+    if not comm.is_distributed():  # no peers to ask: the environment's local ranks share the mask
+        return [gpu_node if r == local_rank else None for r in range(local_world)], list(range(local_world))
     gathered = comm.all_gather_object((host, local_rank, mask, gpu_node), what="all-gather of the ranks' placement")
     here = [(r, m, node) for h, r, m, node in gathered if h == host and 0 <= r < local_world]
     device_nodes: List[Optional[int]] = [None] * local_world

@@ -150,3 +150,39 @@ def test_the_native_adams_default_before_any_placement_is_capped_at_the_share(mo
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(UsageError, match="LOCAL_RANK / LOCAL_WORLD_SIZE must be integers"):
         topo.local_ranks()
+
+
+@pytest.fixture
+def placed_and_restored(monkeypatch):
+    """``place`` in this process, its affinity, torch's threads and the remembered share put back after."""
+    import torch
+
+    before, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    monkeypatch.setattr(topo._Placed, "share", None)
+    monkeypatch.setattr(topo._Placed, "launch", None)
+    yield
+    topo._pin_threads(tuple(before))
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs two CPUs to show")
+def test_a_second_placement_divides_the_launchers_mask_not_its_own_share(placed_and_restored, monkeypatch):
+    launch = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    first = topo.place()
+    assert first.pinned and sorted(os.sched_getaffinity(0)) == list(first.cpus) != launch
+    assert all(sorted(os.sched_getaffinity(int(t))) == list(first.cpus) for t in os.listdir("/proc/self/task"))
+    assert topo.current() == first and topo.place() == first  # the same share again, not half of it
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert sorted(topo.place().cpus) == launch == sorted(os.sched_getaffinity(0))
+
+
+def test_numa_off_pins_nothing(placed_and_restored):
+    before = os.sched_getaffinity(0)
+    share = topo.place(numa="off", cpu_threads=1)
+    assert not share.pinned and share.memory_node is None and os.sched_getaffinity(0) == before
+    import torch
+
+    assert torch.get_num_threads() == 1 == topo.default_threads()  # zero.cpu_threads sets the count
