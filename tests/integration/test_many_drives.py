@@ -1,0 +1,181 @@
+"""Two drives end to end (Note [many drives] in infinity/_offload/_drives.py, Note [striped swap
+files] in infinity/aio/_stripe.py).
+
+The drives are two directories on two filesystems: a loop-mounted XFS made by the test
+(tests/_xfs.py; where this machine cannot mount one, a second directory on the root disk) and
+one on the root disk. A tiny GPT-2 at stage 3 with every state on NVMe trains exactly as plain
+PyTorch AdamW with each layout: ``rank`` on two gloo ranks (each rank's swap files on its own
+drive), ``stripe`` on one rank and on two (every swap file over both drives, in 8 KiB extents);
+the bytes each drive moved are counted, and every drive is left empty. Then the train job on
+both drives, striped: saved every 3 steps, killed with SIGKILL, resumed, it logs the same losses
+and ends with the same weights, bit for bit, as an uninterrupted run; the resumed run reclaims
+what the killed one left on both drives, and its summary and telemetry give each drive's bytes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from _hf_models import batches, build, loss_of
+from _xfs import skip_reason, xfs_mount
+from test_exact_training import STEPS, Cell, _named_params, check_matches_reference
+from test_train import TIMEOUT, _env, load_saved, read_jsonl, run_cli, tiny_config, write_config
+
+import infinity
+from infinity.testing import run_ranks
+
+EXTENT = 8192  # zero.nvme_stripe_size: the tiny model's 120 KB files span both drives
+
+
+@pytest.fixture(scope="module")
+def drives(tmp_path_factory):
+    """(a directory on a loop-mounted XFS, or on the root disk where none can be mounted; one on the root disk)."""
+    base = tmp_path_factory.mktemp("drives")
+    root = base / "root-drive"
+    root.mkdir()
+    with contextlib.ExitStack() as stack:
+        if skip_reason():
+            other = base / "second-drive"
+            other.mkdir()
+        else:
+            other = os.path.join(stack.enter_context(xfs_mount(str(base))), "drive")
+            os.mkdir(other)
+        yield str(other), str(root)
+
+
+@dataclasses.dataclass(frozen=True)
+class DriveCell(Cell):
+    layout: str = "rank"
+
+    def config(self, nvme) -> dict:
+        cfg = super().config(nvme)
+        cfg["zero"].update(nvme_layout=self.layout, nvme_stripe_size=EXTENT)
+        cfg["aio"] = {"block_size": EXTENT}
+        return cfg
+
+
+CELLS = [DriveCell("gpt2", "none", 3, "nvme", "nvme", persist=0, clip=1.0, layout=layout) for layout in ("rank", "stripe")]
+
+
+def _train(cell: DriveCell, nvme):
+    """On each rank: the global mean loss of each step, the final weights, and the bytes the
+    rank's swap files moved on each drive."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    model, opt = infinity.initialize(build(cell.kind, cell.mode), config=cell.config(nvme))
+    try:
+        losses = []
+        for ids, targets in batches(cell.kind, STEPS):
+            loss = loss_of(model, cell.kind, ids.chunk(world)[rank], targets.chunk(world)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t = torch.tensor([loss.item()], dtype=torch.float64)
+            if world > 1:
+                dist.all_reduce(t)
+            losses.append(t.item() / world)
+        with infinity.GatheredParameters(list(model.parameters())):
+            params = _named_params(model)
+        moved = opt.engine.swap_dirs.drive_bytes()
+        telemetry = {k: v for k, v in infinity.telemetry(model).items() if k.startswith("drive")}
+    finally:
+        infinity.close(model)
+    return (losses, params, None), moved, telemetry
+
+
+def _check(cell, result, nvme, used) -> None:
+    exact, moved, telemetry = result
+    check_matches_reference(cell, exact)
+    assert sorted(moved) == sorted(used), moved  # the drives this rank wrote to
+    assert all(r > 0 and w > 0 for r, w in moved.values()), moved
+    assert telemetry and all(k.startswith(("drive0_", "drive1_")) for k in telemetry), telemetry
+
+
+@pytest.mark.parametrize("layout", ["rank", "stripe"])
+def test_two_ranks_on_two_drives_match_plain_adamw(drives, layout):
+    cell = next(c for c in CELLS if c.layout == layout)
+    results = run_ranks(_train, 2, cell, list(drives), timeout=240, threads=1)
+    for rank, result in enumerate(results):
+        _check(cell, result, drives, [drives[rank]] if layout == "rank" else drives)
+    assert [os.listdir(d) for d in drives] == [[], []]  # every rank's swap files removed on each drive
+
+
+def test_one_rank_striped_over_two_drives_matches_plain_adamw(drives):
+    cell = next(c for c in CELLS if c.layout == "stripe")
+    _check(cell, _train(cell, list(drives)), drives, drives)
+    assert [os.listdir(d) for d in drives] == [[], []]
+
+
+# ------------------------------------------------------------------ the train job: kill -9, resume, reclaim
+
+
+def _job_config(tmp_path, drives, steps):
+    cfg = tiny_config(steps=steps, log_every=1)
+    cfg["zero"].update(offload_param={"device": "nvme", "nvme_path": list(drives)},
+                       offload_optimizer={"device": "nvme", "nvme_path": list(drives)},
+                       nvme_layout="stripe", nvme_stripe_size=EXTENT)
+    cfg["aio"] = {"block_size": EXTENT}
+    return write_config(tmp_path / f"drives-{steps}.json", cfg)
+
+
+def _losses(out):
+    return {r["step"]: r["loss"] for r in read_jsonl(os.path.join(out, "telemetry.jsonl")) if r["event"] == "step"}
+
+
+def _kill_after_a_save(cmd, out) -> int:
+    """Run the job until its first checkpoint is complete, then SIGKILL it; the step saved."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    latest = os.path.join(out, "checkpoints", "latest")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not os.path.exists(latest):
+            assert proc.poll() is None, f"the job ended before its first save:\n{proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint within the timeout"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    return int(open(latest).read().strip()[len("step"):])
+
+
+def test_train_job_on_two_drives_resumes_after_kill_9(tmp_path, drives):
+    final = 8
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    ref = run_cli(["--config", _job_config(tmp_path, drives, final), "--output-dir", whole])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = [sys.executable, "-m", "infinity.train", "--config", _job_config(tmp_path, drives, 10000),
+              "--output-dir", split, "--save-every", "3", "--no-save"]
+    saved = _kill_after_a_save(killed, split)
+    assert saved < final, f"the killed job saved step {saved}, past the {final} steps compared"
+    stale = [[n for n in os.listdir(d) if n.startswith("infinity-")] for d in drives]
+    assert all(len(names) == 1 for names in stale), stale  # the killed run's directory on each drive
+    resumed = run_cli(["--config", _job_config(tmp_path, drives, final), "--output-dir", split,
+                       "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"after step {saved}" in resumed.stderr
+    for d, names in zip(drives, stale):  # reclaimed on both drives, and the resumed run's own removed at exit
+        assert f"under {d} left by crashed runs" in resumed.stderr and names[0] in resumed.stderr, resumed.stderr[-3000:]
+        assert os.listdir(d) == []
+    ref_losses, losses = _losses(whole), _losses(split)
+    assert [losses[s] for s in range(saved + 1, final + 1)] == [ref_losses[s] for s in range(saved + 1, final + 1)]
+    ours, theirs = load_saved(os.path.join(split, "model")), load_saved(os.path.join(whole, "model"))
+    for (name, p), q in zip(ours.state_dict().items(), theirs.state_dict().values()):
+        assert torch.equal(p, q), name  # bit for bit
+    # each drive's bytes: in every step's telemetry and in the summary
+    steps = [r for r in read_jsonl(os.path.join(whole, "telemetry.jsonl")) if r["event"] == "step"]
+    for k in (0, 1):
+        assert all(r[f"engine.drive{k}_read_bytes"] > 0 and r[f"engine.drive{k}_write_bytes"] > 0 for r in steps[1:])
+    summary = next(r for r in read_jsonl(os.path.join(whole, "telemetry.jsonl")) if r["event"] == "summary")
+    assert sorted(summary["drive_bytes"]) == sorted(drives)
+    assert "per drive, all ranks" in ref.stdout and all(d in ref.stdout for d in drives), ref.stdout[-3000:]
