@@ -1,14 +1,16 @@
 """Swap files on the NVMe tier: one directory per run and rank, removed on clean exit.
 
-Note [swap directories]: every engine writes under ``<nvme_path>/infinity-<run id>/rank<r>``
-with a fresh random run id, so a second run on the same ``nvme_path`` never reads the files
+Note [swap directories]: every engine writes under ``<drive>/infinity-<run id>/rank<r>`` on
+each drive of ``nvme_path`` it uses (Note [many drives] in _drives.py), with a fresh random run
+id, the same on every drive, so a second run on the same ``nvme_path`` never reads the files
 of a first (crashed or concurrent) one. The directory is removed when the engine is garbage
 collected or the interpreter exits normally. A crashed run (``kill -9``, a power loss) leaves
 it behind: each rank directory therefore holds an ``owner`` file (host, pid, process start
 time) on which its process holds an exclusive flock for as long as it lives (the kernel drops
 it when the process dies, however it dies), and the next run that uses the ``nvme_path``
-removes the run directories whose every owner on this host is gone (``reclaim_stale``),
-before its preflight counts the free space, and says what it removed and how much. Gone
+removes the run directories whose every owner on this host is gone (``reclaim_stale``, on
+every listed drive, also those this rank does not write to), before its preflight counts the
+free space, and says what it removed and how much. Gone
 means: the owner file's lock can be taken (a pid reused by another process does not fool
 it), or, for a directory of an older layout without the lock, the pid is gone. The owner
 file is written and locked under a temporary name and renamed into place, so a reclaimer
