@@ -5,7 +5,6 @@ cores (Note [rank placement] in _runtime/_topology.py): every step's loss and th
 parameters match plain PyTorch AdamW on the whole global batch, and each rank's threads are split
 and placed as the note says."""
 import os
-import threading
 
 import pytest
 import torch
@@ -39,7 +38,7 @@ def _rank(drives):
         "local": (int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])),
         "share": share, "torch_threads": torch.get_num_threads(), "adam_threads": topo.default_threads(),
         "update_threads": telemetry["update"]["peak_threads"], "placement": telemetry["placement"],
-        "thread_cpus": threads_of, "policy": topo.memory_policy(), "python_threads": threading.active_count(),
+        "thread_cpus": threads_of, "policy": topo.memory_policy(),
         "swap_dirs": {d: os.listdir(d) for d in drives},
         "losses": losses, "params": params if share.local_rank == 0 else None,
     }
