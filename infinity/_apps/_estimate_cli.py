@@ -231,10 +231,13 @@ def _drive_rates(rates: "rm.Rates", args, ranks: int) -> "rm.Rates":
 
 def _plan_report(est: Estimate, args) -> str:
     """Note [planned by the engine] in _plan.py: the model built on the meta device and planned for the node."""
-    node = pl.node_of(est.hardware, drives=args.drives, nvme_layout=args.nvme_layout, preset=args.hardware,
-                      nvme_path=args.nvme_path)
-    cfg = pl.plan_config(args.offload, args.dtype, args.config,
-                         est.max_tile_params if args.tiling_factor > 1 else None)
+    if args.config is not None and args.drives is not None:
+        raise EstimateError("--plan: --config's nvme_path names the drives (and zero.nvme_layout their layout); "
+                            "leave out --drives, or --config")
+    drives = pl.drive_names(args.drives, args.hardware, args.nvme_path)
+    cfg = pl.plan_config(args.offload, args.dtype, args.config, est.max_tile_params if args.tiling_factor > 1 else None,
+                         drives, args.nvme_layout)
+    node = pl.node_of(est.hardware, cfg, args.hardware)
     fields = _config_dict(args.model)[0] if args.model is not None else None
     result = pl.timed_plan(lambda: pl.build_meta(fields, est.shape, args.arch), cfg, node)
     return json.dumps(result.to_dict(), indent=2) if args.json else pl.report(result)

@@ -7,7 +7,8 @@ and runs the functions the engine runs before its first byte (Note [build order]
 _initialize.py): ``placement_of`` (fetch units, tiers, flat layout, the automatic rules for a
 ``Machine`` that describes the target node instead of this one) and the preflight's ``plan`` (the
 one memory model: Note [one memory model] in _memory_plan.py), then spreads each rank's swap
-bytes over the node's drives with Note [many drives] in _drives.py. Nothing is allocated, no
+bytes over the config's drives as the preflight does (``node_need``: Note [many drives] in
+_drives.py). Nothing is allocated, no
 file is made and no process group is needed: the world size and the node are parameters. Every
 rank of a node gets the same plan (bandwidth-centric partitioning gives each the same shard of
 every unit), so one rank's figures are every rank's. A trillion-parameter decoder plans in
@@ -24,13 +25,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._offload._drives import LAYOUTS, node_bytes_per_drive, rank_drives
+from .._offload._drives import drive_paths, rank_drives
 from .._offload._layout import ParamSource
 from .._offload._memory_plan import totals
 from .._offload._moments import file_bytes
 from .._offload._optimizer_files import NAMES, SIGNED, STATES
 from .._offload._optimizer_store import chunk_elems
 from .._offload._placement import Machine, Placement
+from .._offload._preflight import node_need
 from .._offload._preflight import plan as preflight_plan
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
@@ -46,7 +48,8 @@ GPT2_VOCAB = 50257  # the vocabulary of a decoder given by its shape only (GPT-2
 
 @dataclass(frozen=True)
 class Node:
-    """The node a plan is for: its ranks (one per GPU), host memory, NVMe space and drives."""
+    """The node a plan is for: its ranks (one per GPU), host memory, NVMe space, and its drives'
+    bandwidth (the config's nvme_path names the drives)."""
 
     ranks: int  # per node
     nodes: int
@@ -54,8 +57,6 @@ class Node:
     gpu_mem: int  # bytes per GPU (the host's memory without an accelerator)
     host_mem: int  # bytes per node
     nvme: int  # bytes per node
-    drives: Tuple[str, ...]  # the data drives' directories (names where the node is not this one)
-    nvme_layout: str = "rank"  # Note [many drives] in _drives.py
     drive_read: Optional[float] = None  # bytes/s per drive (a preset's), for the I/O times
     drive_write: Optional[float] = None
     name: str = ""
@@ -87,7 +88,9 @@ class Plan:
     categories: Dict[str, Dict[str, int]]  # per rank: tier -> category -> bytes
     swap_files: Dict[str, int]  # per rank: file -> bytes
     working_memory: int  # device bytes while the largest unit runs
-    drives: Dict[str, int]  # per node: drive -> swap bytes
+    drives: Dict[str, int]  # per node: drive -> swap bytes (Note [many drives] in _drives.py)
+    drive_ranks: Dict[str, List[int]]  # drive -> the ranks of the node with swap files there
+    nvme_layout: str
     seconds: float = 0.0  # to build the model and plan it
 
     @property
@@ -105,8 +108,8 @@ class Plan:
         return {
             "params": self.params, "trainable": self.trainable, "dtype": self.dtype,
             "node": {"name": node.name, "ranks": node.ranks, "nodes": node.nodes, "accelerator": node.accelerator,
-                     "gpu_mem": node.gpu_mem, "host_mem": node.host_mem, "nvme": node.nvme, "drives": list(node.drives),
-                     "nvme_layout": node.nvme_layout, "drive_read": node.drive_read, "drive_write": node.drive_write},
+                     "gpu_mem": node.gpu_mem, "host_mem": node.host_mem, "nvme": node.nvme,
+                     "nvme_layout": self.nvme_layout, "drive_read": node.drive_read, "drive_write": node.drive_write},
             "units": self.units, "trainable_units": self.trainable_units,
             "largest_unit": {"module": self.largest_unit[0], "params": self.largest_unit[1]},
             "param_total": self.param_total, "opt_total": self.opt_total, "param_source": self.param_source,
@@ -114,7 +117,8 @@ class Plan:
                                               "host": self.host_per_rank, "swap_files": self.swap_files,
                                               "working_memory": self.working_memory},
             "per_node": {"host": self.host_per_rank * node.ranks, "nvme": self.per_rank["nvme"] * node.ranks,
-                         "drives": self.drives, "fits_host": self.host_per_rank * node.ranks <= node.host_mem,
+                         "drives": self.drives, "drive_ranks": self.drive_ranks,
+                         "fits_host": self.host_per_rank * node.ranks <= node.host_mem,
                          "fits_nvme": self.per_rank["nvme"] * node.ranks <= node.nvme},
             "seconds": self.seconds,
         }
@@ -154,8 +158,6 @@ def build_meta(model_config=None, shape: Optional[Shape] = None, arch: str = "gp
 def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
     """Note [planned by the engine]: ``model`` (on the meta device, or anywhere: nothing of it
     is read but its parameters' shapes and flags) under ``cfg`` on ``node``."""
-    if node.nvme_layout not in LAYOUTS:
-        raise EstimateError(f"nvme_layout: {node.nvme_layout!r}; use one of {', '.join(LAYOUTS)}")
     world = node.world
     tiling = cfg.zero.tiling  # as initialize does, before the units are planned
     with _quiet():  # a line per tiled module: thousands for a trillion parameters
@@ -167,7 +169,6 @@ def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
     cats = {tier: dict(c) for tier, c in need["categories"].items()}
     largest = max(numel, key=lambda u: u[1], default=("", 0))
     prefetch = cfg.zero.prefetch
-    per_rank_nvme = totals(cats)["nvme"]
     params = sum(p.numel() for p in model.parameters())
     return Plan(
         params=params, trainable=sum(p.numel() for p in model.parameters() if p.requires_grad), node=node,
@@ -178,7 +179,28 @@ def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
         swap_files=swap_files(placement, cfg),
         working_memory=working_memory_bytes(largest[1], placement.itemsize,
                                             prefetch.gather_depth if prefetch.enabled else 0),
-        drives=node_bytes_per_drive(node.drives, node.nvme_layout, per_rank_nvme, node.ranks))
+        drives=node_need(cfg, need, node.ranks), drive_ranks=_drive_ranks(cfg, node.ranks),
+        nvme_layout=cfg.zero.nvme_layout)
+
+
+def _nvme_sections(cfg) -> list:
+    z = cfg.zero
+    return [s for s in (z.offload_optimizer, z.offload_param) if s.device == "nvme" and s.nvme_path]
+
+
+def configured_drives(cfg) -> Tuple[str, ...]:
+    """The drives the config's NVMe tiers name, in order (Note [many drives] in _drives.py)."""
+    return tuple(dict.fromkeys(d for s in _nvme_sections(cfg) for d in drive_paths(s.nvme_path)))
+
+
+def _drive_ranks(cfg, ranks: int) -> Dict[str, List[int]]:
+    """Each configured drive's ranks of the node: those with a swap file there (Note [many drives] in _drives.py)."""
+    out: Dict[str, List[int]] = {d: [] for d in configured_drives(cfg)}
+    for section in _nvme_sections(cfg):
+        for drive in drive_paths(section.nvme_path):
+            out[drive] += [r for r in range(ranks) if r not in out[drive] and
+                           drive in rank_drives(section.nvme_path, cfg.zero.nvme_layout, r)]
+    return out
 
 
 @contextlib.contextmanager
@@ -232,7 +254,7 @@ def report(p: Plan) -> str:
         f"({_format_count(p.trainable)} trainable), {p.dtype}, stage-3 parameters on {p.tiers['params']}, "
         f"optimizer states on {p.tiers['optimizer']}",
         f"node: {hw}: {node.world} rank(s) in all, host {_format_bytes(node.host_mem)}/node, "
-        f"NVMe {_format_bytes(node.nvme)}/node on {len(node.drives)} drive(s), layout {node.nvme_layout}",
+        f"NVMe {_format_bytes(node.nvme)}/node on {len(p.drive_ranks)} drive(s), layout {p.nvme_layout}",
         f"fetch units: {p.units} ({p.trainable_units} trainable), the largest {p.largest_unit[0] or '<root>'} "
         f"({_format_count(p.largest_unit[1])} parameters); per rank {_format_count(p.param_total)} parameter "
         f"elements, {_format_count(p.opt_total)} optimizer elements; {SOURCES[p.param_source]}",
@@ -260,9 +282,9 @@ def report(p: Plan) -> str:
                  f"{_format_bytes(node.nvme)} ({'fits' if nvme <= node.nvme else 'does not fit'})")
     lines.append(f"  {'drive':<12} {'ranks':<8} {'swap bytes':>11}" +
                  ("  read once  write once" if node.drive_read else ""))
-    for drive, nbytes in p.drives.items():
-        ranks = [r for r in range(node.ranks) if drive in rank_drives(node.drives, node.nvme_layout, r)]
-        row = f"  {drive:<12} {_ranks(ranks):<8} {_format_bytes(nbytes):>11}"
+    for drive, ranks in p.drive_ranks.items():
+        nbytes = p.drives.get(drive, 0)
+        row = f"  {drive:<12} {_ranks(sorted(ranks)):<8} {_format_bytes(nbytes):>11}"
         if node.drive_read and node.drive_write:
             row += f"  {nbytes / node.drive_read:8.1f} s  {nbytes / node.drive_write:9.1f} s"
         lines.append(row)
@@ -283,28 +305,34 @@ def _ranks(ranks: List[int]) -> str:
 PRESET_DRIVES = {"dgx2": 8, "h100x8": 8}  # data drives of the nodes of _runmodel.NODES (their datasheets)
 
 
-def node_of(hw: Hardware, *, drives: Optional[int] = None, nvme_layout: str = "rank", preset: Optional[str] = None,
-            nvme_path: Optional[str] = None) -> Node:
-    """The node of an estimate's hardware: ``drives`` data drives (else the preset's, else one,
-    ``nvme_path`` where given), each read and written at the preset node's NVMe bandwidth
-    shared evenly (Note [run model] in _runmodel.py gives the figures)."""
-    count = drives if drives is not None else PRESET_DRIVES.get(preset or "", 1)
+def drive_names(count: Optional[int], preset: Optional[str] = None, nvme_path: Optional[str] = None
+                ) -> Tuple[str, ...]:
+    """The drives of a node this machine is not: ``count`` of them (else the preset node's, else
+    one), named nvme0, nvme1, ... (one drive: ``nvme_path`` where given)."""
+    count = count if count is not None else PRESET_DRIVES.get(preset or "", 1)
     if count < 1:
         raise EstimateError(f"drives: {count} must be at least 1")
-    names = (nvme_path,) if count == 1 and nvme_path else tuple(f"nvme{i}" for i in range(count))
+    return (nvme_path or _NVME_PATH_PLACEHOLDER,) if count == 1 else tuple(f"nvme{i}" for i in range(count))
+
+
+def node_of(hw: Hardware, cfg, preset: Optional[str] = None) -> Node:
+    """The node of an estimate's hardware, each drive ``cfg`` names read and written at the
+    preset node's NVMe bandwidth shared evenly (Note [run model] in _runmodel.py gives the figures)."""
     read = write = None
-    if preset:
+    drives = len(configured_drives(cfg))
+    if preset and drives:
         rates, gpus = rm.NODES[preset][0], rm.NODES[preset][1]
-        read, write = rates.nvme_read * gpus / count, rates.nvme_write * gpus / count
+        read, write = rates.nvme_read * gpus / drives, rates.nvme_write * gpus / drives
     return Node(ranks=hw.gpus_per_node, nodes=hw.nodes, accelerator=not hw.device_is_host, gpu_mem=hw.gpu_mem,
-                host_mem=hw.cpu_mem,
-                nvme=hw.nvme, drives=names, nvme_layout=nvme_layout, drive_read=read, drive_write=write,
-                name=preset or "")
+                host_mem=hw.cpu_mem, nvme=hw.nvme, drive_read=read, drive_write=write, name=preset or "")
 
 
-def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_params: Optional[int] = None) -> Config:
-    """The config a plan is for: a file's (``--config``), else stage 3 at the ``offload`` tiers
-    (parameters,optimizer) in ``dtype``, tiled to ``max_tile_params`` where given (zero.tiling)."""
+def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_params: Optional[int] = None,
+                drives: Tuple[str, ...] = (_NVME_PATH_PLACEHOLDER,), nvme_layout: str = "rank") -> Config:
+    """The config a plan is for: a file's (``--config``: its drives, its layout), else stage 3
+    at the ``offload`` tiers (parameters,optimizer) in ``dtype`` with the swap files on
+    ``drives`` laid out by ``nvme_layout`` (Note [many drives] in _drives.py), tiled to
+    ``max_tile_params`` where given (zero.tiling)."""
     if path is not None:
         return Config.from_file(path)
     tiers = [t.strip() for t in offload.split(",")]
@@ -312,9 +340,10 @@ def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_p
         raise EstimateError(f"offload: {offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
 
     def section(device: str) -> dict:
-        return {"device": device, "nvme_path": _NVME_PATH_PLACEHOLDER} if device == "nvme" else {"device": device}
+        return {"device": device, "nvme_path": list(drives)} if device == "nvme" else {"device": device}
 
-    zero = {"stage": 3, "offload_param": section(tiers[0]), "offload_optimizer": section(tiers[1])}
+    zero = {"stage": 3, "offload_param": section(tiers[0]), "offload_optimizer": section(tiers[1]),
+            "nvme_layout": nvme_layout}
     if max_tile_params is not None:
         zero["tiling"] = {"enabled": True, "max_tile_params": max_tile_params}
     return Config.from_dict({"zero": zero, "precision": {"dtype": dtype}})

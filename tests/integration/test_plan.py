@@ -20,11 +20,10 @@ SHAPE = Shape(layers=128, hidden=25600, heads=200)  # GPT-2 of 1.008T parameters
 NODES = {"dgx2": 8, "h100x8": 8}  # drives
 
 
-def _node(name: str, tmp: str) -> Node:
+def _node(name: str) -> Node:
     _, gpus, gpu_mem, cpu_mem, nvme = rm.NODES[name]
-    drives = tuple(f"{tmp}/nvme{i}" for i in range(NODES[name]))
     return Node(ranks=gpus, nodes=1, accelerator=True, gpu_mem=parse_size(gpu_mem), host_mem=parse_size(cpu_mem),
-                nvme=parse_size(nvme), drives=drives, name=name)
+                nvme=parse_size(nvme), name=name)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +33,9 @@ def trillion():
 
 @pytest.mark.parametrize("name", sorted(NODES))
 def test_a_trillion_parameters_planned_agree_with_the_formulas(tmp_path, trillion, name):
-    node = _node(name, str(tmp_path))
-    cfg = plan_config("nvme,nvme", "bf16")
+    node = _node(name)
+    drives = tuple(f"{tmp_path}/nvme{i}" for i in range(NODES[name]))
+    cfg = plan_config("nvme,nvme", "bf16", drives=drives)
     plan = plan_model(trillion, cfg, node)
     psi, ranks = plan.params, node.ranks
     assert 1.0e12 < psi < 1.01e12 and plan.trainable == psi
@@ -61,8 +61,9 @@ def test_a_trillion_parameters_planned_agree_with_the_formulas(tmp_path, trillio
     # the optimizer swapper's buffer sets are the same store formula in both
     assert plan.categories["host"]["optimizer_buffers"] == formula.host_plan["optimizer_buffers"] // ranks
     # every drive of the node: its ranks' swap files (Note [many drives] in _drives.py)
-    assert sorted(plan.drives) == sorted(node.drives)
-    assert set(plan.drives.values()) == {plan.per_rank["nvme"] * ranks // len(node.drives)}
+    assert sorted(plan.drives) == sorted(drives) and sorted(plan.drive_ranks) == sorted(drives)
+    assert set(plan.drives.values()) == {plan.per_rank["nvme"] * ranks // len(drives)}
+    assert sorted(r for mine in plan.drive_ranks.values() for r in mine) == list(range(ranks))  # each on one drive
     assert plan.host_per_rank * ranks <= node.host_mem and plan.per_rank["nvme"] * ranks <= node.nvme
 
 
@@ -73,7 +74,7 @@ def test_a_small_plan_is_what_the_engine_builds_here(tmp_path):
     cfg = infinity.Config.from_dict(zero_config(3, param="nvme", optim="nvme", nvme=nvme, dtype="bf16", chunk=4096))
     here = Machine.here()
     node = Node(ranks=1, nodes=1, accelerator=here.accelerator, gpu_mem=here.host_available,
-                host_mem=here.host_available, nvme=1 << 40, drives=(nvme,))
+                host_mem=here.host_available, nvme=1 << 40)
     with torch.device("meta"):
         planned = plan_model(gpt2(layers=3), cfg, node)
     model, opt = infinity.initialize(gpt2(layers=3), cfg)

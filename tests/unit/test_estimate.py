@@ -348,3 +348,20 @@ def test_cli_plan_bad_input_exits_2(capsys):
               "--drives", "0"])
     assert exc.value.code == 2
     assert "drives: 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_cli_plan_of_a_config_takes_its_drives_and_layout(tmp_path, capsys):
+    cfg = {"zero": {"stage": 3, "nvme_layout": "stripe",
+                    "offload_param": {"device": "nvme", "nvme_path": ["/a", "/b", "/c"]},
+                    "offload_optimizer": {"device": "cpu"}}, "precision": {"dtype": "bf16"}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    data = _plan_json("--layers", "2", "--hidden", "64", "--config", str(tmp_path / "cfg.yaml"))
+    files = data["per_rank"]["swap_files"]
+    assert list(files) == ["params.swp"] and data["node"]["nvme_layout"] == "stripe"
+    assert data["per_node"]["drive_ranks"] == {d: [0, 1, 2, 3] for d in ("/a", "/b", "/c")}
+    striped = sum(data["per_node"]["drives"].values())  # a third of each rank's file on each drive, rounded down
+    assert 0 <= 4 * files["params.swp"] - striped < 4 * 3
+    with pytest.raises(SystemExit) as exc:
+        main(["--plan", "--layers", "2", "--hidden", "64", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB",
+              "--config", str(tmp_path / "cfg.yaml"), "--drives", "2"])
+    assert exc.value.code == 2 and "leave out --drives, or --config" in capsys.readouterr().err
