@@ -10,6 +10,8 @@ the bytes each drive moved are counted, and every drive is left empty. Then the 
 both drives, striped: saved every 3 steps, killed with SIGKILL, resumed, it logs the same losses
 and ends with the same weights, bit for bit, as an uninterrupted run; the resumed run reclaims
 what the killed one left on both drives, and its summary and telemetry give each drive's bytes.
+The preflight checks every drive for the node's ranks: a 256 KiB tmpfs as the second drive is
+refused on both ranks, naming it, before anything is written.
 """
 from __future__ import annotations
 
@@ -179,3 +181,59 @@ def test_train_job_on_two_drives_resumes_after_kill_9(tmp_path, drives):
     summary = next(r for r in read_jsonl(os.path.join(whole, "telemetry.jsonl")) if r["event"] == "summary")
     assert sorted(summary["drive_bytes"]) == sorted(drives)
     assert "per drive, all ranks" in ref.stdout and all(d in ref.stdout for d in drives), ref.stdout[-3000:]
+
+
+# ------------------------------------------------------------------ the preflight, per drive
+
+
+@pytest.fixture
+def small_drive(tmp_path):
+    """A 256 KiB tmpfs: a drive too small for the tiny model's swap files (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = tmp_path / "small"
+    point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(point)], capture_output=True,
+                             text=True, timeout=60)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield str(point)
+    finally:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=60)
+
+
+def _refusal(cfg: dict) -> str:
+    from infinity.errors import InsufficientResourcesError
+
+    try:
+        model, _ = infinity.initialize(build("gpt2"), config=cfg)
+    except InsufficientResourcesError as err:
+        return str(err)
+    infinity.close(model)
+    return "initialized"
+
+
+@pytest.mark.parametrize("layout", ["rank", "stripe"])
+def test_the_preflight_checks_every_drive(drives, small_drive, layout):
+    """Every listed drive's free space is checked for what the node's ranks put there, also a
+    drive this rank does not write to (rank layout: rank 0 is on the first drive, rank 1 of the
+    two on this node would be on the small one)."""
+    from infinity._offload._preflight import node_need, plan
+
+    cell = DriveCell("gpt2", "none", 3, "nvme", "nvme", persist=0, layout=layout)
+    refusals = run_ranks(_refusal, 2, cell.config([drives[1], small_drive]), timeout=120, threads=1)
+    for message in refusals:  # each rank checks the node's drives
+        assert f"disk under {small_drive}: 2 rank(s) together: " in message, message
+    assert os.listdir(small_drive) == [] and os.listdir(drives[1]) == []  # refused before the first byte
+    model, opt = infinity.initialize(build("gpt2"), config=cell.config([drives[1], drives[0]]))
+    try:
+        need = plan(opt.engine.placement, opt.engine.cfg)
+        held = opt.engine.tier_bytes()["nvme"]
+        assert sum(need["nvme"].values()) == held
+        assert sorted(need["nvme"]) == sorted(drives if layout == "stripe" else [drives[1]])
+        node = node_need(opt.engine.cfg, need, 2)
+        assert node == ({drives[1]: held, drives[0]: held} if layout == "rank" else
+                        {d: need["nvme"][d] * 2 for d in drives})
+    finally:
+        infinity.close(model)
