@@ -15,9 +15,11 @@ also a multiple of ``aio.block_size``, so a request of one aio block lands on on
 The default extent, 8 MiB (``zero.nvme_stripe_size``): a fetch unit's shard or an optimizer
 chunk (tens to hundreds of MiB) then spans every drive of a node's eight, while each piece is
 still eight requests of the default 1 MiB block, so cutting costs one submission from Python
-per 8 MiB (a 1 MiB extent would cost eight, at 20+ GB/s over eight drives a visible share of a
-core). Each file of a rank starts on another drive (its members rotated), so the master weights
-and the two moments, read at the same offsets in the same chunk, are read from three drives.
+per 8 MiB. A piece costs about 2 us of the submitting thread (measured: 0.16 ms to submit 256
+MiB in 8 MiB extents, 0.58 ms in 1 MiB ones, 0.08 ms unstriped), so 1 MiB extents would take
+some 5% of a core at the 24 GB/s of eight drives; 64 MiB ones would leave a 256 MiB read on
+four of them. Each file of a rank starts on another drive (its members rotated), so the master
+weights and the two moments, read at the same offsets in the same chunk, come from three drives.
 
 A striped file is never cloned: its extents are not the checkpoint file's layout, and its
 drives need not share a filesystem with the checkpoint. A save and a load copy it through
