@@ -67,6 +67,85 @@ class CommTimeout(InfinityError, RuntimeError):
     """A collective did not finish in time; the message names what it was moving."""
 
 
+class JobStopped(CommTimeout):
+    """A rank stopped the job (Note [one rank failing]); the message names it and why."""
+
+
+# Note [one rank failing]: ranks pair their collectives by order alone. A rank whose backward
+# ended by an exception (Note [aborted backward] in _backward.py) never issues the rest of that
+# backward's collectives, while the other ranks, which know nothing of it, wait in them; if the
+# failed rank then went on to its next batch, its collectives would pair with theirs of the
+# failed one: gloo aborts the process on a size mismatch, and where the sizes agree (the next
+# backward's reduce-scatters) the ranks train on each other's wrong gradients, silently. So:
+# - recovery on both ranks would need the failed rank to issue, with zeros, exactly the
+#   collectives the others issue for the rest of that backward, and then every rank to skip the
+#   step. At stage 3 that sequence interleaves all-gathers whose order follows the other ranks'
+#   hooks, which this rank cannot replay; it is not attempted at any stage: one failed rank
+#   stops the job, on every rank, and the run resumes from its last checkpoint.
+# - the failed rank, at its next call into the engine (forward, zero_grad, step; close too),
+#   ends its backward as on one rank, then ``stop_job``: it publishes why in the process
+#   group's store and refuses every collective from then on (``JobStopped``, also raised by that
+#   call, so the script cannot go on to train out of step).
+# - a rank waiting in a collective (``CommHandle.wait``, every host collective) waits in slices
+#   of ``_POLL_S`` and reads the store between them: once a rank published, it raises
+#   ``JobStopped`` naming that rank and its reason, and refuses every later collective too;
+#   a rank that died instead is named by the closed connection, and a hung one by the timeout
+#   (Note [comm timeout]), so no rank waits longer than ``comm.timeout`` either way. The slices
+#   also let a signal's handler run in a long wait (Note [interrupted step] in _step_gate.py).
+# Stage 1 runs no backward hook, so it cannot see a backward that raised: there the script must
+# let the exception end the process (its peers then see it die). NCCL collectives are waited for
+# by the device, not here: NCCL's own timeout ends them.
+_POLL_S = 0.5
+_stopped: Optional[str] = None  # why this process's collectives are refused: Note [one rank failing]
+
+
+def _stop_key() -> str:
+    # a torchrun restart runs a new job beside the old one's keys
+    return f"infinity/stopped/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def stop_job(reason: str) -> None:
+    """Note [one rank failing]: this rank stops the job: every rank learns ``reason`` (the
+    first published wins) and refuses every collective from now on."""
+    global _stopped
+    if not is_distributed():
+        return
+    store = _store()
+    try:
+        if store is not None and not store.check([_stop_key()]):
+            store.set(_stop_key(), reason)
+    except (RuntimeError, ValueError):  # the store's server went with its rank: the peers see it die
+        pass
+    _stopped = _stopped or reason
+
+
+def published_stop() -> Optional[str]:
+    """Why a rank stopped the job, if one did (Note [one rank failing])."""
+    global _stopped
+    if _stopped is None and is_distributed():
+        store = _store()
+        try:
+            if store is not None and store.check([_stop_key()]):
+                _stopped = store.get(_stop_key()).decode()
+        except (RuntimeError, ValueError):
+            pass
+    return _stopped
+
+
+def check_job(what: str) -> None:
+    """Raise ``JobStopped`` once a rank stopped the job (Note [one rank failing])."""
+    if _stopped is not None:
+        raise JobStopped(f"rank {rank()}: {what} refused: the job was stopped ({_stopped}); every rank stops. "
+                         f"Fix the cause in that rank's log, then resume from the last checkpoint")
+
+
 # ---------------------------------------------------------------- group
 
 
@@ -204,19 +283,40 @@ class CommHandle:
             return
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         start = time.monotonic()
-        try:
-            ok = self.work.wait(datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            raise CommTimeout(failure_message(self.what, e, time.monotonic() - start, timeout_s)) from None
-        if ok is False:
-            raise CommTimeout(_timed_out(self.what, timeout_s, "check the other ranks' logs"))
+        while True:  # in slices: Note [one rank failing]
+            left = timeout_s - (time.monotonic() - start)
+            last = left <= _POLL_S
+            try:
+                ok = self.work.wait(datetime.timedelta(seconds=max(min(left, _POLL_S), 0.001)))
+            except RuntimeError as e:
+                if not last and _slice_ended(e, self.work):
+                    self._check_published()
+                    continue
+                self._check_published()
+                raise CommTimeout(failure_message(self.what, e, time.monotonic() - start, timeout_s)) from None
+            if ok is False:
+                if not last:
+                    self._check_published()
+                    continue
+                raise CommTimeout(_timed_out(self.what, timeout_s, "check the other ranks' logs"))
+            break
         self.work = None
+
+    def _check_published(self) -> None:
+        if published_stop() is not None:
+            check_job(self.what)
 
     def done(self) -> bool:
         return self.work is None or self.work.is_completed()
 
 
 _PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe", "connection closed by peer", "EOF")
+
+
+def _slice_ended(error: RuntimeError, work) -> bool:
+    """A wait of one slice ended with the collective still running (torch's Work.wait with a
+    timeout raises then; a failed collective is complete)."""
+    return "timed out" in str(error).lower() and not work.is_completed()
 
 
 def _peer() -> str:
@@ -246,6 +346,7 @@ def failure_message(what: str, error: BaseException, waited_s: float, timeout_s:
 def _run(what: str, launch) -> None:
     """Run a collective issued with ``async_op=True`` and wait for it at most the timeout,
     so a dead peer and a hung one both end in an error naming ``what``."""
+    check_job(what)
     try:
         work = launch()
     except RuntimeError as e:  # gloo may fail at launch when the peer is already gone
@@ -287,6 +388,7 @@ def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *
     if out.numel() != shard.numel() * world_size(group):
         raise UsageError(f"{what}: output has {out.numel()} elements, expected {shard.numel()} x {world_size(group)}")
     counters.add("all_gather", out)
+    check_job(what)
     if not is_distributed():
         if out.data_ptr() != shard.data_ptr():  # one rank may gather in place
             out.copy_(shard)
@@ -309,6 +411,7 @@ def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, 
     if full.numel() != out.numel() * world_size(group):
         raise UsageError(f"{what}: input has {full.numel()} elements, expected {out.numel()} x {world_size(group)}")
     counters.add("reduce_scatter", full)
+    check_job(what)
     if not is_distributed():
         if out.data_ptr() != full.data_ptr():  # one rank may reduce in place
             out.copy_(full)
@@ -352,6 +455,7 @@ def all_gather_object(obj, group=None, *, what: str = "all-gather of objects") -
     group's timeout (infinity's own group: comm.timeout); failures are named here."""
     if not is_distributed():
         return [obj]
+    check_job(what)
     out = [None] * world_size(group)
     start = time.monotonic()
     try:

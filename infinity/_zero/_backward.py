@@ -50,7 +50,9 @@ apply its partial ``.grad``; part of it is gone here), and ``zero_grad()`` disca
 gradient since the last step (the store's ranges, ``.grad``, copies still landing, which
 parameters got one, the losses noted) and the mark. The next steps are then those of plain
 PyTorch that skipped the batch. Stage 1 reduces nothing in backward and runs no backward
-hook: its partial gradients are the ``.grad`` that ``zero_grad`` drops.
+hook: its partial gradients are the ``.grad`` that ``zero_grad`` drops. With more than one rank
+the others wait in collectives of that backward that this rank never issues: it cannot train
+on, and the job stops on every rank (Note [one rank failing] in _comm.py).
 """
 from __future__ import annotations
 

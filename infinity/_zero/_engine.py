@@ -258,11 +258,15 @@ class Engine:
             h.remove()
         self._handles.clear()
 
-    def end_aborted_backward(self) -> None:
+    def end_aborted_backward(self, *, closing: bool = False) -> None:
         """End a backward that ended by an exception, if the last one did (Note [aborted
         backward] in _backward.py)."""
         if self.backward.aborted:
             self.backward.abort()
+            if self.world_size > 1:  # the other ranks wait in its collectives: Note [one rank failing] in _comm.py
+                comm.stop_job(f"rank {self.rank}'s backward ended by an exception, raised by its loss.backward()")
+                if not closing:
+                    comm.check_job("the call after a backward that raised")
 
     def _pre_forward_root(self, module, args):
         self.end_aborted_backward()
@@ -476,7 +480,7 @@ class Engine:
                     raise error
         finally:
             try:
-                self.end_aborted_backward()  # its holds and copies in flight too
+                self.end_aborted_backward(closing=True)  # its holds and copies in flight too
             finally:
                 self._let_go()
 

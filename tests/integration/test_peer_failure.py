@@ -7,6 +7,12 @@ stage 2; at the start of step 2's forward rank 1 either dies (``os._exit``) or h
 Rank 0 must fail with CommTimeout: for a death within a few seconds saying rank 1 died, for a
 hang after the configured 3 s timeout saying it timed out via ``comm.timeout``. Every
 process has a wall-clock limit.
+
+One rank failing (Note [one rank failing] in infinity/_runtime/_comm.py): rank 1's backward of
+step 2 raises, and both scripts catch every exception and try to go on, as a script that
+recovers from a failed batch on one rank does. Both must stop, each step after the failure
+refused on both ranks (no step trains out of step), rank 0 with an error naming rank 1 raised
+by its own wait in that backward's collectives (not its 20 s timeout), and both processes end.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -57,11 +64,66 @@ except Exception as e:
     os._exit(1)
 """
 
+_BACKWARD = r"""
+import json, os, sys
+import torch
+sys.path.insert(0, os.environ["TESTS_DIR"])
+from _configs import zero_config
+from _models import batches, gpt2
+import infinity
+
+rank, stage = int(os.environ["RANK"]), int(sys.argv[1])
+torch.set_num_threads(1)
+cfg = zero_config(stage, lr=1e-3)
+cfg["comm"] = {"timeout": 20}
+model, opt = infinity.initialize(gpt2(seed=0, layers=3), config=cfg)
+step = {"n": 0}
+
+class Boom(RuntimeError):
+    pass
+
+class RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if rank == 1 and step["n"] == 2:
+            raise Boom("rank 1's backward failed on purpose")
+        return grad
+
+def through(module, args, out):
+    return RaiseInBackward.apply(out) if torch.is_tensor(out) else (RaiseInBackward.apply(out[0]),) + tuple(out[1:])
+
+model.transformer.h[0].register_forward_hook(through)
+events = []
+for ids in batches(4):
+    step["n"] += 1
+    part = ids.chunk(2)[rank]
+    try:
+        loss = model(input_ids=part, labels=part).loss
+        loss.backward()
+        opt.step()
+        events.append({"step": step["n"], "error": None})
+    except Exception as e:  # a script that tries to go on after a failed batch
+        events.append({"step": step["n"], "error": type(e).__name__, "message": str(e)})
+    try:
+        opt.zero_grad()
+    except Exception as e:
+        events.append({"step": step["n"], "error": type(e).__name__, "message": str(e), "in": "zero_grad"})
+print(json.dumps(events), flush=True)
+infinity.close(model)
+"""
+
+
+def _env() -> dict:
+    return dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+                TESTS_DIR=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+
 
 def _run(fault: str, stage: int) -> dict:
-    port = free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-               TESTS_DIR=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    env = _env()
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, fault, str(stage)], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
@@ -108,3 +170,36 @@ def test_the_config_key_wins_over_the_variable(monkeypatch):
     monkeypatch.setenv("INFINITY_COMM_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="INFINITY_COMM_TIMEOUT='soon'"):
         _comm._env_timeout()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_rank_failing_in_backward_stops_both(stage):
+    env = _env()
+    procs = [subprocess.Popen([sys.executable, "-c", _BACKWARD, str(stage)], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    reports, errs = [], []
+    try:
+        deadline = time.monotonic() + 150
+        for p in procs:
+            out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+            lines = [line for line in out.splitlines() if line.startswith("[")]
+            assert lines, f"a rank reported nothing (exit {p.returncode}); stderr:\n{err[-3000:]}"
+            reports.append(json.loads(lines[-1]))
+            errs.append(err)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+    for p, err in zip(procs, errs):
+        assert p.returncode == 0 and "terminate called" not in err, err[-3000:]
+    rank0, rank1 = reports
+    for events in reports:
+        assert [e["step"] for e in events if e["error"] is None] == [1], events  # no step after the failure trains
+    assert rank1[1]["step"] == 2 and rank1[1]["error"] == "Boom"
+    assert all(e["error"] == "JobStopped" and "rank 1's backward ended by an exception" in e["message"]
+               for e in rank1[2:]), rank1
+    first = next(e for e in rank0 if e["error"] is not None)
+    assert first["step"] == 2 and first["error"] == "JobStopped", rank0  # its wait saw rank 1's stop, no timeout
+    assert "rank 1's backward ended by an exception" in first["message"], first
+    assert all(e["error"] == "JobStopped" for e in rank0 if e["step"] > 2), rank0
