@@ -356,11 +356,12 @@ def _all_subclasses(cls) -> List[type]:
 class Init:
     """Build a model partitioned from the start: ``with infinity.Init(config=cfg): model = M()``.
 
-    ``offload`` ("none" | "cpu" | "nvme") and ``nvme_path`` override the config's
-    ``zero.offload_param``. Collective: every rank must build the same model inside it."""
+    ``offload`` ("none" | "cpu" | "nvme") and ``nvme_path`` (a directory, or a list of them,
+    one per drive) override the config's ``zero.offload_param``. Collective: every rank must
+    build the same model inside it."""
 
 
-    def __init__(self, config=None, *, offload: Optional[str] = None, nvme_path: Optional[str] = None,
+    def __init__(self, config=None, *, offload: Optional[str] = None, nvme_path: Optional[NvmePath] = None,
                  enabled: bool = True):
         cfg = Config.coerce(config)
         overrides = {}

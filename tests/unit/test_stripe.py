@@ -166,3 +166,25 @@ def test_a_ranks_bandwidth_over_its_nodes_drives():
         _drive_rates(measured, args(drive_bandwidth="fast"), 1)
     with pytest.raises(EstimateError, match="drives: 0 must be at least 1"):
         _drive_rates(measured, args(drives=0), 1)
+
+
+def test_the_ssd_budget_projects_each_drive_for_the_ranks_writing_there(tmp_path, monkeypatch):
+    """Note [endurance budget] in _endurance.py: a drive's projection counts the node's ranks that
+    write to it, not every rank of the node."""
+    import infinity
+    from infinity._apps._endurance import budget_warning, sharing
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    def cfg(layout):
+        return infinity.Config.from_dict({"zero": {"nvme_layout": layout,
+                                                   "offload_optimizer": {"device": "nvme", "nvme_path": [a, b]}},
+                                          "aio": {"endurance_tbw": 1.0}})
+
+    assert sharing(cfg("rank")) == {a: 2, b: 2} and sharing(cfg("stripe")) == {a: 4, b: 4}
+    per_step = {a: 10**9, b: 10**9}  # 1 GB a step: 100 steps x 2 ranks = 20% of 1 TB, x 4 ranks = 40%
+    rank_warning = budget_warning(cfg("rank").aio, per_step, 100, sharing(cfg("rank")))
+    assert f"{a}: 0.2 TB (20% of aio.endurance_tbw 1 TB)" in rank_warning
+    assert f"{b}: 0.4 TB" in budget_warning(cfg("stripe").aio, per_step, 100, sharing(cfg("stripe")))
+    assert budget_warning(cfg("rank").aio, {a: 10**8}, 100, sharing(cfg("rank"))) is None  # 2% of it
