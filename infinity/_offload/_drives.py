@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from typing import Dict, Sequence, Tuple, Union
 
+from ..errors import UsageError
+
 NvmePath = Union[str, Sequence[str]]
 
 LAYOUTS = ("rank", "stripe")
@@ -44,11 +46,11 @@ def rank_drives(nvme_path: NvmePath, layout: str = "rank", rank_on_node: int = 0
     """Note [many drives]: the drives that hold the swap files of the rank ``rank_on_node``."""
     paths = drive_paths(nvme_path)
     if not paths:
-        raise ValueError("nvme_path names no directory")
+        raise UsageError("nvme_path names no directory; give a directory, or a list of one directory per drive")
     if layout == "stripe":
         return paths
     if layout != "rank":
-        raise ValueError(f"nvme_layout {layout!r}: expected one of {LAYOUTS}")
+        raise UsageError(f"nvme_layout {layout!r}: expected one of {LAYOUTS}")
     return (paths[rank_on_node % len(paths)],)
 
 
