@@ -188,3 +188,15 @@ def test_the_ssd_budget_projects_each_drive_for_the_ranks_writing_there(tmp_path
     assert f"{a}: 0.2 TB (20% of aio.endurance_tbw 1 TB)" in rank_warning
     assert f"{b}: 0.4 TB" in budget_warning(cfg("stripe").aio, per_step, 100, sharing(cfg("stripe")))
     assert budget_warning(cfg("rank").aio, {a: 10**8}, 100, sharing(cfg("rank"))) is None  # 2% of it
+
+
+def test_the_train_flags_take_several_drives(tmp_path):
+    """``--nvme-path a,b`` is a list of drives for both sections; one path stays a string."""
+    from infinity._apps._train_cli import nvme_paths, parse_args, resolve_config
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    cfg = resolve_config(parse_args(["--offload", "nvme", "--nvme-path", f"{a},{b}", "--nvme-layout", "stripe"]))
+    assert cfg.zero.offload_param.nvme_path == cfg.zero.offload_optimizer.nvme_path == (a, b)
+    assert cfg.zero.nvme_layout == "stripe" and nvme_paths(cfg) == [a, b]
+    one = resolve_config(parse_args(["--offload", "nvme", "--nvme-path", a]))
+    assert one.zero.offload_optimizer.nvme_path == a and one.zero.nvme_layout == "rank"
