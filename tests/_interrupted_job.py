@@ -7,8 +7,10 @@ argv: ``MODE PHASE NVME CHECKPOINTS ENDING``.
   with every read of the swap file PHASE reads stalled (so requests are in flight when the
   signal lands), print ``READY PHASE`` and wait there for the signal: ``forward`` (in a block's
   forward), ``backward`` (in a block's backward), ``step`` (the update running on its thread,
-  the main thread in the next forward waiting for it). ENDING ``close``: the loop is inside
-  ``try: ... finally: infinity.close(model)``; ``plain``: nothing closes the engine.
+  the main thread in the next forward waiting for it), ``update`` (the update on the main thread,
+  the overlap off). ENDING ``close``: the loop is inside ``try: ... finally:
+  infinity.close(model)`` (twice: the second finds nothing to do); ``plain``: nothing closes the
+  engine.
 - MODE ``resume``: load the latest checkpoint and train steps 3 and 4.
 - MODE ``whole``: train steps 1 to 4 without interruption.
 At exit (after every thread is joined) it prints one JSON line: the losses, and how many reads
@@ -79,7 +81,7 @@ def main():
     mode, phase, nvme, checkpoints, ending = sys.argv[1:6]
     torch.set_num_threads(1)
     cfg = streamed_nvme_config(nvme)
-    cfg["zero"]["offload_optimizer"]["overlap_step"] = "on"
+    cfg["zero"]["offload_optimizer"]["overlap_step"] = "off" if phase == "update" else "on"
     model, opt = infinity.initialize(gpt2(seed=0, layers=3), config=cfg)
     block = model.transformer.h[1]
     state = {"step": 0}
@@ -109,6 +111,8 @@ def main():
             loss = model(input_ids=ids, labels=ids).loss
             report["losses"][step] = loss.item()
             loss.backward()
+            if step == AT and mode == "interrupted" and phase == "update":
+                print("READY update", flush=True)  # the signal lands in step(), in a stalled read's wait
             opt.step()
             if step == AT and mode == "interrupted" and phase == "step":
                 print("READY step", flush=True)  # the update goes on on its thread; the next forward waits for it
@@ -121,6 +125,7 @@ def main():
         opt.wait_step()
     finally:
         if ending == "close":
+            infinity.close(model)
             infinity.close(model)
 
 

@@ -3,10 +3,11 @@ infinity/_zero/_step_gate.py).
 
 A real training script (tests/_interrupted_job.py: a tiny GPT-2 at stage 3, every state on
 NVMe streamed chunk by chunk, the update overlapped with the next forward) gets a real SIGINT
-in step 3: in a block's forward, in a block's backward, or while the update runs on its own
-thread and the main thread's next forward waits for it; the swap file being read has every
-read stalled, so requests are in flight when the signal lands. The script either lets the
-KeyboardInterrupt end it (``plain``) or closes the engine in a ``finally`` (``close``). The
+in step 3: in a block's forward, in a block's backward, while the update runs on its own
+thread and the main thread's next forward waits for it, or in the update on the main thread
+(the overlap off); the swap file being read has every read stalled, so requests are in flight
+when the signal lands. The script either lets the KeyboardInterrupt end it (``plain``) or
+closes the engine in a ``finally``, twice (``close``). The
 process must end by SIGINT, as Python ends on an uncaught KeyboardInterrupt, within the hang
 guard, with only the main thread's traceback (no thread's, no abort at exit); an update that
 was running stops at its next chunk (fewer reads of its swap file than a whole step's, counted
@@ -68,7 +69,8 @@ def whole(tmp_path_factory):
 
 
 @pytest.mark.parametrize("phase,ending,resume", [("forward", "plain", True), ("backward", "close", False),
-                                                 ("step", "plain", True), ("step", "close", False)])
+                                                 ("step", "plain", True), ("step", "close", False),
+                                                 ("update", "close", False)])
 def test_sigint_ends_the_process_cleanly_and_the_next_run_resumes(phase, ending, resume, whole, tmp_path):
     code, out, err = _run("interrupted", phase, tmp_path, ending, signal_at=True)
     assert f"READY {phase}" in out, err[-3000:]
@@ -79,10 +81,10 @@ def test_sigint_ends_the_process_cleanly_and_the_next_run_resumes(phase, ending,
     report = _report(out)
     assert not report["waited_out"]
     assert sorted(report["losses"]) == (["1", "2"] if phase == "forward" else ["1", "2", "3"])
-    if phase == "step":  # stopped at its next chunk, not run to its end
+    if phase in ("step", "update"):  # stopped at its next chunk, not run to its end
         assert 1 <= report["update_reads"] < whole["update_reads"], (report, whole)
     assert os.listdir(tmp_path / "nvme") == []  # this run's swap directory went with it
-    if not resume:  # (two of the four, to keep the suite short)
+    if not resume:  # (two of the five, to keep the suite short)
         return
     code, out, err = _run("resume", "none", tmp_path)
     assert code == 0, err[-3000:]
