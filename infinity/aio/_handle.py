@@ -28,6 +28,7 @@ _BACKENDS = {"auto": 0, "io_uring": URING, "threads": THREADS}
 _ENV_BACKEND = "INFINITY_AIO_BACKEND"
 _MAX_ERRORS = 64
 _WARNED: List[str] = []  # fallback reasons already logged (once per process each)
+_WAIT_SLICE_MS = 200  # a wait returns to Python this often, so a signal's handler can run: AsyncIO._wait_in_slices
 _ABANDONED: List["AsyncIO"] = []  # handles closed with requests stuck past their timeout: never freed
 
 
@@ -301,13 +302,26 @@ class AsyncIO:
         with self._lock:
             covered = set(self._pending)
         start = time.monotonic()
-        if lib.infinity_aio_wait_for(self._h, ms):
+        if self._wait_in_slices(ms, start):
             return
         waited = time.monotonic() - start
         stuck = self._stuck(covered)
         if stuck:  # none left means they finished just after the deadline: not a timeout
             raise WaitTimeout(self._timeout_message(stuck, timeout, waited, what,
                                                     int(lib.infinity_aio_ring_error(self._h))))
+
+    def _wait_in_slices(self, ms: int, start: float) -> bool:
+        """Whether every request landed within ``ms`` (-1: no limit). The native wait holds the
+        calling thread until it returns, and a signal's handler runs on the main thread only
+        between two Python instructions, so one long wait on a hung disk would hold off Ctrl-C
+        for the whole timeout: the wait is cut in slices of ``_WAIT_SLICE_MS`` (Note [interrupted
+        step] in infinity/_zero/_step_gate.py). A slice ends as soon as the requests land."""
+        while True:
+            left = ms if ms < 0 else max(ms - int((time.monotonic() - start) * 1000), 0)
+            if lib.infinity_aio_wait_for(self._h, _WAIT_SLICE_MS if left < 0 else min(left, _WAIT_SLICE_MS)):
+                return True
+            if 0 <= left <= _WAIT_SLICE_MS:
+                return False
 
     def _stuck(self, covered) -> List[_Pending]:
         """The requests among ``covered`` (ids) that are still in flight, oldest first."""
