@@ -48,6 +48,9 @@ stopped step drains its own I/O before its thread ends. A step asked to stop is 
 ``close`` reports; a later ``step()`` or fetch refuses, as after any failed step, until a
 checkpoint is loaded. A wait of a fetch on the step (``wait``) is interruptible as it is:
 the exception leaves the forward (Note [aborted forward] in _engine.py) and the step goes on.
+The other long waits of the main thread return to Python at least every half second so that
+the exception lands there too: a collective's (Note [one rank failing] in _comm.py) and an aio
+wait's (``AsyncIO._wait_in_slices`` in aio/_handle.py).
 """
 from __future__ import annotations
 
