@@ -5,7 +5,7 @@ exactly the checkpoint file's contents (Note [checkpoint layout] in _format.py).
 directory and the checkpoint directory share extents (Note [cloned ranges] in aio/_clone.py),
 a save clones that range instead of streaming it through the bounce buffers: metadata only,
 and copy-on-write keeps the checkpoint's bytes when the next steps rewrite the swap file. The
-swap file's writes have landed first (``checkpoint_sources`` / ``checkpoint_source`` wait for
+swap file's writes have landed first (``checkpoint_sources`` / ``checkpoint_parts`` wait for
 them). Nothing else changes: the file is fsynced before it counts as written, the commit is the
 same (Note [crash-safe commit] in _save.py), and the manifest still holds each file's size and
 checksum. The checksum of a cloned file is the CRC32C combined from the swap file's table of

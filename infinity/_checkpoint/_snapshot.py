@@ -26,7 +26,7 @@ from .._zero._param import raw_data
 from ..aio import aligned_empty
 from ._clone import Cloner
 from ._format import STATE_ARRAYS, fsync_dir, itemsize, rank_file
-from ._io import FileSink, Mover, as_bytes, fsync_path
+from ._io import FileSink, Mover, Place, as_bytes, fsync_path
 from ._safetensors_export import _persistent_buffers
 
 EXTRA, RNG = "extra.pt", "rng.pt"
@@ -53,8 +53,9 @@ def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stag
     parts = opt.param_store.checkpoint_parts() if opt.param_store is not None else []
     if len(parts) == 1:
         _add(made, jobs, tmp, params, parts[0][0], size * opt.layout.param_total, cloner, mover, stage)
-    elif parts:  # master.swp, then the frozen units' params.swp (Note [parameters from the master] in _placement.py)
-        jobs.append(Job(params, _parts_writer(tmp, params, [(src, size * n) for src, n in parts]), True))
+    elif parts:  # the master's, then the frozen units' (Note [parameters from the master] in _placement.py)
+        pieces = [(_staged(src, size * n) if stage and not isinstance(src, str) else src, size * n) for src, n in parts]
+        jobs.append(Job(params, _parts_writer(tmp, params, pieces), any(isinstance(src, str) for src, _ in parts)))
     elif stage:
         jobs.append(Job(params, _flat_writer(tmp, params, _params_flat(engine, opt), size * opt.layout.param_total),
                         False))
@@ -101,8 +102,8 @@ def _add(made: dict, jobs: List[Job], tmp: str, rel: str, source, nbytes: int, c
         jobs.append(Job(rel, _flat_writer(tmp, rel, _staged(source, nbytes) if stage else source, nbytes), False))
 
 
-def _parts_writer(tmp: str, rel: str, parts: List[Tuple[str, int]]) -> Callable[[Mover], dict]:
-    """One checkpoint file made of the first bytes of several swap files, in order."""
+def _parts_writer(tmp: str, rel: str, parts: List[Tuple[Place, int]]) -> Callable[[Mover], dict]:
+    """One checkpoint file made of the first bytes of several sources (swap files, tensors), in order."""
     def write(mover: Mover) -> dict:
         sink = FileSink(os.path.join(tmp, rel), mover, sum(n for _, n in parts))
         for source, nbytes in parts:

@@ -152,17 +152,16 @@ class ParamSource(enum.Enum):
     def of(cls, *, partitioned: bool, fp32: bool, same_spaces: bool, opt_tier: Tier, param_tier: Tier,
            device_is_host: bool) -> "ParamSource":
         """The source a placement gets: the master's only in fp32 at stage 3; master.swp where
-        both tiers are NVMe, frozen units or not (theirs go to params.swp beside it); the
-        master tensor, with no frozen unit (the two flat spaces coincide), where it is in
-        memory on the parameter tier, or in host memory under an NVMe parameter tier."""
+        both tiers are NVMe, and the master tensor where it is in memory on the parameter tier,
+        frozen units or not (theirs are kept apart, after the trainable ones); the master
+        tensor in host memory under an NVMe parameter tier only with no frozen unit (the two
+        flat spaces coincide: a frozen unit's shard would need the NVMe tier)."""
         if not (partitioned and fp32):
             return cls.OWN
         if param_tier is Tier.NVME and opt_tier is Tier.NVME:
             return cls.MASTER_FILE
-        if not same_spaces:
-            return cls.OWN
         if opt_tier.resident and param_tier is opt_tier \
-                or param_tier is Tier.NVME and states_in_host(opt_tier, device_is_host):
+                or same_spaces and param_tier is Tier.NVME and states_in_host(opt_tier, device_is_host):
             return cls.MASTER
         return cls.OWN
 

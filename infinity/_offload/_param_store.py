@@ -161,6 +161,7 @@ class ParamStore:
         self.bytes_read = 0
         self.own_from = master.total if master is not None else 0  # below: the master's elements
         self._own: Optional[OrderedWrites] = None  # params.swp's writes, where it exists
+        self._frozen: Optional[torch.Tensor] = None  # under MASTER in memory: the frozen units' shards
         if tier is Tier.NVME:
             self._files = self._swap_files(swap, aio_cfg, master)
             self.path = self._files[0][1].path
@@ -186,12 +187,28 @@ class ParamStore:
             self.cache_elems = cache_elems  # Note [parameter cache]
             self._cache: dict = {}  # unit offset -> its shard in host memory
             self._cached = 0  # elements in _cache
-        elif self.source is ParamSource.MASTER:
-            self.flat = alias
-        elif tier is Tier.CPU:
-            self.flat = aligned_empty(total, dtype, what=PARAM_SHARDS)
+        elif self.source is ParamSource.MASTER:  # the trainable units' shards; the frozen ones' apart, after them
+            self.flat, self.own_from = alias, alias.numel()
+            self._frozen = self._memory(total - self.own_from) if total > self.own_from else None
         else:
-            self.flat = torch.empty(total, dtype=dtype, device=acc.device())
+            self.flat = self._memory(total)
+
+    def _memory(self, numel: int) -> torch.Tensor:
+        if self.tier is Tier.CPU:
+            return aligned_empty(numel, self.dtype, what=PARAM_SHARDS)
+        return torch.empty(numel, dtype=self.dtype, device=acc.device())
+
+    def _tensor_at(self, offset: int) -> tuple:
+        """The memory tensor holding element ``offset``, and its offset there: under MASTER the
+        master tensor, or the frozen units' own after it (Note [parameters from the master] in
+        _placement.py)."""
+        if self._frozen is not None and offset >= self.own_from:
+            return self._frozen, offset - self.own_from
+        return self.flat, offset
+
+    def resident_tensors(self) -> List[torch.Tensor]:
+        """The memory tensors that hold the shards (none on NVMe)."""
+        return [t for t in (self.flat, self._frozen) if t is not None]
 
     def _swap_files(self, swap: Swap, aio_cfg, master: Optional[MasterFile]) -> List[tuple]:
         """(first element, its ordered writes) of each file the shards are in (Note [write
@@ -235,14 +252,15 @@ class ParamStore:
         return torch.empty((), dtype=self.dtype).element_size()
 
     def view(self, offset: int, numel: int) -> torch.Tensor:
-        return self.flat[offset : offset + numel]
+        flat, at = self._tensor_at(offset)
+        return flat[at : at + numel]
 
     def write(self, offset: int, values: torch.Tensor, *, keep: bool = False) -> None:
         """Store ``values`` (any float dtype; cast here) at ``offset``; async on NVMe. With
         ``keep`` (the optimizer step's fresh output, never modified afterwards) the values
         also stay in memory for the next fetch (Note [hand-off])."""
         if self.flat is not None:
-            self.flat[offset : offset + values.numel()].copy_(values)
+            self.view(offset, values.numel()).copy_(values)
             return
         if values.dtype != self.dtype:
             values = values.to(self.dtype)
@@ -378,21 +396,15 @@ class ParamStore:
             return self._writes_landed(offset, self.total - offset if numel is None else numel, block=block)
         return True
 
-    def checkpoint_source(self):
-        """The shards for a checkpoint (Note [checkpoint layout] in _checkpoint/_format.py):
-        the flat tensor, or the swap file once every write to it has landed."""
-        if self.flat is not None:
-            return self.flat
-        self.flush()
-        return self.path
-
     def checkpoint_parts(self) -> List[tuple]:
-        """(source, elements) that make up the shards for a checkpoint, in order: the flat
-        tensor, or each swap file once every write to it has landed (under MASTER_FILE with
-        frozen units master.swp, then params.swp: Note [parameters from the master] in
-        _placement.py)."""
+        """(source, elements) that make up the shards for a checkpoint (Note [checkpoint
+        layout] in _checkpoint/_format.py), in order: each memory tensor, or each swap file once
+        every write to it has landed (with frozen units under MASTER the master tensor, then
+        theirs; under MASTER_FILE master.swp, then params.swp: Note [parameters from the
+        master] in _placement.py)."""
         if self.flat is not None:
-            return [(self.flat, self.total)]
+            return [(self.flat, self.own_from or self.total)] + ([(self._frozen, self.total - self.own_from)]
+                                                                  if self._frozen is not None else [])
         self.flush()
         bounds = [start for start, _ in self._files[1:]] + [self.total]
         return [(w.path, stop - start) for (start, w), stop in zip(self._files, bounds)]
@@ -402,7 +414,9 @@ class ParamStore:
         checkpoint load rewrites; None where the master weights hold them all (Note
         [parameters from the master] in _placement.py)."""
         if self.flat is not None:
-            return None if self.source is ParamSource.MASTER else (self.flat, 0)
+            if self.source is ParamSource.MASTER:
+                return None if self._frozen is None else (self._frozen, self.own_from)
+            return self.flat, 0
         if self._own is None:
             return None
         self.flush()
@@ -447,7 +461,7 @@ class ParamStore:
     def read(self, offset: int, numel: int) -> torch.Tensor:
         """A copy of [offset, offset + numel), once every write to it has landed."""
         if self.flat is not None:
-            return self.flat[offset : offset + numel].clone()
+            return self.view(offset, numel).clone()
         pending = self.start_read(offset, numel)
         buf = self.finish_read(pending, f"reading back parameter shards at element {offset}")
         out = buf[:numel].clone()
@@ -502,10 +516,13 @@ class ParamStore:
         """Bytes for a plan (Note [one memory model] in _memory_plan.py): the shards on their tier;
         on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
         ``source`` MASTER_FILE: the trainable shards are the optimizer's master.swp, and only
-        the ``frozen`` elements after them have a file of their own (Note [parameters from
-        the master] in _placement.py); ``cache``: elements of the parameter cache (Note
+        the ``frozen`` elements after them have a file of their own; MASTER: they are the
+        master tensor, and only the ``frozen`` elements are this store's, on the master's
+        ``tier`` (Note [parameters from the master] in _placement.py); ``cache``: elements of the parameter cache (Note
         [parameter cache])."""
         own = total * itemsize
+        if source is ParamSource.MASTER:  # the master's bytes are the optimizer's; the frozen units' are here
+            return {tier.memory: {PARAM_SHARDS: frozen * itemsize}}
         if tier is Tier.NVME:
             files = frozen * itemsize if source is ParamSource.MASTER_FILE else own
             return {"nvme": {PARAM_FILES: files}, "host": {PARAM_CACHE: min(cache, total) * itemsize,

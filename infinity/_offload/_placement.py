@@ -45,20 +45,22 @@ class Placement:
     ``ParamSource.of`` for the engine, the planner and the run model alike), and every reader
     consults it. OWN, in every other case (another dtype, stages 1-2, tiers that differ
     otherwise): the parameter store keeps its own shards, ``params.swp`` on NVMe. MASTER:
-    with the master weights in memory and no frozen unit the parameter store *is* the master
-    tensor, whatever ``offload_param.device`` says: a fetch reads it once the step gate has
-    published its range, and an NVMe parameter tier would only write 4 bytes per parameter
-    per step that nobody needs. MASTER_FILE: with both on NVMe the parameter store reads and
+    with the master weights in memory the parameter store *is* the master tensor for the
+    trainable units, whatever ``offload_param.device`` says: a fetch reads it once the step
+    gate has published its range, and an NVMe parameter tier would only write 4 bytes per
+    parameter per step that nobody needs. MASTER_FILE: with both on NVMe the parameter store reads and
     writes the trainable units' shards in ``master.swp``: the step hands its fresh master
     values to the parameter store (Note [hand-off] in _param_store.py), which writes them, so
     the optimizer store writes only the moments, and Note [write ordering] in
     _ordered_writes.py orders a fetch's read after the master write of its range exactly as
     it did for ``params.swp``. Frozen units have no master weights: under MASTER_FILE their
     shards are the rest of the parameter store's space (Note [frozen parameters] in
-    _layout.py puts them after the trainable ones), kept in a ``params.swp`` of their own, so
-    a partly frozen model's disk holds its trainable states plus its frozen shards and nothing
-    twice. Frozen units turn MASTER off (OWN): one flat tensor cannot be both the master and
-    the frozen shards. With MASTER and MASTER_FILE no trainable shard is in ``params.swp``
+    _layout.py puts them after the trainable ones), kept apart: under MASTER_FILE in a
+    ``params.swp`` of their own, under MASTER in a tensor of their own beside the master on
+    its tier, so a partly frozen model holds its trainable states plus its frozen shards and
+    nothing twice. Only where the parameter tier is NVMe and the master in memory do frozen
+    units turn MASTER off (OWN): their shards belong on the NVMe tier, and one store is
+    either resident or not. With MASTER and MASTER_FILE no trainable shard is in ``params.swp``
     (the disk holds 16 bytes per trainable parameter instead of 20, and the step writes 4
     fewer) and a trainable unit writes nothing at partition. The shared file and its ordered
     writes are one ``MasterFile`` (_ordered_writes.py), built before both stores and given to

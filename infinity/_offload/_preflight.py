@@ -43,11 +43,11 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
         plans = [NvmeOptimizerStore.plan(opt_total, chunk, head, grads_in_memory, moments)]
     else:
         plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
-    if param_tier is not None:
-        if param_source is not ParamSource.MASTER:  # Note [parameters from the master] in _placement.py
-            plans.append(ParamStore.plan(param_tier, param_total, itemsize, staging_numel, staging_count, chunk,
-                                         param_source, cache=param_cache,  # Note [parameter cache] in _param_store.py
-                                         frozen=param_total - opt_total))
+    if param_tier is not None:  # under MASTER the frozen units' shards only: Note [parameters from the master] in _placement.py
+        plans.append(ParamStore.plan(opt_tier if param_source is ParamSource.MASTER else param_tier, param_total,
+                                     itemsize, staging_numel, staging_count, chunk, param_source,
+                                     cache=param_cache,  # Note [parameter cache] in _param_store.py
+                                     frozen=param_total - opt_total))
         plans.append({"device": {GATHERED: gathered_bytes}})
     return merge(*plans)
 

@@ -341,8 +341,9 @@ class Engine:
         if unit.trainable:
             self.opt_store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
         # MASTER_FILE too: the parameter store's cache and hand-off take the new values (Note [parameter cache] in
-        # _param_store.py); only the master tensor itself has nothing to write
-        if self.policy.partition_params and self.placement.param_source is not ParamSource.MASTER:
+        # _param_store.py); only a trainable unit's shard in the master tensor itself has nothing to write
+        master = self.placement.param_source is ParamSource.MASTER
+        if self.policy.partition_params and not (unit.trainable and master):
             self.param_store.write(unit.param_offset, unit.shard_of(full, self.dtype))
             self.param_store.flush()
 
@@ -401,7 +402,7 @@ class Engine:
         parameters (whole, and without master weights)."""
         if not self.policy.partition_params:
             return not unit.trainable
-        stores = [getattr(self.opt_store, "master", None), self.param_store.flat]
+        stores = [getattr(self.opt_store, "master", None), *self.param_store.resident_tensors()]
         bases = {t.untyped_storage().data_ptr() for t in stores if t is not None and t.numel()}
         return any(raw_data(p).untyped_storage().data_ptr() in bases for p in unit.params)
 
@@ -448,9 +449,7 @@ class Engine:
         """Bytes this rank keeps on each tier (device, host, nvme), pools included."""
         out = {"device": 0, "host": 0, "nvme": 0}
         stores = [self.opt_store] + ([self.param_store] if self.param_store else [])
-        for store in stores:
-            if store is self.param_store and self.placement.param_source is ParamSource.MASTER:  # the master's bytes
-                continue
+        for store in stores:  # a MASTER parameter store's are its frozen shards' (the master's are the optimizer's)
             for tier, n in store.nbytes().items():
                 out[tier] += n
         if self.gathered is not None:

@@ -212,3 +212,34 @@ def test_partly_frozen_model_stores_nothing_twice(tmp_path, resume):
     assert losses + more == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_partly_frozen_model_with_the_master_in_memory_keeps_only_the_frozen_shards(tmp_path):
+    """MASTER with frozen units: the parameter store is the master tensor for the trainable
+    units and a tensor of the frozen units' shards beside it on the same tier, nothing twice;
+    exact, also resumed in the NVMe placement from an asynchronous checkpoint."""
+    cfg = zero_config(3, param="cpu", optim="cpu", chunk=4096, bucket=3000, clip=CLIP, lr=LR, weight_decay=WD,
+                      adam="adamw", accumulation=ACCUM, prefetch={"persistence_threshold": 0})
+    model, opt = infinity.initialize(_partly_frozen(), cfg)
+    layout, store = opt.layout, opt.param_store
+    assert opt.placement.param_source is ParamSource.MASTER and layout.frozen_total > 0
+    master, frozen = store.resident_tensors()
+    assert master is opt.store.master_view() and frozen.numel() == layout.frozen_total
+    host = opt.engine.memory_plan["categories"]["host"]
+    assert host["param_shards"] == 4 * layout.frozen_total  # the trainable units' are the master's
+    assert opt.engine.tier_bytes()["host"] == sum(host.values())
+    losses, _ = _train(model, opt, batches(STEPS // 2, global_batch=8))
+    saving = infinity.save_checkpoint(f"{tmp_path}/ck", model, opt, blocking=False)  # the states of the call ...
+    _train(model, opt, batches(1, global_batch=8))  # ... not those of a step taken meanwhile
+    saving.wait()
+    opt.engine.close()
+    model, opt = infinity.initialize(_partly_frozen(seed=5), _cfg("nvme", f"{tmp_path}/nvme"))
+    infinity.load_checkpoint(f"{tmp_path}/ck", model, opt)
+    more, _ = _train(model, opt, batches(STEPS, global_batch=8)[STEPS // 2 :])
+    with infinity.GatheredParameters(list(model.parameters())):
+        params = [p.detach().clone() for p in model.parameters()]
+    opt.engine.close()
+    ref_losses, ref_params = _plain_partly_frozen()
+    assert losses + more == pytest.approx(ref_losses, rel=RTOL, abs=ATOL)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
