@@ -231,6 +231,12 @@ def _drive_rates(rates: "rm.Rates", args, ranks: int) -> "rm.Rates":
 
 def _plan_report(est: Estimate, args) -> str:
     """Note [planned by the engine] in _plan.py: the model built on the meta device and planned for the node."""
+    others = [flag for flag, given in (("--step-time", args.step_time), ("--steps", args.steps is not None),
+                                       ("--trainable", args.trainable is not None)) if given]
+    if others:
+        raise EstimateError(f"--plan: {', '.join(others)} belong to the estimate, not the plan (which trains every "
+                            f"parameter of the model it builds: freeze parameters in a model and pass it to "
+                            f"infinity.initialize for that); run them without --plan")
     if args.config is not None and args.drives is not None:
         raise EstimateError("--plan: --config's nvme_path names the drives (and zero.nvme_layout their layout); "
                             "leave out --drives, or --config")

@@ -342,12 +342,16 @@ def test_cli_plan_of_a_model_config_over_drives(tmp_path, layout):
     assert data["node"]["nvme_layout"] == layout
 
 
-def test_cli_plan_bad_input_exits_2(capsys):
+@pytest.mark.parametrize("args,message", [
+    (["--drives", "0"], "drives: 0 must be at least 1"),
+    (["--step-time", "--trainable", "1000"], "--plan: --step-time, --trainable belong to the estimate"),
+    (["--steps", "10"], "--plan: --steps belong to the estimate"),
+])
+def test_cli_plan_bad_input_exits_2(capsys, args, message):
     with pytest.raises(SystemExit) as exc:
-        main(["--plan", "--layers", "2", "--hidden", "64", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB",
-              "--drives", "0"])
+        main(["--plan", "--layers", "2", "--hidden", "64", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB", *args])
     assert exc.value.code == 2
-    assert "drives: 0 must be at least 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_cli_plan_of_a_config_takes_its_drives_and_layout(tmp_path, capsys):
