@@ -15,6 +15,7 @@ from infinity._apps._estimate_model import Shape, parse_size
 from infinity._apps._estimator import Precision, estimate
 from infinity._apps._plan import Node, build_meta, plan_config, plan_model
 from infinity._offload._placement import Machine
+from infinity.testing import run_ranks
 
 SHAPE = Shape(layers=128, hidden=25600, heads=200)  # GPT-2 of 1.008T parameters
 NODES = {"dgx2": 8, "h100x8": 8}  # drives
@@ -67,23 +68,30 @@ def test_a_trillion_parameters_planned_agree_with_the_formulas(tmp_path, trillio
     assert plan.host_per_rank * ranks <= node.host_mem and plan.per_rank["nvme"] * ranks <= node.nvme
 
 
-def test_a_small_plan_is_what_the_engine_builds_here(tmp_path):
-    """The plan of a model on the meta device, for this machine, is the preflight's plan of the
-    real engine, and its swap files are the files the engine makes."""
-    nvme = str(tmp_path / "nvme")
-    cfg = infinity.Config.from_dict(zero_config(3, param="nvme", optim="nvme", nvme=nvme, dtype="bf16", chunk=4096))
-    here = Machine.here()
-    node = Node(ranks=1, nodes=1, accelerator=here.accelerator, gpu_mem=here.host_available,
-                host_mem=here.host_available, nvme=1 << 40)
-    with torch.device("meta"):
-        planned = plan_model(gpt2(layers=3), cfg, node)
+def _engine_built(cfg: dict) -> dict:
+    """What a real engine of the small model holds on this rank: its preflight plan, its swap files, its layout."""
     model, opt = infinity.initialize(gpt2(layers=3), cfg)
     try:
-        assert planned.categories == {t: c for t, c in opt.engine.memory_plan["categories"].items()}
-        made = {f: os.path.getsize(os.path.join(d.path, f)) for d in opt.engine.swap_dirs.values()
-                for f in os.listdir(d.path) if f.endswith(".swp")}
-        assert made == planned.swap_files
-        assert (planned.param_total, planned.opt_total, planned.units) == \
-            (opt.layout.param_total, opt.layout.opt_total, len(opt.engine.units))
+        return {"categories": opt.engine.memory_plan["categories"],
+                "swap_files": {f: os.path.getsize(os.path.join(d.path, f)) for d in opt.engine.swap_dirs.values()
+                               for f in os.listdir(d.path) if f.endswith(".swp")},
+                "layout": (opt.layout.param_total, opt.layout.opt_total, len(opt.engine.units))}
     finally:
         infinity.close(model)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_small_plan_is_what_the_engine_builds_here(tmp_path, world):
+    """The plan of a model on the meta device, for this machine, is the preflight's plan of the
+    real engine on each rank, and its swap files are the files each rank makes."""
+    cfg = zero_config(3, param="nvme", optim="nvme", nvme=str(tmp_path / "nvme"), dtype="bf16", chunk=4096)
+    here = Machine.here()
+    node = Node(ranks=world, nodes=1, accelerator=here.accelerator, gpu_mem=here.host_available,
+                host_mem=here.host_available, nvme=1 << 40)
+    with torch.device("meta"):
+        planned = plan_model(gpt2(layers=3), infinity.Config.from_dict(cfg), node)
+    built = [_engine_built(cfg)] if world == 1 else run_ranks(_engine_built, world, cfg, timeout=300)
+    for rank in built:
+        assert planned.categories == rank["categories"]
+        assert planned.swap_files == rank["swap_files"]
+        assert (planned.param_total, planned.opt_total, planned.units) == rank["layout"]
