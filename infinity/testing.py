@@ -27,6 +27,10 @@ And what the benchmarks in ``scripts/`` read or drive below the public API, each
 - ``checksummed``, ``crc32c_hardware``, ``native_aio``: the swap files' block sums, whether CRC32C
   runs in hardware here, and the aio library's cffi module (``ffi``, ``lib``), for the checksum bench.
 - ``clone_support``, ``fs_type``: whether a directory's filesystem clones ranges, and its type.
+- ``device_memory_allocated``, ``device_memory_peak``, ``reset_device_memory_peak``,
+  ``cap_device_memory``: the device's allocated bytes (CUDA's ``memory_allocated``, the emulated
+  device's) and their peak, and a cap past which its allocations raise ``torch.OutOfMemoryError``
+  (the GPU check's out-of-memory phase).
 """
 from __future__ import annotations
 
@@ -52,6 +56,10 @@ from ._offload._optimizer_store import chunk_elems  # noqa: F401
 from ._offload._swap import dir_bytes, new_aio  # noqa: F401 - dir_bytes: the bytes under a swap directory
 from ._runtime import _accelerator as acc
 from ._runtime import _comm
+from ._runtime._accelerator import cap_memory as cap_device_memory  # noqa: F401
+from ._runtime._accelerator import max_memory_allocated as device_memory_peak  # noqa: F401
+from ._runtime._accelerator import memory_allocated as device_memory_allocated  # noqa: F401
+from ._runtime._accelerator import reset_peak_memory_stats as reset_device_memory_peak  # noqa: F401
 from ._zero._activation_offload import _is_parameter_like as is_parameter_like  # noqa: F401
 from ._zero._pretrained import _DTYPES
 from .aio import _native as native_aio  # noqa: F401

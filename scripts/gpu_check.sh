@@ -12,8 +12,9 @@
 # plain PyTorch, infinity, DeepSpeed and FSDP2 head to head at GPT-2 124M and 1.5B), matrix
 # (tests/integration/test_device_matrix.py), profile (benchmarks/step_profile.py: where the
 # step's time goes, and the run model's prediction), ordering (tests/unit/test_device_ordering.py),
-# train (one torchrun rank of infinity.train), primitives (scripts/bench_device_primitives.py,
-# last: what time is left). Writes OUTDIR/results.jsonl (one JSON object a
+# oom (scripts/gpu_check/oom.py: a real out-of-memory error in backward on GPT-2, recovered, the
+# allocated bytes before and after), train (one torchrun rank of infinity.train), primitives
+# (scripts/bench_device_primitives.py, last: what time is left). Writes OUTDIR/results.jsonl (one JSON object a
 # line, each with its "phase"), OUTDIR/log.txt (everything the phases printed) and
 # OUTDIR/summary.txt (the table printed at the end). Without CUDA the tests are skipped (or run
 # on GPU_CHECK_ACCELERATOR, e.g. emulated) and the benchmarks run at their smoke sizes.
@@ -167,7 +168,7 @@ tests matrix 150 tests/integration/test_device_matrix.py
 # memory, its parts, the telemetry's bytes and waits, the GPU's idle time, and the run model's
 # prediction from rates measured there; the prefetcher off beside on at 124M on NVMe.
 if [ "$cuda" = 1 ]; then
-  left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 60 ))  # leaves the ordering and train phases their minute
+  left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 100 ))  # leaves the ordering, oom and train phases their time
   profile=(--only 1.5b/cpu/overlap,124m/nvme/prefetch,124m/nvme/no-prefetch,1.5b/cpu/no-prefetch
            --budget $(( left < 150 ? left : 150 )) --timeout 70)
 else
@@ -175,6 +176,9 @@ else
 fi
 phase profile 160 -- "$PY" -m benchmarks.step_profile "${profile[@]}" --nvme-path "$GPU_CHECK_DISK"
 tests ordering 40 tests/unit/test_device_ordering.py
+# A real out-of-memory error in backward (GPT-2 124M, the device capped between the big batch's
+# forward and backward peaks), recovered: zero_grad, the allocated bytes back, smaller batches on.
+phase oom 40 ${nogpu:+--skip "$nogpu"} -- env INFINITY_ACCELERATOR="$ACC" "$PY" scripts/gpu_check/oom.py $tiny
 phase train 45 -- "$PY" scripts/gpu_check/train_one_rank.py --timeout 40
 phase primitives 30 -- "$PY" scripts/bench_device_primitives.py $tiny
 

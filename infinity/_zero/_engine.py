@@ -48,9 +48,10 @@ middle of the block's last submodule. The post-forward hook is therefore registe
 ``always_call=True``: every frame pushed by a pre-forward hook is popped and its units
 released, whatever way the forward ended. Before this, the aborted frames kept their units
 gathered with a reference nobody dropped, so the optimizer step could not refresh them and
-later forwards and reads saw the values from before the step. A backward that raises is
-ended at the next forward (or ``zero_grad``, ``step``, ``close``): Note [aborted backward] in
-_backward.py.
+later forwards and reads saw the values from before the step. The model's own forward that
+raises (out of device memory) ends its pass there (``_abort_forward``): what it held is free once
+the exception is dropped. A backward that raises is ended at the next forward (or ``zero_grad``,
+``step``, ``close``): Note [aborted backward] in _backward.py.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ from ._ledger import Hold
 from ._loss_scale import scale_outputs
 from ._module_state import ModuleState
 from ._param import info_of, make_partitioned, raw_data, set_data
-from ._phase import Calls, Frame, tensors_in
+from ._phase import Calls, Frame, Phase, tensors_in
 from ._same_gathers import check_same_gathers
 from ._step_gate import GateState
 from ._unit import FetchUnit, UnitContext
@@ -259,14 +260,16 @@ class Engine:
         self._handles.clear()
 
     def end_aborted_backward(self, *, closing: bool = False) -> None:
-        """End a backward that ended by an exception, if the last one did (Note [aborted
-        backward] in _backward.py)."""
+        """End a backward that ended by an exception (Note [aborted backward] in _backward.py);
+        between passes, release what is held for a backward that failed before the engine's hooks."""
         if self.backward.aborted:
             self.backward.abort()
             if self.world_size > 1:  # the other ranks wait in its collectives: Note [one rank failing] in _comm.py
                 comm.stop_job(f"rank {self.rank}'s backward ended by an exception, raised by its loss.backward()")
                 if not closing:
                     comm.check_job("the call after a backward that raised")
+        elif self.calls.phase is Phase.IDLE:
+            self.prefetcher.release_held()
 
     def _pre_forward_root(self, module, args):
         self.end_aborted_backward()
@@ -313,6 +316,8 @@ class Engine:
         for unit in frame.held:
             unit.release(Hold.CALL)
         if raised is not None and raised is not frame.handling:
+            if module is self.model and not self.calls.in_backward:
+                self._abort_forward()
             return  # aborted (a forward called inside an `except` block sees that block's exception)
         if torch.is_grad_enabled() and frame.state.units:
             outs = [t for t in tensors_in(output) if t.requires_grad and t.grad_fn is not None]
@@ -323,6 +328,15 @@ class Engine:
             self.prefetcher.end()
             self.check_same_gathers("forward")
             self._post_forward_root(module, args, output)
+
+    def _abort_forward(self) -> None:
+        """Note [aborted forward]: prefetches nobody used returned, no unit kept, the partial
+        trace not recorded, its all-gathers not compared (another rank may have gone on)."""
+        try:
+            self.prefetcher.abort()
+        finally:
+            self.ledger.take_sequence()
+            self.calls.end_forward()
 
     def release_idle(self) -> None:
         """Note [released pages] in aio/_memory.py: recycled buffers nobody uses now give their

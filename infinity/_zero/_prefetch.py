@@ -115,6 +115,14 @@ class Prefetcher:
             self.release_held()
         self._pass = None
 
+    def abort(self) -> None:
+        """Note [aborted forward] in _engine.py: the forward raised; its pass ends without
+        recording what it saw as the trace, and nothing stays held for a backward."""
+        self._release_kept()
+        self._abandon_unused()
+        self._pass = None
+        self.release_held()
+
     def release_held(self) -> None:
         self._release_kept()
         for unit in self._ledger.held_for(Hold.INTO_BACKWARD):

@@ -45,6 +45,7 @@ Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where 
   the rotation waits for the commit too (Note [rotation after the commit]).
   ``save_model`` writes a normal Hugging Face directory (safetensors gathered unit by unit,
   config.json, the tokenizer).
+- batch size found (``auto_find_batch_size``): Note [batch size retries].
 - generate: under stage 3 every rank must run the same forwards, so a rank whose sequences
   end first must keep stepping until all have ended (transformers' ``synced_gpus``, which it
   turns on only for DeepSpeed ZeRO-3 or FSDP). ``synced_generate(model)`` makes ``synced_gpus``
@@ -61,6 +62,7 @@ from typing import Any, Optional
 
 import torch
 import transformers
+from accelerate.utils.memory import should_reduce_batch_size
 from transformers import Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
@@ -266,10 +268,7 @@ class InfinityTrainer(Trainer):
         # Note [InfinityTrainer seams] (gradient accumulation): the Trainer already divides by it.
         self.optimizer.grad_scale = 1.0 / self.optimizer.engine.world_size
         self._infinity_cfg = cfg
-        # counted as prepared, so that evaluation_loop does not prepare it: accelerate would move
-        # it (its parameters are shards) or wrap it (no DDP: infinity reduces the gradients)
-        if model not in self.accelerator._models:
-            self.accelerator._models.append(model)
+        self._count_as_prepared(model)
         if self._flag_meaning is FlagMeaning.AUTOCAST:
             autocast_forward(model, self.accelerator)
         if cfg.zero.stage == 3:
@@ -277,6 +276,39 @@ class InfinityTrainer(Trainer):
         logger.info("InfinityTrainer: ZeRO stage %d, optimizer %s lr=%g, %d parameter groups", cfg.zero.stage,
                     cfg.optimizer.type, cfg.optimizer.lr, len(groups))
         return self.optimizer
+
+    def _count_as_prepared(self, model) -> None:
+        """So that evaluation_loop does not prepare the model: accelerate would move it (its
+        parameters are shards) or wrap it (no DDP: infinity reduces the gradients). Again at
+        each try of ``auto_find_batch_size``, whose ``free_memory`` forgets it."""
+        if model not in self.accelerator._models:
+            self.accelerator._models.append(model)
+
+    def _inner_training_loop(self, *args, **kwargs):
+        """Note [batch size retries]: with ``auto_find_batch_size`` the Trainer runs its inner
+        loop again with a smaller batch (0.9x, accelerate's ``find_executable_batch_size``)
+        when a try raises an error ``should_reduce_batch_size`` recognises: CUDA's
+        ``torch.OutOfMemoryError``, the emulated device's, the engine's own budget
+        (Note [device budget] in infinity/_runtime/_accelerator/__init__.py). The engine is
+        built once, at the first try, and kept: a forward or backward that raised has freed
+        what it held (Note [aborted forward] in infinity/_zero/_engine.py), and the failed try's
+        gradients are dropped here (``zero_grad``, which also ends a backward that raised), so
+        the next try starts from the parameters and optimizer states the failed one found,
+        and trains as a plain Trainer started at the batch size found. A try that ran out of
+        memory after some optimizer steps keeps them, as the plain Trainer keeps its model's;
+        a warning says how many. Each try's scheduler is a new one (``_prepare_for_training``),
+        and the model is counted as prepared again."""
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        except Exception as e:
+            if self.args.auto_find_batch_size and self.optimizer is not None and should_reduce_batch_size(e):
+                self.optimizer.zero_grad()
+                taken = self.state.global_step - getattr(self, "_initial_global_step", 0)  # this try's
+                if taken > 0:
+                    logger.warning("InfinityTrainer: out of device memory after %d optimizer step(s) at batch size %d; "
+                                   "the Trainer retries with a smaller batch from the model those steps left, as the "
+                                   "plain Trainer does", taken, self._train_batch_size)
+            raise
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         cfg = self._infinity_cfg
@@ -313,6 +345,7 @@ class InfinityTrainer(Trainer):
             self.lr_scheduler = None
             self._created_lr_scheduler = False
         self.create_optimizer()
+        self._count_as_prepared(self.model)
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self.model
         if resume_from_checkpoint is not None:

@@ -39,8 +39,10 @@ from .. import _cpu_isa
 KINDS = ("cuda", "emulated", "cpu")
 
 
-class DeviceOutOfMemory(OutOfMemory):
-    """The engine's own device allocations would exceed the configured budget."""
+class DeviceOutOfMemory(OutOfMemory, torch.OutOfMemoryError):
+    """The engine's own device allocations would exceed the configured budget: a
+    ``torch.OutOfMemoryError`` too, as CUDA's, so ``except torch.OutOfMemoryError`` catches
+    both (Note [device budget] on what retry loops make of it)."""
 
 
 def _choose(text: Optional[str] = None):
@@ -382,6 +384,15 @@ def reset_peak_memory_stats() -> None:
         _b().reset_peak_memory_stats()
 
 
+def cap_memory(nbytes: Optional[int]) -> None:
+    """Allocations past ``nbytes`` on the device raise ``torch.OutOfMemoryError`` (None: no cap
+    but the device's own): CUDA's per-process fraction of the device (its cache emptied
+    first, as cached blocks count against it), the emulated device's capacity. For the GPU
+    check's out-of-memory phase and tests; nothing without an accelerator."""
+    if _b() is not None:
+        _b().cap_memory(nbytes)
+
+
 def device_memory_total() -> Optional[int]:
     return None if _b() is None else _b().total_memory()
 
@@ -431,10 +442,16 @@ class MemoryStats:
 class DeviceBudget:
     """Charges the engine's own device allocations against ``device_memory_limit``.
 
-    Note: only allocations the engine makes (gathered parameters, staging buffers,
-    gradient buckets) are charged; activations belong to the user's model. Exceeding the
-    budget raises DeviceOutOfMemory naming it, so a model larger than "device memory" is
-    testable on a CPU-only machine.
+    Note [device budget]: only allocations the engine makes (gathered parameters, staging
+    buffers, gradient buckets, activation checkpoints brought back for backward) are charged;
+    activations belong to the user's model. Exceeding the budget raises DeviceOutOfMemory
+    naming it, so a model larger than "device memory" is testable on a CPU-only machine. The
+    error is worded as CUDA's (" out of memory. Tried to allocate"), so the loops that retry
+    with a smaller batch on an out-of-memory error (accelerate's ``find_executable_batch_size``,
+    the Trainer's ``auto_find_batch_size``) retry on it as on CUDA's: a smaller batch lowers the
+    activation checkpoints brought back; where the budget cannot hold the parameters at all,
+    the loop ends at batch size zero, and the message says what to change. The engine itself
+    recovers from it as from CUDA's (Note [aborted forward] in infinity/_zero/_engine.py).
     """
 
     def __init__(self, limit: Optional[int] = None):
@@ -455,10 +472,10 @@ class DeviceBudget:
         with self._lock:
             if self._limit is not None and self._allocated + nbytes > self._limit:
                 raise DeviceOutOfMemory(
-                    f"allocating {nbytes} bytes for {what} would exceed device_memory_limit="
+                    f"device out of memory. Tried to allocate {nbytes} bytes for {what}, past device_memory_limit="
                     f"{self._limit} bytes ({self._allocated} already held by the engine); raise "
                     f"device_memory_limit, lower zero.prefetch.max_live_parameters / bucket_size, "
-                    f"or offload more state (zero.offload_param.device)"
+                    f"offload more state (zero.offload_param.device) or use a smaller batch"
                 )
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)

@@ -63,6 +63,12 @@ def free_memory() -> int:
     return torch.cuda.mem_get_info(device())[0]
 
 
+def cap_memory(nbytes) -> None:
+    torch.cuda.empty_cache()
+    fraction = 1.0 if nbytes is None else min(1.0, nbytes / total_memory())
+    torch.cuda.set_per_process_memory_fraction(fraction, device())
+
+
 # ---------------------------------------------------------------- pinned host memory
 
 

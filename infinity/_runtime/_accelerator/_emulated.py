@@ -27,7 +27,8 @@ wrapped host tensors. What it emulates, and why each matters:
   ``.to("cpu", non_blocking=True)``; ``non_blocking`` with pageable memory is synchronous;
 - memory statistics: allocated / peak bytes of device storage and a capacity
   (``INFINITY_EMULATED_MEMORY`` bytes, ``set_capacity``) past which allocation raises
-  ``torch.OutOfMemoryError``.
+  ``torch.OutOfMemoryError`` worded as CUDA's, in forward and in backward alike (Note [errors
+  inside backward]).
 
 Why a Python wrapper subclass and not a C++ PrivateUse1 backend: the emulator must change
 what copies do in time (queues, delays, poison), which is Python-level logic either way, and
@@ -46,6 +47,7 @@ from ...errors import InfinityError, UsageError
 from ._emulated_memory import (
     Unheld,
     add_view,
+    cap_memory,
     check_room,
     count_storage,
     drop_view,
@@ -84,7 +86,8 @@ from ._emulated_streams import (
 # statistics and pinned ranges live in _emulated_memory.py, streams and events in
 # _emulated_streams.py, the device, its tensors and their operators here.
 __all__ = [
-    "NAME", "DeviceMismatchError", "EmuTensor", "Event", "Stream", "current_stream", "default_stream", "device",
+    "NAME", "DeviceMismatchError", "EmuTensor", "Event", "Stream", "cap_memory", "current_stream", "default_stream",
+    "device",
     "device_count", "free_memory", "get_rng_state", "host_register", "host_unregister", "is_bf16_supported",
     "is_pinned", "max_memory_allocated", "memory_allocated", "new_stream", "pinned_empty", "record_stream",
     "reset_peak_memory_stats", "set_capacity", "set_delay", "copy_delay", "compute_delay", "computing",
@@ -182,7 +185,7 @@ class EmuTensor(torch.Tensor):
 
     def __del__(self):  # not a weakref.finalize: torch.utils.swap_tensors refuses tensors with weakrefs
         ptr = self.__dict__.get("_ptr")
-        if ptr is not None:
+        if ptr is not None and drop_view is not None:  # (None: the interpreter is shutting down)
             drop_view(ptr)
 
     @property  # type: ignore[override]
@@ -300,7 +303,42 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
     current.enqueue(land)
 
 
+class _Raised:
+    """An operator's exception carried across torch's C++ inside a backward: Note [errors
+    inside backward]."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __repr__(self) -> str:
+        raise self.error
+
+
 def _dispatch(func, args, kwargs):
+    """Note [errors inside backward]: inside a backward, torch runs this device's operators
+    under a stream guard whose destructor calls the Python backend's device guard (PyTorch's
+    ``_setup_privateuseone_for_python_backend``) back in Python. An exception raised here
+    leaves Python's error indicator set while C++ unwinds through that destructor, and the
+    call into Python there aborts the process (``std::terminate``); CUDA's errors are C++
+    exceptions and never do. So inside a backward an operator that raises returns a
+    ``_Raised`` instead: torch cannot cast it to a tensor and asks for its ``repr`` for the
+    message, which raises the original exception; pybind11 takes it as ``error_already_set``
+    (the indicator cleared), which unwinds safely and reaches the caller of ``backward()`` as
+    the same exception, type and message: an allocation past the capacity is a
+    ``torch.OutOfMemoryError`` there as in forward. What this cannot reach: a Python hook
+    that raises inside a backward on this device (a tensor hook, a saved-tensor hook) still
+    aborts the process, as torch leaves the indicator set for those too; on CUDA they raise."""
+    try:
+        return _run(func, args, kwargs)
+    except Exception as e:
+        if torch._C._current_graph_task_id() == -1:
+            raise  # outside a backward (forward, the step): no stream guard to unwind through
+        return _Raised(e)
+
+
+def _run(func, args, kwargs):
     if func is torch.ops.aten.copy_.default:
         _copy(args[0], args[1], bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False)))
         return args[0]

@@ -25,14 +25,16 @@ class _Memory:
     def __init__(self):
         self.allocated = 0
         self.peak = 0
-        self.capacity = int(os.environ.get("INFINITY_EMULATED_MEMORY", str(64 << 30)))
+        self.capacity = self.default = int(os.environ.get("INFINITY_EMULATED_MEMORY", str(64 << 30)))
         self.lock = threading.Lock()
 
     def check(self, nbytes: int) -> None:
         if self.allocated + nbytes > self.capacity:
+            # CUDA's wording (" out of memory. Tried to allocate"), which accelerate's
+            # should_reduce_batch_size and the Trainer's auto_find_batch_size look for
             raise torch.OutOfMemoryError(
-                f"emulated device out of memory: tried to allocate {nbytes} bytes with {self.allocated} of "
-                f"{self.capacity} allocated (INFINITY_EMULATED_MEMORY)")
+                f"emulated device out of memory. Tried to allocate {nbytes} bytes with {self.allocated} of "
+                f"{self.capacity} bytes allocated (its capacity: INFINITY_EMULATED_MEMORY or set_capacity)")
 
     def charge(self, nbytes: int) -> None:
         with self.lock:
@@ -68,6 +70,11 @@ def reset_peak_memory_stats() -> None:
 
 def set_capacity(nbytes: int) -> None:
     _memory.capacity = int(nbytes)
+
+
+def cap_memory(nbytes: Optional[int]) -> None:
+    """The accelerator interface's cap: the capacity, or back to its default (None)."""
+    _memory.capacity = _memory.default if nbytes is None else int(nbytes)
 
 
 def total_memory() -> int:

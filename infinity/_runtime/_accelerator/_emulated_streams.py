@@ -106,6 +106,7 @@ class Stream:
                 item()
             except BaseException as e:  # surfaced at the next synchronize on this stream
                 self._error = e
+            del item  # a copy's tensors are free once it landed, not when the next one comes (memory statistics)
             with self._cv:
                 self._pending -= 1
                 self._cv.notify_all()
