@@ -8,8 +8,8 @@ _initialize.py): ``placement_of`` (fetch units, tiers, flat layout, the automati
 ``Machine`` that describes the target node instead of this one) and the preflight's ``plan`` (the
 one memory model: Note [one memory model] in _memory_plan.py), then spreads each rank's swap
 bytes over the config's drives as the preflight does (``node_need``: Note [many drives] in
-_drives.py). Nothing is allocated, no
-file is made and no process group is needed: the world size and the node are parameters. Every
+_drives.py). Nothing is allocated, no file is made and no process group is needed: the world
+size and the node are parameters. Every
 rank of a node gets the same plan (bandwidth-centric partitioning gives each the same shard of
 every unit), so one rank's figures are every rank's. A trillion-parameter decoder plans in
 seconds within a few hundred MiB.
@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._offload._drives import drive_paths, rank_drives
+from .._offload._drives import configured_drives, drive_paths, rank_drives
 from .._offload._layout import ParamSource
 from .._offload._memory_plan import totals
 from .._offload._moments import file_bytes
@@ -183,20 +183,13 @@ def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
         nvme_layout=cfg.zero.nvme_layout)
 
 
-def _nvme_sections(cfg) -> list:
-    z = cfg.zero
-    return [s for s in (z.offload_optimizer, z.offload_param) if s.device == "nvme" and s.nvme_path]
-
-
-def configured_drives(cfg) -> Tuple[str, ...]:
-    """The drives the config's NVMe tiers name, in order (Note [many drives] in _drives.py)."""
-    return tuple(dict.fromkeys(d for s in _nvme_sections(cfg) for d in drive_paths(s.nvme_path)))
-
-
 def _drive_ranks(cfg, ranks: int) -> Dict[str, List[int]]:
     """Each configured drive's ranks of the node: those with a swap file there (Note [many drives] in _drives.py)."""
     out: Dict[str, List[int]] = {d: [] for d in configured_drives(cfg)}
-    for section in _nvme_sections(cfg):
+    z = cfg.zero
+    for section in (z.offload_optimizer, z.offload_param):
+        if section.device != "nvme" or not section.nvme_path:
+            continue
         for drive in drive_paths(section.nvme_path):
             out[drive] += [r for r in range(ranks) if r not in out[drive] and
                            drive in rank_drives(section.nvme_path, cfg.zero.nvme_layout, r)]
