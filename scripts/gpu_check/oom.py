@@ -40,6 +40,17 @@ def build(tiny: bool):
     return model
 
 
+def on_device(model, dev):
+    """``model.to(dev)`` keeping each parameter object: the tied embedding stays tied (on the
+    emulated device a plain ``.to`` would untie it)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return model.to(device=dev)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 def settled() -> int:
     """The device's allocated bytes once the engine's copies landed and nothing unreferenced is left."""
     torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -115,7 +126,7 @@ def main() -> int:
     small = [torch.randint(0, vocab, (args.small, seq), generator=g).to(dev) for _ in range(args.steps)]
     big = torch.randint(0, vocab, (big_rows, seq), generator=g).to(dev)
 
-    plain = copy.deepcopy(model).to(dev)  # plain PyTorch on the same batches, first: then freed
+    plain = on_device(copy.deepcopy(model), dev)  # plain PyTorch on the same batches, first: then freed
     plain_losses = train(plain, torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.0), small)
     del plain
     if torch.cuda.is_available():
@@ -148,7 +159,7 @@ def main() -> int:
     finally:
         infinity.close(model)
     diff = max(abs(a - b) for a, b in zip(losses, plain_losses))
-    ok = where == "backward" and after == before and diff < 1e-3
+    ok = where == "backward" and after == before and diff < 1e-4  # the native CPU Adam's last bits against torch's
     print(json.dumps({"device": str(dev), "where": where, "tries": tries, "forward_peak": forward, "peak": whole,
                       "allocated_before": before, "allocated_after": after, "losses": losses,
                       "plain_losses": plain_losses, "max_loss_diff": diff, "ok": ok}), flush=True)

@@ -304,6 +304,7 @@ def test_the_gpu_checks_out_of_memory_phase_runs_on_the_emulated_device():
     assert record["ok"] and record["where"] == "backward", record
     assert record["allocated_after"] == record["allocated_before"]
     assert len(record["losses"]) == len(record["plain_losses"]) == 3
+    assert record["max_loss_diff"] <= TOL  # the steps after the failure exactly plain PyTorch's on the same device
     env["INFINITY_ACCELERATOR"] = "cpu"
     run = subprocess.run([sys.executable, str(root / "scripts/gpu_check/oom.py"), "--tiny"], env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=HANG_GUARD)
