@@ -97,6 +97,7 @@ class JobStopped(CommTimeout):
 # by the device, not here: NCCL's own timeout ends them.
 _POLL_S = 0.5
 _stopped: Optional[str] = None  # why this process's collectives are refused: Note [one rank failing]
+_failure: Optional[str] = None  # the first collective that failed here: the cause stop_job publishes
 
 
 def _stop_key() -> str:
@@ -117,6 +118,7 @@ def stop_job(reason: str) -> None:
     global _stopped
     if not is_distributed():
         return
+    reason = _failure or reason  # a backward that ended because a collective failed: that failure is the cause
     store = _store()
     try:
         if store is not None and not store.check([_stop_key()]):
@@ -328,12 +330,24 @@ def _peer() -> str:
 
 
 def _timed_out(what: str, timeout_s: float, tail: str) -> str:
-    return (f"rank {rank()}: {what} timed out after {timeout_s:g}s ({_TIMEOUT_SOURCE}); a peer is hung or far "
-            f"behind: {tail}")
+    return _seen(f"rank {rank()}: {what} timed out after {timeout_s:g}s ({_TIMEOUT_SOURCE}); a peer is hung or far "
+                 f"behind: {tail}")
+
+
+def _seen(message: str) -> str:
+    """A collective's failure, remembered as the cause ``stop_job`` publishes when it ended a
+    backward here (Note [one rank failing]): the peer's death, not this rank's backward."""
+    global _failure
+    _failure = _failure or message
+    return message
 
 
 def failure_message(what: str, error: BaseException, waited_s: float, timeout_s: float) -> str:
     """What a failed collective tells the user: a peer that died is not a timeout."""
+    return _seen(_failure_text(what, error, waited_s, timeout_s))
+
+
+def _failure_text(what: str, error: BaseException, waited_s: float, timeout_s: float) -> str:
     text = str(error).strip()
     if any(marker.lower() in text.lower() for marker in _PEER_GONE):
         return (f"rank {rank()}: {what} failed after {waited_s:.1f}s: {_peer()} died (the peer closed its connection: "

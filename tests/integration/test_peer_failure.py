@@ -59,8 +59,13 @@ try:
         opt.zero_grad()
     print(json.dumps({"error": None}), flush=True)
 except Exception as e:
-    print(json.dumps({"error": type(e).__name__, "message": str(e), "step": step["n"],
-                      "after_s": time.monotonic() - started}), flush=True)
+    report = {"error": type(e).__name__, "message": str(e), "step": step["n"], "after_s": time.monotonic() - started}
+    try:  # a script that goes on: the next call says why the job stopped
+        opt.zero_grad()
+        report["next"] = None
+    except Exception as later:
+        report["next"] = f"{type(later).__name__}: {later}"
+    print(json.dumps(report), flush=True)
     os._exit(1)
 """
 
@@ -146,6 +151,8 @@ def test_a_dead_peer_is_named_within_seconds(stage):
     assert "rank 1 died" in report["message"] and "timed out" not in report["message"]
     assert report["message"].startswith("rank 0: ")  # then the collective's name
     assert report["after_s"] < 10, report
+    if stage == 2:  # the reduce-scatter failed in backward: the job is stopped for the peer's death, not this rank's
+        assert report["next"].startswith("JobStopped") and "rank 1 died" in report["next"], report
 
 
 @pytest.mark.parametrize("stage", [2, 3])
