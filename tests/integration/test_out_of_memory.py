@@ -5,7 +5,9 @@ inside a backward too: Note [errors inside backward] in _emulated.py): a batch t
 device fails in forward, then in backward; after each, once the caller dropped the exception
 and called ``zero_grad()``, the device's allocated bytes are back to their level before the
 failed step (Note [aborted forward] in infinity/_zero/_engine.py), and training goes on with
-smaller batches exactly as plain PyTorch trained on those batches alone. Then accelerate's
+smaller batches exactly as plain PyTorch trained on those batches alone. On the CPU the same
+with the engine's own ``device_memory_limit`` (activation checkpoints brought back for
+backward past it). Then accelerate's
 ``find_executable_batch_size`` around a plain loop on infinity, and the Trainer's
 ``auto_find_batch_size`` on ``InfinityTrainer`` (Note [batch size retries] in
 infinity/integrations/transformers.py), each start at 8, fail at 8, 7, 6 and 5, and train at 4
@@ -185,6 +187,48 @@ def test_out_of_memory_in_forward_and_backward_is_recovered_exactly(stage, emula
     finally:
         opt.engine.close()
     assert_same_run(losses, params, plain_run(small))
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "nonreentrant"])
+def test_the_engines_budget_on_the_cpu_is_recovered_exactly(mode, tmp_path):
+    """On the CPU (no accelerator), ``device_memory_limit`` with activation checkpoints offloaded
+    to host memory: a batch whose checkpoints brought back for backward pass the limit raises
+    ``DeviceOutOfMemory`` (a ``torch.OutOfMemoryError``) inside backward (Note [device budget]
+    in infinity/_runtime/_accelerator/__init__.py); after ``zero_grad`` the budget holds what it
+    held before the step, and training goes on exactly as plain PyTorch, checkpointing the same
+    way, on the small batches."""
+    from _hf_models import _hf_checkpointing
+
+    from infinity._runtime._accelerator import DeviceOutOfMemory
+
+    small, big = rows(6).split(2), rows(64, seed=2)
+    cfg = {**config(3, str(tmp_path)), "activation_checkpointing": {"offload": "cpu"}, "device_memory_limit": 400_000}
+    model, opt = infinity.initialize(_hf_checkpointing(gpt2(), mode), config=cfg)
+    budget, losses = opt.engine.ledger.budget, []
+    try:
+        step(model, opt, small[0], losses)
+        before = budget.stats().allocated
+        loss = loss_of(model, big)
+        with pytest.raises(DeviceOutOfMemory, match=r"out of memory\. Tried to allocate .* activation checkpoint"):
+            loss.backward()
+        loss = None
+        opt.zero_grad()
+        assert budget.stats().allocated == before, "the failed backward left bytes charged to the budget"
+        for ids in small[1:]:
+            step(model, opt, ids, losses)
+        params = weights(model)
+    finally:
+        opt.engine.close()
+    plain = _hf_checkpointing(gpt2(), mode)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    ref = []
+    for ids in small:
+        loss = loss_of(plain, ids)
+        ref.append(loss.item())
+        loss.backward()
+        adamw.step()
+        adamw.zero_grad()
+    assert_same_run(losses, params, (ref, {n: p.detach() for n, p in plain.named_parameters()}))
 
 
 def test_find_executable_batch_size_finds_the_batch_and_trains_exactly(emulated, tmp_path):
