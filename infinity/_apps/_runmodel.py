@@ -123,9 +123,9 @@ def _rate(fn, reps: int = 3) -> float:
 
 def adam_rate(n: int = 8 << 20, out_dtype: torch.dtype = torch.float32) -> float:
     """Elements/s of the step's Adam on this host, on the threads the engine gives it (its
-    default: this rank's share of the cores, Note [rank placement] in _topology.py), writing the compute-dtype copy where the run's dtype is
-    not fp32. With an accelerator over 64M elements (1 GiB of states: from memory, as a large
-    model's are), else 8M (the CPU runs' models)."""
+    default: this rank's share of the cores, Note [rank placement] in _topology.py), writing the
+    compute-dtype copy where the run's dtype is not fp32. With an accelerator over 64M elements
+    (1 GiB of states: from memory, as a large model's are), else 8M (the CPU runs' models)."""
     native = _native_adam()
     n = max(n, 64 << 20) if acc.has_accelerator() else n
     p, g, m, v = (torch.rand(n) for _ in range(4))

@@ -56,7 +56,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import UsageError
+from ..errors import EngineError, UsageError
 from . import _accelerator as acc
 from . import _comm as comm
 from ._log import logger
@@ -343,7 +343,8 @@ def prefer_node(node: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.syscall(calls[0], MPOL_PREFERRED, mask, ctypes.c_ulong(64 * len(mask) + 1)) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"set_mempolicy(MPOL_PREFERRED, node {node}) failed: {os.strerror(err)}")
+        raise EngineError(f"set_mempolicy(MPOL_PREFERRED, node {node}) failed: {os.strerror(err)} (errno {err}); "
+                          f"set zero.numa: off to leave host memory where the kernel puts it")
     return True
 
 
@@ -357,6 +358,6 @@ def memory_policy() -> Tuple[int, Tuple[int, ...]]:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.syscall(calls[1], ctypes.byref(mode), mask, ctypes.c_ulong(64 * 16), None, 0) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"get_mempolicy failed: {os.strerror(err)}")
+        raise EngineError(f"get_mempolicy failed: {os.strerror(err)} (errno {err})")
     nodes = tuple(i * 64 + b for i, word in enumerate(mask) for b in range(64) if word >> b & 1)
     return mode.value, nodes
