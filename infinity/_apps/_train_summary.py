@@ -76,16 +76,23 @@ def drive_traffic(run: Run) -> Dict[str, Dict[str, float]]:
     return out
 
 
+def drive_totals(per_rank: List[dict]) -> Dict[str, Dict[str, float]]:
+    """Bytes read and written on each drive in training, every rank's together."""
+    drives = sorted({d for r in per_rank for d in r.get("drives", {})})
+    return {d: {k: sum(r.get("drives", {}).get(d, {}).get(k, 0.0) for r in per_rank) for k in ("read", "write")}
+            for d in drives}
+
+
 def drive_rows(per_rank: List[dict], elapsed: float) -> List[tuple]:
     """Bytes and GB/s of each drive in training, every rank's together (none with one drive
     and one rank: the lines above say it)."""
-    drives = sorted({d for r in per_rank for d in r.get("drives", {})})
-    if len(drives) < 2 and len(per_rank) < 2:
+    totals = drive_totals(per_rank)
+    if len(totals) < 2 and len(per_rank) < 2:
         return []
     rows: List[tuple] = [("  per drive, all ranks", "read", "write", "moved")]
-    for d in drives:
-        read, write = (sum(r.get("drives", {}).get(d, {}).get(k, 0.0) for r in per_rank) for k in ("read", "write"))
-        rows.append((f"    {d}", fmt_rate(read / elapsed), fmt_rate(write / elapsed), fmt_bytes(read + write)))
+    for d, t in totals.items():
+        rows.append((f"    {d}", fmt_rate(t["read"] / elapsed), fmt_rate(t["write"] / elapsed),
+                     fmt_bytes(t["read"] + t["write"])))
     return rows
 
 
@@ -177,11 +184,12 @@ def finish(run: Run) -> Optional[str]:
     if not run.rank0:
         return None
     text = summary_text(run, per_rank)
+    elapsed = sum(r["step_s"] for r in run.stats.records) or 1e-12  # as the disk rows take it
     run.telemetry.event({"event": "summary", "peak_rss_per_rank": [r["peak_rss"] for r in per_rank],
                          "disk_probe": run.disk, "tier_totals": run.stats.tier_totals(),
-                         "drive_bytes": {d: {k: sum(r["drives"].get(d, {}).get(k, 0.0) for r in per_rank)
-                                             for k in ("read", "write")}
-                                         for d in sorted({d for r in per_rank for d in r["drives"]})},
+                         "drive_bytes": drive_totals(per_rank),
+                         "drive_gb_per_s": {d: {k: v / elapsed / 1e9 for k, v in t.items()}
+                                            for d, t in drive_totals(per_rank).items()},
                          "ssd_written_bytes": {p: sum(r["ssd"].get(p, 0) for r in per_rank)
                                                for p in sorted({p for r in per_rank for p in r["ssd"]})},
                          "placement_per_rank": [{"host": r["host"], "placement": r["placement"]} for r in per_rank],

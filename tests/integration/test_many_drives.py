@@ -221,6 +221,7 @@ def test_train_job_on_two_drives_resumes_after_kill_9(tmp_path, drives, layout):
     summary = next(r for r in read_jsonl(os.path.join(whole, "telemetry.jsonl")) if r["event"] == "summary")
     assert sorted(summary["drive_bytes"]) == sorted(drives)
     assert all(summary["drive_bytes"][d]["write"] > 0 for d in drives), summary["drive_bytes"]
+    assert all(summary["drive_gb_per_s"][d]["read"] > 0 for d in drives), summary["drive_gb_per_s"]
     assert "per drive, all ranks" in ref.stdout and all(d in ref.stdout for d in drives), ref.stdout[-3000:]
 
 
