@@ -27,9 +27,10 @@ LAYOUTS = ("rank", "stripe")
 
 
 def drive_paths(nvme_path: NvmePath) -> Tuple[str, ...]:
-    """The configured drives as a tuple: one string is one drive; order is kept, repeats dropped."""
+    """The configured drives as a tuple: one string is one drive; each normalised (``/a/`` is
+    ``/a``, so two spellings of one directory are one drive), order kept, repeats dropped."""
     paths = (nvme_path,) if isinstance(nvme_path, str) else tuple(nvme_path)
-    return tuple(dict.fromkeys(paths))
+    return tuple(dict.fromkeys(os.path.normpath(os.fspath(p)) for p in paths))
 
 
 def local_rank() -> int:

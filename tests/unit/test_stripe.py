@@ -200,3 +200,14 @@ def test_the_train_flags_take_several_drives(tmp_path):
     assert cfg.zero.nvme_layout == "stripe" and nvme_paths(cfg) == [a, b]
     one = resolve_config(parse_args(["--offload", "nvme", "--nvme-path", a]))
     assert one.zero.offload_optimizer.nvme_path == a and one.zero.nvme_layout == "rank"
+
+
+def test_two_spellings_of_one_directory_are_one_drive(tmp_path):
+    """``/a/`` for the parameters and ``/a`` for the optimizer: one swap directory, one drive."""
+    a = str(tmp_path / "a")
+    os.mkdir(a)
+    dirs = SwapDirs(rank=0)
+    try:
+        assert dirs.under(a + "/") is dirs.under([a]) and list(dirs.drive_bytes()) == [a]
+    finally:
+        dirs.remove()
