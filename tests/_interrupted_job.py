@@ -7,8 +7,8 @@ argv: ``MODE PHASE NVME CHECKPOINTS ENDING``.
   with every read of the swap file PHASE reads stalled (so requests are in flight when the
   signal lands), print ``READY PHASE`` and wait there for the signal: ``forward`` (in a block's
   forward), ``backward`` (in a block's backward), ``step`` (the update running on its thread,
-  the main thread in the next forward waiting for it), ``update`` (the update on the main thread,
-  the overlap off). ENDING ``close``: the loop is inside ``try: ... finally:
+  the main thread in the next forward waiting for it), ``update`` (in ``optimizer.step()`` on the
+  main thread, the overlap off). ENDING ``close``: the loop is inside ``try: ... finally:
   infinity.close(model)`` (twice: the second finds nothing to do); ``plain``: nothing closes the
   engine.
 - MODE ``resume``: load the latest checkpoint and train steps 3 and 4.

@@ -77,15 +77,21 @@ class JobStopped(CommTimeout):
 # failed rank then went on to its next batch, its collectives would pair with theirs of the
 # failed one: gloo aborts the process on a size mismatch, and where the sizes agree (the next
 # backward's reduce-scatters) the ranks train on each other's wrong gradients, silently. So:
-# - recovery on both ranks would need the failed rank to issue, with zeros, exactly the
-#   collectives the others issue for the rest of that backward, and then every rank to skip the
-#   step. At stage 3 that sequence interleaves all-gathers whose order follows the other ranks'
-#   hooks, which this rank cannot replay; it is not attempted at any stage: one failed rank
-#   stops the job, on every rank, and the run resumes from its last checkpoint.
-# - the failed rank, at its next call into the engine (forward, zero_grad, step; close too),
-#   ends its backward as on one rank, then ``stop_job``: it publishes why in the process
-#   group's store and refuses every collective from then on (``JobStopped``, also raised by that
-#   call, so the script cannot go on to train out of step).
+# - every rank recovers, each as one rank does (Note [aborted backward] in _backward.py),
+#   exactly when every rank's backward raised after the same collectives (out of memory at the
+#   same point of batches of one size): then no rank waits for another. A failed rank, at its
+#   next call into the engine (forward, zero_grad, step; close too), ends its backward as on
+#   one rank, then ``agree_on_abort``: it writes in the process group's store how many collectives it has
+#   issued and waits, at most ``_AGREE_S`` (and half of comm.timeout), for every rank's count
+#   of the same abort; the same count from all: the ranks are in step, and train on.
+# - otherwise (a rank whose backward went on waits in a collective, or the counts differ) the
+#   job stops, on every rank, and the run resumes from its last checkpoint: the failed rank
+#   calls ``stop_job``, which publishes why in the store and refuses every collective from then
+#   on (``JobStopped``, also raised by that call, so the script cannot go on to train out of
+#   step). Recovering when one rank alone failed would need it to issue, with zeros, exactly the
+#   collectives the others issue for the rest of that backward; at stage 3 that sequence
+#   interleaves all-gathers whose order follows the other ranks' hooks, which it cannot replay,
+#   so it is not attempted at any stage.
 # - a rank waiting in a collective (``CommHandle.wait``, every host collective) waits in slices
 #   of ``_POLL_S`` and reads the store between them: once a rank published, it raises
 #   ``JobStopped`` naming that rank and its reason, and refuses every later collective too;
@@ -96,8 +102,11 @@ class JobStopped(CommTimeout):
 # let the exception end the process (its peers then see it die). NCCL collectives are waited for
 # by the device, not here: NCCL's own timeout ends them.
 _POLL_S = 0.5
+_AGREE_S = 5.0  # how long a failed rank waits for the others' word on their backward
 _stopped: Optional[str] = None  # why this process's collectives are refused: Note [one rank failing]
 _failure: Optional[str] = None  # the first collective that failed here: the cause stop_job publishes
+_issued = 0  # collectives this process has launched in a process group
+_aborts = 0  # backwards that raised here (ranks in step count the same)
 
 
 def _stop_key() -> str:
@@ -142,10 +151,36 @@ def published_stop() -> Optional[str]:
 
 
 def check_job(what: str) -> None:
-    """Raise ``JobStopped`` once a rank stopped the job (Note [one rank failing])."""
+    """Before a collective: raise ``JobStopped`` once a rank stopped the job, else count it
+    (Note [one rank failing])."""
+    global _issued
     if _stopped is not None:
         raise JobStopped(f"rank {rank()}: {what} refused: the job was stopped ({_stopped}); every rank stops. "
                          f"Fix the cause in that rank's log, then resume from the last checkpoint")
+    if is_distributed():
+        _issued += 1
+
+
+def agree_on_abort() -> bool:
+    """This rank's backward raised: whether every rank's did, each after the same collectives,
+    so that each may recover as one rank does (Note [one rank failing])."""
+    global _aborts
+    _aborts += 1
+    store = _store() if is_distributed() and _stopped is None else None
+    if store is None:
+        return False
+    prefix = f"{_stop_key().replace('stopped', 'aborted')}/{_aborts}/"
+    keys = [f"{prefix}{r}" for r in range(world_size())]
+    deadline = time.monotonic() + min(_AGREE_S, DEFAULT_TIMEOUT_S / 2)
+    try:
+        store.set(keys[rank()], str(_issued))
+        while not store.check(keys):
+            if time.monotonic() > deadline or published_stop() is not None:
+                return False
+            time.sleep(0.02)
+        return len({store.get(k) for k in keys}) == 1
+    except (RuntimeError, ValueError):  # the store's server went with its rank
+        return False
 
 
 # ---------------------------------------------------------------- group

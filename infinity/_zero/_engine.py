@@ -264,7 +264,7 @@ class Engine:
         between passes, release what is held for a backward that failed before the engine's hooks."""
         if self.backward.aborted:
             self.backward.abort()
-            if self.world_size > 1:  # the other ranks wait in its collectives: Note [one rank failing] in _comm.py
+            if self.world_size > 1 and not comm.agree_on_abort():  # Note [one rank failing] in _comm.py
                 comm.stop_job(f"rank {self.rank}'s backward ended by an exception, raised by its loss.backward()")
                 if not closing:
                     comm.check_job("the call after a backward that raised")

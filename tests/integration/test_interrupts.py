@@ -4,16 +4,16 @@ infinity/_zero/_step_gate.py).
 A real training script (tests/_interrupted_job.py: a tiny GPT-2 at stage 3, every state on
 NVMe streamed chunk by chunk, the update overlapped with the next forward) gets a real SIGINT
 in step 3: in a block's forward, in a block's backward, while the update runs on its own
-thread and the main thread's next forward waits for it, or in the update on the main thread
-(the overlap off); the swap file being read has every read stalled, so requests are in flight
-when the signal lands. The script either lets the KeyboardInterrupt end it (``plain``) or
-closes the engine in a ``finally``, twice (``close``). The
-process must end by SIGINT, as Python ends on an uncaught KeyboardInterrupt, within the hang
-guard, with only the main thread's traceback (no thread's, no abort at exit); an update that
-was running stops at its next chunk (fewer reads of its swap file than a whole step's, counted
-by the fault rule); the swap directory is gone; and the next run on the same nvme_path loads
-the checkpoint saved after step 2 and trains steps 3 and 4 with the losses of a run that was
-never interrupted, bit for bit (fp32, one rank).
+thread and the main thread's next forward waits for it, or in ``optimizer.step()`` on the main
+thread (the overlap off: the signal lands wherever the step is, in its reads or before them).
+The swap file being read has every read stalled, so requests are in flight when the signal
+lands. The script either lets the KeyboardInterrupt end it (``plain``) or closes the engine in a
+``finally``, twice (``close``). The process must end by SIGINT, as Python ends on an uncaught
+KeyboardInterrupt, within the hang guard, with only the main thread's traceback (no thread's,
+no abort at exit); an update that was running stops at its next chunk (fewer reads of its swap
+file than a whole step's, counted by the fault rule); the swap directory is gone; and the next
+run on the same nvme_path loads the checkpoint saved after step 2 and trains steps 3 and 4 with
+the losses of a run that was never interrupted, bit for bit (fp32, one rank).
 """
 from __future__ import annotations
 
@@ -82,7 +82,9 @@ def test_sigint_ends_the_process_cleanly_and_the_next_run_resumes(phase, ending,
     assert not report["waited_out"]
     assert sorted(report["losses"]) == (["1", "2"] if phase == "forward" else ["1", "2", "3"])
     if phase in ("step", "update"):  # stopped at its next chunk, not run to its end
-        assert 1 <= report["update_reads"] < whole["update_reads"], (report, whole)
+        assert report["update_reads"] < whole["update_reads"], (report, whole)
+    if phase == "step":  # its thread had begun: the signal came in the middle of the update
+        assert report["update_reads"] >= 1, report
     assert os.listdir(tmp_path / "nvme") == []  # this run's swap directory went with it
     if not resume:  # (two of the five, to keep the suite short)
         return

@@ -77,7 +77,7 @@ from _configs import zero_config
 from _models import batches, gpt2
 import infinity
 
-rank, stage = int(os.environ["RANK"]), int(sys.argv[1])
+rank, stage, who = int(os.environ["RANK"]), int(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)
 cfg = zero_config(stage, lr=1e-3)
 cfg["comm"] = {"timeout": 20}
@@ -94,8 +94,8 @@ class RaiseInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if rank == 1 and step["n"] == 2:
-            raise Boom("rank 1's backward failed on purpose")
+        if step["n"] == 2 and (who == "both" or who == "one" and rank == 1):
+            raise Boom(f"rank {rank}'s backward failed on purpose")
         return grad
 
 def through(module, args, out):
@@ -105,12 +105,14 @@ model.transformer.h[0].register_forward_hook(through)
 events = []
 for ids in batches(4):
     step["n"] += 1
+    if who == "skip" and step["n"] == 2:  # the reference: that batch skipped on every rank
+        continue
     part = ids.chunk(2)[rank]
     try:
         loss = model(input_ids=part, labels=part).loss
         loss.backward()
         opt.step()
-        events.append({"step": step["n"], "error": None})
+        events.append({"step": step["n"], "error": None, "loss": loss.item()})
     except Exception as e:  # a script that tries to go on after a failed batch
         events.append({"step": step["n"], "error": type(e).__name__, "message": str(e)})
     try:
@@ -179,10 +181,10 @@ def test_the_config_key_wins_over_the_variable(monkeypatch):
         _comm._env_timeout()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_one_rank_failing_in_backward_stops_both(stage):
+def _backward_job(stage: int, who: str) -> list:
+    """Each rank's events of the two-rank ``_BACKWARD`` job."""
     env = _env()
-    procs = [subprocess.Popen([sys.executable, "-c", _BACKWARD, str(stage)], env=dict(env, RANK=str(r)),
+    procs = [subprocess.Popen([sys.executable, "-c", _BACKWARD, str(stage), who], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     reports, errs = [], []
     try:
@@ -200,7 +202,12 @@ def test_one_rank_failing_in_backward_stops_both(stage):
                 p.communicate(timeout=30)
     for p, err in zip(procs, errs):
         assert p.returncode == 0 and "terminate called" not in err, err[-3000:]
-    rank0, rank1 = reports
+    return reports
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_rank_failing_in_backward_stops_both(stage):
+    rank0, rank1 = reports = _backward_job(stage, "one")
     for events in reports:
         assert [e["step"] for e in events if e["error"] is None] == [1], events  # no step after the failure trains
     assert rank1[1]["step"] == 2 and rank1[1]["error"] == "Boom"
@@ -210,3 +217,14 @@ def test_one_rank_failing_in_backward_stops_both(stage):
     assert first["step"] == 2 and first["error"] == "JobStopped", rank0  # its wait saw rank 1's stop, no timeout
     assert "rank 1's backward ended by an exception" in first["message"], first
     assert all(e["error"] == "JobStopped" for e in rank0 if e["step"] > 2), rank0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_rank_failing_at_the_same_point_recovers_on_both(stage):
+    """Both ranks' backward of step 2 raises at the same point (as out of memory does at one
+    batch size): they are in step, so each recovers as one rank does, and steps 3 and 4 are
+    those of the same job that skipped batch 2 on every rank, bit for bit."""
+    failed, skipped = _backward_job(stage, "both"), _backward_job(stage, "skip")
+    for events, reference in zip(failed, skipped):
+        assert [(e["step"], e["error"]) for e in events] == [(1, None), (2, "Boom"), (3, None), (4, None)], events
+        assert [e["loss"] for e in events if e["error"] is None] == [e["loss"] for e in reference], (events, reference)
