@@ -211,3 +211,16 @@ def test_two_spellings_of_one_directory_are_one_drive(tmp_path):
         assert dirs.under(a + "/") is dirs.under([a]) and list(dirs.drive_bytes()) == [a]
     finally:
         dirs.remove()
+
+
+def test_the_eight_drive_example_loads(tmp_path):
+    """Its placeholders /mnt/nvme* put under a writable directory (a user may not write to /mnt)."""
+    import infinity
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "zero_infinity_8_drives.yaml")
+    here = tmp_path / "example.yaml"
+    here.write_text(open(path).read().replace("/mnt/", f"{tmp_path}/"))
+    cfg = infinity.Config.from_file(str(here))
+    drives = cfg.zero.offload_param.nvme_path
+    assert len(drives) == 8 and cfg.zero.offload_optimizer.nvme_path == drives and cfg.zero.nvme_layout == "rank"
+    assert [rank_drives(drives, "rank", r)[0] for r in range(8)] == list(drives)  # no two ranks share a drive
