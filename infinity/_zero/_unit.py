@@ -274,7 +274,9 @@ class FetchUnit:
 
     def acquire(self, why: Hold) -> None:
         """Hold the unit for ``why``; gather it if needed (waiting for what the prefetcher
-        started). Pairs with ``release(why)``."""
+        started). Pairs with ``release(why)``. A gather that raised (out of device memory)
+        leaves no hold: the caller pairs only an acquire that returned (Note [aborted forward]
+        in _engine.py)."""
         self.ctx.ledger.take(self, why)
         counters = self.ctx.counters
         if self._state is ParamState.AVAILABLE:
@@ -285,10 +287,14 @@ class FetchUnit:
             counters.misses += 1
         else:
             counters.hits += 1
-        if self._state is not ParamState.GATHERING:
-            self.ctx.make_room(self)
-            self.start_gather()
-        self.wait_gather()
+        try:
+            if self._state is not ParamState.GATHERING:
+                self.ctx.make_room(self)
+                self.start_gather()
+            self.wait_gather()
+        except BaseException:
+            self.ctx.ledger.drop(self, why)
+            raise
 
     def hold(self, why: Hold, until: Optional[int] = None) -> None:
         """Hold a gathered unit for ``why`` (no fetch); pairs with ``release(why)``."""
@@ -472,14 +478,18 @@ class FetchUnit:
         if st.new_memory(self.world_size):
             self.ctx.ledger.budget.charge(nbytes, f"gathered parameters of {self.module_name or '<root>'}")
             gathered.charged = nbytes
+        try:  # the budget first, then the memory; either out of memory leaves the unit as it was (DEVICE)
+            if in_place:
+                gathered.out = shard
+            elif self.ctx.gathered is not None:  # a buffer to give back to the recycler when freed
+                gathered.out = gathered.recycled = self.ctx.gathered.take(self.full_numel, self.dtype)
+            else:  # CUDA: the caching allocator reuses the memory
+                gathered.out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
+        except BaseException:
+            self.ctx.ledger.budget.release(gathered.charged)
+            raise
         self.ctx.ledger.gathered(self)
         self.ctx.counters.bytes["all_gather"] += nbytes
-        if in_place:
-            gathered.out = shard
-        elif self.ctx.gathered is not None:  # a buffer to give back to the recycler when freed
-            gathered.out = gathered.recycled = self.ctx.gathered.take(self.full_numel, self.dtype)
-        else:  # CUDA: the caching allocator reuses the memory
-            gathered.out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
         gathered.handle = comm.all_gather_into_tensor(
             gathered.out, shard, async_op=True,
             what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")

@@ -2,7 +2,8 @@
 
 On the emulated device with a capacity (it raises ``torch.OutOfMemoryError`` as CUDA does,
 inside a backward too: Note [errors inside backward] in _emulated.py): a batch too big for the
-device fails in forward, then in backward; after each, once the caller dropped the exception
+device fails in forward (in the first gather of parameters, then in the model's own operators),
+then in backward; after each, once the caller dropped the exception
 and called ``zero_grad()``, the device's allocated bytes are back to their level before the
 failed step (Note [aborted forward] in infinity/_zero/_engine.py), and training goes on with
 smaller batches exactly as plain PyTorch trained on those batches alone. On the CPU the same
@@ -167,20 +168,25 @@ def fails_in(model, opt, ids, capacity: int) -> str:
 def test_out_of_memory_in_forward_and_backward_is_recovered_exactly(stage, emulated, tmp_path):
     small, big = rows(6).split(2), rows(16, seed=2)
     model, opt = infinity.initialize(gpt2(), config(stage, str(tmp_path)))
-    losses = []
+    losses, engine, big = [], opt.engine, big.to(emulated)
     try:
+        before = settled()  # the first forward has no trace to prefetch by: it fails in the first unit's acquire
+        assert fails_in(model, opt, big, before + 64) == "forward"
+        assert back_to(before), "the failed gather left device memory held"
+        assert not [u.module_name for u in engine.units if engine.ledger.count(u)], "a failed acquire kept its hold"
         step(model, opt, small[0].to(emulated), losses)
-        big = big.to(emulated)
         before = settled()
         forward, whole = peaks(model, opt, big)
         assert back_to(before)
         assert forward < whole
         before = settled()
+        assert fails_in(model, opt, big, before + 64) == "forward"  # in the gathers the prefetcher starts
+        assert back_to(before), "the failed prefetch left device memory held"
         assert fails_in(model, opt, big, before + forward // 2) == "forward"
         assert back_to(before), "the failed forward left device memory held"
         assert fails_in(model, opt, big, before + (forward + whole) // 2) == "backward"
         assert back_to(before), f"the failed backward left {settled() - before} bytes of device memory held"
-        assert opt.engine.live_elems == 0 and not opt.sink.got_grad.any()
+        assert engine.live_elems == 0 and not opt.sink.got_grad.any()
         for ids in small[1:]:
             step(model, opt, ids.to(emulated), losses)
         params = weights(model)
