@@ -123,6 +123,8 @@ def train_step(run: Run, step: int) -> dict:
     record["disk_read_bytes"] = disk["read"] - disk_before["read"]
     record["disk_write_bytes"] = disk["write"] - disk_before["write"]
     record.update({f"engine.{k}": v for k, v in engine.items()})
+    for key in [k for k in engine if k.startswith("drive") and k.endswith("_bytes")]:  # Note [many drives] in _drives.py
+        record[f"{key[:-len('_bytes')]}_gb_per_s"] = engine[key] / step_s / 1e9  # drive<k>_read_gb_per_s, ...
     tiers = tier_traffic(engine)
     if "nvme" not in tiers and nvme_paths(run.cfg):  # measured by the kernel for this process
         r, w = record["disk_read_bytes"], record["disk_write_bytes"]

@@ -218,6 +218,7 @@ def test_train_job_on_two_drives_resumes_after_kill_9(tmp_path, drives, layout):
     steps = [r for r in read_jsonl(os.path.join(whole, "telemetry.jsonl")) if r["event"] == "step"]
     for k in (0, 1) if layout == "stripe" else (0,):
         assert all(r[f"engine.drive{k}_read_bytes"] > 0 and r[f"engine.drive{k}_write_bytes"] > 0 for r in steps[1:])
+        assert all(r[f"drive{k}_read_gb_per_s"] == r[f"engine.drive{k}_read_bytes"] / r["step_s"] / 1e9 for r in steps)
     summary = next(r for r in read_jsonl(os.path.join(whole, "telemetry.jsonl")) if r["event"] == "summary")
     assert sorted(summary["drive_bytes"]) == sorted(drives)
     assert all(summary["drive_bytes"][d]["write"] > 0 for d in drives), summary["drive_bytes"]
