@@ -136,7 +136,7 @@ def _drive_flags(hw) -> None:
                     "or as the one measured under --nvme-path (Note [many drives] in _offload/_drives.py)")
     hw.add_argument("--drive-bandwidth", metavar="READ[,WRITE]",
                     help="--step-time: GB/s one drive reads (and writes; default: as it reads), instead of measuring")
-    hw.add_argument("--nvme-layout", default="rank", choices=("rank", "stripe"),
+    hw.add_argument("--nvme-layout", default="per_rank", choices=("per_rank", "stripe"),
                     help="--step-time with --drives: each rank on its drive, or every file striped (zero.nvme_layout)")
 
 

@@ -321,7 +321,7 @@ def node_of(hw: Hardware, cfg, preset: Optional[str] = None) -> Node:
 
 
 def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_params: Optional[int] = None,
-                drives: Tuple[str, ...] = (_NVME_PATH_PLACEHOLDER,), nvme_layout: str = "rank") -> Config:
+                drives: Tuple[str, ...] = (_NVME_PATH_PLACEHOLDER,), nvme_layout: str = "per_rank") -> Config:
     """The config a plan is for: a file's (``--config``: its drives, its layout), else stage 3
     at the ``offload`` tiers (parameters,optimizer) in ``dtype`` with the swap files on
     ``drives`` laid out by ``nvme_layout`` (Note [many drives] in _drives.py), tiled to

@@ -54,7 +54,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="tier of parameters (stage 3) and optimizer states")
     p.add_argument("--nvme-path", help="directory for NVMe swap files, or several separated by commas, one per drive "
                    "(zero.offload_*.nvme_path)")
-    p.add_argument("--nvme-layout", choices=("rank", "stripe"),
+    p.add_argument("--nvme-layout", choices=("per_rank", "stripe"),
                    help="with several drives: rank = each local rank on its own drive, stripe = every swap file "
                         "spread over all of them (zero.nvme_layout)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"),

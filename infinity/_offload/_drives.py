@@ -4,7 +4,7 @@ Note [many drives]: ``nvme_path`` names one directory or a list of them, one per
 the node (a DGX H100 has 8; their bandwidth only adds up across drives). Two layouts
 (``zero.nvme_layout``):
 
-- ``rank`` (the default): each local rank keeps all its swap files on one drive,
+- ``per_rank`` (the default): each local rank keeps all its swap files on one drive,
   ``paths[local_rank % len(paths)]``, so that with as many drives as ranks per node no two ranks
   share a drive, and with fewer the ranks are dealt round the drives evenly;
 - ``stripe``: each rank spreads every swap file over every drive in fixed-size extents, for nodes
@@ -23,7 +23,7 @@ from ..errors import UsageError
 
 NvmePath = Union[str, Sequence[str]]
 
-LAYOUTS = ("rank", "stripe")
+LAYOUTS = ("per_rank", "stripe")
 
 
 def drive_paths(nvme_path: NvmePath) -> Tuple[str, ...]:
@@ -43,14 +43,14 @@ def local_world_size() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def rank_drives(nvme_path: NvmePath, layout: str = "rank", rank_on_node: int = 0) -> Tuple[str, ...]:
+def rank_drives(nvme_path: NvmePath, layout: str = "per_rank", rank_on_node: int = 0) -> Tuple[str, ...]:
     """Note [many drives]: the drives that hold the swap files of the rank ``rank_on_node``."""
     paths = drive_paths(nvme_path)
     if not paths:
         raise UsageError("nvme_path names no directory; give a directory, or a list of one directory per drive")
     if layout == "stripe":
         return paths
-    if layout != "rank":
+    if layout != "per_rank":
         raise UsageError(f"nvme_layout {layout!r}: expected one of {LAYOUTS}")
     return (paths[rank_on_node % len(paths)],)
 

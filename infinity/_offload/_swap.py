@@ -134,7 +134,7 @@ class SwapDirs:
     ``under(nvme_path)`` is where a store's files go: the one drive the rank uses of that
     ``nvme_path``, or all of them striped (Note [many drives] in _drives.py)."""
 
-    def __init__(self, rank: int, layout: str = "rank", stripe_size: int = 8 << 20,
+    def __init__(self, rank: int, layout: str = "per_rank", stripe_size: int = 8 << 20,
                  rank_on_node: Optional[int] = None):
         self._rank = rank
         self._layout, self._extent = layout, stripe_size

@@ -98,7 +98,7 @@ class InitStore:
         self.swap = None  # NVMe: made by the first chunk written (loaded chunks stay in the checkpoint)
         if tier is Tier.NVME and nvme_path:  # one drive, by the rank rule whatever the layout
             # (Note [many drives] in _drives.py): init.swp lives only until initialize
-            nvme_path = rank_drives(nvme_path, "rank", local_rank())[0]
+            nvme_path = rank_drives(nvme_path, "per_rank", local_rank())[0]
         if tier is Tier.NVME:
             self._swap_args = (nvme_path, rank, aio_cfg)
         self.room, self.where = room_for(tier, nvme_path)

@@ -192,8 +192,8 @@ class ZeroConfig:
         "memory preferred there; a node number: that node; off: nothing pinned, memory where the kernel puts it",
         check=_check_numa)
     # Note [many drives] in _drives.py
-    nvme_layout: Literal["rank", "stripe"] = _opt(
-        "rank", "how a rank uses the drives of a list of nvme_path: rank: all its swap files on one drive, "
+    nvme_layout: Literal["per_rank", "stripe"] = _opt(
+        "per_rank", "how a rank uses the drives of a list of nvme_path: per_rank: all its swap files on one drive, "
         "paths[LOCAL_RANK % len(paths)] (no two ranks share a drive while there are as many drives as ranks per "
         "node); stripe: each swap file spread over every drive in extents of nvme_stripe_size (fewer drives than "
         "ranks, or one rank reading from all of them)")

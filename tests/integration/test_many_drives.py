@@ -55,7 +55,7 @@ def drives(tmp_path_factory):
 
 @dataclasses.dataclass(frozen=True)
 class DriveCell(Cell):
-    layout: str = "rank"
+    layout: str = "per_rank"
 
     def config(self, nvme) -> dict:
         cfg = super().config(nvme)
@@ -64,7 +64,7 @@ class DriveCell(Cell):
         return cfg
 
 
-CELLS = [DriveCell("gpt2", "none", 3, "nvme", "nvme", persist=0, clip=1.0, layout=layout) for layout in ("rank", "stripe")]
+CELLS = [DriveCell("gpt2", "none", 3, "nvme", "nvme", persist=0, clip=1.0, layout=layout) for layout in ("per_rank", "stripe")]
 
 
 def _train(cell: DriveCell, nvme):
@@ -102,12 +102,12 @@ def _check(cell, result, nvme, used) -> None:
     assert telemetry and all(k.startswith(("drive0_", "drive1_")) for k in telemetry), telemetry
 
 
-@pytest.mark.parametrize("layout", ["rank", "stripe"])
+@pytest.mark.parametrize("layout", ["per_rank", "stripe"])
 def test_two_ranks_on_two_drives_match_plain_adamw(drives, layout):
     cell = next(c for c in CELLS if c.layout == layout)
     results = run_ranks(_train, 2, cell, list(drives), timeout=240, threads=1)
     for rank, result in enumerate(results):
-        _check(cell, result, drives, [drives[rank]] if layout == "rank" else drives)
+        _check(cell, result, drives, [drives[rank]] if layout == "per_rank" else drives)
     assert [os.listdir(d) for d in drives] == [[], []]  # every rank's swap files removed on each drive
 
 
@@ -185,12 +185,12 @@ def _kill_after_a_save(cmd, out) -> int:
     return int(open(latest).read().strip()[len("step"):])
 
 
-# stripe: one rank, every file on both drives; rank: two ranks under torchrun, each on its drive
+# stripe: one rank, every file on both drives; per_rank: two ranks under torchrun, each on its drive
 LAUNCHERS = {"stripe": [sys.executable],
-             "rank": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]}
+             "per_rank": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]}
 
 
-@pytest.mark.parametrize("layout", ["stripe", pytest.param("rank", marks=pytest.mark.slow)])  # three torchruns: ~50 s
+@pytest.mark.parametrize("layout", ["stripe", pytest.param("per_rank", marks=pytest.mark.slow)])  # three torchruns: ~50 s
 def test_train_job_on_two_drives_resumes_after_kill_9(tmp_path, drives, layout):
     final, launcher = 8, LAUNCHERS[layout]
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
@@ -257,7 +257,7 @@ def _refusal(cfg: dict) -> str:
     return "initialized"
 
 
-@pytest.mark.parametrize("layout", ["rank", "stripe"])
+@pytest.mark.parametrize("layout", ["per_rank", "stripe"])
 def test_the_preflight_checks_every_drive(drives, small_drive, layout):
     """Every listed drive's free space is checked for what the node's ranks put there, also a
     drive this rank does not write to (rank layout: rank 0 is on the first drive, rank 1 of the
@@ -276,7 +276,7 @@ def test_the_preflight_checks_every_drive(drives, small_drive, layout):
         assert sum(need["nvme"].values()) == held
         assert sorted(need["nvme"]) == sorted(drives if layout == "stripe" else [drives[1]])
         node = node_need(opt.engine.cfg, need, 2)
-        assert node == ({drives[1]: held, drives[0]: held} if layout == "rank" else
+        assert node == ({drives[1]: held, drives[0]: held} if layout == "per_rank" else
                         {d: need["nvme"][d] * 2 for d in drives})
     finally:
         infinity.close(model)

@@ -281,7 +281,7 @@ def test_nvme_path_takes_a_list_of_drives(tmp_path):
     cfg = Config.from_dict({"zero": {"offload_param": {"device": "nvme", "nvme_path": [a, b]},
                                      "offload_optimizer": {"device": "nvme", "nvme_path": a}}})
     assert cfg.zero.offload_param.nvme_path == (a, b) and cfg.zero.offload_optimizer.nvme_path == a
-    assert cfg.zero.nvme_layout == "rank" and cfg.zero.nvme_stripe_size == 8 << 20
+    assert cfg.zero.nvme_layout == "per_rank" and cfg.zero.nvme_stripe_size == 8 << 20
     assert Config.from_dict(cfg.to_dict()) == cfg
 
 
@@ -301,7 +301,7 @@ def test_bad_list_of_drives_names_the_key_and_index(tmp_path, drives, message):
 
 
 @pytest.mark.parametrize("zero,aio,message", [
-    ({"nvme_layout": "per_rank"}, {}, "allowed values: 'rank', 'stripe'"),
+    ({"nvme_layout": "rank"}, {}, "allowed values: 'per_rank', 'stripe'"),
     ({"nvme_stripe_size": 5000}, {}, "not a multiple of 4096"),
     ({"nvme_layout": "stripe", "nvme_stripe_size": "1MiB"}, {"block_size": 2 << 20},
      "not a multiple of aio.block_size (2097152)"),

@@ -324,7 +324,7 @@ def _plan_json(*args) -> dict:
     return json.loads(out.getvalue())
 
 
-@pytest.mark.parametrize("layout", ["rank", "stripe"])
+@pytest.mark.parametrize("layout", ["per_rank", "stripe"])
 def test_cli_plan_of_a_model_config_over_drives(tmp_path, layout):
     """Note [planned by the engine] in infinity/_apps/_plan.py: the model of a config.json built
     on the meta device and planned by the engine for 4 ranks over 2 drives."""

@@ -109,9 +109,9 @@ def test_aio_on_a_striped_checksummed_file(tmp_path):
 
 def test_rank_drives_and_node_bytes():
     paths = ("/n0", "/n1")
-    assert [rank_drives(paths, "rank", r) for r in range(3)] == [("/n0",), ("/n1",), ("/n0",)]
+    assert [rank_drives(paths, "per_rank", r) for r in range(3)] == [("/n0",), ("/n1",), ("/n0",)]
     assert rank_drives(paths, "stripe", 5) == paths and rank_drives("/n0", "stripe", 1) == ("/n0",)
-    assert node_bytes_per_drive(paths, "rank", 100, 3) == {"/n0": 200, "/n1": 100}
+    assert node_bytes_per_drive(paths, "per_rank", 100, 3) == {"/n0": 200, "/n1": 100}
     assert node_bytes_per_drive(paths, "stripe", 100, 3) == {"/n0": 150, "/n1": 150}
 
 
@@ -119,7 +119,7 @@ def test_swap_dirs_give_a_rank_its_drive_or_a_striped_file(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     os.mkdir(a)
     os.mkdir(b)
-    ranked = SwapDirs(rank=1, layout="rank", rank_on_node=1)
+    ranked = SwapDirs(rank=1, layout="per_rank", rank_on_node=1)
     try:
         swap = ranked.under((a, b))
         assert isinstance(swap, SwapDir) and swap.path.startswith(b)
@@ -150,12 +150,12 @@ def test_a_ranks_bandwidth_over_its_nodes_drives():
     from infinity._apps._estimate_model import EstimateError
     from infinity._offload._drives import rank_bandwidth
 
-    assert rank_bandwidth(1.0, 8, "rank", 8) == 1.0 and rank_bandwidth(1.0, 8, "rank", 16) == 0.5
-    assert rank_bandwidth(1.0, 8, "stripe", 2) == 4.0 and rank_bandwidth(1.0, 2, "rank", 1) == 1.0
+    assert rank_bandwidth(1.0, 8, "per_rank", 8) == 1.0 and rank_bandwidth(1.0, 8, "per_rank", 16) == 0.5
+    assert rank_bandwidth(1.0, 8, "stripe", 2) == 4.0 and rank_bandwidth(1.0, 2, "per_rank", 1) == 1.0
     measured = rm.Rates(flops=1e12, nvme_read=2e9, nvme_write=1e9, adam=1e9)
 
     def args(**kw):
-        return argparse.Namespace(**{"drives": None, "drive_bandwidth": None, "nvme_layout": "rank", **kw})
+        return argparse.Namespace(**{"drives": None, "drive_bandwidth": None, "nvme_layout": "per_rank", **kw})
 
     assert _drive_rates(measured, args(), 8) is measured  # neither flag: as measured
     striped = _drive_rates(measured, args(drives=4, nvme_layout="stripe"), 2)
@@ -182,12 +182,12 @@ def test_the_ssd_budget_projects_each_drive_for_the_ranks_writing_there(tmp_path
                                                    "offload_optimizer": {"device": "nvme", "nvme_path": [a, b]}},
                                           "aio": {"endurance_tbw": 1.0}})
 
-    assert sharing(cfg("rank")) == {a: 2, b: 2} and sharing(cfg("stripe")) == {a: 4, b: 4}
+    assert sharing(cfg("per_rank")) == {a: 2, b: 2} and sharing(cfg("stripe")) == {a: 4, b: 4}
     per_step = {a: 10**9, b: 10**9}  # 1 GB a step: 100 steps x 2 ranks = 20% of 1 TB, x 4 ranks = 40%
-    rank_warning = budget_warning(cfg("rank").aio, per_step, 100, sharing(cfg("rank")))
+    rank_warning = budget_warning(cfg("per_rank").aio, per_step, 100, sharing(cfg("per_rank")))
     assert f"{a}: 0.2 TB (20% of aio.endurance_tbw 1 TB)" in rank_warning
     assert f"{b}: 0.4 TB" in budget_warning(cfg("stripe").aio, per_step, 100, sharing(cfg("stripe")))
-    assert budget_warning(cfg("rank").aio, {a: 10**8}, 100, sharing(cfg("rank"))) is None  # 2% of it
+    assert budget_warning(cfg("per_rank").aio, {a: 10**8}, 100, sharing(cfg("per_rank"))) is None  # 2% of it
 
 
 def test_the_train_flags_take_several_drives(tmp_path):
@@ -199,7 +199,7 @@ def test_the_train_flags_take_several_drives(tmp_path):
     assert cfg.zero.offload_param.nvme_path == cfg.zero.offload_optimizer.nvme_path == (a, b)
     assert cfg.zero.nvme_layout == "stripe" and nvme_paths(cfg) == [a, b]
     one = resolve_config(parse_args(["--offload", "nvme", "--nvme-path", a]))
-    assert one.zero.offload_optimizer.nvme_path == a and one.zero.nvme_layout == "rank"
+    assert one.zero.offload_optimizer.nvme_path == a and one.zero.nvme_layout == "per_rank"
 
 
 def test_two_spellings_of_one_directory_are_one_drive(tmp_path):
@@ -222,5 +222,5 @@ def test_the_eight_drive_example_loads(tmp_path):
     here.write_text(open(path).read().replace("/mnt/", f"{tmp_path}/"))
     cfg = infinity.Config.from_file(str(here))
     drives = cfg.zero.offload_param.nvme_path
-    assert len(drives) == 8 and cfg.zero.offload_optimizer.nvme_path == drives and cfg.zero.nvme_layout == "rank"
-    assert [rank_drives(drives, "rank", r)[0] for r in range(8)] == list(drives)  # no two ranks share a drive
+    assert len(drives) == 8 and cfg.zero.offload_optimizer.nvme_path == drives and cfg.zero.nvme_layout == "per_rank"
+    assert [rank_drives(drives, "per_rank", r)[0] for r in range(8)] == list(drives)  # no two ranks share a drive
