@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 import tempfile
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from .._offload._drives import rank_bandwidth
 from .._runtime._accelerator import device_count
@@ -135,7 +135,8 @@ def _drive_flags(hw) -> None:
     hw.add_argument("--drives", type=int, help="--step-time: NVMe drives per node, each as fast as --drive-bandwidth "
                     "or as the one measured under --nvme-path (Note [many drives] in _offload/_drives.py)")
     hw.add_argument("--drive-bandwidth", metavar="READ[,WRITE]",
-                    help="--step-time: GB/s one drive reads (and writes; default: as it reads), instead of measuring")
+                    help="--step-time and --plan: GB/s one drive reads (and writes; default: as it reads), instead "
+                         "of measuring (--step-time) or the --hardware node's (--plan)")
     hw.add_argument("--nvme-layout", default="per_rank", choices=("per_rank", "stripe"),
                     help="--step-time with --drives: each rank on its drive, or every file striped (zero.nvme_layout)")
 
@@ -214,19 +215,24 @@ def _drive_rates(rates: "rm.Rates", args, ranks: int) -> "rm.Rates":
         return rates
     if args.drives is not None and args.drives < 1:
         raise EstimateError(f"drives: {args.drives} must be at least 1")
-    read, write = rates.nvme_read, rates.nvme_write
-    if args.drive_bandwidth is not None:
-        try:
-            figures = [float(x) * 1e9 for x in args.drive_bandwidth.split(",")]
-        except ValueError:
-            figures = []
-        if len(figures) not in (1, 2) or min(figures) <= 0:
-            raise EstimateError(f"drive-bandwidth: {args.drive_bandwidth!r} must be READ or READ,WRITE in GB/s, "
-                                f"e.g. 6.5,3.5")
-        read, write = figures[0], figures[-1]
+    read, write = _drive_bandwidth(args) or (rates.nvme_read, rates.nvme_write)
     drives = args.drives or 1
     return dataclasses.replace(rates, nvme_read=rank_bandwidth(read, drives, args.nvme_layout, ranks),
                                nvme_write=rank_bandwidth(write, drives, args.nvme_layout, ranks))
+
+
+def _drive_bandwidth(args) -> Optional[Tuple[float, float]]:
+    """--drive-bandwidth READ[,WRITE] in bytes/s, or None when not given."""
+    if args.drive_bandwidth is None:
+        return None
+    try:
+        figures = [float(x) * 1e9 for x in args.drive_bandwidth.split(",")]
+    except ValueError:
+        figures = []
+    if len(figures) not in (1, 2) or min(figures) <= 0:
+        raise EstimateError(f"drive-bandwidth: {args.drive_bandwidth!r} must be READ or READ,WRITE in GB/s, "
+                            f"e.g. 6.5,3.5")
+    return figures[0], figures[-1]
 
 
 def _plan_report(est: Estimate, args) -> str:
@@ -243,7 +249,7 @@ def _plan_report(est: Estimate, args) -> str:
     drives = pl.drive_names(args.drives, args.hardware, args.nvme_path)
     cfg = pl.plan_config(args.offload, args.dtype, args.config, est.max_tile_params if args.tiling_factor > 1 else None,
                          drives, args.nvme_layout)
-    node = pl.node_of(est.hardware, cfg, args.hardware)
+    node = pl.node_of(est.hardware, cfg, args.hardware, _drive_bandwidth(args))
     fields = _config_dict(args.model)[0] if args.model is not None else None
     result = pl.timed_plan(lambda: pl.build_meta(fields, est.shape, args.arch), cfg, node)
     return json.dumps(result.to_dict(), indent=2) if args.json else pl.report(result)

@@ -57,7 +57,7 @@ class Node:
     gpu_mem: int  # bytes per GPU (the host's memory without an accelerator)
     host_mem: int  # bytes per node
     nvme: int  # bytes per node
-    drive_read: Optional[float] = None  # bytes/s per drive (a preset's), for the I/O times
+    drive_read: Optional[float] = None  # bytes/s per drive (--drive-bandwidth, else a preset's), for the I/O times
     drive_write: Optional[float] = None
     name: str = ""
 
@@ -308,12 +308,16 @@ def drive_names(count: Optional[int], preset: Optional[str] = None, nvme_path: O
     return (nvme_path or _NVME_PATH_PLACEHOLDER,) if count == 1 else tuple(f"nvme{i}" for i in range(count))
 
 
-def node_of(hw: Hardware, cfg, preset: Optional[str] = None) -> Node:
-    """The node of an estimate's hardware, each drive ``cfg`` names read and written at the
-    preset node's NVMe bandwidth shared evenly (Note [run model] in _runmodel.py gives the figures)."""
+def node_of(hw: Hardware, cfg, preset: Optional[str] = None,
+            drive_bandwidth: Optional[Tuple[float, float]] = None) -> Node:
+    """The node of an estimate's hardware, each drive ``cfg`` names read and written at
+    ``drive_bandwidth`` (bytes/s, --drive-bandwidth) where given, else at the preset node's NVMe
+    bandwidth shared evenly (Note [run model] in _runmodel.py gives the figures)."""
     read = write = None
     drives = len(configured_drives(cfg))
-    if preset and drives:
+    if drive_bandwidth is not None and drives:
+        read, write = drive_bandwidth
+    elif preset and drives:
         rates, gpus = rm.NODES[preset][0], rm.NODES[preset][1]
         read, write = rates.nvme_read * gpus / drives, rates.nvme_write * gpus / drives
     return Node(ranks=hw.gpus_per_node, nodes=hw.nodes, accelerator=not hw.device_is_host, gpu_mem=hw.gpu_mem,

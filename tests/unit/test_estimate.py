@@ -342,6 +342,14 @@ def test_cli_plan_of_a_model_config_over_drives(tmp_path, layout):
     assert data["node"]["nvme_layout"] == layout
 
 
+def test_cli_plan_drive_bandwidth_sets_each_drive_rates(tmp_path):
+    """--drive-bandwidth READ,WRITE (GB/s) is each drive's in the plan, as in --step-time; READ alone is both."""
+    data = _plan_json("--layers", "2", "--hidden", "64", "--drives", "2", "--drive-bandwidth", "6.5,3.5")
+    assert (data["node"]["drive_read"], data["node"]["drive_write"]) == (6.5e9, 3.5e9)
+    data = _plan_json("--layers", "2", "--hidden", "64", "--drives", "2", "--drive-bandwidth", "2")
+    assert (data["node"]["drive_read"], data["node"]["drive_write"]) == (2e9, 2e9)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--drives", "0"], "drives: 0 must be at least 1"),
     (["--step-time", "--trainable", "1000"], "--plan: --step-time, --trainable belong to the estimate"),
