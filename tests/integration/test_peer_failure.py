@@ -219,12 +219,12 @@ def test_one_rank_failing_in_backward_stops_both(stage):
     assert all(e["error"] == "JobStopped" for e in rank0 if e["step"] > 2), rank0
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_every_rank_failing_at_the_same_point_recovers_on_both(stage):
+def test_every_rank_failing_at_the_same_point_recovers_on_both():
     """Both ranks' backward of step 2 raises at the same point (as out of memory does at one
     batch size): they are in step, so each recovers as one rank does, and steps 3 and 4 are
-    those of the same job that skipped batch 2 on every rank, bit for bit."""
-    failed, skipped = _backward_job(stage, "both"), _backward_job(stage, "skip")
+    those of the same job that skipped batch 2 on every rank, bit for bit. Stage 3 (its backward
+    gathers as well as reduces; stage 2 passed the same, left out to keep the suite short)."""
+    failed, skipped = _backward_job(3, "both"), _backward_job(3, "skip")
     for events, reference in zip(failed, skipped):
         assert [(e["step"], e["error"]) for e in events] == [(1, None), (2, "Boom"), (3, None), (4, None)], events
         assert [e["loss"] for e in events if e["error"] is None] == [e["loss"] for e in reference], (events, reference)
