@@ -248,9 +248,12 @@ class _Placed:
 
 
 def local_ranks() -> Tuple[int, int]:
-    """(LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them; (0, 1) without them."""
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) as torchrun sets them; (0, 1) without them. A launcher that
+    sets LOCAL_RANK alone has at least LOCAL_RANK + 1 ranks on the node (``place`` counts them
+    from the ranks' all-gather)."""
     try:
-        return int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", str(max(1, local_rank + 1))))
     except ValueError as err:
         raise UsageError(f"LOCAL_RANK / LOCAL_WORLD_SIZE must be integers as torchrun sets them: {err}") from None
 
@@ -284,7 +287,8 @@ def place(numa: Numa = "auto", cpu_threads: Optional[int] = None, root: str = SY
     """Note [rank placement]: this rank's share, its threads and memory placed there."""
     local_rank, local_world = local_ranks()
     topo, allowed = Topology.read(root), allowed_cpus()
-    device_nodes, sharing = _local_peers(local_rank, local_world, allowed, topo.device_node(acc.pci_address()))
+    device_nodes, sharing, local_world = _local_peers(local_rank, local_world, allowed,
+                                                      topo.device_node(acc.pci_address()))
     share = share_of(topo, allowed, local_rank, local_world, numa, cpu_threads, device_nodes, sharing)
     if share.pinned:
         _pin_threads(share.cpus)
@@ -299,20 +303,23 @@ def place(numa: Numa = "auto", cpu_threads: Optional[int] = None, root: str = SY
 
 
 def _local_peers(local_rank: int, local_world: int, allowed: frozenset,
-                 gpu_node: Optional[int]) -> Tuple[List[Optional[int]], List[int]]:
+                 gpu_node: Optional[int]) -> Tuple[List[Optional[int]], List[int], int]:
     """One all-gather among the ranks: the NUMA node of each local rank's GPU (each rank reads its
-    own: a launcher may show each rank its GPU alone), and the local ranks of this host launched
+    own: a launcher may show each rank its GPU alone), the local ranks of this host launched
     with this rank's CPU mask: every one under plain torchrun; only itself where the launcher gave
-    each rank cores of its own (``srun --cpu-bind``, ``taskset`` per rank), which it keeps whole."""
+    each rank cores of its own (``srun --cpu-bind``, ``taskset`` per rank), which it keeps whole;
+    and the ranks on this host where the launcher did not set LOCAL_WORLD_SIZE."""
     host, mask = socket.gethostname(), sorted(allowed)
     if not comm.is_distributed():  # no peers to ask: the environment's local ranks share the mask
-        return [gpu_node if r == local_rank else None for r in range(local_world)], list(range(local_world))
+        return [gpu_node if r == local_rank else None for r in range(local_world)], list(range(local_world)), local_world
     gathered = comm.all_gather_object((host, local_rank, mask, gpu_node), what="all-gather of the ranks' placement")
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        local_world = max([local_world] + [r + 1 for h, r, _, _ in gathered if h == host])
     here = [(r, m, node) for h, r, m, node in gathered if h == host and 0 <= r < local_world]
     device_nodes: List[Optional[int]] = [None] * local_world
     for r, _, node in here:
         device_nodes[r] = node
-    return device_nodes, [r for r, m, _ in here if m == mask]
+    return device_nodes, [r for r, m, _ in here if m == mask], local_world
 
 
 def _pin_threads(cpus: Tuple[int, ...]) -> None:

@@ -152,6 +152,16 @@ def test_the_native_adams_default_before_any_placement_is_capped_at_the_share(mo
         topo.local_ranks()
 
 
+def test_a_launcher_that_sets_local_rank_alone_counts_at_least_that_many_ranks(monkeypatch):
+    """LOCAL_RANK without LOCAL_WORLD_SIZE (a launcher of one's own): at least LOCAL_RANK + 1 ranks
+    on the node, never a refusal; ``place`` counts the host's ranks from its all-gather."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert topo.local_ranks() == (1, 2)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert topo.local_ranks() == (0, 1)
+
+
 @pytest.fixture
 def placed_and_restored(monkeypatch):
     """``place`` in this process, its affinity, torch's threads and the remembered share put back after."""
