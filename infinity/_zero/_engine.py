@@ -309,8 +309,10 @@ class Engine:
         raised = sys.exc_info()[1]  # torch calls this hook inside its `except` when forward raised
         top = self.calls.top()
         if top is None or top.state.module is not module:
-            if raised is not None:
-                return  # the forward raised before this module's pre-forward hook pushed a frame
+            if raised is not None:  # the forward raised before this module's pre-forward hook pushed a frame
+                if module is self.model and self.calls.phase is Phase.FORWARD:
+                    self._abort_forward()
+                return
             raise EngineError(f"forward hooks out of order at {type(module).__name__}; was a forward interrupted?")
         frame = self.calls.pop()
         for unit in frame.held:

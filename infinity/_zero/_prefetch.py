@@ -219,8 +219,15 @@ class Prefetcher:
         return out
 
     def _ahead(self, nxt: int) -> None:
-        in_flight = sum(u.staged_numel for u in self._prefetched)
         window = self._window(nxt, self.depth)  # device_depth <= depth and gather_depth <= device_depth (config)
+        try:
+            self._prefetch(window)
+        except BaseException:  # out of device memory: what the window moved is abandoned with the pass
+            self._prefetched += [u for s in window for u in s.units if not u.idle and u not in self._prefetched]
+            raise  # (Note [aborted forward] in _engine.py)
+
+    def _prefetch(self, window: list) -> None:
+        in_flight = sum(u.staged_numel for u in self._prefetched)
         for state in window:  # reads, within bucket_size elements in flight
             for unit in state.units:
                 done = unit.prefetch(ParamState.HOST, room=self.bucket - in_flight if in_flight else None)

@@ -141,6 +141,14 @@ class Staging:
         copied = self._on("new_memory").copied
         return not self.gathers_in_place(world_size) or copied or self.kind in HOLDS_HOST
 
+    def give_back_unused(self, store: "ParamStore") -> None:
+        """A landed HOST staging abandoned before any copy to the device (which may not fit:
+        out of device memory): a pool buffer goes back to the pool at once, nothing reads it."""
+        if self.in_flight or self.device is not None:
+            raise InvariantError("give_back_unused: a staging whose read is in flight or whose copy started")
+        if self.kind is Source.POOL_READ:
+            store.pool.put(self.host)
+
     def give_back(self, store: "ParamStore") -> None:
         """The device shard was consumed (gathered, or abandoned): its host source goes back
         with the copy's event, reused only once the copy has landed (Note [buffers under a

@@ -337,8 +337,15 @@ class FetchUnit:
             if self.partitioned and not self.persistent:
                 self._free_full()
             return
-        if self._state is ParamState.HOST:
-            self.stage_to_device()  # completes an in-flight read before its buffer is reused
+        if self._state is ParamState.HOST:  # no copy to the device, which may not fit (out of memory)
+            staging, self._staging = self._staging, None
+            if staging.in_flight:  # the read lands before its buffer is reused
+                staging = staging.landed(self.store.finish_read(staging.read, what=self._what()))
+            staging.give_back_unused(self.store)
+            if staging.recycled is not None:  # read straight into a gathered buffer
+                self.ctx.gathered.give(staging.recycled)
+            self._state = ParamState.RELEASED
+            return
         if self._state is ParamState.DEVICE:
             staging = self._drop_staging()
             if staging.recycled is not None:  # read straight into a gathered buffer

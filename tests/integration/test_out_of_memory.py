@@ -111,9 +111,9 @@ def peaks(model, opt, ids) -> tuple:
     return forward, whole
 
 
-def plain_run(batches) -> tuple:
+def plain_run(batches, layers: int = 2) -> tuple:
     """Plain AdamW on the CPU over ``batches``: the losses and the final weights."""
-    model = gpt2()
+    model = gpt2(layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
     for ids in batches:
@@ -164,6 +164,7 @@ def fails_in(model, opt, ids, capacity: int) -> str:
     return where
 
 
+@pytest.mark.filterwarnings("error:module forward hook")  # the engine's hooks themselves did not fail in the abort
 @pytest.mark.parametrize("stage", [2, 3])
 def test_out_of_memory_in_forward_and_backward_is_recovered_exactly(stage, emulated, tmp_path):
     small, big = rows(6).split(2), rows(16, seed=2)
@@ -193,6 +194,31 @@ def test_out_of_memory_in_forward_and_backward_is_recovered_exactly(stage, emula
     finally:
         opt.engine.close()
     assert_same_run(losses, params, plain_run(small))
+
+
+@pytest.mark.filterwarnings("error:module forward hook")  # the engine's hooks themselves did not fail in the abort
+def test_out_of_memory_at_each_early_allocation_of_a_forward_leaves_nothing(emulated, tmp_path):
+    """Stage 3, the capacity a little higher each time, so that the big batch's forward fails at
+    each of its first allocations in turn (shards staged to the device, the gathers the
+    prefetcher starts, the first activations): after each, no unit is held, nothing of the
+    forward is left on the device, and the steps between go on exactly as plain PyTorch's."""
+    small, big = rows(2), rows(16, seed=2).to(emulated)
+    model, opt = infinity.initialize(gpt2(layers=3), config(3, str(tmp_path)))
+    engine, losses, caps = opt.engine, [], range(4000, 40001, 4000)
+    try:
+        for _ in range(2):  # the trace recorded: the prefetcher runs ahead
+            step(model, opt, small.to(emulated), losses)
+        for cap in caps:
+            before = settled()
+            assert fails_in(model, opt, big, before + cap) == "forward"
+            assert back_to(before), f"capacity +{cap}: {settled() - before} bytes of the failed forward left"
+            held = [u.module_name for u in engine.units if engine.ledger.count(u)]
+            assert not held, f"capacity +{cap}: {held} still held"
+            step(model, opt, small.to(emulated), losses)
+        params = weights(model)
+    finally:
+        engine.close()
+    assert_same_run(losses, params, plain_run([small] * (2 + len(caps)), layers=3))
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "nonreentrant"])
