@@ -147,6 +147,8 @@ class Staging:
         if self.in_flight or self.device is not None:
             raise InvariantError("give_back_unused: a staging whose read is in flight or whose copy started")
         if self.kind is Source.POOL_READ:
+            if store.pool is None or self.host is None:
+                raise InvariantError("give_back_unused: a POOL_READ staging without its buffer, or a store without a pool")
             store.pool.put(self.host)
 
     def give_back(self, store: "ParamStore") -> None:
