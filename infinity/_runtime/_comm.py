@@ -76,7 +76,12 @@ class JobStopped(CommTimeout):
 # backward's collectives, while the other ranks, which know nothing of it, wait in them; if the
 # failed rank then went on to its next batch, its collectives would pair with theirs of the
 # failed one: gloo aborts the process on a size mismatch, and where the sizes agree (the next
-# backward's reduce-scatters) the ranks train on each other's wrong gradients, silently. So:
+# backward's reduce-scatters) the ranks train on each other's wrong gradients, silently. A
+# forward that raised (Note [aborted forward] in _zero/_engine.py) is the same case: at stage 3
+# its remaining all-gathers are missing, and the next forward's would pair with the others'
+# gathers of the failed one (same-shaped blocks: the wrong block's weights, silently); at
+# stages 1-2 its backward's reduce-scatters would pair with the others' of another batch. So
+# everything below holds for a failed forward as for a failed backward:
 # - every rank recovers, each as one rank does (Note [aborted backward] in _backward.py),
 #   exactly when every rank's backward raised after the same collectives (out of memory at the
 #   same point of batches of one size): then no rank waits for another. A failed rank, at its
@@ -161,9 +166,19 @@ def check_job(what: str) -> None:
         _issued += 1
 
 
+def after_failed_pass(what: str, raised_by: str, *, closing: bool = False) -> None:
+    """Note [one rank failing]: this rank's ``what`` (forward, backward) ended by an exception
+    and was ended as on one rank: go on when every rank's did after the same collectives, else
+    stop the job (``JobStopped`` here too, unless ``closing``)."""
+    if world_size() > 1 and not agree_on_abort():
+        stop_job(f"rank {rank()}'s {what} ended by an exception, raised by {raised_by}")
+        if not closing:
+            check_job(f"the call after a {what} that raised")
+
+
 def agree_on_abort() -> bool:
-    """This rank's backward raised: whether every rank's did, each after the same collectives,
-    so that each may recover as one rank does (Note [one rank failing])."""
+    """This rank's forward or backward raised: whether every rank's did, each after the same
+    collectives, so that each may recover as one rank does (Note [one rank failing])."""
     global _aborts
     _aborts += 1
     store = _store() if is_distributed() and _stopped is None else None

@@ -46,12 +46,13 @@ non-reentrant activation checkpointing stops its recomputation inside backward b
 (``_StopRecomputationError``) as soon as the tensors it needs are recomputed, i.e. in the
 middle of the block's last submodule. The post-forward hook is therefore registered with
 ``always_call=True``: every frame pushed by a pre-forward hook is popped and its units
-released, whatever way the forward ended. Before this, the aborted frames kept their units
-gathered with a reference nobody dropped, so the optimizer step could not refresh them and
-later forwards and reads saw the values from before the step. The model's own forward that
-raises (out of device memory) ends its pass there (``_abort_forward``): what it held is free once
-the exception is dropped. A backward that raises is ended at the next forward (or ``zero_grad``,
-``step``, ``close``): Note [aborted backward] in _backward.py.
+released, whatever way the forward ended (before, the aborted frames kept their units gathered,
+so the step could not refresh them and later forwards saw stale values). The model's own
+forward that raises (out of device memory) ends its pass there (``_abort_forward``): what it
+held is free once the exception is dropped; with more ranks, the next call asks the others
+whether theirs failed too (Note [one rank failing] in _comm.py). A backward that raises is
+ended at the next forward (or ``zero_grad``, ``step``, ``close``): Note [aborted backward] in
+_backward.py.
 """
 from __future__ import annotations
 
@@ -170,6 +171,7 @@ class Engine:
             counters=self.counters, check_same_gathers=self.check_same_gathers,
             on_abort=parts.sink.backward_aborted)
         self._handles: list = []
+        self._forward_failed = False  # Note [aborted forward]: the other ranks not asked yet
         self._telemetry_totals: dict = {}  # running totals at the last telemetry() call
         for module, params in list(_pending_external.items()):
             if module in self.states:
@@ -260,14 +262,14 @@ class Engine:
         self._handles.clear()
 
     def end_aborted_backward(self, *, closing: bool = False) -> None:
-        """End a backward that ended by an exception (Note [aborted backward] in _backward.py);
-        between passes, release what is held for a backward that failed before the engine's hooks."""
+        """End a backward that raised (Note [aborted backward] in _backward.py), asking the ranks about it or a forward
+        that raised (Note [one rank failing] in _comm.py); between passes, release what a failed backward held."""
         if self.backward.aborted:
             self.backward.abort()
-            if self.world_size > 1 and not comm.agree_on_abort():  # Note [one rank failing] in _comm.py
-                comm.stop_job(f"rank {self.rank}'s backward ended by an exception, raised by its loss.backward()")
-                if not closing:
-                    comm.check_job("the call after a backward that raised")
+            comm.after_failed_pass("backward", "its loss.backward()", closing=closing)
+        elif self._forward_failed:
+            self._forward_failed = False
+            comm.after_failed_pass("forward", "its model's forward", closing=closing)
         elif self.calls.phase is Phase.IDLE:
             self.prefetcher.release_held()
 
@@ -332,8 +334,8 @@ class Engine:
             self._post_forward_root(module, args, output)
 
     def _abort_forward(self) -> None:
-        """Note [aborted forward]: prefetches nobody used returned, no unit kept, the partial
-        trace not recorded, its all-gathers not compared (another rank may have gone on)."""
+        """Note [aborted forward]: unused prefetches returned, no unit kept, the trace not recorded nor compared."""
+        self._forward_failed = True
         try:
             self.prefetcher.abort()
         finally:
@@ -593,7 +595,6 @@ def engine_of_unit(unit) -> Optional[Engine]:
 def forget_engine(model: nn.Module) -> None:
     """``initialize`` failed after the engine was built: the model is not managed."""
     hold = model.__dict__.pop(_HOLD, None)
-    engine = hold.engine if hold is not None else None
-    if engine is not None:
-        _live.discard(engine)
-        engine.swap_dirs.remove()
+    if hold is not None:
+        _live.discard(hold.engine)
+        hold.engine.swap_dirs.remove()

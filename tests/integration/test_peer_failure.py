@@ -77,7 +77,7 @@ from _configs import zero_config
 from _models import batches, gpt2
 import infinity
 
-rank, stage, who = int(os.environ["RANK"]), int(sys.argv[1]), sys.argv[2]
+rank, stage, who, where = int(os.environ["RANK"]), int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
 cfg = zero_config(stage, lr=1e-3)
 cfg["comm"] = {"timeout": 20}
@@ -94,14 +94,24 @@ class RaiseInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if step["n"] == 2 and (who == "both" or who == "one" and rank == 1):
+        if failing():
             raise Boom(f"rank {rank}'s backward failed on purpose")
         return grad
+
+def failing():
+    return step["n"] == 2 and (who == "both" or who == "one" and rank == 1)
 
 def through(module, args, out):
     return RaiseInBackward.apply(out) if torch.is_tensor(out) else (RaiseInBackward.apply(out[0]),) + tuple(out[1:])
 
-model.transformer.h[0].register_forward_hook(through)
+def raise_in_forward(module, args):  # the second block's gathers never issued on a failing rank
+    if failing():
+        raise Boom(f"rank {rank}'s forward failed on purpose")
+
+if where == "backward":
+    model.transformer.h[0].register_forward_hook(through)
+else:
+    model.transformer.h[1].register_forward_pre_hook(raise_in_forward)
 events = []
 for ids in batches(4):
     step["n"] += 1
@@ -181,10 +191,10 @@ def test_the_config_key_wins_over_the_variable(monkeypatch):
         _comm._env_timeout()
 
 
-def _backward_job(stage: int, who: str) -> list:
-    """Each rank's events of the two-rank ``_BACKWARD`` job."""
+def _backward_job(stage: int, who: str, where: str = "backward") -> list:
+    """Each rank's events of the two-rank ``_BACKWARD`` job, its fault raised ``where``."""
     env = _env()
-    procs = [subprocess.Popen([sys.executable, "-c", _BACKWARD, str(stage), who], env=dict(env, RANK=str(r)),
+    procs = [subprocess.Popen([sys.executable, "-c", _BACKWARD, str(stage), who, where], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     reports, errs = [], []
     try:
@@ -225,6 +235,30 @@ def test_every_rank_failing_at_the_same_point_recovers_on_both():
     those of the same job that skipped batch 2 on every rank, bit for bit. Stage 3 (its backward
     gathers as well as reduces; stage 2 passed the same, left out to keep the suite short)."""
     failed, skipped = _backward_job(3, "both"), _backward_job(3, "skip")
+    for events, reference in zip(failed, skipped):
+        assert [(e["step"], e["error"]) for e in events] == [(1, None), (2, "Boom"), (3, None), (4, None)], events
+        assert [e["loss"] for e in events if e["error"] is None] == [e["loss"] for e in reference], (events, reference)
+
+
+def test_one_rank_failing_in_forward_stops_both():
+    """Stage 3: rank 1's forward of step 2 raises before its second block's all-gather, which rank 0
+    waits in; a script that goes on would pair its next forward's gathers with rank 0's of the
+    failed one (the same shapes: another block's weights, silently). Both stop instead."""
+    rank0, rank1 = _backward_job(3, "one", "forward")
+    for events in (rank0, rank1):
+        assert [e["step"] for e in events if e["error"] is None] == [1], events
+    assert rank1[1]["step"] == 2 and rank1[1]["error"] == "Boom"
+    assert all(e["error"] == "JobStopped" and "rank 1's forward ended by an exception" in e["message"]
+               for e in rank1[2:]), rank1
+    first = next(e for e in rank0 if e["error"] is not None)
+    assert first["step"] == 2 and first["error"] == "JobStopped", rank0
+    assert "rank 1's forward ended by an exception" in first["message"], first
+
+
+def test_every_rank_failing_in_forward_at_the_same_point_recovers_on_both():
+    """Both ranks' forward of step 2 raises at the same point (out of memory at one batch size):
+    each recovers, and steps 3 and 4 are those of the job that skipped batch 2, bit for bit."""
+    failed, skipped = _backward_job(3, "both", "forward"), _backward_job(3, "skip")
     for events, reference in zip(failed, skipped):
         assert [(e["step"], e["error"]) for e in events] == [(1, None), (2, "Boom"), (3, None), (4, None)], events
         assert [e["loss"] for e in events if e["error"] is None] == [e["loss"] for e in reference], (events, reference)
