@@ -167,6 +167,9 @@ def _levels(stats: StepStats) -> dict:
 
 def _saved_text(run: Run) -> str:
     if run.export is None:
+        stopped = getattr(run.checkpoints, "stopped_by", None)
+        if stopped is not None:  # Note [preemption] in _checkpoint/_train.py: the checkpoint resumes the run
+            return f"not saved (stopped by {stopped}: the run resumes from its checkpoint)"
         return "not saved (--no-save or no output_dir)"
     return (f"{run.export.directory} ({len(run.export.files)} safetensors file(s), "
             f"{fmt_bytes(run.export.total_bytes)}, {run.export_s:.1f} s)")

@@ -80,6 +80,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
                                       _stepped(out))
     assert code == 0, stderr[-3000:]
     assert "stopped by SIGTERM" in stdout and "--resume auto" in stdout, stdout[-2000:]
+    assert "not saved (stopped by SIGTERM" in stdout, stdout[-2000:]  # the weights: not for want of --output-dir
     step = _latest(out)
     first = _steps(out)
     assert sorted(first) == list(range(1, step + 1))  # the step in flight finished, then the job saved
