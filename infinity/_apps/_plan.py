@@ -17,7 +17,10 @@ seconds within a few hundred MiB.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -38,7 +41,7 @@ from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from .._zero._tiling import check_working_memory, tile_model, working_memory_bytes
 from .._zero._unit_plan import placement_of
-from ..config import Config
+from ..config import Config, ConfigError
 from . import _runmodel as rm
 from ._estimate_hardware import Hardware
 from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, Shape, _format_bytes, _format_count
@@ -331,16 +334,30 @@ def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_p
     ``drives`` laid out by ``nvme_layout`` (Note [many drives] in _drives.py), tiled to
     ``max_tile_params`` where given (zero.tiling)."""
     if path is not None:
-        return Config.from_file(path)
+        try:
+            return Config.from_file(path)
+        except ConfigError as err:
+            raise EstimateError(f"--config: {err}") from None
     tiers = [t.strip() for t in offload.split(",")]
     if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
         raise EstimateError(f"offload: {offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
 
+    # The planned node's drives are names, not directories of this machine, which a Config checks
+    # could be made here (a file or a read-only directory named so would refuse them): the
+    # config is checked with directories that can be, then given the names.
+    here = [os.path.join(tempfile.gettempdir(), f"infinity-plan-drive{i}") for i in range(len(drives))]
+
     def section(device: str) -> dict:
-        return {"device": device, "nvme_path": list(drives)} if device == "nvme" else {"device": device}
+        return {"device": device, "nvme_path": here} if device == "nvme" else {"device": device}
 
     zero = {"stage": 3, "offload_param": section(tiers[0]), "offload_optimizer": section(tiers[1]),
             "nvme_layout": nvme_layout}
     if max_tile_params is not None:
         zero["tiling"] = {"enabled": True, "max_tile_params": max_tile_params}
-    return Config.from_dict({"zero": zero, "precision": {"dtype": dtype}})
+    cfg = Config.from_dict({"zero": zero, "precision": {"dtype": dtype}})
+    named = drives[0] if len(drives) == 1 else tuple(drives)
+    for key in ("offload_param", "offload_optimizer"):
+        section_cfg = getattr(cfg.zero, key)
+        if section_cfg.device == "nvme":  # frozen sections of a config made here, nothing else holds them
+            object.__setattr__(cfg.zero, key, dataclasses.replace(section_cfg, nvme_path=named))
+    return cfg

@@ -55,7 +55,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--nvme-path", help="directory for NVMe swap files, or several separated by commas, one per drive "
                    "(zero.offload_*.nvme_path)")
     p.add_argument("--nvme-layout", choices=("per_rank", "stripe"),
-                   help="with several drives: rank = each local rank on its own drive, stripe = every swap file "
+                   help="with several drives: per_rank = each local rank on its own drive, stripe = every swap file "
                         "spread over all of them (zero.nvme_layout)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"),
                    help="training precision (precision.dtype); auto = bf16 where the machine runs it natively")

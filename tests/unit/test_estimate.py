@@ -354,12 +354,25 @@ def test_cli_plan_drive_bandwidth_sets_each_drive_rates(tmp_path):
     (["--drives", "0"], "drives: 0 must be at least 1"),
     (["--step-time", "--trainable", "1000"], "--plan: --step-time, --trainable belong to the estimate"),
     (["--steps", "10"], "--plan: --steps belong to the estimate"),
+    (["--config", "/no/such/plan.yaml"], "config file '/no/such/plan.yaml' does not exist"),
 ])
 def test_cli_plan_bad_input_exits_2(capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         main(["--plan", "--layers", "2", "--hidden", "64", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB", *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("drives", ["1", "2"])
+def test_cli_plan_names_drives_that_need_not_exist_here(tmp_path, monkeypatch, drives):
+    """The planned node's drives (nvme0, ... or the placeholder) are names, not this machine's
+    directories: a plan run where one of those names is a file (or the directory is read-only)
+    plans as anywhere else."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nvme0").write_text("not a drive")
+    data = _plan_json("--layers", "2", "--hidden", "64", "--drives", drives)
+    assert set(data["per_node"]["drives"]) == ({"nvme0", "nvme1"} if drives == "2" else {"/local_nvme"})
+    assert sum(data["per_node"]["drives"].values()) == 4 * data["per_rank"]["bytes"]["nvme"] > 0
 
 
 def test_cli_plan_of_a_config_takes_its_drives_and_layout(tmp_path, capsys):
