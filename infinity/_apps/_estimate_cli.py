@@ -132,8 +132,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _drive_flags(hw) -> None:
-    hw.add_argument("--drives", type=int, help="--step-time: NVMe drives per node, each as fast as --drive-bandwidth "
-                    "or as the one measured under --nvme-path (Note [many drives] in _offload/_drives.py)")
+    hw.add_argument("--drives", type=int, help="--step-time: NVMe drives per node, each as fast as --drive-bandwidth, "
+                    "else as one of the --hardware / --rates node's, else as the one measured under --nvme-path "
+                    "(Note [many drives] in _offload/_drives.py)")
     hw.add_argument("--drive-bandwidth", metavar="READ[,WRITE]",
                     help="--step-time and --plan: GB/s one drive reads (and writes; default: as it reads), instead "
                          "of measuring (--step-time) or the --hardware node's (--plan)")
@@ -201,22 +202,27 @@ def _step_report(est: Estimate, args) -> str:
                             "would measure are this CPU's; pass --rates h100 (an 8xH100 node's rates per GPU) or --rates "
                             "dgx2, or --hardware h100x8 / dgx2 for a whole node, or leave out --gpus and --gpu-mem to "
                             "predict this machine")
+    preset = args.hardware or {"dgx2": "dgx2", "h100": "h100x8"}.get(args.rates)
     if rates is None:
         on_nvme = "nvme" in (run.param_tier, run.optimizer_tier) and args.drive_bandwidth is None
         rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if on_nvme else None), run)
-        rates = _drive_rates(rates, args, run.ranks)
-    return rm.describe(run, rates)
+        preset = None
+    return rm.describe(run, _drive_rates(rates, args, est.hardware.gpus_per_node, preset))
 
 
-def _drive_rates(rates: "rm.Rates", args, ranks: int) -> "rm.Rates":
-    """A rank's NVMe rates from one drive's (given, or the one measured) over ``--drives`` drives
-    shared by the node's ranks (Note [many drives] in _offload/_drives.py)."""
+def _drive_rates(rates: "rm.Rates", args, ranks: int, preset: Optional[str] = None) -> "rm.Rates":
+    """A rank's NVMe rates from one drive's over ``--drives`` drives shared by the node's
+    ``ranks`` ranks (Note [many drives] in _offload/_drives.py): the drive's as given
+    (--drive-bandwidth), else a ``preset`` node's (its bandwidth over its drives, which are also
+    the count left out), else the one measured here."""
     if args.drives is None and args.drive_bandwidth is None:
         return rates
     if args.drives is not None and args.drives < 1:
         raise EstimateError(f"drives: {args.drives} must be at least 1")
-    read, write = _drive_bandwidth(args) or (rates.nvme_read, rates.nvme_write)
-    drives = args.drives or 1
+    own = pl.PRESET_DRIVES[preset] if preset else 1  # drives behind the rates' figures
+    share = rm.NODES[preset][1] / own if preset else 1.0  # ranks per drive there
+    read, write = _drive_bandwidth(args) or (rates.nvme_read * share, rates.nvme_write * share)
+    drives = args.drives or own
     return dataclasses.replace(rates, nvme_read=rank_bandwidth(read, drives, args.nvme_layout, ranks),
                                nvme_write=rank_bandwidth(write, drives, args.nvme_layout, ranks))
 

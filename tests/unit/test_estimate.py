@@ -390,3 +390,23 @@ def test_cli_plan_of_a_config_takes_its_drives_and_layout(tmp_path, capsys):
         main(["--plan", "--layers", "2", "--hidden", "64", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB",
               "--config", str(tmp_path / "cfg.yaml"), "--drives", "2"])
     assert exc.value.code == 2 and "leave out --drives, or --config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,read,write", [
+    (["--hardware", "h100x8"], 6.5, 3.5),  # the node's own 8 drives
+    (["--hardware", "h100x8", "--drives", "4"], 3.25, 1.75),  # half its drives: two ranks on each
+    (["--hardware", "h100x8", "--drive-bandwidth", "3"], 3.0, 3.0),  # its 8 drives at 3 GB/s
+    (["--hardware", "dgx2", "--drives", "16"], 3.125, 3.125),  # a drive per rank at the node's per-drive rate
+    # 2 nodes of 8 ranks: each node's 8 ranks share its 2 drives, not the 16 ranks of the job
+    (["--rates", "h100", "--gpus", "8", "--nodes", "2", "--gpu-mem", "80GB", "--cpu-mem", "1TB", "--nvme", "10TB",
+      "--drives", "2", "--drive-bandwidth", "4"], 1.0, 1.0),
+])
+def test_cli_step_time_drives_apply_to_a_preset_node(args, read, write):
+    """--drives and --drive-bandwidth are a rank's NVMe rates with the rates of --hardware or
+    --rates too (a preset node's drives at its own per-drive bandwidth where not given), the
+    node's ranks sharing its drives."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--step-time", "--layers", "4", "--hidden", "512", "--offload", "nvme,nvme", *args]) == 0
+    line = next(r for r in out.getvalue().splitlines() if r.startswith("rates"))
+    assert f"NVMe read {read:.2f} GB/s, write {write:.2f} GB/s" in line
