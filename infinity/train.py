@@ -87,8 +87,8 @@ def _exit_on_sigterm(signum, frame):
 
 def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    own = threading.current_thread() is threading.main_thread()
+    caller_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm) if own else None
     finished = False
     try:
         args = parse_args(argv)
@@ -110,6 +110,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if finished:
                 comm.barrier()  # no rank tears its sockets down while another still talks
             torch.distributed.destroy_process_group()
+        if own and caller_sigterm is not None:  # a caller running the job in its process gets its handler back
+            signal.signal(signal.SIGTERM, caller_sigterm)
     if text is not None:
         print(text)
         print(f"done in {time.perf_counter() - t0:.1f} s")

@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -24,7 +25,9 @@ TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_si
 
 
 def _fails(capsys, args) -> str:
+    before = signal.getsignal(signal.SIGTERM)
     code = train.main(args)
+    assert signal.getsignal(signal.SIGTERM) is before  # the job's SIGTERM handler is its own, not its caller's
     err = capsys.readouterr().err
     assert code == train.EXIT_BAD_INPUT, err
     assert "infinity.train: error:" in err
