@@ -52,7 +52,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from .._offload._drives import NvmePath, local_rank, rank_drives
 from .._offload._layout import chunk_range, chunk_rows, padded
 from .._offload._preflight import free_disk, preflight
-from .._offload._swap import SwapDir, new_aio
+from .._offload._swap import SwapDir, _make_nvme_path, new_aio
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._host_memory import available as host_available
@@ -232,11 +232,7 @@ def room_for(tier: Tier, nvme_path: Optional[str]):
         if not nvme_path:
             raise UsageError("Init(offload='nvme') needs nvme_path: pass nvme_path= or set zero.offload_param.nvme_path "
                              "to a directory on a fast local disk")
-        try:
-            os.makedirs(nvme_path, exist_ok=True)
-        except OSError as err:
-            raise StorageError(err.errno, f"nvme_path {nvme_path!r} cannot be created ({err.strerror}); "
-                                          f"point it at a writable directory") from None
+        _make_nvme_path(nvme_path)  # one level, as the engine makes it (Note [swap directories] in _swap.py)
         return free_disk(nvme_path) // comm.ranks_here(), f"disk under {nvme_path}"
     avail, bound = host_available()  # a memory cgroup's limit counts (Note [host memory available] in _host_memory.py)
     return int(avail * _HOST_SHARE) // comm.ranks_here(), "host memory" if bound == "MemAvailable" else \

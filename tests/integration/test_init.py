@@ -204,3 +204,18 @@ def test_a_memory_cgroup_limit_is_the_room_not_the_machines_memory():
     assert f"host memory (bound by the memory cgroup {cgroup})" in init_msg, init_msg
     assert preflight_msg is not None and "does not fit on this machine" in preflight_msg, preflight_msg
     assert f"host memory (bound by the memory cgroup {cgroup})" in preflight_msg, preflight_msg
+
+
+def test_a_mistyped_nvme_path_is_refused_and_not_created(tmp_path):
+    """Note [swap directories] in _swap.py: Init makes a missing nvme_path only inside an
+    existing directory, as the engine does; a path whose parent is missing (a typo) is refused
+    and nothing of it is made."""
+    from infinity.errors import UsageError
+
+    with pytest.raises(UsageError, match="does not exist, and infinity does not create it"):
+        with infinity.Init(offload="nvme", nvme_path=str(tmp_path / "typo" / "nvme")):
+            torch.nn.Linear(8, 8)
+    assert not (tmp_path / "typo").exists()
+    with infinity.Init(offload="nvme", nvme_path=str(tmp_path / "nvme")):  # one level is made
+        torch.nn.Linear(8, 8)
+    assert (tmp_path / "nvme").is_dir()
