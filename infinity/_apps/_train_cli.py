@@ -120,7 +120,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if args.nvme_layout is not None:
         updates["zero.nvme_layout"] = args.nvme_layout
     if args.nvme_path is not None:
-        drives = [d for d in args.nvme_path.split(",") if d] or [args.nvme_path]  # Note [many drives] in _drives.py
+        drives = [d.strip() for d in args.nvme_path.split(",") if d.strip()]  # Note [many drives] in _drives.py
+        if not drives:
+            raise TrainError(f"--nvme-path names no directory ({args.nvme_path!r}): give a directory on an NVMe "
+                             f"drive, or several separated by commas, one per drive")
         updates["zero.offload_param.nvme_path"] = drives[0] if len(drives) == 1 else drives
         updates["zero.offload_optimizer.nvme_path"] = drives[0] if len(drives) == 1 else drives
     elif args.offload == "nvme":

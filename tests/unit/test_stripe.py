@@ -202,6 +202,22 @@ def test_the_train_flags_take_several_drives(tmp_path):
     assert one.zero.offload_optimizer.nvme_path == a and one.zero.nvme_layout == "per_rank"
 
 
+def test_the_train_flag_refuses_a_list_naming_no_drive(tmp_path, monkeypatch):
+    """``--nvme-path ,`` (or empty) names no drive: refused, not a directory named ``,`` made
+    where the job runs; spaces after the commas are not part of a name."""
+    from infinity._apps._train_cli import parse_args, resolve_config
+    from infinity._apps._train_model import TrainError
+
+    monkeypatch.chdir(tmp_path)
+    for value in (",", "", " , "):
+        with pytest.raises(TrainError, match="--nvme-path names no directory"):
+            resolve_config(parse_args(["--offload", "nvme", "--nvme-path", value]))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    cfg = resolve_config(parse_args(["--offload", "nvme", "--nvme-path", f"{a}, {b}"]))
+    assert cfg.zero.offload_param.nvme_path == (a, b)
+    assert os.listdir(tmp_path) == []
+
+
 def test_two_spellings_of_one_directory_are_one_drive(tmp_path):
     """``/a/`` for the parameters and ``/a`` for the optimizer: one swap directory, one drive."""
     a = str(tmp_path / "a")
