@@ -178,6 +178,8 @@ def interrupted_text(checkpoints: Optional[TrainCheckpoints], signal_name: str, 
         text += " (--save-on-signal saves a checkpoint at the step's end instead)"
     directory = checkpoints.directory if checkpoints is not None else None
     done = complete_checkpoints(directory) if directory else []
+    if directory and not done and checkpoints is not None and checkpoints.save_every:
+        return text + f"; no checkpoint is complete yet (--save-every {checkpoints.save_every}: none before that step)"
     if not directory or not done:
         return text + "; no checkpoint was saved (--save-every N saves one every N steps)"
     return (f"{text}; the last complete checkpoint is {os.path.join(directory, done[-1][1])}. "

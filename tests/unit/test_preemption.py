@@ -42,4 +42,6 @@ def test_what_a_job_stopped_at_once_says(tmp_path):
     ck = TrainCheckpoints.from_args(2, None, None, str(tmp_path))
     text = interrupted_text(ck, "SIGINT", 3)
     assert "stopped by SIGINT in step 3, without saving (--save-on-signal" in text
+    assert "no checkpoint is complete yet (--save-every 2" in text  # not told to pass the flag it passed
+    text = interrupted_text(TrainCheckpoints.from_args(None, None, None, str(tmp_path)), "SIGINT", 3)
     assert "no checkpoint was saved (--save-every N" in text
