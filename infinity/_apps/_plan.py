@@ -276,11 +276,13 @@ def report(p: Plan) -> str:
     lines.append(f"  host {_format_bytes(host)} of {_format_bytes(node.host_mem)}"
                  f" ({'fits' if host <= node.host_mem else 'does not fit'}), NVMe {_format_bytes(nvme)} of "
                  f"{_format_bytes(node.nvme)} ({'fits' if nvme <= node.nvme else 'does not fit'})")
-    lines.append(f"  {'drive':<12} {'ranks':<8} {'swap bytes':>11}" +
+    rank_text = {d: _ranks(sorted(r)) for d, r in p.drive_ranks.items()}
+    dw, rw = max([12, *map(len, rank_text)]), max([8, *map(len, rank_text.values())])  # columns that hold the longest
+    lines.append(f"  {'drive':<{dw}} {'ranks':<{rw}} {'swap bytes':>11}" +
                  ("  read once  write once" if node.drive_read else ""))
-    for drive, ranks in p.drive_ranks.items():
+    for drive in p.drive_ranks:
         nbytes = p.drives.get(drive, 0)
-        row = f"  {drive:<12} {_ranks(sorted(ranks)):<8} {_format_bytes(nbytes):>11}"
+        row = f"  {drive:<{dw}} {rank_text[drive]:<{rw}} {_format_bytes(nbytes):>11}"
         if node.drive_read and node.drive_write:
             row += f"  {nbytes / node.drive_read:8.1f} s  {nbytes / node.drive_write:9.1f} s"
         lines.append(row)

@@ -410,3 +410,19 @@ def test_cli_step_time_drives_apply_to_a_preset_node(args, read, write):
         assert main(["--step-time", "--layers", "4", "--hidden", "512", "--offload", "nvme,nvme", *args]) == 0
     line = next(r for r in out.getvalue().splitlines() if r.startswith("rates"))
     assert f"NVMe read {read:.2f} GB/s, write {write:.2f} GB/s" in line
+
+
+def test_cli_plan_drive_table_keeps_its_columns_for_long_names_and_rank_lists(tmp_path):
+    """The plan's drive table: each column starts where its heading does, however long a drive's
+    path or its list of ranks (16 ranks over 2 drives: eight ranks each)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--plan", "--hardware", "dgx2", "--layers", "2", "--hidden", "64", "--drives", "2"]) == 0
+    lines = out.getvalue().splitlines()
+    head = next(i for i, r in enumerate(lines) if r.strip().startswith("drive "))
+    rows = lines[head + 1:head + 3]
+    assert [r.split()[1] for r in rows] == ["0,2,4,6,8,10,12,14", "1,3,5,7,9,11,13,15"]
+    for heading in ("ranks", "read once"):
+        assert len({r.index(r.split()[1 if heading == "ranks" else 4]) for r in rows}) == 1
+    end = lines[head].index("swap bytes") + len("swap bytes")
+    assert all(r[end - 3:end] == "MiB" for r in rows)
