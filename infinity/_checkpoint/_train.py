@@ -121,9 +121,11 @@ class TrainCheckpoints:
 
     def after_step(self, run, step: int, last: int) -> bool:
         """Save when due; True when a signal asked to stop (then saved: Note [preemption])."""
-        flag = torch.tensor([1.0 if self._flag else 0.0])
-        comm.all_reduce(flag, "max", what="stop request")
-        stop = bool(flag.item() > 0) and step < last
+        stop = False
+        if self.save_on_signal:  # the ranks agree on a stop only where a signal may ask for one
+            flag = torch.tensor([1.0 if self._flag else 0.0])
+            comm.all_reduce(flag, "max", what="stop request")
+            stop = bool(flag.item() > 0) and step < last
         if stop or (self.save_every and (step % self.save_every == 0 or step == last)):
             path = self.save(run, step, blocking=stop or not self.save_async)
             if stop and comm.rank() == 0:

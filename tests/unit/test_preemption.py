@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+import torch.distributed as dist
 
 from infinity._checkpoint._train import TrainCheckpoints, interrupted_text
 from infinity.errors import UsageError
@@ -45,3 +46,20 @@ def test_what_a_job_stopped_at_once_says(tmp_path):
     assert "no checkpoint is complete yet (--save-every 2" in text  # not told to pass the flag it passed
     text = interrupted_text(TrainCheckpoints.from_args(None, None, None, str(tmp_path)), "SIGINT", 3)
     assert "no checkpoint was saved (--save-every N" in text
+
+
+def test_without_the_flag_a_step_issues_no_collective(tmp_path):
+    """The ranks' all-reduce of the stop flags runs only with ``--save-on-signal``: without it
+    no signal asks for a stop, and a step's end is no synchronisation point of the ranks."""
+    from infinity._runtime import _comm as comm
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        before = comm._issued  # collectives this process issued (Note [one rank failing] in _comm.py)
+        assert TrainCheckpoints.from_args(None, None, None, str(tmp_path)).after_step(None, 1, 3) is False
+        assert comm._issued == before
+        ck = TrainCheckpoints.from_args(None, None, None, str(tmp_path), save_on_signal=True)
+        assert ck.after_step(None, 1, 3) is False
+        assert comm._issued == before + 1  # with the flag: one all-reduce, no stop asked
+    finally:
+        dist.destroy_process_group()
