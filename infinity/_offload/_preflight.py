@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._host_memory import available as host_available
+from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ..errors import InsufficientResourcesError
 from ._drives import drive_paths, local_rank, node_bytes_per_drive, rank_drives
@@ -148,17 +149,35 @@ def _disk_problems(cfg, need: dict, ranks: int) -> list:
         if section.device == "nvme" and section.nvme_path:
             for drive in drive_paths(section.nvme_path):
                 node.setdefault(drive, 0)
-    for drive, nbytes in node.items():
-        free = free_disk(drive)
+    for drives in _filesystems(node):  # listed drives on one filesystem share its free space
+        free = min(free_disk(drive) for drive in drives)  # each reclaimed first
+        nbytes = sum(node[drive] for drive in drives)
+        if len(drives) > 1:
+            logger.warning("nvme_path lists %s, which are one filesystem: their swap files share its space and its "
+                           "bandwidth (is a drive not mounted there?)", " and ".join(drives))
         if nbytes > free:
-            others = stale_elsewhere(drive)
+            others = [o for drive in drives for o in stale_elsewhere(drive)]
             note = (f"; {len(others)} other run director{'y' if len(others) == 1 else 'ies'} there "
                     f"({', '.join(others[:3])}) belong to live runs or other hosts") if others else ""
             share = f"{ranks} rank(s) together: " if ranks > 1 else ""
+            where = drives[0] if len(drives) == 1 else f"{', '.join(drives[:-1])} and {drives[-1]} (one filesystem)"
             problems.append(
-                f"disk under {drive}: {share}{_amounts(nbytes, free, 1, 'of swap files ')} free{note}; "
+                f"disk under {where}: {share}{_amounts(nbytes, free, 1, 'of swap files ')} free{note}; "
                 f"point nvme_path at a larger disk or free space, or list more drives in it")
     return problems
+
+
+def _filesystems(drives) -> list:
+    """The drives grouped by the filesystem they are on (a missing one: its nearest existing
+    parent's), in order: two directories of one drive, or a drive not mounted whose mount point
+    is on the root disk, are one filesystem and one free space."""
+    groups: dict = {}
+    for drive in drives:
+        probe = drive
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        groups.setdefault(os.stat(probe or ".").st_dev, []).append(drive)
+    return list(groups.values())
 
 
 def _amounts(need: int, have: int, ranks: int, what: str = "") -> str:

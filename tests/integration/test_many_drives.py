@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import logging
 import os
 import signal
 import subprocess
@@ -242,6 +244,47 @@ def small_drive(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
         yield str(point)
+    finally:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=60)
+
+
+def _mount_tmpfs(point, size: int) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True,
+                             text=True, timeout=60)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+
+
+def test_two_drives_on_one_filesystem_share_its_free_space(drives, tmp_path):
+    """Two listed directories on one filesystem (an unmounted drive's mount point on the root
+    disk, two directories of one drive) draw on one free space: the preflight checks their
+    swap bytes together, so a filesystem with room for each drive's half of a striped rank's
+    files but not for both refuses the run naming both, before the first byte."""
+    from infinity._offload._preflight import plan
+
+    cell = DriveCell("gpt2", "none", 3, "nvme", "nvme", persist=0, layout="stripe")
+    model, opt = infinity.initialize(build("gpt2"), config=cell.config([drives[1], drives[0]]))
+    try:
+        total = sum(plan(opt.engine.placement, opt.engine.cfg)["nvme"].values())
+    finally:
+        infinity.close(model)
+    point = tmp_path / "one-fs"
+    _mount_tmpfs(point, -(-total * 3 // 4 // 4096) * 4096)  # room for either half, not for both
+    try:
+        a, b = str(point / "a"), str(point / "b")
+        said = io.StringIO()
+        handler = logging.StreamHandler(said)
+        infinity.logger.addHandler(handler)
+        try:
+            message = _refusal(cell.config([a, b]))
+        finally:
+            infinity.logger.removeHandler(handler)
+        assert f"nvme_path lists {a} and {b}, which are one filesystem" in said.getvalue()
+        assert f"disk under {a} and {b} (one filesystem): " in message, message
+        assert sorted(os.listdir(point)) == [] or all(os.listdir(point / d) == [] for d in os.listdir(point))
     finally:
         subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=60)
 
