@@ -2,14 +2,16 @@
 
 Note [preemption]: with ``--save-on-signal``, SIGTERM (what cluster schedulers send before they
 kill) or SIGINT only raises a flag; the step in flight finishes, then the ranks agree (one
-all-reduce of the flags per step: a signal may reach some ranks only) to save a checkpoint and
-stop, and the job exits 0 saying how to resume. A second signal stops the job at once, as
-without the flag: SIGINT raises KeyboardInterrupt and SIGTERM SystemExit where the main thread
-is, the engine is closed while it unwinds (the overlapped step stops at its next chunk: Note
-[interrupted step] in _step_gate.py, the swap files are removed), nothing is saved, the last
-complete checkpoint stays the one to resume from, and the job exits 128 + the signal's number
-(130, 143). The data position is the step number (``Batches.step`` is a function of it),
-saved with the LR scheduler's state.
+all-reduce of the signals' numbers per step: a signal may reach some ranks only) to save a
+checkpoint and stop, and the job exits 0 saying how to resume. Every rank then names the same
+signal and skips the weights' export (a rank exporting alone would wait in gathers the others
+never issue). A signal in the last step stops nothing: the job ends as it would, weights exported.
+A second signal stops the job at once, as without the flag: SIGINT raises KeyboardInterrupt
+and SIGTERM SystemExit where the main thread is, the engine is closed while it unwinds (the
+overlapped step stops at its next chunk: Note [interrupted step] in _step_gate.py, the swap
+files are removed), nothing is saved, the last complete checkpoint stays the one to resume
+from, and the job exits 128 + the signal's number (130, 143). The data position is the step
+number (``Batches.step`` is a function of it), saved with the LR scheduler's state.
 """
 from __future__ import annotations
 
@@ -40,8 +42,9 @@ class TrainCheckpoints:
     keep_last: Optional[int] = None
     save_async: bool = False  # Note [asynchronous saves] in _async.py; a save on a signal still blocks
     save_on_signal: bool = False  # SIGTERM/SIGINT save at the step's end (Note [preemption])
-    stopped_by: Optional[str] = None  # the signal that stopped the job
+    stopped_by: Optional[str] = None  # the signal that stopped the job, on every rank once they agreed
     _flag: bool = False
+    _signum: int = 0  # the signal that asked this rank to stop
     _last_saved: int = -1
     _uncounted: Optional[str] = None  # a save whose SSD bytes are not counted yet
 
@@ -123,9 +126,13 @@ class TrainCheckpoints:
         """Save when due; True when a signal asked to stop (then saved: Note [preemption])."""
         stop = False
         if self.save_on_signal:  # the ranks agree on a stop only where a signal may ask for one
-            flag = torch.tensor([1.0 if self._flag else 0.0])
-            comm.all_reduce(flag, "max", what="stop request")
-            stop = bool(flag.item() > 0) and step < last
+            # the signal's number, not a flag: every rank names it and skips the weights' export
+            # alike (a rank that exported alone would wait in collectives the others never issue)
+            asked = torch.tensor([float(self._signum if self._flag else 0)])
+            comm.all_reduce(asked, "max", what="stop request")
+            stop = asked.item() > 0 and step < last  # the last step's end: the job ends as it would
+            if stop:
+                self.stopped_by = signal.Signals(int(asked.item())).name
         if stop or (self.save_every and (step % self.save_every == 0 or step == last)):
             path = self.save(run, step, blocking=stop or not self.save_async)
             if stop and comm.rank() == 0:
@@ -144,7 +151,7 @@ class TrainCheckpoints:
             if self._flag:
                 raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
             self._flag = True
-            self.stopped_by = signal.Signals(signum).name
+            self._signum = signum
 
         old = {s: signal.signal(s, handler) for s in SIGNALS}
         try:

@@ -94,6 +94,37 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     assert _steps(out) == _steps(ref_out)  # every loss, before the signal and after the resume, bit for bit
 
 
+def test_sigterm_to_one_rank_of_two_saves_and_stops_both(tmp_path):
+    """A signal may reach one rank only: the ranks agree on it at the step's end, each names it,
+    saves its share of the checkpoint and skips the weights' export (a rank that exported alone
+    would wait in gathers the other never issues: gloo aborts on the mismatch); both exit 0."""
+    from infinity.testing import free_port
+
+    cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=10000, log_every=1))
+    out = str(tmp_path / "run")
+    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2")
+    cmd = [sys.executable, "-m", "infinity.train", "--config", cfg, "--output-dir", out, "--save-on-signal"]
+    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        deadline, ready = time.monotonic() + TIMEOUT, _stepped(out)
+        while not ready():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no step began"
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
+        ends = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, stderr) in zip(procs, ends):
+        assert p.returncode == 0 and "terminate called" not in stderr, stderr[-3000:]
+    stdout = ends[0][0]
+    assert "stopped by SIGTERM after step" in stdout and "not saved (stopped by SIGTERM" in stdout, stdout[-2000:]
+    assert not os.path.exists(os.path.join(out, "model"))
+    assert sorted(_steps(out)) == list(range(1, _latest(out) + 1))
+
+
 def test_save_on_signal_needs_an_output_dir(tmp_path):
     cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=1))
     proc = run_cli(["--config", cfg, "--save-on-signal"])

@@ -22,12 +22,21 @@ def test_the_first_signal_asks_the_second_stops(tmp_path, sig, stops):
     before = signal.getsignal(sig)
     with ck.on_signals():
         _send(sig)
-        assert ck._flag and ck.stopped_by == signal.Signals(sig).name
+        assert ck._flag and ck._signum == sig and ck.stopped_by is None  # named once the ranks agree to stop
         with pytest.raises(stops) as e:
             _send(sig)
     if stops is SystemExit:
         assert e.value.code == 128 + sig
     assert signal.getsignal(sig) is before  # restored after the loop
+
+
+def test_a_signal_in_the_last_step_lets_the_job_end_as_it_would(tmp_path):
+    """The last step's end is no stop: the job ends as it would, its weights exported, since
+    ``run_job`` exports unless the job was stopped."""
+    ck = TrainCheckpoints.from_args(None, None, None, str(tmp_path), save_on_signal=True)
+    with ck.on_signals():
+        _send(signal.SIGTERM)
+    assert ck.after_step(None, 3, 3) is False and ck.stopped_by is None
 
 
 def test_without_the_flag_the_handlers_stay(tmp_path):
