@@ -152,7 +152,8 @@ def _disk_problems(cfg, need: dict, ranks: int) -> list:
     for drives in _filesystems(node):  # listed drives on one filesystem share its free space
         free = min(free_disk(drive) for drive in drives)  # each reclaimed first
         nbytes = sum(node[drive] for drive in drives)
-        if len(drives) > 1:
+        if len(drives) > 1 and tuple(drives) not in _SAID_SHARED:  # once a process (Init's preflight, then the engine's)
+            _SAID_SHARED.add(tuple(drives))
             logger.warning("nvme_path lists %s, which are one filesystem: their swap files share its space and its "
                            "bandwidth (is a drive not mounted there?)", " and ".join(drives))
         if nbytes > free:
@@ -165,6 +166,9 @@ def _disk_problems(cfg, need: dict, ranks: int) -> list:
                 f"disk under {where}: {share}{_amounts(nbytes, free, 1, 'of swap files ')} free{note}; "
                 f"point nvme_path at a larger disk or free space, or list more drives in it")
     return problems
+
+
+_SAID_SHARED: set = set()  # the groups of drives on one filesystem already warned of
 
 
 def _filesystems(drives) -> list:
