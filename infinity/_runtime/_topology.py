@@ -292,6 +292,11 @@ def place(numa: Numa = "auto", cpu_threads: Optional[int] = None, root: str = SY
     share = share_of(topo, allowed, local_rank, local_world, numa, cpu_threads, device_nodes, sharing)
     if share.pinned:
         _pin_threads(share.cpus)
+    if cpu_threads is not None and cpu_threads > len(share.cpus):
+        logger.warning("zero.cpu_threads %d is more than the %d CPU(s) of this rank's share (%s): the threads take "
+                       "turns on them, and the rank's CPU work (Adam, copies) runs slower, not faster; leave it null "
+                       "for the share, or give the rank more CPUs", cpu_threads, len(share.cpus),
+                       format_cpulist(share.cpus))
     if cpu_threads is not None or torch.get_num_threads() > share.threads:
         torch.set_num_threads(share.threads)
     if share.memory_node is not None and not prefer_node(share.memory_node):

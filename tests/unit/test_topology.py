@@ -189,6 +189,21 @@ def test_a_second_placement_divides_the_launchers_mask_not_its_own_share(placed_
     assert sorted(topo.place().cpus) == launch == sorted(os.sched_getaffinity(0))
 
 
+def test_more_cpu_threads_than_the_share_has_cpus_is_said(placed_and_restored, caplog):
+    import logging
+
+    import infinity
+
+    infinity.logger.propagate, was = True, infinity.logger.propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger=infinity.logger.name):
+            share = topo.place(numa="off", cpu_threads=len(os.sched_getaffinity(0)) + 1)
+    finally:
+        infinity.logger.propagate = was
+    assert share.threads == len(share.cpus) + 1  # kept: the user asked for it
+    assert f"zero.cpu_threads {share.threads} is more than the {len(share.cpus)} CPU(s)" in caplog.text
+
+
 def test_numa_off_pins_nothing(placed_and_restored):
     before = os.sched_getaffinity(0)
     share = topo.place(numa="off", cpu_threads=1)
