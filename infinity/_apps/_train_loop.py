@@ -211,18 +211,20 @@ def start(run: Run) -> None:
     if paths:
         run.ssd = SsdLedger(run.optimizer.engine, paths)
         run.ssd_seen = run.ssd.written()  # what initialize wrote is not a step's
-    if run.rank0 and paths:
-        # The probe file lives in this run's directory: removed with it, reclaimed with it after a crash.
-        where = run.optimizer.engine.swap_dirs.under(paths[0]).path
+    mine = list(run.optimizer.engine.swap_dirs.values())
+    if run.rank0 and mine:
+        # The probe file lives in this run's directory on a drive this rank writes to (Note [many drives] in
+        # _drives.py): removed with it, reclaimed with it after a crash.
+        where = mine[0].path
         free = shutil.disk_usage(where).free
         if free < 2 * PROBE_BYTES:  # a measurement must not fill the disk (the preflight did not count it)
-            logger.warning("disk bandwidth probe of %s skipped: it writes %s and only %s is free", paths[0],
+            logger.warning("disk bandwidth probe of %s skipped: it writes %s and only %s is free", where,
                            fmt_bytes(PROBE_BYTES), fmt_bytes(free))
         else:
             try:
                 run.disk = probe_disk(where, cfg.aio)
             except Exception as err:  # a failed probe must not stop the training it only annotates
-                logger.warning("disk bandwidth probe of %s failed: %s", paths[0], err)
+                logger.warning("disk bandwidth probe of %s failed: %s", where, err)
     out = cfg.train.output_dir
     path = cfg.telemetry.path or (os.path.join(out, "telemetry.jsonl") if out else None)
     tb_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "tensorboard") if path else None
