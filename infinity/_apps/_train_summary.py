@@ -89,7 +89,7 @@ def drive_rows(per_rank: List[dict], elapsed: float) -> List[tuple]:
     totals = drive_totals(per_rank)
     if len(totals) < 2 and len(per_rank) < 2:
         return []
-    rows: List[tuple] = [("  per drive, all ranks", "read", "write", "moved")]
+    rows: List[tuple] = [("  per drive, all ranks (all swap-file I/O)", "read", "write", "moved")]
     for d, t in totals.items():
         rows.append((f"    {d}", fmt_rate(t["read"] / elapsed), fmt_rate(t["write"] / elapsed),
                      fmt_bytes(t["read"] + t["write"])))

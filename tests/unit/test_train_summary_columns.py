@@ -67,6 +67,6 @@ def test_each_drive_is_a_row_with_every_ranks_bytes():
     mine = drive_traffic(SimpleNamespace(cfg=cfg, stats=stats))
     assert mine == {"/var/tmp": {"read": 4e9, "write": 2e9}}  # drive 0 untouched by this rank
     rows = drive_rows([{"drives": mine}, {"drives": {"/tmp": {"read": 1e9, "write": 0.0}}}], elapsed=2.0)
-    assert rows == [("  per drive, all ranks", "read", "write", "moved"),
+    assert rows == [("  per drive, all ranks (all swap-file I/O)", "read", "write", "moved"),
                     ("    /tmp", "500.0 MB/s", "0 B/s", "1.0 GB"), ("    /var/tmp", "2.0 GB/s", "1.0 GB/s", "6.0 GB")]
     assert drive_rows([{"drives": {"/tmp": {"read": 1.0, "write": 1.0}}}], 1.0) == []  # one drive, one rank
