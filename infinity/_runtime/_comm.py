@@ -16,6 +16,7 @@ import atexit
 import collections
 import datetime
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -103,6 +104,9 @@ class JobStopped(CommTimeout):
 #   a rank that died instead is named by the closed connection, and a hung one by the timeout
 #   (Note [comm timeout]), so no rank waits longer than ``comm.timeout`` either way. The slices
 #   also let a signal's handler run in a long wait (Note [interrupted step] in _step_gate.py).
+# - a rank whose forward or backward a signal interrupted (KeyboardInterrupt, SystemExit) ends
+#   with it: its ``close`` while that unwinds stops the job at once, naming the signal's exception
+#   (no peer's word awaited: nothing recovers in a process that is ending).
 # Stage 1 runs no backward hook, so it cannot see a backward that raised: there the script must
 # let the exception end the process (its peers then see it die). NCCL collectives are waited for
 # by the device, not here: NCCL's own timeout ends them.
@@ -170,7 +174,11 @@ def after_failed_pass(what: str, raised_by: str, *, closing: bool = False) -> No
     """Note [one rank failing]: this rank's ``what`` (forward, backward) ended by an exception
     and was ended as on one rank: go on when every rank's did after the same collectives, else
     stop the job (``JobStopped`` here too, unless ``closing``)."""
-    if world_size() > 1 and not agree_on_abort():
+    unwinding = sys.exc_info()[1]  # close() while a signal's exception unwinds: the process ends, no peer recovers
+    if isinstance(unwinding, (KeyboardInterrupt, SystemExit)) and world_size() > 1:
+        code = f"({unwinding.code})" if isinstance(unwinding, SystemExit) else ""
+        stop_job(f"rank {rank()} was interrupted in its {what} by {type(unwinding).__name__}{code}: a signal stopped it")
+    elif world_size() > 1 and not agree_on_abort():
         stop_job(f"rank {rank()}'s {what} ended by an exception, raised by {raised_by}")
         if not closing:
             check_job(f"the call after a {what} that raised")
