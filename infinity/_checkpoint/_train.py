@@ -168,7 +168,13 @@ def _resume_command() -> str:
             skip = a == "--resume"
             continue
         argv.append(a)
-    return f"python -m infinity.train {' '.join(argv + ['--resume', 'auto'])}"
+    job = f"-m infinity.train {' '.join(argv + ['--resume', 'auto'])}"
+    ranks, here = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("LOCAL_WORLD_SIZE")
+    if ranks <= 1:
+        return f"python {job}"
+    if here is not None and int(here) == ranks:  # one node: torchrun's command for it
+        return f"torchrun --nproc-per-node {ranks} {job}"
+    return f"the launcher's command for the same {ranks} ranks, each running {job}"
 
 
 def _stopped_text(signal_name: Optional[str], step: int, path: Optional[str]) -> str:

@@ -121,6 +121,7 @@ def test_sigterm_to_one_rank_of_two_saves_and_stops_both(tmp_path):
         assert p.returncode == 0 and "terminate called" not in stderr, stderr[-3000:]
     stdout = ends[0][0]
     assert "stopped by SIGTERM after step" in stdout and "not saved (stopped by SIGTERM" in stdout, stdout[-2000:]
+    assert "Resume with: torchrun --nproc-per-node 2 -m infinity.train" in stdout, stdout[-2000:]
     assert not os.path.exists(os.path.join(out, "model"))
     assert sorted(_steps(out)) == list(range(1, _latest(out) + 1))
 

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch.distributed as dist
 
-from infinity._checkpoint._train import TrainCheckpoints, interrupted_text
+from infinity._checkpoint._train import TrainCheckpoints, _stopped_text, interrupted_text
 from infinity.errors import UsageError
 
 
@@ -37,6 +37,17 @@ def test_a_signal_in_the_last_step_lets_the_job_end_as_it_would(tmp_path):
     with ck.on_signals():
         _send(signal.SIGTERM)
     assert ck.after_step(None, 3, 3) is False and ck.stopped_by is None
+
+
+def test_the_resume_command_keeps_the_launch(tmp_path, monkeypatch):
+    """The command that resumes a job stopped by a signal launches as many ranks as it had."""
+    monkeypatch.setattr("sys.argv", ["infinity.train", "--steps", "9", "--resume", "x", "--save-on-signal"])
+    for world, local, launch in [(None, None, "python -m"), ("2", "2", "torchrun --nproc-per-node 2 -m"),
+                                 ("16", "8", "the launcher's command for the same 16 ranks, each running -m")]:
+        for key, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local)):
+            monkeypatch.delenv(key, raising=False) if value is None else monkeypatch.setenv(key, value)
+        text = _stopped_text("SIGTERM", 5, str(tmp_path / "step5"))
+        assert text.endswith(f"Resume with: {launch} infinity.train --steps 9 --save-on-signal --resume auto"), text
 
 
 def test_without_the_flag_the_handlers_stay(tmp_path):
