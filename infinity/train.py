@@ -100,8 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, InsufficientResourcesError) as err:  # TrainError, DataError, ConfigError among them
         print(f"infinity.train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except NonFiniteError as err:  # precision.on_nonfinite: error; not bad input, but no traceback either
-        print(f"infinity.train: error: {err}", file=sys.stderr)
+    except (NonFiniteError, comm.CommTimeout) as err:  # precision.on_nonfinite: error; a peer that died, hung or
+        print(f"infinity.train: error: {err}", file=sys.stderr)  # stopped the job (JobStopped): the message says it all
         return 1
     except KeyboardInterrupt:  # said by run_job; no traceback (Note [preemption] in _checkpoint/_train.py)
         return EXIT_SIGINT

@@ -98,25 +98,9 @@ def test_sigterm_to_one_rank_of_two_saves_and_stops_both(tmp_path):
     """A signal may reach one rank only: the ranks agree on it at the step's end, each names it,
     saves its share of the checkpoint and skips the weights' export (a rank that exported alone
     would wait in gathers the other never issues: gloo aborts on the mismatch); both exit 0."""
-    from infinity.testing import free_port
-
     cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=10000, log_every=1))
     out = str(tmp_path / "run")
-    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-               LOCAL_WORLD_SIZE="2")
-    cmd = [sys.executable, "-m", "infinity.train", "--config", cfg, "--output-dir", out, "--save-on-signal"]
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        deadline, ready = time.monotonic() + TIMEOUT, _stepped(out)
-        while not ready():
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no step began"
-            time.sleep(0.2)
-        procs[1].send_signal(signal.SIGTERM)
-        ends = [p.communicate(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    procs, ends = _two_ranks(["--config", cfg, "--output-dir", out, "--save-on-signal"], out, signal.SIGTERM)
     for p, (_, stderr) in zip(procs, ends):
         assert p.returncode == 0 and "terminate called" not in stderr, stderr[-3000:]
     stdout = ends[0][0]
@@ -124,6 +108,41 @@ def test_sigterm_to_one_rank_of_two_saves_and_stops_both(tmp_path):
     assert "Resume with: torchrun --nproc-per-node 2 -m infinity.train" in stdout, stdout[-2000:]
     assert not os.path.exists(os.path.join(out, "model"))
     assert sorted(_steps(out)) == list(range(1, _latest(out) + 1))
+
+
+def test_sigterm_to_one_rank_of_two_without_the_flag_stops_both(tmp_path):
+    """Without ``--save-on-signal`` the signalled rank stops at once (exit 143); the other one
+    learns it from the collective it waits in (the peer interrupted or gone) and exits 1 with a
+    one-line message naming it, no traceback."""
+    cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=10000, log_every=1))
+    out = str(tmp_path / "run")
+    procs, ends = _two_ranks(["--config", cfg, "--output-dir", out], out, signal.SIGTERM)
+    assert procs[1].returncode == 143, ends[1][1][-3000:]
+    stderr = ends[0][1]
+    assert procs[0].returncode == 1 and "infinity.train: error: rank 0: " in stderr, stderr[-3000:]
+    assert "rank 1" in stderr.split("infinity.train: error:")[1] and "Traceback" not in stderr, stderr[-3000:]
+
+
+def _two_ranks(args, out, sig):
+    """Two ranks of the job on this machine; ``sig`` to rank 1 once a step began; the processes
+    and their (stdout, stderr)."""
+    from infinity.testing import free_port
+
+    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, "-m", "infinity.train"] + args,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        deadline, ready = time.monotonic() + TIMEOUT, _stepped(out)
+        while not ready():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no step began"
+            time.sleep(0.2)
+        procs[1].send_signal(sig)
+        return procs, [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def test_save_on_signal_needs_an_output_dir(tmp_path):
