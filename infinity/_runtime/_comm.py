@@ -107,6 +107,8 @@ class JobStopped(CommTimeout):
 # - a rank whose forward or backward a signal interrupted (KeyboardInterrupt, SystemExit) ends
 #   with it: its ``close`` while that unwinds stops the job at once, naming the signal's exception
 #   (no peer's word awaited: nothing recovers in a process that is ending).
+# What a process knows of this (a stop, the first failure, the counts) is its job's: a new default
+# group, another job in the same process, starts without it (``_this_job``).
 # Stage 1 runs no backward hook, so it cannot see a backward that raised: there the script must
 # let the exception end the process (its peers then see it die). NCCL collectives are waited for
 # by the device, not here: NCCL's own timeout ends them.
@@ -116,6 +118,16 @@ _stopped: Optional[str] = None  # why this process's collectives are refused: No
 _failure: Optional[str] = None  # the first collective that failed here: the cause stop_job publishes
 _issued = 0  # collectives this process has launched in a process group
 _aborts = 0  # backwards that raised here (ranks in step count the same)
+_job_group: Optional[object] = None  # the default group the four above belong to
+
+
+def _this_job() -> None:
+    """The state above is one job's: a process that makes a new default group after the last
+    one was destroyed (another job in the same process) starts with none of it."""
+    global _stopped, _failure, _issued, _aborts, _job_group
+    group = dist.group.WORLD if is_distributed() else None
+    if group is not None and group is not _job_group:
+        _stopped, _failure, _issued, _aborts, _job_group = None, None, 0, 0, group
 
 
 def _stop_key() -> str:
@@ -136,6 +148,7 @@ def stop_job(reason: str) -> None:
     global _stopped
     if not is_distributed():
         return
+    _this_job()
     reason = _failure or reason  # a backward that ended because a collective failed: that failure is the cause
     store = _store()
     try:
@@ -149,6 +162,7 @@ def stop_job(reason: str) -> None:
 def published_stop() -> Optional[str]:
     """Why a rank stopped the job, if one did (Note [one rank failing])."""
     global _stopped
+    _this_job()
     if _stopped is None and is_distributed():
         store = _store()
         try:
@@ -163,6 +177,7 @@ def check_job(what: str) -> None:
     """Before a collective: raise ``JobStopped`` once a rank stopped the job, else count it
     (Note [one rank failing])."""
     global _issued
+    _this_job()
     if _stopped is not None:
         raise JobStopped(f"rank {rank()}: {what} refused: the job was stopped ({_stopped}); every rank stops. "
                          f"Fix the cause in that rank's log, then resume from the last checkpoint")
@@ -188,6 +203,7 @@ def agree_on_abort() -> bool:
     """This rank's forward or backward raised: whether every rank's did, each after the same
     collectives, so that each may recover as one rank does (Note [one rank failing])."""
     global _aborts
+    _this_job()
     _aborts += 1
     store = _store() if is_distributed() and _stopped is None else None
     if store is None:
@@ -396,6 +412,7 @@ def _seen(message: str) -> str:
     """A collective's failure, remembered as the cause ``stop_job`` publishes when it ended a
     backward here (Note [one rank failing]): the peer's death, not this rank's backward."""
     global _failure
+    _this_job()
     _failure = _failure or message
     return message
 

@@ -278,3 +278,31 @@ def test_every_rank_failing_in_forward_at_the_same_point_recovers_on_both():
     for events, reference in zip(failed, skipped):
         assert [(e["step"], e["error"]) for e in events] == [(1, None), (2, "Boom"), (3, None), (4, None)], events
         assert [e["loss"] for e in events if e["error"] is None] == [e["loss"] for e in reference], (events, reference)
+
+
+def _a_second_job_after_a_stopped_one(port: int):
+    """Each rank: its job stopped (rank 1 stops it, rank 0 learns it from the store), then a new
+    default group in the same process, as a second job run there makes; its collectives work."""
+    import torch
+    import torch.distributed as dist
+
+    from infinity._runtime import _comm as comm
+
+    rank = comm.rank()
+    dist.barrier()  # torch's own: both ranks' state is this group's before rank 1 stops the job
+    if rank == 1:
+        comm.stop_job("rank 1 stopped the first job")
+    dist.barrier()  # rank 1 has published before rank 0 reads
+    with pytest.raises(comm.JobStopped, match="rank 1 stopped the first job"):
+        comm.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    return comm.all_reduce(torch.ones(1)).item(), comm.published_stop()
+
+
+def test_a_new_process_group_is_a_new_job():
+    """What stopped one job (Note [one rank failing] in _comm.py) is that job's: a second job in
+    the same processes, on a new process group, trains (its collectives refused before)."""
+    from infinity.testing import free_port, run_ranks
+
+    assert run_ranks(_a_second_job_after_a_stopped_one, 2, free_port(), timeout=120) == [(2.0, None)] * 2
