@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -118,7 +119,9 @@ _stopped: Optional[str] = None  # why this process's collectives are refused: No
 _failure: Optional[str] = None  # the first collective that failed here: the cause stop_job publishes
 _issued = 0  # collectives this process has launched in a process group
 _aborts = 0  # backwards that raised here (ranks in step count the same)
-_job_group: Optional[object] = None  # the default group the four above belong to
+# the default group the four above belong to, held weakly: a reference here kept a destroyed
+# group's gloo threads alive into the interpreter's finalization (Note [process group at exit])
+_job_group: Optional["weakref.ref"] = None
 
 
 def _this_job() -> None:
@@ -126,8 +129,8 @@ def _this_job() -> None:
     one was destroyed (another job in the same process) starts with none of it."""
     global _stopped, _failure, _issued, _aborts, _job_group
     group = dist.group.WORLD if is_distributed() else None
-    if group is not None and group is not _job_group:
-        _stopped, _failure, _issued, _aborts, _job_group = None, None, 0, 0, group
+    if group is not None and (_job_group is None or group is not _job_group()):
+        _stopped, _failure, _issued, _aborts, _job_group = None, None, 0, 0, weakref.ref(group)
 
 
 def _stop_key() -> str:
