@@ -30,10 +30,12 @@ And what the benchmarks in ``scripts/`` read or drive below the public API, each
 - ``device_memory_allocated``, ``device_memory_peak``, ``reset_device_memory_peak``,
   ``cap_device_memory``: the device's allocated bytes (CUDA's ``memory_allocated``, the emulated
   device's) and their peak, and a cap past which its allocations raise ``torch.OutOfMemoryError``
-  (the GPU check's out-of-memory phase).
+  (the GPU check's out-of-memory phase); ``device_memory_settled`` and ``wait_device_memory``: the
+  allocated bytes with nothing in flight or unreferenced, and those bytes once back to a level.
 """
 from __future__ import annotations
 
+import gc
 import io
 import json
 import multiprocessing as mp
@@ -69,6 +71,27 @@ from .aio._inject import inject as inject_io_fault  # noqa: F401 - fault injecti
 from .aio._inject import io_fault  # noqa: F401
 from .config import _parse_bytes as parse_bytes  # noqa: F401
 from .errors import UsageError
+
+
+def device_memory_settled() -> int:
+    """The device's allocated bytes once its queued work and copies landed and nothing
+    unreferenced is left (a queued copy holds its tensors, as CUDA's allocator keeps a block
+    recorded on a stream until the stream is past it)."""
+    acc.synchronize()
+    gc.collect()
+    return acc.memory_allocated()
+
+
+def wait_device_memory(level: int, *, at_most: bool = False, timeout: float = 30.0) -> int:
+    """The settled bytes once they are back to ``level`` (``at_most``: to it or below), or after
+    ``timeout`` seconds: the device's autograd thread drops what a failed backward left queued a
+    moment after the caller got the exception (as on CUDA). The caller compares; never a timing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = device_memory_settled()
+        if (now <= level if at_most else now == level) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.01)
 
 
 class RankFailure(AssertionError):

@@ -45,6 +45,22 @@ def infinity_logs(caplog):
 
 
 @pytest.fixture
+def emulated():
+    """The emulated device for one test, its capacity (``_emulated.set_capacity``) put back after
+    it; what earlier tests left unreferenced is collected first, so it is not counted in the
+    levels the test measures."""
+    import gc
+
+    gc.collect()
+    with _accelerator.using("emulated"):
+        capacity = _emulated.total_memory()
+        try:
+            yield _accelerator.device()
+        finally:
+            _emulated.set_capacity(capacity)
+
+
+@pytest.fixture
 def glibc_serves_torch():
     """Torch's CPU blocks from glibc for one test: engines of earlier tests that are still alive
     (Note [block cache] in host_alloc.cpp) give up their hold on the block cache and take it back after; no freed

@@ -14,15 +14,19 @@ after, the losses of both and their largest difference, and ``ok``. Without an a
 """
 import argparse
 import copy
-import gc
 import json
 import sys
-import time
 
 import torch
 
 import infinity
-from infinity.testing import cap_device_memory, device_memory_allocated, device_memory_peak, reset_device_memory_peak
+from infinity.testing import (
+    cap_device_memory,
+    device_memory_peak,
+    device_memory_settled,
+    reset_device_memory_peak,
+    wait_device_memory,
+)
 
 VOCAB = 50257
 LR = 1e-4
@@ -49,22 +53,6 @@ def on_device(model, dev):
         return model.to(device=dev)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
-
-
-def settled() -> int:
-    """The device's allocated bytes once the engine's copies landed and nothing unreferenced is left."""
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    gc.collect()
-    return device_memory_allocated()
-
-
-def back_to(level: int, wait: float = 10.0) -> int:
-    """The allocated bytes once back to ``level`` or ``wait`` seconds passed (the device's
-    autograd thread drops what a failed backward left queued a moment after the exception)."""
-    deadline = time.monotonic() + wait
-    while settled() != level and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return settled()
 
 
 def loss_of(model, ids):
@@ -138,7 +126,7 @@ def main() -> int:
     model, opt = infinity.initialize(model, config=cfg)
     try:
         losses = train(model, opt, small[:1])
-        before = settled()
+        before = device_memory_settled()
         reset_device_memory_peak()
         loss = loss_of(model, big)
         forward = device_memory_peak() - before
@@ -146,7 +134,7 @@ def main() -> int:
         whole = device_memory_peak() - before
         loss = None
         opt.zero_grad()
-        before = back_to(before)
+        before = wait_device_memory(before, timeout=10.0)
         where, tries = "nowhere", []
         for frac in (0.5, 0.75, 0.9):  # between the peaks; higher if the cache's rounding made it fail in forward
             cap = before + forward + int((whole - forward) * frac)
@@ -154,7 +142,7 @@ def main() -> int:
             tries.append({"cap": cap, "where": where})
             if where != "forward":
                 break
-        after = back_to(before)
+        after = wait_device_memory(before, timeout=10.0)
         losses += train(model, opt, small[1:])
     finally:
         infinity.close(model)

@@ -21,8 +21,6 @@ gradients are discarded), so the failures fall where the test says whatever the 
 from __future__ import annotations
 
 import faulthandler
-import gc
-import time
 
 import pytest
 import torch
@@ -30,10 +28,11 @@ from _configs import zero_config
 from _models import VOCAB, gpt2
 
 import infinity
-from infinity._runtime import _accelerator as acc
 from infinity._runtime._accelerator import _emulated
+from infinity.testing import device_memory_settled, wait_device_memory
 
 HANG_GUARD = 300  # seconds: a test that hangs kills the process with every thread's stack
+WAIT_S = HANG_GUARD / 10  # the longest wait for the device's bytes to come back (never a timing asserted)
 LR, WEIGHT_DECAY = 1e-3, 0.01
 TOL, WEIGHTS_TOL = 1e-6, 1e-5  # against plain PyTorch (the native CPU Adam's last bits: test_failed_steps.py)
 SEQ = 32
@@ -44,17 +43,6 @@ def hang_guard():
     faulthandler.dump_traceback_later(HANG_GUARD, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
-
-
-@pytest.fixture
-def emulated():
-    """The emulated device, its capacity put back after the test."""
-    with acc.using("emulated"):
-        capacity = _emulated.total_memory()
-        try:
-            yield acc.device()
-        finally:
-            _emulated.set_capacity(capacity)
 
 
 def config(stage: int, nvme: str) -> dict:
@@ -71,36 +59,11 @@ def loss_of(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
-def settled() -> int:
-    """The device's allocated bytes once nothing unreferenced is left and the copies queued
-    have landed (a queued copy holds its tensors, as CUDA's allocator keeps a block recorded
-    on a stream until the stream is past it)."""
-    acc.synchronize()
-    gc.collect()
-    return _emulated.memory_allocated()
-
-
-def back_to(level: int, at_most: bool = False) -> bool:
-    """Whether the device's allocated bytes come back to ``level`` (``at_most``: to it or
-    below): the autograd thread of the device drops the nodes a failed backward left queued
-    after the caller got the exception (as on CUDA), so the level is reached a moment later.
-    Waits HANG_GUARD / 10 s at most; never a timing asserted."""
-    deadline = time.monotonic() + HANG_GUARD / 10
-
-    def reached():
-        now = settled()
-        return now <= level if at_most else now == level
-
-    while not reached() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return reached()
-
-
 def peaks(model, opt, ids) -> tuple:
     """Bytes above the level before it that the forward, then the forward and backward, of
     ``ids`` reach on the device; the gradients are discarded. (The first backward of an engine
     also allocates its reduce bucket, kept after: measure after one.)"""
-    base = settled()
+    base = device_memory_settled()
     _emulated.reset_peak_memory_stats()
     loss = loss_of(model, ids)
     forward = _emulated.max_memory_allocated() - base
@@ -171,22 +134,23 @@ def test_out_of_memory_in_forward_and_backward_is_recovered_exactly(stage, emula
     model, opt = infinity.initialize(gpt2(), config(stage, str(tmp_path)))
     losses, engine, big = [], opt.engine, big.to(emulated)
     try:
-        before = settled()  # the first forward has no trace to prefetch by: it fails in the first unit's acquire
+        before = device_memory_settled()  # the first forward has no trace to prefetch by: it fails in the first unit's acquire
         assert fails_in(model, opt, big, before + 64) == "forward"
-        assert back_to(before), "the failed gather left device memory held"
+        assert wait_device_memory(before, timeout=WAIT_S) == before, "the failed gather left device memory held"
         assert not [u.module_name for u in engine.units if engine.ledger.count(u)], "a failed acquire kept its hold"
         step(model, opt, small[0].to(emulated), losses)
-        before = settled()
+        before = device_memory_settled()
         forward, whole = peaks(model, opt, big)
-        assert back_to(before)
+        assert wait_device_memory(before, timeout=WAIT_S) == before
         assert forward < whole
-        before = settled()
+        before = device_memory_settled()
         assert fails_in(model, opt, big, before + 64) == "forward"  # in the gathers the prefetcher starts
-        assert back_to(before), "the failed prefetch left device memory held"
+        assert wait_device_memory(before, timeout=WAIT_S) == before, "the failed prefetch left device memory held"
         assert fails_in(model, opt, big, before + forward // 2) == "forward"
-        assert back_to(before), "the failed forward left device memory held"
+        assert wait_device_memory(before, timeout=WAIT_S) == before, "the failed forward left device memory held"
         assert fails_in(model, opt, big, before + (forward + whole) // 2) == "backward"
-        assert back_to(before), f"the failed backward left {settled() - before} bytes of device memory held"
+        assert wait_device_memory(before, timeout=WAIT_S) == before, \
+            f"the failed backward left {device_memory_settled() - before} bytes of device memory held"
         assert engine.live_elems == 0 and not opt.sink.got_grad.any()
         for ids in small[1:]:
             step(model, opt, ids.to(emulated), losses)
@@ -209,9 +173,10 @@ def test_out_of_memory_at_each_early_allocation_of_a_forward_leaves_nothing(emul
         for _ in range(2):  # the trace recorded: the prefetcher runs ahead
             step(model, opt, small.to(emulated), losses)
         for cap in caps:
-            before = settled()
+            before = device_memory_settled()
             assert fails_in(model, opt, big, before + cap) == "forward"
-            assert back_to(before), f"capacity +{cap}: {settled() - before} bytes of the failed forward left"
+            assert wait_device_memory(before, timeout=WAIT_S) == before, \
+                f"capacity +{cap}: {device_memory_settled() - before} bytes of the failed forward left"
             held = [u.module_name for u in engine.units if engine.ledger.count(u)]
             assert not held, f"capacity +{cap}: {held} still held"
             step(model, opt, small.to(emulated), losses)
@@ -274,7 +239,7 @@ def test_find_executable_batch_size_finds_the_batch_and_trains_exactly(emulated,
         peaks(model, opt, data[:4].to(emulated))
         fit4 = peaks(model, opt, data[:4].to(emulated))[1]
         fit5 = peaks(model, opt, data[:5].to(emulated))[1]
-        idle = settled()
+        idle = device_memory_settled()
         capacity = idle + (fit4 + fit5) // 2
         tries = []
 
@@ -282,7 +247,7 @@ def test_find_executable_batch_size_finds_the_batch_and_trains_exactly(emulated,
         def fit(batch_size):
             tries.append(batch_size)
             opt.zero_grad()  # what a failed try left (plain PyTorch's partial .grad as much as infinity's)
-            assert back_to(idle), "a failed try left device memory held"
+            assert wait_device_memory(idle, timeout=WAIT_S) == idle, "a failed try left device memory held"
             losses = []
             for ids in data.split(batch_size)[:steps]:
                 step(model, opt, ids.to(emulated), losses)
@@ -315,7 +280,7 @@ def test_trainer_auto_find_batch_size_trains_as_the_plain_trainer_at_the_batch_f
            "precision": {"dtype": "fp32"}}
     over = dict(gradient_accumulation_steps=1, max_steps=3, train_sampling_strategy="sequential")
     data = dataset(seq=SEQ)
-    start = settled()
+    start = device_memory_settled()
     probe, probe_opt = infinity.initialize(tiny_llama(), config=cfg)
     batch = torch.stack([r["input_ids"] for r in data[:5]]).to(emulated)
     fit = []
@@ -324,10 +289,10 @@ def test_trainer_auto_find_batch_size_trains_as_the_plain_trainer_at_the_batch_f
         for _ in range(3):
             step(probe, probe_opt, batch[:n], [])
         fit.append(_emulated.max_memory_allocated() - start)
-    idle = settled() - start  # the engine between steps, its reduce bucket allocated
+    idle = device_memory_settled() - start  # the engine between steps, its reduce bucket allocated
     probe_opt.engine.close()
     del probe, probe_opt, batch
-    assert settled() == start
+    assert device_memory_settled() == start
 
     engines = []
 
@@ -337,7 +302,8 @@ def test_trainer_auto_find_batch_size_trains_as_the_plain_trainer_at_the_batch_f
 
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
             engines.append(optimizer.engine)
-            assert back_to(start + idle, at_most=True), "a failed try left device memory held"
+            assert wait_device_memory(start + idle, at_most=True, timeout=WAIT_S) <= start + idle, \
+                "a failed try left device memory held"
 
     plain = Trainer(model=tiny_llama(), args=training_args(str(tmp_path / "plain"), optim="adamw_torch",
                                                           per_device_train_batch_size=4, **over),

@@ -5,39 +5,14 @@ own budget (Note [device budget] in infinity/_runtime/_accelerator/__init__.py).
 ``auto_find_batch_size`` and ``find_executable_batch_size`` retry on) recognises, and the
 memory the failed computation held is free once the exception is dropped."""
 import gc
-import time
 
 import pytest
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
-from infinity._runtime import _accelerator as acc
 from infinity._runtime._accelerator import DeviceBudget, DeviceOutOfMemory, _emulated
 from infinity.errors import InfinityError
-
-
-@pytest.fixture
-def emulated():
-    gc.collect()  # what earlier tests left unreferenced is not counted in the levels measured here
-    with acc.using("emulated"):
-        capacity = _emulated.total_memory()
-        try:
-            yield acc.device()
-        finally:
-            _emulated.set_capacity(capacity)
-
-
-def back_to(level: int) -> bool:
-    """Whether the device's allocated bytes come back to ``level``: the device's autograd thread
-    drops what a failed backward left queued a moment after the caller got the exception (as
-    on CUDA). Waits 30 s at most; never a timing asserted."""
-    deadline = time.monotonic() + 30
-    while True:
-        acc.synchronize()
-        gc.collect()
-        if _emulated.memory_allocated() == level or time.monotonic() > deadline:
-            return _emulated.memory_allocated() == level
-        time.sleep(0.01)
+from infinity.testing import wait_device_memory
 
 
 def graph(dev):
@@ -71,7 +46,7 @@ def test_emulated_device_out_of_memory_inside_backward_reaches_the_caller(emulat
         loss.backward()
     recognised, no_grad = should_reduce_batch_size(caught.value), w.grad is None
     del caught, loss, out, w  # (an assert on caught.value would keep it, and its traceback's tensors, alive)
-    assert back_to(before)
+    assert wait_device_memory(before) == before
     assert recognised and no_grad
     _emulated.set_capacity(before + (1 << 20))
     w, out = graph(emulated)
