@@ -157,6 +157,23 @@ def reference(kind: str, mode: str, clip: float = 0.0):
     return losses, _named_params(model), initial, getattr(model, "routing", None)
 
 
+def global_losses(model, opt, kind: str, rank: int, world: int) -> list:
+    """STEPS steps on this rank's share of every global batch; the global mean loss of each."""
+    import torch.distributed as dist
+
+    losses = []
+    for ids, targets in batches(kind, STEPS):
+        loss = loss_of(model, kind, ids.chunk(world)[rank], targets.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
 def train(cell: Cell, nvme: str):
     """infinity on this rank's share of every global batch: the global mean loss of each step,
     the final weights (gathered) and the MoE's routing."""
@@ -166,16 +183,7 @@ def train(cell: Cell, nvme: str):
     model, opt = infinity.initialize(build(cell.kind, cell.mode), config=cell.config(nvme))
     swap = [d.path for d in opt.engine.swap_dirs.values()]
     try:
-        losses = []
-        for ids, targets in batches(cell.kind, STEPS):
-            loss = loss_of(model, cell.kind, ids.chunk(world)[rank], targets.chunk(world)[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = torch.tensor([loss.item()], dtype=torch.float64)
-            if world > 1:
-                dist.all_reduce(t)
-            losses.append(t.item() / world)
+        losses = global_losses(model, opt, cell.kind, rank, world)
         with infinity.GatheredParameters(list(model.parameters())):
             params = _named_params(model)
     finally:

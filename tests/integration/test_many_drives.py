@@ -28,9 +28,9 @@ import time
 
 import pytest
 import torch
-from _hf_models import batches, build, loss_of
+from _hf_models import build
 from _xfs import skip_reason, xfs_mount
-from test_exact_training import STEPS, Cell, _named_params, check_matches_reference
+from test_exact_training import Cell, _named_params, check_matches_reference, global_losses
 from test_train import TIMEOUT, _env, load_saved, read_jsonl, run_cli, tiny_config, write_config
 
 import infinity
@@ -77,16 +77,7 @@ def _train(cell: DriveCell, nvme):
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model, opt = infinity.initialize(build(cell.kind, cell.mode), config=cell.config(nvme))
     try:
-        losses = []
-        for ids, targets in batches(cell.kind, STEPS):
-            loss = loss_of(model, cell.kind, ids.chunk(world)[rank], targets.chunk(world)[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = torch.tensor([loss.item()], dtype=torch.float64)
-            if world > 1:
-                dist.all_reduce(t)
-            losses.append(t.item() / world)
+        losses = global_losses(model, opt, cell.kind, rank, world)
         with infinity.GatheredParameters(list(model.parameters())):
             params = _named_params(model)
         moved = opt.engine.swap_dirs.drive_bytes()
