@@ -32,6 +32,19 @@ def _nvme_config(path: str) -> dict:
             "precision": {"dtype": "fp32"}}
 
 
+def test_a_plain_trainer_trains_where_the_emulated_device_is_registered(tmp_path):
+    """accelerate empties the device cache through ``torch.accelerator`` at the start of every
+    ``train`` (Note [emulated accelerator in torch.accelerator] in _emulated_torch.py): with the emulator registered, as in
+    every test process, a plain Trainer trains on the CPU."""
+    from transformers import Trainer
+
+    assert torch.accelerator.current_accelerator().type == "emu"
+    trainer = Trainer(model=tiny_llama(), args=training_args(str(tmp_path), optim="adamw_torch", max_steps=2),
+                      train_dataset=dataset())
+    out = trainer.train()
+    assert out.global_step == 2 and torch.isfinite(torch.tensor(out.training_loss))
+
+
 def test_same_losses_as_plain_trainer_with_adamw(tmp_path):
     from transformers import Trainer
 

@@ -28,7 +28,8 @@ wrapped host tensors. What it emulates, and why each matters:
 - memory statistics: allocated / peak bytes of device storage and a capacity
   (``INFINITY_EMULATED_MEMORY`` bytes, ``set_capacity``) past which allocation raises
   ``torch.OutOfMemoryError`` worded as CUDA's, in forward and in backward alike (Note [errors
-  inside backward]).
+  inside backward]); ``torch.accelerator`` and ``torch.emu`` answer from them, as libraries
+  ask them of any device (Note [emulated accelerator in torch.accelerator] in _emulated_torch.py).
 
 Why a Python wrapper subclass and not a C++ PrivateUse1 backend: the emulator must change
 what copies do in time (queues, delays, poison), which is Python-level logic either way, and
@@ -44,6 +45,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ...errors import InfinityError, UsageError
+from . import _emulated_torch
 from ._emulated_memory import (
     Unheld,
     add_view,
@@ -117,7 +119,7 @@ def setup() -> None:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         if torch._C._get_privateuse1_backend_name() == "privateuseone":
-            _setup_privateuseone_for_python_backend(NAME, backend_module=_BackendModule())
+            _setup_privateuseone_for_python_backend(NAME, backend_module=_emulated_torch.DeviceModule())
         elif torch._C._get_privateuse1_backend_name() != NAME:
             raise UsageError(f"INFINITY_ACCELERATOR=emulated needs PyTorch's PrivateUse1 backend, which is "
                                f"already taken by {torch._C._get_privateuse1_backend_name()!r}")
@@ -127,41 +129,11 @@ def setup() -> None:
         _library.impl("_fused_sdp_choice", _sdp_choice, "PrivateUse1")
         _library.impl("_copy_from", _copy_from, "PrivateUse1")  # reached below the Python key (torch.tensor(...,
         # device=...), list indices): the same copy as copy_
+        _emulated_torch.install()  # Note [emulated accelerator in torch.accelerator] in _emulated_torch.py
         _setup_done = True
 
 
 _library = None
-
-
-class _BackendModule:
-    """``torch.emu``: what torch asks of a device module (checkpointing asks for AMP dtypes)."""
-
-    def is_initialized(self) -> bool:
-        return True
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_device(self) -> int:
-        return 0
-
-    def device_count(self) -> int:
-        return 1
-
-    def _is_in_bad_fork(self) -> bool:
-        return False
-
-    def manual_seed_all(self, seed: int) -> None:
-        pass  # the device's kernels draw from the host generator
-
-    def get_amp_supported_dtype(self):
-        return [torch.bfloat16, torch.float16]
-
-    def get_rng_state(self, device=None):
-        return get_rng_state()
-
-    def set_rng_state(self, state, device=None):
-        set_rng_state(state)
 
 
 def device() -> torch.device:

@@ -22,14 +22,28 @@ _lock = threading.RLock()
 
 
 class _Memory:
+    """The device's ledger: bytes held now and at the peak, against a capacity, and the running
+    counts torch's allocator statistics report (Note [emulated accelerator in torch.accelerator] in
+    _emulated_torch.py)."""
+
     def __init__(self):
         self.allocated = 0
         self.peak = 0
         self.capacity = self.default = int(os.environ.get("INFINITY_EMULATED_MEMORY", str(64 << 30)))
         self.lock = threading.Lock()
+        self.blocks = self.blocks_peak = 0  # storages held now, and at most
+        self.reset_accumulated()
+        self.ooms = 0
+
+    def reset_accumulated(self) -> None:
+        """Zero the running totals (``reset_accumulated_memory_stats``)."""
+        self.bytes_in = self.bytes_out = 0
+        self.blocks_in = self.blocks_out = 0
+        self.ooms = 0
 
     def check(self, nbytes: int) -> None:
         if self.allocated + nbytes > self.capacity:
+            self.ooms += 1
             # CUDA's wording (" out of memory. Tried to allocate"), which accelerate's
             # should_reduce_batch_size and the Trainer's auto_find_batch_size look for
             raise torch.OutOfMemoryError(
@@ -41,10 +55,22 @@ class _Memory:
             self.check(nbytes)
             self.allocated += nbytes
             self.peak = max(self.peak, self.allocated)
+            self.blocks += 1
+            self.blocks_peak = max(self.blocks_peak, self.blocks)
+            self.bytes_in += nbytes
+            self.blocks_in += 1
 
     def release(self, nbytes: int) -> None:
         with self.lock:
             self.allocated -= nbytes
+            self.blocks -= 1
+            self.bytes_out += nbytes
+            self.blocks_out += 1
+
+    def reset_peak(self) -> None:
+        with self.lock:
+            self.peak = self.allocated
+            self.blocks_peak = self.blocks
 
 
 _memory = _Memory()
@@ -64,8 +90,35 @@ def max_memory_allocated() -> int:
 
 
 def reset_peak_memory_stats() -> None:
+    _memory.reset_peak()
+
+
+def reset_accumulated_memory_stats() -> None:
     with _memory.lock:
-        _memory.peak = _memory.allocated
+        _memory.reset_accumulated()
+
+
+def device_stats() -> dict:
+    """The ledger in the nested form of torch's ``getDeviceStats`` (what ``torch.accelerator.memory_stats``
+    flattens): the device has no cache, so reserved, active and requested bytes are the allocated ones, each
+    storage is one segment, and the large and small pools are not told apart (all is in ``all``)."""
+    m = _memory
+    with m.lock:
+        nbytes = {"current": m.allocated, "peak": m.peak, "allocated": m.bytes_in, "freed": m.bytes_out}
+        count = {"current": m.blocks, "peak": m.blocks_peak, "allocated": m.blocks_in, "freed": m.blocks_out}
+        ooms, allocs, frees = m.ooms, m.blocks_in, m.blocks_out
+    zero = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
+
+    def pools(stat: dict) -> dict:
+        return {"all": dict(stat), "large_pool": dict(stat), "small_pool": dict(zero)}
+
+    out: dict = {name: pools(nbytes) for name in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes")}
+    out.update({name: pools(count) for name in ("allocation", "segment", "active")})
+    out.update({"inactive_split": pools(zero), "inactive_split_bytes": pools(zero)})
+    out.update({"num_alloc_retries": 0, "num_ooms": ooms, "num_sync_all_streams": 0,
+                "num_device_alloc": allocs, "num_device_free": frees,
+                "max_split_size": -1, "oversize_allocations": dict(zero), "oversize_segments": dict(zero)})
+    return out
 
 
 def set_capacity(nbytes: int) -> None:
