@@ -30,17 +30,16 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 
 # Build and runtime dependencies, and the test ones (TRL and datasets for tests/integration/test_trl.py and the TRL
-# examples). The installed torch is named with them, so no requirement can pull another build.
-need=""
-for mod in cffi:cffi pybind11:pybind11 psutil:psutil yaml:pyyaml tqdm:tqdm safetensors:safetensors \
-           transformers:transformers peft:peft trl:trl==1.16.0 datasets:datasets==5.2.0 tokenizers:tokenizers \
-           pytest:pytest xdist:pytest-xdist==3.8.0 ruff:ruff mypy:mypy==2.4.1 setuptools:setuptools wheel:wheel; do
-  "$PY" -c "import ${mod%%:*}" 2>/dev/null || need="$need ${mod##*:}"
-done
+# examples), at the versions the suite was run with: constraints.txt. A package that is missing, or installed at
+# another version than its line there, is installed at that version (a new release does not reach CI until a commit
+# raises it; scripts/check_latest.sh tries the newest first). The installed torch is named with them, so no
+# requirement can pull another build.
+need=$("$PY" scripts/_deps.py missing cffi pybind11 psutil PyYAML tqdm safetensors numpy transformers accelerate peft \
+       trl datasets tokenizers huggingface_hub pytest pytest-xdist ruff mypy matplotlib setuptools wheel)
 if [ -n "$need" ]; then
-  echo "[setup] installing$need"
+  echo "[setup] installing $need"
   torch_pin="torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
-  "$PY" -m pip install -q $need "$torch_pin"
+  "$PY" -m pip install -q -c constraints.txt $need "$torch_pin"
 fi
 
 # The package itself, rebuilt only when its sources or build files change.
