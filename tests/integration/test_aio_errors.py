@@ -1,6 +1,7 @@
 """infinity.aio failures: each is an AioError naming the path, nothing is left in flight, and
-the handle keeps working. Also the fallbacks: O_DIRECT refused, io_uring disabled, a build
-without liburing. Real file systems are mounted where a failure needs one (tests run as root).
+the handle keeps working; a failure of the system (no threads for the pool) comes back as -errno
+at the C ABI, never a C++ exception reaching std::terminate. Also the fallbacks: O_DIRECT refused,
+io_uring disabled, a build without liburing. Real file systems are mounted where a failure needs one (tests run as root).
 """
 import contextlib
 import errno
@@ -10,6 +11,8 @@ import logging
 import os
 import struct
 import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -234,3 +237,30 @@ def test_build_without_liburing(tmp_path, monkeypatch):
     os.close(fd)
     with open(path, "rb") as f:
         assert f.read() == bytes(data)
+
+
+_NO_THREADS = textwrap.dedent("""
+    import resource
+    from infinity.aio import AsyncIO
+    from infinity.errors import EngineError
+    # Address space for what is mapped now and a little more: a 64-thread pool's stacks do not fit.
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (96 << 20), resource.RLIM_INFINITY))
+    try:
+        AsyncIO(backend="threads", threads=8, queue_depth=8)
+    except EngineError as e:
+        print("refused:", e)
+    else:
+        print("created")
+""")
+
+
+def test_thread_creation_failure_is_an_error_not_an_abort():
+    r = subprocess.run([sys.executable, "-c", _NO_THREADS], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, f"the process died ({r.returncode}): {r.stderr[-2000:]}"
+    out = r.stdout.strip()
+    if out == "created":
+        pytest.skip("the address-space limit did not stop thread creation here")
+    assert out.startswith("refused:") and ("Resource temporarily unavailable" in out or "memory" in out), out

@@ -22,6 +22,8 @@ training: fp32, every loss and every final weight within 1e-5.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -544,3 +546,13 @@ def test_init_stage3_nvme_trains_like_plain_pytorch(tmp_path, device):
     _same_losses(losses, ref_losses)
     _same_params(params, ref_params)
 
+
+def test_the_routing_leaves_other_accelerators_to_torch():
+    """The emulator's answers in ``torch.accelerator`` (Note [emulated accelerator in torch.accelerator] in
+    _emulated_torch.py) are for it alone: in a process without it torch's own entry points answer (here: no
+    accelerator)."""
+    code = ("import torch, infinity._runtime._accelerator._emulated_torch as t; t.install(); "
+            "print(torch.accelerator.current_accelerator(), torch.accelerator.device_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "0"]

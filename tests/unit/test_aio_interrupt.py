@@ -11,7 +11,7 @@ import torch
 from infinity.aio import AsyncIO, aligned_empty
 from infinity.testing import io_fault
 
-STALL_MS = 5000  # the read's delay; the signal comes 0.3 s into the wait
+STALL_MS = 2000  # the read's delay; the signal comes 0.3 s into the wait
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "threads"])

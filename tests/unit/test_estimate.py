@@ -3,7 +3,6 @@ import contextlib
 import io
 import json
 import subprocess
-import sys
 
 import psutil
 import pytest
@@ -215,14 +214,9 @@ def test_table_lists_every_placement():
     json.dumps(est.to_dict())               # serializable as is
 
 
-def _command(*args):
-    return subprocess.run([sys.executable, "-m", "infinity.estimate", *args],
-                          capture_output=True, text=True, timeout=120)
-
-
 def _cli(*args):
     """What ``python -m infinity.estimate ARGS`` exits with and prints, run through its ``main``
-    in this process (the command itself is run by test_cli_bad_input_exits_2)."""
+    in this process (the command itself: tests/integration/test_estimate_command.py)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -264,7 +258,7 @@ def test_cli_json_and_model_config(tmp_path):
     (["--params", "1e9", "--gpu-mem", "12XB"], "gpu_mem: unknown unit 'XB'"),
 ])
 def test_cli_bad_input_exits_2(args, message):
-    run = _command(*args, "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB")
+    run = _cli(*args, "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1GB")
     assert run.returncode == 2
     assert message in run.stderr
     assert "Traceback" not in run.stderr

@@ -6,6 +6,7 @@ no import closes a cycle, type-only ones counted: a module that needs the type o
 names a protocol of what it reads, or takes a callable. No module is over 600 lines and no
 function over 60, but for the known exceptions listed below. See docs/architecture.md, "Layers"."""
 import ast
+import functools
 import os
 
 import pytest
@@ -90,6 +91,7 @@ def _imports(package, path):
             yield target, id(node) in type_only
 
 
+@functools.lru_cache(maxsize=1)  # the package's files parsed once for all the tests here
 def _graph():
     graph = {}
     for name, package, path in _modules():
