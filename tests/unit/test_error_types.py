@@ -36,12 +36,32 @@ def test_no_assert_statements_guard_state():
     assert found == []
 
 
-def _exception_classes():
+# Modules that import the Hugging Face stack (the Trainer alone takes seconds to import): their classes are
+# checked in tests/integration/test_error_types_hf.py, the rest here.
+HF_LIBRARIES = {"transformers", "trl", "peft", "accelerate", "datasets"}
+
+
+def imports_hf(path: pathlib.Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        if any(n.split(".")[0] in HF_LIBRARIES for n in names):
+            return True
+    return False
+
+
+def exception_classes(hf: bool):
+    """(qualified name, class) of every exception class defined in the package's modules that import
+    the Hugging Face stack (``hf``) or that do not."""
     import importlib
+    import importlib.util
     import pkgutil
 
     for mod in pkgutil.walk_packages([str(PACKAGE)], "infinity."):
         if mod.name.endswith(("__main__", "_aio_cffi", "_cpu_adam")):
+            continue
+        spec = importlib.util.find_spec(mod.name)
+        if spec.origin.endswith(".py") and imports_hf(pathlib.Path(spec.origin)) != hf:
             continue
         module = importlib.import_module(mod.name)
         for name, obj in vars(module).items():
@@ -49,14 +69,18 @@ def _exception_classes():
                 yield f"{module.__name__}.{name}", obj
 
 
-@pytest.mark.parametrize("name,cls", list(_exception_classes()), ids=lambda x: x if isinstance(x, str) else "")
-def test_every_exception_class_is_an_infinity_error(name, cls):
+def check_is_an_infinity_error(name, cls):
     if name.startswith("infinity.testing."):
         assert issubclass(cls, AssertionError)  # test failures, raised by the test harness
     elif name == "infinity.config.validate._LeafError":
         assert not issubclass(cls, infinity.InfinityError)  # internal to validation, never escapes it
     else:
         assert issubclass(cls, infinity.InfinityError)
+
+
+@pytest.mark.parametrize("name,cls", list(exception_classes(hf=False)), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_exception_class_is_an_infinity_error(name, cls):
+    check_is_an_infinity_error(name, cls)
 
 
 def test_public_errors_keep_their_builtin_base():
