@@ -14,13 +14,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .._runtime._log import logger
-from ..errors import UsageError
+from ..errors import EstimateError
 
 _NVME_PATH_PLACEHOLDER = "/local_nvme"
-
-
-class EstimateError(UsageError):
-    """Bad input to the estimator; the message says what to change."""
 
 
 # --------------------------------------------------------------------------- parsing sizes

@@ -19,12 +19,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from .._runtime._log import logger
-from ..errors import UsageError
-
-
-class DataError(UsageError):
-    """A data file or tokenizer problem; the message says what to change."""
-
+from ..errors import DataError
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers

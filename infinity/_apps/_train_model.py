@@ -17,7 +17,7 @@ from .._runtime._log import logger
 from .._runtime._telemetry import fmt_bytes
 from .._zero._init_context import Init
 from ..config import Config
-from ..errors import InfinityError, InsufficientResourcesError, UsageError
+from ..errors import InfinityError, InsufficientResourcesError, TrainError
 from ._train_data import ByteTokenizer, has_tokenizer_files, load_hf_tokenizer
 
 GPT2_POSITIONS = 1024  # GPT-2's position table: the most the gpt2-tiny preset sizes its own to
@@ -30,10 +30,6 @@ PRESETS: Dict[str, dict] = {
     "gpt2-small": {},  # GPT2Config defaults: 124M parameters
     "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),  # 355M parameters
 }
-
-
-class TrainError(UsageError):
-    """Bad input to the train job; the message says what to change."""
 
 
 @dataclass

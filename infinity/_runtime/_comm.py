@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import InfinityError, UsageError
+from ..errors import CommTimeout, JobStopped, UsageError
 from . import _accelerator as acc
 from ._log import logger
 
@@ -63,14 +63,6 @@ def configure(cfg) -> None:
 
 def timeout_s() -> float:
     return DEFAULT_TIMEOUT_S
-
-
-class CommTimeout(InfinityError, RuntimeError):
-    """A collective did not finish in time; the message names what it was moving."""
-
-
-class JobStopped(CommTimeout):
-    """A rank stopped the job (Note [one rank failing]); the message names it and why."""
 
 
 # Note [one rank failing]: ranks pair their collectives by order alone. A rank whose backward

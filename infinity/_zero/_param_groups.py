@@ -20,15 +20,11 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from ..errors import UsageError, UsageTypeError
+from ..errors import ParamGroupError, UsageError, UsageTypeError
 from ..optim._functional import Hyper
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
-
-
-class ParamGroupError(UsageError):
-    """The parameter groups given to ``infinity.initialize`` do not describe the model."""
 
 
 @dataclass(frozen=True)

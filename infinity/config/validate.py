@@ -26,29 +26,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 import yaml
 
 from .._runtime._log import logger
-from ..errors import UsageError
-
-
-class ConfigError(UsageError):
-    """Every problem found in a config, each as ``(key path, message)``."""
-
-    def __init__(self, problems: Union[str, list]):
-        if isinstance(problems, str):
-            problems = [("", problems)]
-        self.problems: list[tuple[str, str]] = list(problems)
-        super().__init__(_format_problems(self.problems))
-
-    @property
-    def keys(self) -> list[str]:
-        """The key paths the problems are about."""
-        return [key for key, _ in self.problems if key]
-
-
-def _format_problems(problems: list) -> str:
-    lines = [f"{key}: {msg}" if key else msg for key, msg in problems]
-    if len(lines) == 1:
-        return lines[0]
-    return f"{len(lines)} problems in the config:\n" + "\n".join(f"  - {line}" for line in lines)
+from ..errors import ConfigError
 
 
 class _LeafError(Exception):

@@ -88,3 +88,26 @@ def test_public_errors_keep_their_builtin_base():
     assert issubclass(infinity.ParameterNotAvailableError, RuntimeError)
     assert issubclass(infinity.aio.AioError, OSError) if hasattr(infinity.aio, "AioError") else True
     assert issubclass(infinity.errors.UsageError, ValueError)
+
+
+def test_every_error_the_troubleshooting_guide_names_is_in_infinity_errors():
+    """A user catches what the guide documents without reaching into private modules: each class
+    of its table is ``infinity.errors.<name>`` (or the ``infinity.aio.<name>`` it spells out), the
+    very class the engine raises."""
+    import re
+
+    import infinity.aio
+    from infinity._runtime import _accelerator, _comm
+    from infinity._zero import _param_groups
+
+    guide = (PACKAGE.parent / "docs" / "guides" / "troubleshooting.md").read_text()
+    table = guide.split("| class | also a | raised when |", 1)[1].split("\n\n", 1)[0]
+    names = [n for row in table.splitlines()[2:] for n in re.findall(r"`([\w.]+)`", row.split("|")[1])]
+    assert len(names) >= 20, names
+    for name in names:
+        home, _, short = name.rpartition(".")
+        module = infinity.aio if home == "infinity.aio" else infinity.errors
+        assert isinstance(getattr(module, short, None), type), f"{name} is not importable from {module.__name__}"
+    assert _comm.JobStopped is infinity.errors.JobStopped and _comm.CommTimeout is infinity.errors.CommTimeout
+    assert _accelerator.DeviceOutOfMemory is infinity.errors.DeviceOutOfMemory
+    assert _param_groups.ParamGroupError is infinity.errors.ParamGroupError

@@ -33,16 +33,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...errors import InvariantError, OutOfMemory, UsageError
+from ...errors import DeviceOutOfMemory, InvariantError, UsageError
 from .. import _cpu_isa
 
 KINDS = ("cuda", "emulated", "cpu")
-
-
-class DeviceOutOfMemory(OutOfMemory, torch.OutOfMemoryError):
-    """The engine's own device allocations would exceed the configured budget: a
-    ``torch.OutOfMemoryError`` too, as CUDA's, so ``except torch.OutOfMemoryError`` catches
-    both (Note [device budget] on what retry loops make of it)."""
 
 
 def _choose(text: Optional[str] = None):
