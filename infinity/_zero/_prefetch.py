@@ -227,15 +227,7 @@ class Prefetcher:
             raise  # (Note [aborted forward] in _engine.py)
 
     def _prefetch(self, window: list) -> None:
-        in_flight = sum(u.staged_numel for u in self._prefetched)
-        for state in window:  # reads, within bucket_size elements in flight
-            for unit in state.units:
-                done = unit.prefetch(ParamState.HOST, room=self.bucket - in_flight if in_flight else None)
-                if done is Prefetched.SHORT:
-                    break
-                if done is Prefetched.NOW:
-                    in_flight += unit.shard_numel
-                    self._prefetched.append(unit)
+        self._read_ahead(window)
         for state in window[: self.device_depth]:  # copies of the shards whose reads have landed
             for unit in state.units:
                 unit.prefetch(ParamState.DEVICE, read=False)
@@ -246,6 +238,20 @@ class Prefetcher:
                 if unit.prefetch(ParamState.GATHERING, block=True) is Prefetched.NOW and unit not in self._prefetched:
                     self._prefetched.append(unit)
         self._prefetched = [u for u in self._prefetched if not u.idle]
+
+    def _read_ahead(self, window: list) -> None:
+        """Reads in trace order, within bucket_size elements in flight: the first unit that does
+        not fit (or finds no staging buffer) ends them for this window, so that no later, smaller
+        unit is read ahead of it; the next module's window starts from it."""
+        in_flight = sum(u.staged_numel for u in self._prefetched)
+        for state in window:
+            for unit in state.units:
+                done = unit.prefetch(ParamState.HOST, room=self.bucket - in_flight if in_flight else None)
+                if done is Prefetched.SHORT:
+                    return
+                if done is Prefetched.NOW:
+                    in_flight += unit.shard_numel
+                    self._prefetched.append(unit)
 
     def _abandon_unused(self) -> None:
         for unit in self._prefetched:

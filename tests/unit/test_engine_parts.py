@@ -219,6 +219,37 @@ def test_prefetch_windows_follow_the_trace(tmp_path):
     assert parts.counters.divergences == 0
 
 
+class Uneven(nn.Module):
+    """Layers of 272, 272, 4,160 and 272 elements: a unit too big for the bucket between two that fit."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(64, 64), nn.Linear(16, 16)])
+
+
+@pytest.mark.parametrize("tier", [Tier.CPU, Tier.NVME])
+def test_reads_stop_at_the_first_unit_that_does_not_fit_the_bucket(tier, tmp_path):
+    """Reads are issued in trace order: when the next unit's shard does not fit in bucket_size, no later
+    (smaller) unit's read is issued ahead of it, in this module's window or the next."""
+    parts = Parts(Uneven(), tier, tmp_path, prefetch={"depth": 3, "device_depth": 1, "gather_depth": 1,
+                                                       "bucket_size": 1000})
+    sizes = [s.units[0].shard_numel for s in parts.states]
+    assert sizes[1] < 1000 < sizes[1] + sizes[2] and sizes[1] + sizes[3] <= 1000, sizes  # the case asked for
+    parts.run(range(4))  # records the trace
+    seen = {}
+
+    def check(pos, i):
+        if pos == 0:
+            seen.update({j: parts.states[j].units[0].state for j in range(1, 4)})
+
+    parts.run(range(4), check=check)
+    assert seen[1] in (ParamState.GATHERING, ParamState.AVAILABLE)  # the window's first: read, copied, gathered
+    assert seen[2] is ParamState.RELEASED  # past the bucket
+    assert seen[3] is ParamState.RELEASED, "a later unit's read was issued before the one that did not fit"
+    assert all(u.state is ParamState.RELEASED and u.refs == 0 for u in parts.units)
+
+
 def test_divergence_abandons_prefetches_and_records_the_new_order(tmp_path):
     parts = Parts(Chain(6), Tier.NVME, tmp_path)
     parts.run(range(6))
