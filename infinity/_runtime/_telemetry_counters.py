@@ -1,10 +1,27 @@
 """Per-step counters of the engine: time blocked per transfer stage, bytes moved, prefetch
-hit rate, trace divergences. ``Engine.telemetry()`` hands them out and starts afresh."""
+hit rate, trace divergences. ``Engine.telemetry()`` hands them out and starts afresh.
+
+Note [profiler ranges]: under ``torch.profiler`` the engine's work shows as named ranges, as
+FSDP2's does, so that a stall in a trace is attributed to what the step waited for: each
+transfer the engine issues (``infinity::read``, the NVMe read of a unit's shard submitted;
+``infinity::copy_to_device``; ``infinity::all_gather``; ``infinity::reduce_scatter``;
+``infinity::grad_landing``, landed gradients added into the optimizer's store;
+``infinity::update_chunk``, Adam over one chunk of the flat space) and each wait on the critical
+path (``infinity::wait:<stage>``, the stages of ``Counters.STAGES``: the same blocks whose
+seconds the telemetry's ``stall_s`` counts; ``optimizer_io`` is the step gate's). ``span``
+opens a range only while a profiler records (a test of one flag otherwise), so the ranges cost
+the step nothing when nobody looks. The overlapped update runs on the step's own thread, which
+torch's profiler records only when asked for every thread:
+``profile(..., experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))``.
+"""
 from __future__ import annotations
 
 import collections
 import contextlib
 import time
+
+from torch.autograd import profiler as _torch_profiler
+from torch.autograd.profiler import record_function
 
 
 class Counters:
@@ -36,8 +53,8 @@ class Counters:
             self.update["background_seconds"] += seconds
 
     def blocked(self, stage: str):
-        """Time spent waiting on ``stage`` on the critical path."""
-        return _seconds_into(self.stall, stage)
+        """Time spent waiting on ``stage`` on the critical path (a profiler range too: Note [profiler ranges])."""
+        return _blocked(self.stall, stage)
 
     def snapshot(self) -> dict:
         fetches = self.hits + self.misses
@@ -51,6 +68,19 @@ class Counters:
             "update": dict(self.update),
             "step_call_s": dict(self.step_call),
         }
+
+
+def span(name: str):
+    """A profiler range named ``name`` while a profiler records, else nothing (Note [profiler ranges])."""
+    # torch's flag for any profiler of the process, not the calling thread's: the overlapped step's thread is
+    # recorded only by a profiler of all threads, and its own thread-local state says off even then
+    return record_function(name) if _torch_profiler._is_profiler_enabled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _blocked(totals, stage: str):
+    with span(f"infinity::wait:{stage}"), _seconds_into(totals, stage):
+        yield
 
 
 @contextlib.contextmanager

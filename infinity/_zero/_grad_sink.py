@@ -10,6 +10,7 @@ import torch
 
 from .._offload._optimizer_store import OptimizerStore
 from .._runtime import _accelerator as acc
+from .._runtime._telemetry_counters import span
 from .._runtime._tiers import Tier
 
 if TYPE_CHECKING:
@@ -87,7 +88,8 @@ class GradSink:
             with self._counters.blocked("grad_offload"):
                 acc.wait_copy_to_host(event)
                 if host is not None:
-                    self._store.accumulate(unit.opt_offset, host, scale)
+                    with span("infinity::grad_landing"):
+                        self._store.accumulate(unit.opt_offset, host, scale)
                     self._staged -= 1
             wait = every or (wait and host is None)
 

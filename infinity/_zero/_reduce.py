@@ -32,6 +32,7 @@ import torch
 
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
+from .._runtime._telemetry_counters import span
 from ..errors import InvariantError
 from ._unit import FetchUnit
 
@@ -171,8 +172,9 @@ class GradReducer:
         out = full.view(-1) if self.world_size == 1 else torch.empty(bucket.cols, dtype=torch.float32,
                                                                        device=acc.device())
         names = ", ".join(u.module_name or "<root>" for u, _ in bucket.units[:3])
-        handle = comm.reduce_scatter_tensor(out, full.view(-1), async_op=True,
-                                            what=f"reduce-scatter of gradients of [{names}...]")
+        with span("infinity::reduce_scatter"):
+            handle = comm.reduce_scatter_tensor(out, full.view(-1), async_op=True,
+                                                what=f"reduce-scatter of gradients of [{names}...]")
         self._inflight.append(_InFlight(handle, out, bucket, full))
         while len(self._inflight) > self.max_inflight or (self._inflight and self._inflight[0].handle.done()):
             self._complete(self._inflight.pop(0))

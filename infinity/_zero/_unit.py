@@ -24,6 +24,7 @@ from torch import nn
 from .._offload._layout import ParamSource, chunk_rows, padded
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
+from .._runtime._telemetry_counters import span
 from ..aio import aligned_empty
 from ..errors import EngineError, InvariantError
 from ._init_context import InitUnit
@@ -416,7 +417,8 @@ class FetchUnit:
             self.ctx.counters.bytes["param_handoff"] += nbytes
             return Staging.handed_off(handoff)
         into = self._direct_read_buffer()
-        with self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a free buffer
+        with span("infinity::read"), self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a
+            # free buffer
             read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
         if read is None:
             if into is not None:
@@ -451,7 +453,8 @@ class FetchUnit:
             src = self.shard()
         if staging.to_cache:
             self.store.remember(self.param_offset, src)  # Note [parameter cache] in _param_store.py
-        staging = staging.on_device(*acc.start_copy_to_device(src), src)
+        with span("infinity::copy_to_device"):
+            staging = staging.on_device(*acc.start_copy_to_device(src), src)
         if staging.device.copied:
             self.ctx.counters.bytes["host_to_device"] += src.numel() * src.element_size()
         self._staging = staging
@@ -497,9 +500,10 @@ class FetchUnit:
             raise
         self.ctx.ledger.gathered(self)
         self.ctx.counters.bytes["all_gather"] += nbytes
-        gathered.handle = comm.all_gather_into_tensor(
-            gathered.out, shard, async_op=True,
-            what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
+        with span("infinity::all_gather"):
+            gathered.handle = comm.all_gather_into_tensor(
+                gathered.out, shard, async_op=True,
+                what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
         self._gathered = gathered
         self._state = ParamState.GATHERING
 

@@ -38,6 +38,7 @@ from .._offload._placement import Placement
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._log import logger
+from .._runtime._telemetry_counters import span
 from .._runtime._tiers import Tier
 from .._runtime._topology import default_threads
 from ..aio import AioError, aligned_empty
@@ -416,7 +417,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                       publish: bool = False) -> None:
         """Adam on the parts of one chunk the plan covers (Note [update plan] in _param_groups.py); the chunk's
         fresh compute-dtype values go where they belong (fused into Adam's pass where the
-        native Adam can write them)."""
+        native Adam can write them). A profiler range (Note [profiler ranges] in _telemetry_counters.py)."""
+        with span("infinity::update_chunk"):
+            self._update_chunk_in_range(chunk, plan, out_flat, publish)
+
+    def _update_chunk_in_range(self, chunk: Chunk, plan: Plan, out_flat: Optional[torch.Tensor],
+                               publish: bool) -> None:
         self._chunks_begun += 1  # the states change from here on: Note [failed step] in _step_gate.py
         began = time.perf_counter()
         n = chunk.master.numel()
