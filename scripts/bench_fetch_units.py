@@ -1,4 +1,4 @@
-"""Fetch units per block against one per module (Note [fetch unit grouping] in _engine.py).
+"""Fetch units per block against one per module (Note [fetch unit grouping] in _unit_plan.py).
 
 GPT-2 (default 12 x 768, vocab 50257: GPT-2 124M), stage 3, fp32, parameters on --offload
 (cpu by default) with the optimizer states in host memory, at 1 and 2 gloo ranks. In each rank

@@ -1,9 +1,12 @@
-"""The engine behind ``infinity.initialize``: fetch units, hooks, gradient reduction.
-
-One ``Engine`` per model. It builds a ``FetchUnit`` per module that owns parameters,
-installs the hooks (in one place, handles kept), reduce-scatters gradients and hands the
-optimizer a flat fp32 view of this rank's shards. What differs between ZeRO stages is one
-small frozen policy (``StagePolicy``), not checks scattered through the code.
+"""The engine behind ``infinity.initialize``: one ``Engine`` per model, which holds what
+``initialize`` built (the fetch units and their services, in build order: Note [build order]
+in _initialize.py), casts and partitions the parameters, installs the hooks (in one place,
+handles kept) and closes it all. The units are planned in _unit_plan.py (Note [fetch unit
+grouping] there), gradients are reduce-scattered by ``GradReducer`` (_reduce.py) from the
+backward hooks (_backward.py), edits of gathered values are ``ParameterEdits``
+(_param_edits.py) and the engine's telemetry is ``EngineReport`` (_engine_report.py). What
+differs between ZeRO stages is one small frozen policy (``StagePolicy``), not checks scattered
+through the code.
 
 Note [hook protocol]: the hooks at stage 3.
 - pre-forward of module M: acquire (gather) the units M uses: the one it owns and the units
@@ -18,28 +21,14 @@ Note [hook protocol]: the hooks at stage 3.
   backward was waiting for that unit drops its hold.
 - end of backward (autograd callback): reduce what is left (parameters without a gradient
   on this rank, as zeros: Note [bucket plan] in _reduce.py), wait for every reduce-scatter,
-  release every remaining hold. After backward no unit is gathered.
+  release every remaining hold. After backward only persistent units (below
+  ``persistence_threshold``) stay gathered, until the step makes their copies stale.
 The backward half (pre-backward, post-accumulate-grad, the end of backward) is
 ``BackwardHooks`` in _backward.py, with Note [hold until the input gradients] and Note [used
 again in one backward] in _backward.py; each module's progress through backward is its ``ModuleState``'s
 (Note [backward progress] in _module_state.py). At the model's own hooks the engine begins
 and ends a forward (Note [phases] in _phase.py), except inside backward, where activation
 checkpointing recomputes the model and its hooks run as any module's.
-
-Note [fetch unit grouping]: a fetch unit is what one all-gather brings and one reduce-scatter
-takes. By default (``zero.fetch_units.group: block``) each repeated block (every child of an
-``nn.ModuleList``, as FSDP2 is applied per transformer block, and every module of a class
-named in ``zero.fetch_units.classes``) is one unit holding all its parameters, nested blocks
-apart (experts in a list inside a block are units of their own); modules outside blocks
-(embeddings, the final norm, the head) keep a unit each. The block's own pre-forward hook
-acquires its units, so the gather happens at the block boundary; its submodules acquire the
-same units again, which only counts a reference. In backward every submodule holds the
-block's units until all the block's gradients are in, then the unit is reduced at once.
-GPT-2 124M: 15 all-gathers per forward instead of about 75. Working memory is bounded by the
-largest unit (a block, or a tile where tiling applies). ``group: module`` gives one unit per
-module. Stages 1-2 group the same way: their units set the reduce-scatter granularity and the
-flat layout of the optimizer's space, so every stage sums the global gradient norm in the same
-order and clips with the same bits.
 
 Note [aborted forward]: a module's forward can end by an exception, and not only on error:
 non-reentrant activation checkpointing stops its recomputation inside backward by raising
@@ -66,26 +55,21 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from .._offload._drives import configured_drives
-from .._offload._layout import ParamSource
-from .._offload._memory_plan import host_account, stop_block_cache
-from .._offload._optimizer_store import state_bytes
+from .._offload._memory_plan import stop_block_cache
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
-from .._runtime._log import logger
 from .._runtime._save_fence import SaveFence
-from .._runtime._topology import current as placed_share
-from ..aio import AioError
 from ..errors import EngineError
 from . import _function_params
 from ._backward import BackwardHooks
+from ._engine_report import EngineReport
 from ._ledger import Hold
 from ._loss_scale import scale_outputs
 from ._module_state import ModuleState
 from ._param import info_of, make_partitioned, raw_data, set_data
+from ._param_edits import ParameterEdits
 from ._phase import Calls, Frame, Phase, tensors_in
 from ._same_gathers import check_same_gathers
-from ._step_gate import GateState
 from ._unit import FetchUnit, UnitContext
 from ._unit_plan import DTYPES, StagePolicy, block_modules, plan_units  # noqa: F401 - the engine's planning, re-exported
 
@@ -103,7 +87,6 @@ if TYPE_CHECKING:
 _pending_external: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
 _PARTITION_WRITES_IN_FLIGHT = 128 << 20  # bytes of shards written by cast_and_partition before it waits
-_DRAIN_TRIES = 64  # flushes of a failed step's parameter writes before a load gives up draining them
 
 
 @dataclass(frozen=True)
@@ -127,7 +110,7 @@ class EngineParts:
     block_cache: bool = False  # torch's large CPU blocks come from the block cache (Note [block cache] in host_alloc.cpp)
 
 
-class Engine:
+class Engine(ParameterEdits, EngineReport):
     def __init__(self, model: nn.Module, cfg, parts: EngineParts):
         ctx = parts.ctx
         self.model = model
@@ -351,79 +334,6 @@ class Engine:
             self.param_store.release_idle()
         self.opt_store.release_idle()
 
-    def repartition(self, unit: FetchUnit) -> None:
-        """The gathered values of ``unit`` were edited: refresh its shard and master weights."""
-        full = [acc.to_host(raw_data(p)) for p in unit.params]  # shards built on the host, as at initialize:
-        self.gate.join()  # every store takes host values (the NVMe ones write them with aio)
-        self.save_fence.wait_writes(comm.timeout_s())  # an asynchronous save may still copy the stores
-        if unit.trainable:
-            self.opt_store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
-        # MASTER_FILE too: the parameter store's cache and hand-off take the new values (Note [parameter cache] in
-        # _param_store.py); only a trainable unit's shard in the master tensor itself has nothing to write
-        master = self.placement.param_source is ParamSource.MASTER
-        if self.policy.partition_params and not (unit.trainable and master):
-            self.param_store.write(unit.param_offset, unit.shard_of(full, self.dtype))
-            self.param_store.flush()
-
-    def restore(self, unit: FetchUnit, saved: Optional[List[torch.Tensor]] = None) -> None:
-        """Undo edits of ``unit``'s gathered values: copy back ``saved``, or else rebuild them
-        from the stored shards (collective): stage 3's parameter store, stages 1-2's master
-        weights. Note [edits without modifier_rank] in _gathered.py."""
-        if saved is not None:
-            with torch.no_grad():
-                for p, t in zip(unit.params, saved):
-                    raw_data(p).copy_(t)
-            return
-        self.gate.join()
-        if self.policy.partition_params:
-            shard = self.param_store.read(unit.param_offset, unit.shard_numel)
-        else:
-            shard = self.opt_store.read_master(unit.opt_offset, unit.shard_numel)
-        shard = shard.to(device=acc.device(), dtype=self.dtype)
-        full = torch.empty(self.world_size * unit.shard_numel, dtype=self.dtype, device=acc.device())
-        comm.all_gather_into_tensor(full, shard, async_op=False, what=f"restoring {unit.module_name or '<root>'}")
-        unit.load_full_into_params(full.view(self.world_size, unit.shard_numel))
-
-    def settle_writes(self, *, rewriting: bool = False) -> None:
-        """Wait for the overlapped step and every parameter-shard write in flight. ``rewriting``:
-        the caller rewrites every state (a checkpoint load), so a failed step is not refused
-        (Note [failed step] in _step_gate.py): its error is logged and its I/O drained."""
-        if not rewriting:
-            self.gate.join()
-            if self.param_store is not None:
-                self.param_store.flush()
-            return
-        error = self.gate.settle()
-        if error is not None:
-            logger.warning("rank %d: the optimizer step failed (%s: %s); the checkpoint being loaded replaces its "
-                           "states", self.rank, type(error).__name__, error)
-        if self.gate.state is GateState.FAILED:
-            self.opt_store.abandon_update()
-            if self.param_store is not None:
-                self._drain_parameter_writes()
-        elif self.param_store is not None:
-            self.param_store.flush()
-
-    def _drain_parameter_writes(self) -> None:
-        """Every parameter-shard write waited for, a failed one's error dropped: each failed
-        flush collects one handle's writes (Note [write ordering] in _ordered_writes.py)."""
-        for _ in range(_DRAIN_TRIES):
-            try:
-                self.param_store.flush()
-                return
-            except AioError:
-                continue
-
-    def needs_copy_to_restore(self, unit: FetchUnit) -> bool:
-        """An edit of ``unit``'s gathered values would also edit the only stored copy: stage
-        3 parameters that are views of a resident store (one rank), stage 1-2 frozen
-        parameters (whole, and without master weights)."""
-        if not self.policy.partition_params:
-            return not unit.trainable
-        stores = [getattr(self.opt_store, "master", None), *self.param_store.resident_tensors()]
-        bases = {t.untyped_storage().data_ptr() for t in stores if t is not None and t.numel()}
-        return any(raw_data(p).untyped_storage().data_ptr() in bases for p in unit.params)
-
     # ------------------------------------------------------------ accounting
 
     def after_step(self) -> None:
@@ -431,48 +341,6 @@ class Engine:
         self.prefetcher.release_held()
         for unit in self.units:
             unit.refresh()
-
-    def telemetry(self, reset: bool = True) -> dict:
-        """Counters since the last call: stall seconds and bytes per stage, prefetch hit
-        rate, trace divergences, NVMe traffic of the stores and collective bytes (deltas,
-        like everything else here), and the peak of gathered elements."""
-        out = self.counters.snapshot()
-        totals = {}
-        for name, store in (("optimizer", self.opt_store), ("params", self.param_store)):
-            if store is not None and hasattr(store, "bytes_read"):
-                totals[f"nvme_{name}_read_bytes"] = store.bytes_read
-                totals[f"nvme_{name}_write_bytes"] = store.bytes_written
-        totals.update(self.swap_dirs.drive_totals(configured_drives(self.cfg)))  # Note [many drives] in _drives.py
-        for kind, n in comm.counters.snapshot()["bytes"].items():
-            totals[f"comm_{kind}_bytes"] = n
-        last = self._telemetry_totals
-        out.update({k: v - last.get(k, 0) for k, v in totals.items()})
-        out["peak_live_parameters"] = self.peak_live_elems
-        out["host_memory"] = host_account(self.memory_plan.get("categories"))  # Note [one memory model] in _memory_plan.py
-        share = placed_share()
-        if share is not None:  # where this rank runs (Note [rank placement] in _topology.py)
-            out["placement"] = share.record()
-        if reset:
-            self.counters.reset()
-            self._telemetry_totals = totals
-        return out
-
-    @property
-    def device_budget(self) -> "acc.DeviceBudget":
-        """This engine's device budget (``device_memory_limit``): what its gathered parameters
-        and fetched activation checkpoints hold on the device now, and their peak."""
-        return self.ledger.budget
-
-    def tier_bytes(self) -> dict:
-        """Bytes this rank keeps on each tier (device, host, nvme), pools included."""
-        out = {"device": 0, "host": 0, "nvme": 0}
-        stores = [self.opt_store] + ([self.param_store] if self.param_store else [])
-        for store in stores:  # a MASTER parameter store's are its frozen shards' (the master's are the optimizer's)
-            for tier, n in store.nbytes().items():
-                out[tier] += n
-        if self.gathered is not None:
-            out["device"] += self.gathered.capacity  # returned gathered buffers, kept for reuse
-        return out
 
     def close(self) -> None:
         """Remove hooks and this run's swap files (also when the step's error is re-raised:
@@ -516,20 +384,6 @@ class Engine:
         if self._block_cache_done is not None:
             self._block_cache_done()  # once: a finalizer runs at most once
 
-    def model_state_bytes(self) -> dict:
-        """Bytes of model states this rank holds now: parameters, gradients, optimizer."""
-        params = 0
-        grads = 0
-        for unit in self.units:
-            if self.policy.partition_params:
-                params += unit.shard_numel * self.itemsize
-            else:
-                params += sum(raw_data(p).numel() * raw_data(p).element_size() for p in unit.params)
-            grads += sum(p.grad.numel() * p.grad.element_size() for p in unit.params if p.grad is not None)
-        opt = state_bytes(self.opt_store, self.placement.param_source)
-        return {"params": params, "grads": grads + opt.get("grads", 0), "optimizer": opt.get("optimizer", 0)}
-
-
 def _held_weakly(method):
     """A parameter hook that holds its engine weakly.
 
@@ -544,19 +398,6 @@ def _held_weakly(method):
         if bound is not None:
             bound(param)
     return hook
-
-
-def check_same_model_on_all_ranks(model: nn.Module) -> None:
-    sig = [(n, tuple(p.shape), str(p.dtype), "trainable" if p.requires_grad else "frozen")
-           for n, p in model.named_parameters()]
-    sigs = comm.all_gather_object(sig)
-    for r, other in enumerate(sigs):
-        if other != sig:
-            diff = next(((a, b) for a, b in zip(sig, other) if a != b),
-                        (f"{len(sig)} parameters", f"{len(other)} parameters"))
-            raise EngineError(
-                f"rank {comm.rank()} and rank {r} built different models (first difference: {diff[0]} vs "
-                f"{diff[1]}); every data-parallel rank must construct the same model")
 
 
 class _EngineHold:

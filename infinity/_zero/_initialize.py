@@ -50,7 +50,7 @@ from ..aio import aligned_empty
 from ..config import Config
 from ..errors import EngineError, UsageError, UsageTypeError
 from ._activation_offload import ActivationOffloader
-from ._engine import Engine, EngineParts, check_same_model_on_all_ranks, engine_of, forget_engine
+from ._engine import Engine, EngineParts, engine_of, forget_engine
 from ._grad_sink import GradSink
 from ._ledger import GatherLedger
 from ._loss_scale import LossScaler
@@ -58,6 +58,7 @@ from ._param_groups import resolve_groups
 from ._phase import Calls
 from ._prefetch import Prefetcher
 from ._reduce import GradReducer
+from ._same_gathers import check_same_model_on_all_ranks
 from ._step_gate import StepGate
 from ._swap_labels import label_swap_files
 from ._tiling import check_working_memory, retarget_groups, tile_model

@@ -49,3 +49,17 @@ def check_same_gathers(ledger: "GatherLedger[FetchUnit]", units: List["FetchUnit
         f"module that runs on some ranks only (e.g. an expert chosen by routing) must have its parameters "
         f"fetched by a parent that runs on all: infinity.register_external_parameter(parent, p) for each of "
         f"its parameters p")
+
+
+def check_same_model_on_all_ranks(model: "torch.nn.Module") -> None:
+    """Every rank built the same parameters (names, shapes, dtypes, trainable or not), before any is partitioned."""
+    sig = [(n, tuple(p.shape), str(p.dtype), "trainable" if p.requires_grad else "frozen")
+           for n, p in model.named_parameters()]
+    sigs = comm.all_gather_object(sig)
+    for r, other in enumerate(sigs):
+        if other != sig:
+            diff = next(((a, b) for a, b in zip(sig, other) if a != b),
+                        (f"{len(sig)} parameters", f"{len(other)} parameters"))
+            raise EngineError(
+                f"rank {comm.rank()} and rank {r} built different models (first difference: {diff[0]} vs "
+                f"{diff[1]}); every data-parallel rank must construct the same model")

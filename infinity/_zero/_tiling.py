@@ -2,7 +2,7 @@
 
 Note [tiles are fetch units]: ``TiledLinear`` holds its weight as an ``out_splits x in_splits``
 grid of ``nn.Linear`` tiles, each a submodule of its own in an ``nn.ModuleList``. Every child of
-a module list is a block of its own (Note [fetch unit grouping] in _engine.py), also inside a
+a module list is a block of its own (Note [fetch unit grouping] in _unit_plan.py), also inside a
 transformer block, and with ``zero.fetch_units.group: module`` every module is: so each tile is
 one fetch unit either way: its
 pre-forward hook gathers it, its post-forward hook releases it, and the tiles run one after

@@ -1,8 +1,24 @@
 """What a model will become, computed from its modules before anything is allocated: the
-stage's policy, the fetch units (Note [fetch unit grouping] in _engine.py) as ``UnitSpec``s,
+stage's policy, the fetch units (Note [fetch unit grouping]) as ``UnitSpec``s,
 and the placement of every state (``_placement.Placement``). ``initialize`` builds the engine
 from it, and ``Init`` checks a model built on the meta device against it before the real one
-allocates (Note [Init preflight] in _init_context.py)."""
+allocates (Note [Init preflight] in _init_context.py).
+
+Note [fetch unit grouping]: a fetch unit is what one all-gather brings and one reduce-scatter
+takes. By default (``zero.fetch_units.group: block``) each repeated block (every child of an
+``nn.ModuleList``, as FSDP2 is applied per transformer block, and every module of a class
+named in ``zero.fetch_units.classes``) is one unit holding all its parameters, nested blocks
+apart (experts in a list inside a block are units of their own); modules outside blocks
+(embeddings, the final norm, the head) keep a unit each. The block's own pre-forward hook
+acquires its units, so the gather happens at the block boundary; its submodules acquire the
+same units again, which only counts a reference. In backward every submodule holds the
+block's units until all the block's gradients are in, then the unit is reduced at once.
+GPT-2 124M: 15 all-gathers per forward instead of about 75. Working memory is bounded by the
+largest unit (a block, or a tile where tiling applies). ``group: module`` gives one unit per
+module. Stages 1-2 group the same way: their units set the reduce-scatter granularity and the
+flat layout of the optimizer's space, so every stage sums the global gradient norm in the same
+order and clips with the same bits.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +64,7 @@ def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter
 
 
 def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
-    """The fetch units of a model (Note [fetch unit grouping] in _engine.py): one per block in ``blocks``
+    """The fetch units of a model (Note [fetch unit grouping]): one per block in ``blocks``
     holding every parameter inside it (nested blocks apart), one per other module that owns
     parameters; each split into trainable, then frozen. And per module, the units it holds in
     its forward and backward: those owning its own parameters (tied ones: the owner's unit)
@@ -90,7 +106,7 @@ def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitS
 
 
 def block_modules(model: nn.Module, cfg) -> list:
-    """Note [fetch unit grouping] in _engine.py: the modules that each form one fetch unit."""
+    """Note [fetch unit grouping]: the modules that each form one fetch unit."""
     if cfg.group == "module":
         return []
     classes = set(cfg.classes)
@@ -117,6 +133,6 @@ def placement_of(model: nn.Module, cfg, world_size: int, machine: Optional[Machi
     model built on the meta device."""
     policy = StagePolicy.of(cfg.zero.stage)
     blocks = block_modules(model, cfg.zero.fetch_units)  # every stage: the same units, the same flat layout
-    specs, uses = plan_units(model, world_size, blocks)  # Note [fetch unit grouping] in _engine.py
+    specs, uses = plan_units(model, world_size, blocks)  # Note [fetch unit grouping]
     placement = Placement.of(cfg, policy.partition_params, DTYPES[cfg.precision.dtype], specs, world_size, machine)
     return placement, specs, uses
