@@ -2,7 +2,7 @@
 ``initialize`` built (the fetch units and their services, in build order: Note [build order]
 in _initialize.py), casts and partitions the parameters, installs the hooks (in one place,
 handles kept) and closes it all. The units are planned in _unit_plan.py (Note [fetch unit
-grouping] there), gradients are reduce-scattered by ``GradReducer`` (_reduce.py) from the
+grouping] in _unit_plan.py), gradients are reduce-scattered by ``GradReducer`` (_reduce.py) from the
 backward hooks (_backward.py), edits of gathered values are ``ParameterEdits``
 (_param_edits.py) and the engine's telemetry is ``EngineReport`` (_engine_report.py). What
 differs between ZeRO stages is one small frozen policy (``StagePolicy``), not checks scattered

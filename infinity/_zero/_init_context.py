@@ -6,11 +6,12 @@ Note [partitioned construction]: inside the context every ``nn.Module`` subclass
 direct parameters is flattened, padded and cut into world-size chunks (Note [shard layout] in _unit.py);
 this rank's fp32 chunk goes to the Init store (memory, or a swap file on NVMe) and the
 parameter keeps a placeholder. Later code that touches such a parameter (Hugging Face's
-``post_init`` / ``_init_weights``, ``tie_weights``, ``torch.nn.init``) runs on the full
-tensor: it is materialized (all-gathered), the operation runs, and in-place results are
-re-partitioned. So initialization takes effect exactly as without Init, and at most one
-parameter is materialized at a time. ``infinity.initialize`` then adopts the chunks as its
-shards, one unit at a time, and the Init store is released.
+``post_init`` / ``_init_weights``, ``tie_weights``, ``torch.nn.init``), or a view of it, runs on
+the full tensor: it is materialized (all-gathered), the operation runs, and what it changed is
+re-partitioned (Note [touched placeholders] in _init_ops.py). So initialization takes effect
+exactly as without Init, and only the parameters of one operation are materialized at a time.
+``infinity.initialize`` then adopts the chunks as its shards, one unit at a time, and the Init
+store is released.
 
 Parameters assigned to a module after its ``__init__`` (a loader's ``setattr``) are
 partitioned at once, through torch's global parameter-registration hook; with Hugging Face's
@@ -40,7 +41,6 @@ changed in between is refused by name instead of being read.
 from __future__ import annotations
 
 import bisect
-import itertools
 import os
 import weakref
 from typing import Dict, List, Optional
@@ -62,23 +62,21 @@ from .._runtime._topology import place
 from ..aio import aligned_empty
 from ..aio._checksum import checksummed, sums_of
 from ..config import Config
-from ..errors import InsufficientResourcesError, StorageError, UsageError
+from ..errors import InsufficientResourcesError, ParameterNotAvailableError, StorageError, UsageError
+from ._init_ops import data_view, realize, run_on_full
 from ._ledger import Hold
 from ._param import (
     ParamInfo,
     ParamState,
-    _iter_params,
-    first_arg,
     info_of,
     make_partitioned,
+    not_available_message,
     raw_data,
     register,
     set_data,
 )
 from ._pretrained import PendingTensor, SourceReader, open_lazily
 from ._unit_plan import placement_of
-
-_INPLACE_SUFFIX = "_"
 
 
 class InitStore:
@@ -90,6 +88,7 @@ class InitStore:
         tier = self.tier = Tier.of(tier)
         self._mem: Dict[int, torch.Tensor] = {}
         self._offsets: Dict[int, int] = {}
+        self._sizes: Dict[int, int] = {}  # slot bytes per chunk stored here
         self._end = 0
         self.used = 0
         self._in_flight = 0
@@ -127,9 +126,11 @@ class InitStore:
             chunk, copy = acc.to_host(chunk), False  # the store's chunks live in host memory or on NVMe
         nbytes = self.slot_bytes(chunk.numel(), chunk.dtype)
         self._files.pop(key, None)  # new values: no longer the checkpoint's
-        if key not in self._offsets and key not in self._mem:
-            self.check_room(nbytes, f"parameter {name}")
-            self.used += nbytes
+        if nbytes > self._sizes.get(key, 0):  # a new chunk, or one grown by an assignment of .data
+            grown = nbytes - self._sizes.get(key, 0) if self.tier is not Tier.NVME else nbytes  # NVMe: a new slot
+            self.check_room(grown, f"parameter {name}")
+            self.used += grown
+            self._sizes[key] = nbytes
             if self.tier is Tier.NVME:
                 self._offsets[key] = self._end
                 self._end += nbytes
@@ -244,6 +245,9 @@ def room_for(tier: Tier, nvme_path: Optional[str]):
 _HOST_SHARE = 0.8
 
 
+_EXACT_IN_FP32 = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class InitUnit:
     """The fetch unit of one Init-partitioned parameter until ``initialize`` adopts it.
 
@@ -289,8 +293,9 @@ class InitUnit:
         """All-gather the chunks into the full tensor (in the parameter's dtype)."""
         if not self.loaded:
             return torch.empty(self.info.shape, dtype=self.dtype, device="meta")
-        mine = self.chunk().to(torch.float32)
-        full = torch.empty(self.info.padded_numel, dtype=torch.float32, device=acc.device())
+        wire = torch.float32 if self.dtype in _EXACT_IN_FP32 else self.dtype  # fp64 and integers: exact as they are
+        mine = self.chunk().to(wire)
+        full = torch.empty(self.info.padded_numel, dtype=wire, device=acc.device())
         comm.all_gather_into_tensor(full, acc.to_device(mine), async_op=False, what=f"Init gather of {self.info.name}")
         return full[: self.info.numel].view(self.info.shape).to(self.dtype)
 
@@ -300,6 +305,21 @@ class InitUnit:
         rows = chunk_rows(full.detach().to(self.dtype), self.world_size)
         self.init.store.put(self.index, rows[self.init.rank].contiguous(), self.info.name)
         self.loaded = True
+
+    def assign(self, full: torch.Tensor) -> None:
+        """``param.data = full``: the values of ``full``, whose shape and dtype may differ from the
+        parameter's (``resize_token_embeddings`` assigns a larger matrix): the partition is remade
+        for them (Note [touched placeholders] in _init_ops.py)."""
+        if full.shape != self.info.shape or full.dtype != self.dtype:
+            if full.is_meta != self._on_meta():
+                raise UsageError(f"parameter {self.info.name!r}: .data cannot move between the meta device and "
+                                 f"another under infinity.Init; assign a new parameter instead")
+            numel = full.shape.numel()
+            self.info.shape, self.info.numel = full.shape, numel
+            self.info.padded_numel = padded(numel, self.world_size)
+            self.dtype = full.dtype
+        self.store_full(full)
+        set_data(self.params[0], self.placeholder())
 
     def load(self, pending) -> None:
         """This rank's chunk, read from the checkpoint file (Note [streamed load] in _pretrained.py)."""
@@ -371,9 +391,9 @@ class Init:
         self.enabled = enabled
         self.counter = 0
         self.units: List[InitUnit] = []
-        self._saved: Dict[type, object] = {}
+        self._saved: Dict[type, tuple] = {}  # class -> (its __init__, the wrapper that replaced it)
+        self._active = False
         self._depth: Dict[int, int] = {}
-        self._shadows: Dict[int, torch.Tensor] = {}
         self._built: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._checked_load = False
         self._probing = False  # building the meta copy of _check_whole_model
@@ -389,6 +409,7 @@ class Init:
         self.rank, self.world_size = comm.rank(), comm.world_size()
         off = self.cfg.zero.offload_param
         self.store = InitStore(Tier.of(off.device), off.nvme_path, self.cfg.aio, self.rank)
+        self._active = True
         for cls in [nn.Module] + _all_subclasses(nn.Module):
             if "__init__" in cls.__dict__:
                 self._wrap(cls)
@@ -409,9 +430,14 @@ class Init:
     def __exit__(self, *exc):
         if not self.enabled:
             return False
-        for cls, orig in self._saved.items():
-            cls.__init__ = orig
+        for cls, (orig, wrapped) in self._saved.items():
+            if cls.__dict__.get("__init__") is wrapped:
+                cls.__init__ = orig
+            # else a decorator replaced it after a class was made inside the context (transformers'
+            # use_experts_implementation wraps the __init__ it finds): its __init__ calls ours, which
+            # from now on only calls the original; restoring would drop the decorator's
         self._saved.clear()
+        self._active = False
         if self._saved_init_subclass is None:
             del nn.Module.__init_subclass__
         else:
@@ -419,19 +445,25 @@ class Init:
         self._hook.remove()
         self._stop_lazy_files()
         self.reader.close()
-        logger.info("Init: %d parameters partitioned over %d rank(s) on tier %s", len(self.units), self.world_size,
+        logger.info("Init: %d parameters partitioned over %d rank(s) on tier %s", self._partitioned(), self.world_size,
                     self.store.tier)
         return False
+
+    def _partitioned(self) -> int:
+        """The parameters this Init partitioned that its modules hold now, each once: a parameter
+        built on the meta device and replaced by its loaded values (``from_pretrained``) is one."""
+        held = {id(p) for m in self._built for p in m._parameters.values()
+                if p is not None and (i := info_of(p)) is not None and isinstance(i.unit, InitUnit) and i.unit.init is self}
+        return len(held)
 
     def _wrap(self, cls) -> None:
         if cls in self._saved:
             return
         orig = cls.__dict__["__init__"]
-        self._saved[cls] = orig
         init = self
 
         def wrapped(module, *args, **kwargs):
-            if init._probing:  # the meta build of _check_whole_model: nothing to partition
+            if init._probing or not init._active:  # the meta build of _check_whole_model, or after the context
                 return orig(module, *args, **kwargs)
             if not init._depth:  # the outermost module: the model itself
                 init._check_whole_model(type(module), args, kwargs)
@@ -446,6 +478,7 @@ class Init:
                 init._partition_module(module)
 
         wrapped.__wrapped__ = orig
+        self._saved[cls] = (orig, wrapped)
         cls.__init__ = wrapped
 
     def _check_whole_model(self, cls: type, args: tuple, kwargs: dict) -> None:
@@ -529,60 +562,26 @@ class Init:
     # ------------------------------------------------------------ ops on partitioned params
 
     def on_unavailable(self, func, args, kwargs, infos):
-        """Run ``func`` on the full tensors; re-partition what it changed in place."""
-        owner = getattr(func, "__self__", None)
-        if owner is torch._C.TensorBase.data:
-            info = infos[0]
+        """Note [touched placeholders] in _init_ops.py: run ``func`` on the full tensors."""
+        if getattr(func, "__self__", None) is torch._C.TensorBase.data:
+            param = args[0]
+            unit = self._touch(param, ".data")
             if func.__name__ == "__set__":
-                info.unit.store_full(args[1])
+                unit.assign(realize(args[1], self._touch, ".data ="))
                 return None
-            return self._shadow(args[0], info)
-        fulls = {id(p): (p, info_of(p).unit, info_of(p).unit.materialize()) for p in _params_in(args, kwargs)}
-        args2 = _substitute(args, fulls)
-        kwargs2 = _substitute(kwargs, fulls)
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args2, **kwargs2)
-        name = getattr(func, "__name__", "")
-        if name.endswith(_INPLACE_SUFFIX) or name in ("__setitem__", "__iadd__", "__imul__", "__isub__", "__itruediv__"):
-            target = fulls.get(id(first_arg(args, kwargs)))
-            if target is not None:
-                target[1].store_full(target[2])
-                return target[0]
-        return out
+            return data_view(param, unit.info.shape, unit.dtype, raw_data(param).device)
+        return run_on_full(func, args, kwargs, self._touch)
 
-    def _shadow(self, param, info) -> torch.Tensor:
-        """``param.data`` of a partitioned parameter: a tensor whose ops reach the chunks."""
-        shadow = self._shadows.get(id(info))
-        if shadow is None:
-            with torch._C.DisableTorchFunctionSubclass():
-                shadow = torch.Tensor._make_subclass(type(param), raw_data(param), False)
-            register(shadow, info)
-            self._shadows[id(info)] = shadow
-        return shadow
+    @staticmethod
+    def _touch(param: nn.Parameter, op: str) -> InitUnit:
+        """The Init unit of a parameter an operator reached, or the engine's refusal."""
+        info = info_of(param)
+        if info is None or not isinstance(info.unit, InitUnit):
+            raise ParameterNotAvailableError(not_available_message(info, op))
+        return info.unit
 
     def repartition(self, unit: InitUnit) -> None:
         unit.store_full(raw_data(unit.params[0]))
 
     def close(self) -> None:
         self.store.close()
-        self._shadows.clear()
-
-
-def _params_in(args, kwargs):
-    seen = []
-    for p in itertools.chain(_iter_params(args), _iter_params(kwargs)):
-        i = info_of(p)
-        if i is not None and i.state is not ParamState.AVAILABLE and all(p is not q for q in seen):
-            seen.append(p)
-    return seen
-
-
-def _substitute(obj, fulls):
-    if isinstance(obj, torch.Tensor):
-        hit = fulls.get(id(obj))
-        return hit[2] if hit is not None else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_substitute(x, fulls) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _substitute(v, fulls) for k, v in obj.items()}
-    return obj

@@ -27,12 +27,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Protocol
 
 import torch
 from torch import nn
 
-from ..errors import ParameterNotAvailableError
+from ..errors import ParameterNotAvailableError, UsageError
 
 if TYPE_CHECKING:
     from ._ledger import Hold
@@ -167,8 +167,11 @@ def _shape_query(func, info: ParamInfo, args, kwargs):
 
 
 def _iter_params(obj, depth=0):
+    """The partitioned parameters an operator's arguments hold, those behind a ``ParamView`` included."""
     if isinstance(obj, PartitionedParameter):
         yield obj
+    elif isinstance(obj, ParamView):
+        yield from obj.bases
     elif depth < 2 and isinstance(obj, (list, tuple)):
         for x in obj:
             yield from _iter_params(x, depth + 1)
@@ -212,8 +215,7 @@ class PartitionedParameter(nn.Parameter):
         if unavailable:
             owner = unavailable[0][1].unit  # a FetchUnit or an InitUnit: Note [parameter owners]
             return owner.on_unavailable(func, args, kwargs, [info for _, info in unavailable])
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return run_available(func, args, kwargs)
 
     def __reduce_ex__(self, proto):
         info = info_of(self)
@@ -257,3 +259,104 @@ def make_partitioned(param: nn.Parameter) -> None:
 def make_plain(param: nn.Parameter) -> None:
     if isinstance(param, PartitionedParameter):
         param.__class__ = _PLAIN[type(param)]
+
+
+# ------------------------------------------------------------------ views of partitioned parameters
+
+
+class ViewStep(NamedTuple):
+    """How a ``ParamView`` is made from its bases: ``func(*args, **kwargs)``, then ``path`` into a
+    (nested) sequence result (``split``, ``unbind``). The arguments hold the bases themselves."""
+
+    func: Callable
+    args: tuple
+    kwargs: Dict[str, Any]
+    path: tuple
+
+
+class ParamView(torch.Tensor):
+    """A view of partitioned parameters (``weight[idx]``, ``weight.data``, ``narrow``, ...) taken
+    while they were not gathered: no storage of its own, only the recipe that makes it from the
+    full tensors (Note [touched placeholders] in _init_ops.py)."""
+
+    bases: tuple  # the parameters whose full tensors the recipe reads
+    step: Optional[ViewStep]  # None: ``bases[0].data``
+
+    @staticmethod
+    def of(bases, step: Optional[ViewStep], like: torch.Tensor, device: torch.device) -> "ParamView":
+        """A view with the shape, strides and dtype of ``like`` (what the recipe gives)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            t = torch.Tensor._make_wrapper_subclass(
+                ParamView, like.shape, strides=like.stride(), storage_offset=like.storage_offset(), dtype=like.dtype,
+                device=device, requires_grad=False)
+        t.bases, t.step = tuple(bases), step
+        return t
+
+    def replay(self, fulls: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """The real view: the recipe run on the full tensors (``fulls``: id of a base -> its full tensor)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            if self.step is None:
+                return fulls[id(self.bases[0])].detach()
+            out = self.step.func(*resolve(self.step.args, fulls), **resolve(self.step.kwargs, fulls))
+            for i in self.step.path:
+                out = out[i]
+            return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if owner in _META_ATTRS or owner in _VIEW_META_ATTRS or func in _META_METHODS or func in _VIEW_META_METHODS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)  # the wrapper carries the view's own metadata
+        if owner is torch._C.TensorBase.data:
+            if func.__name__ == "__get__":
+                return args[0]
+            raise UsageError(f"assigning .data of a view of parameter {args[0].bases[0]!r} would not reach the "
+                             f"parameter; assign the parameter's own .data")
+        if func is torch.Tensor.__repr__:
+            me = args[0]
+            names = ", ".join(repr(info_of(b).name) if info_of(b) else "?" for b in me.bases)
+            return f"ParamView(of={names}, shape={tuple(me.shape)}, dtype={me.dtype})"
+        infos = {id(i): i for p in itertools.chain(_iter_params(args), _iter_params(kwargs))
+                 if (i := info_of(p)) is not None and i.state is not ParamState.AVAILABLE}
+        if infos:
+            first = next(iter(infos.values()))
+            return first.unit.on_unavailable(func, args, kwargs, list(infos.values()))
+        return run_available(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise UsageError(f"{func} reached a view of a partitioned parameter without passing through its "
+                         f"__torch_function__ (Note [touched placeholders] in _init_ops.py); gather the parameter "
+                         f"first: `with infinity.GatheredParameters([param], modifier_rank=0):`")
+
+
+# Metadata a view answers from its wrapper (a parameter answers these from its ParamInfo: _shape_query).
+_VIEW_META_ATTRS = {torch._C.TensorBase.shape, torch._C.TensorBase.ndim, torch._C.TensorBase.nbytes}
+_VIEW_META_METHODS = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.numel,
+                      torch.Tensor.dim, torch.Tensor.__len__}
+
+
+def resolve(obj, fulls: Dict[int, torch.Tensor]):
+    """``obj`` with each partitioned parameter in ``fulls`` replaced by its full tensor and each
+    ``ParamView`` by its real view of them."""
+    if isinstance(obj, ParamView):
+        return obj.replay(fulls)
+    if isinstance(obj, torch.Tensor):
+        return fulls.get(id(obj), obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(resolve(x, fulls) for x in obj)
+    if isinstance(obj, dict):
+        return {k: resolve(v, fulls) for k, v in obj.items()}
+    return obj
+
+
+def run_available(func, args, kwargs):
+    """Run ``func`` where every parameter it reads, directly or through a view, is gathered: the
+    parameters are used as themselves (autograd records them) and views are replayed on them."""
+    fulls = {id(p): p for p in itertools.chain(_iter_params(args), _iter_params(kwargs))}
+    with torch._C.DisableTorchFunctionSubclass():
+        if fulls:
+            args, kwargs = resolve(args, fulls), resolve(kwargs, fulls)
+        return func(*args, **kwargs)

@@ -31,7 +31,7 @@ import torch
 from .._runtime._log import logger
 from ..errors import InvariantError
 from ._ledger import Hold
-from ._param import ParameterNotAvailableError, not_available_message
+from ._param import ParameterNotAvailableError, not_available_message, run_available
 
 if TYPE_CHECKING:
     from ._module_state import ModuleState
@@ -130,8 +130,7 @@ class Calls:
     def on_unavailable(self, func, args, kwargs, infos):
         """A RELEASED parameter reached an operator: fetch it (inside a module call) and run."""
         self.fetch_on_demand(infos, op=getattr(func, "__name__", str(func)))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return run_available(func, args, kwargs)
 
     def fetch_on_demand(self, infos, op: str) -> None:
         frame = self.top()

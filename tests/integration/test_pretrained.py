@@ -69,6 +69,20 @@ def test_weights_bit_identical_to_plain_from_pretrained(tmp_path, kind, offload)
     assert len(names) > 10
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_log_counts_each_loaded_parameter_once(tmp_path, infinity_logs, kind):
+    """Parameters built on the meta device and then given the checkpoint's values are one parameter
+    each in Init's count (tied ones once), as many as the plain model has."""
+    from transformers import AutoModelForCausalLM
+
+    directory = _save(kind, str(tmp_path / "ckpt"))
+    with infinity.Init(offload="cpu"):
+        model = AutoModelForCausalLM.from_pretrained(directory)
+    n = len(list(model.parameters()))
+    counts = [r.getMessage() for r in infinity_logs.records if "parameters partitioned over" in r.getMessage()]
+    assert counts == [f"Init: {n} parameters partitioned over 1 rank(s) on tier cpu"]
+
+
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_two_ranks_each_read_their_own_shards(tmp_path, offload):
     directory = _save("llama", str(tmp_path / "ckpt"), shard="20KB")
