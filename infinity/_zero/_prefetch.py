@@ -205,7 +205,7 @@ class Prefetcher:
     def _window(self, nxt: int, depth: int) -> list:
         """The next ``depth`` modules of the trace from ``nxt`` that have a unit to fetch, each
         counted once: the submodules of a block hold the block's units too (Note [fetch unit
-        grouping] in _engine.py), and those of the module running now are not ahead."""
+        grouping] in _unit_plan.py), and those of the module running now are not ahead."""
         trace = self._pass.trace
         seen = set(trace[nxt - 1].units) if nxt > 0 else set()
         out = []
