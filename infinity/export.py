@@ -6,7 +6,9 @@ copied file to file from the ranks' shard files (a parameter's flat bytes are it
 of rank 0, 1, ... in order, the padding left out) through the fixed buffers of
 ``_checkpoint._io.Mover``: no tensor is ever assembled in memory, so peak memory is those
 buffers plus the model's buffers, whatever the model size, and no process group is needed.
-The source files are verified against the manifest first. Writes ``model.safetensors`` or
+Every file of the checkpoint is verified against the manifest first (its kind, size and
+checksum: Note [data, never code] in _checkpoint/_files.py), those the export does not read
+too, so that an export vouches for the whole checkpoint. Writes ``model.safetensors`` or
 ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, the model's
 ``config.json`` / ``generation_config.json`` saved with the checkpoint, and tokenizer files
 from ``--tokenizer DIR``. A tied weight is written once, under the name of the module that
@@ -24,10 +26,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._checkpoint._format import CheckpointReader, itemsize, pieces, rank_file, resolve
+from ._checkpoint._files import BUFFERS
+from ._checkpoint._format import MANIFEST, CheckpointReader, itemsize, pieces, rank_file, resolve
 from ._checkpoint._io import FileSink
+from ._checkpoint._legacy import EXTRA, convert, is_legacy, load_pickle, refuse
 from ._checkpoint._safetensors_export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, _plan
-from ._checkpoint._save import EXTRA
 from ._zero._tiling import untiled_names, untiled_pieces
 from .errors import InfinityError, InsufficientResourcesError, UsageError
 
@@ -37,20 +40,38 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "added_tokens.json")
 
 
+__all__ = ["convert_checkpoint", "export_checkpoint", "main"]
+
+
+def convert_checkpoint(checkpoint: str, *, trust_pickle: bool = False) -> List[str]:
+    """Rewrite a checkpoint of format version 1 or 2 (whose extra.pt and rng.pt are pickles),
+    or every one in a run's directory of them, in place as version 3, which holds no pickle
+    (Note [data, never code] in _checkpoint/_files.py); return the paths converted. Reads the
+    pickles, so it runs only with ``trust_pickle=True``: pass it only for checkpoints whose
+    every writer you trust."""
+    return convert(checkpoint, trust_pickle=trust_pickle)
+
+
 def export_checkpoint(checkpoint: str, out_dir: str, *, weights: str = "params", tokenizer: Optional[str] = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> List[str]:
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, trust_pickle: bool = False) -> List[str]:
     """Write the checkpoint (a checkpoint directory, or a run's directory of them: its latest)
     to ``out_dir`` as a Hugging Face directory; return the weight files written. ``weights``:
     ``params`` (the compute-dtype weights the model trained with) or ``master`` (fp32 master
-    weights; frozen parameters from their compute-dtype values). Note [streamed export]."""
+    weights; frozen parameters from their compute-dtype values). ``trust_pickle``: read a
+    checkpoint of format version 1 or 2, whose extra.pt is a pickle (it runs whatever code it
+    holds; ``convert_checkpoint`` converts one once). Note [streamed export]."""
     if weights not in ("params", "master"):
         raise UsageError(f"weights must be 'params' or 'master', got {weights!r}")
-    path = checkpoint if os.path.exists(os.path.join(checkpoint, "manifest.json")) else resolve(checkpoint, None)
+    path = checkpoint if os.path.exists(os.path.join(checkpoint, MANIFEST)) else resolve(checkpoint, None)
     reader = CheckpointReader(path)
     try:
+        legacy = is_legacy(reader.manifest)
+        if legacy and not trust_pickle:
+            raise refuse(path, reader.manifest, "export")
+        reader.verify(reader.manifest["files"])  # every file, before any is read
         tensors = _untiled(_sources(reader, weights), reader.manifest.get("tiled") or {})
-        reader.verify([EXTRA])
-        buffers = torch.load(reader.file(EXTRA), weights_only=False)["buffers"]
+        buffers = load_pickle(reader.file(EXTRA), trust_pickle=trust_pickle)["buffers"] if legacy else \
+            reader.small(BUFFERS)[0]
         sizes = {n: t[2] * itemsize(t[1]) for n, t in tensors.items()}
         sizes.update({n: b.numel() * b.element_size() for n, b in buffers.items()})
         os.makedirs(out_dir, exist_ok=True)
@@ -142,16 +163,18 @@ def _write_shard(reader, path: str, names: List[str], tensors: dict, buffers: di
 
 
 def _write_text(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
+    _write_bytes(path, text.encode())
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
     os.replace(path + ".tmp", path)
 
 
 def _copy_side_files(reader: CheckpointReader, out_dir: str, tokenizer: Optional[str]) -> None:
-    hf = [rel for rel in reader.manifest["files"] if rel.startswith("hf/")]
-    reader.verify(hf)
-    for rel in hf:
-        shutil.copyfile(reader.file(rel), os.path.join(out_dir, os.path.basename(rel)))
+    for rel in [rel for rel in reader.manifest["files"] if rel.startswith("hf/")]:
+        _write_bytes(os.path.join(out_dir, os.path.basename(rel)), reader.small_bytes(rel))  # the bytes verified
     if tokenizer is not None:
         found = [n for n in TOKENIZER_FILES if os.path.exists(os.path.join(tokenizer, n))]
         if not found:
@@ -165,15 +188,27 @@ def main(argv=None) -> int:
                                 description="Write an infinity checkpoint as a Hugging Face model directory, "
                                             "streamed with bounded memory, without a process group.")
     p.add_argument("checkpoint", help="a checkpoint directory, or a run's directory of checkpoints (its latest)")
-    p.add_argument("out_dir", help="the Hugging Face directory to write")
+    p.add_argument("out_dir", nargs="?", help="the Hugging Face directory to write")
     p.add_argument("--weights", choices=("params", "master"), default="params",
                    help="params: the weights the model trained with (its compute dtype); master: fp32 master weights")
     p.add_argument("--tokenizer", help="a directory whose tokenizer files to copy along")
     p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="read a checkpoint of format version 1 or 2, whose extra.pt and rng.pt are pickles: reading "
+                        "them runs any code their writer put in them, so pass it only if you trust every writer")
+    p.add_argument("--convert-old", action="store_true",
+                   help="instead of exporting, rewrite CHECKPOINT (or every checkpoint of a run's directory) of "
+                        "format version 1 or 2 in place as version 3, which holds no pickle; needs --trust-pickle")
     args = p.parse_args(argv)
+    if args.convert_old == (args.out_dir is not None):
+        p.error("pass OUT_DIR to export, or --convert-old without OUT_DIR to convert")
     try:
+        if args.convert_old:
+            done = convert_checkpoint(args.checkpoint, trust_pickle=args.trust_pickle)
+            print(f"converted {len(done)} checkpoint(s) to format version 3" + "".join(f"\n  {d}" for d in done))
+            return 0
         files = export_checkpoint(args.checkpoint, args.out_dir, weights=args.weights, tokenizer=args.tokenizer,
-                                  max_shard_bytes=args.max_shard_bytes)
+                                  max_shard_bytes=args.max_shard_bytes, trust_pickle=args.trust_pickle)
     except InfinityError as err:
         print(f"infinity.export: error: {err}", file=sys.stderr)
         return 2

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from ._apps._runmodel import Rates, Run, adam_rate, compute_rate, host_memory, step_time  # noqa: F401
 from ._checkpoint import CheckpointReader
+from ._checkpoint._legacy import is_legacy, refuse
 from ._offload._memory_plan import RELEASE_CACHE_CAP, host_account, stop_block_cache, use_block_cache  # noqa: F401
 from ._offload._optimizer_store import chunk_elems  # noqa: F401
 from ._offload._swap import dir_bytes, new_aio  # noqa: F401 - dir_bytes: the bytes under a swap directory
@@ -274,12 +275,17 @@ def _status_bytes(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def verify_checkpoint(path: str) -> dict:
+def verify_checkpoint(path: str, *, trust_pickle: bool = False) -> dict:
     """Check every file of the checkpoint at ``path`` (a tag's directory) against its manifest,
-    size and checksum, without a process group or a model; return the manifest. A file that
-    is missing, of another size or fails its checksum raises ``StorageError`` naming it."""
+    kind, size and checksum, without a process group or a model, parsing nothing before its
+    bytes are checked (Note [data, never code] in _checkpoint/_files.py); return the manifest.
+    A file that is missing, of another size or kind, fails its checksum or does not parse as
+    its kind raises ``StorageError`` naming it. A checkpoint of format version 1 or 2 (whose
+    extra.pt and rng.pt are pickles, which this never reads) is refused unless ``trust_pickle``."""
     reader = CheckpointReader(path)
     try:
+        if is_legacy(reader.manifest) and not trust_pickle:
+            raise refuse(os.fspath(path), reader.manifest, "verify_checkpoint")
         reader.verify(reader.manifest["files"])
     finally:
         reader.close()

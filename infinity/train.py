@@ -94,7 +94,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parse_args(argv)
         cfg = resolve_config(args)
         checkpoints = TrainCheckpoints.from_args(args.save_every, args.resume, args.keep_last, cfg.train.output_dir,
-                                                  save_async=args.save_async, save_on_signal=args.save_on_signal)
+                                                  save_async=args.save_async, save_on_signal=args.save_on_signal,
+                                                  trust_pickle=args.trust_pickle)
         text = run_job(cfg, checkpoints)
         finished = True
     except (UsageError, InsufficientResourcesError) as err:  # TrainError, DataError, ConfigError among them

@@ -63,6 +63,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="save a checkpoint every N steps (and after the last) under --output-dir/checkpoints")
     p.add_argument("--resume", metavar="auto|DIR",
                    help="resume from a checkpoint: auto = the latest complete one under --output-dir/checkpoints")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="let --resume read a checkpoint of format version 1 or 2, whose extra.pt and rng.pt are "
+                        "pickles: reading them runs any code their writer put in them, so pass it only if you trust "
+                        "every writer (python -m infinity.export --convert-old DIR --trust-pickle converts one once)")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep only the newest N checkpoints")
     p.add_argument("--save-async", action="store_true",
                    help="--save-every saves without stopping training: the states are snapshotted at the save "
@@ -124,8 +128,9 @@ def resolve_config(args: argparse.Namespace) -> Config:
         if not drives:
             raise TrainError(f"--nvme-path names no directory ({args.nvme_path!r}): give a directory on an NVMe "
                              f"drive, or several separated by commas, one per drive")
-        updates["zero.offload_param.nvme_path"] = drives[0] if len(drives) == 1 else drives
-        updates["zero.offload_optimizer.nvme_path"] = drives[0] if len(drives) == 1 else drives
+        for key in ("offload_param", "offload_optimizer"):  # not beside a tier of none: the config refuses that
+            if updates.get(f"zero.{key}.device", getattr(cfg.zero, key).device) != "none":
+                updates[f"zero.{key}.nvme_path"] = drives[0] if len(drives) == 1 else drives
     elif args.offload == "nvme":
         for key in ("offload_param", "offload_optimizer"):
             if getattr(cfg.zero, key).nvme_path is None:

@@ -1,8 +1,8 @@
 """The checkpoint format on disk, readable without a process group.
 
-Note [checkpoint layout]: format "infinity-checkpoint", versions 1 and 2 (Note [manifest
-versions]). A run's directory holds one subdirectory per tag and a ``latest`` file naming the
-newest complete one:
+Note [checkpoint layout]: format "infinity-checkpoint", version 3 (Note [manifest versions]).
+A run's directory holds one subdirectory per tag and a ``latest`` file naming the newest
+complete one:
 
     <dir>/latest                      the tag of the newest complete checkpoint (one line)
     <dir>/<tag>/manifest.json         written last: what is below, every file's size and CRC-32
@@ -12,34 +12,39 @@ newest complete one:
     <dir>/<tag>/rank<r>/master.bin    rank r's fp32 master weights, the optimizer's flat space
     <dir>/<tag>/rank<r>/exp_avg.bin   ... the first Adam moments, same offsets
     <dir>/<tag>/rank<r>/exp_avg_sq.bin  ... the second moments, same offsets
-    <dir>/<tag>/rank<r>/rng.pt        rank r's RNG states (torch, cuda, python, numpy)
-    <dir>/<tag>/extra.pt              the caller's ``client_state`` and the model's buffers (rank 0)
-    <dir>/<tag>/hf/                   the Hugging Face config files of the model, if it has them
+    <dir>/<tag>/rank<r>/rng.safetensors  rank r's RNG states (torch, its device, python, numpy)
+    <dir>/<tag>/client_state.json     the caller's ``client_state`` (rank 0), its tensors in
+    <dir>/<tag>/client_state.safetensors
+    <dir>/<tag>/buffers.safetensors   the model's persistent buffers (rank 0)
+    <dir>/<tag>/hf/                   the Hugging Face config files (JSON) of the model, if it has them
 
-Every flat space is the shard layout (Note [shard layout] in _unit.py): a parameter of
-``numel`` elements is padded to ``chunk * world_size`` and rank r holds elements
-[r * chunk, (r + 1) * chunk) of it at the same offset in every rank's file
-(``param_offset`` in params.bin, ``opt_offset`` in the fp32 files; frozen parameters have
-no ``opt_offset``). The manifest lists every parameter (name, shape, numel, chunk, offsets,
-its own step count and parameter group), so a loader at any world size computes the global
-element range each of its new chunks needs and reads it from the ranks that hold it
-(``pieces``); the placement (device, cpu, nvme) only decides where the bytes go.
+Nothing else: every file is raw flat bytes, JSON or safetensors (Note [data, never code] in
+_files.py), and a reader refuses a file the manifest lists that is of no such kind, or a flat
+file whose size is not the one the layout gives it. Every flat space is the shard layout (Note
+[shard layout] in _unit.py): a parameter of ``numel`` elements is padded to ``chunk *
+world_size`` and rank r holds elements [r * chunk, (r + 1) * chunk) of it at the same offset
+in every rank's file (``param_offset`` in params.bin, ``opt_offset`` in the fp32 files; frozen
+parameters have no ``opt_offset``). The manifest lists every parameter (name, shape, numel,
+chunk, offsets, its own step count and parameter group), so a loader at any world size
+computes the global element range each of its new chunks needs and reads it from the ranks
+that hold it (``pieces``); the placement (device, cpu, nvme) only decides where the bytes go.
 
 Note [manifest versions]: version 1 gives every file a CRC-32 (``crc32``). Version 2 lets a
 file give a CRC32C (``crc32c``) instead: a file cloned from a swap file (Note [cloned
-checkpoints] in _clone.py), whose checksum comes from the swap file's CRC32C block sums. A
-CRC-32 is another polynomial and cannot be derived from those sums without reading the file,
-the very write-sized cost a clone avoids, so an infinity that reads only version 1 (it reads
-``entry["crc32"]``) cannot verify a cloned file. The manifest says version 2 for it, and such a
-reader refuses the checkpoint naming the version instead of failing on a missing key. A save
-writes the lowest version that describes its files (``manifest_version``): a checkpoint whose
-files were all copied is version 1 and loads in older releases as well. A reader accepts the
-versions in ``VERSIONS`` and refuses any other, naming it and the release to upgrade to.
+checkpoints] in _clone.py), whose checksum comes from the swap file's CRC32C block sums; a
+reader of version 1 only refuses it by its version instead of failing on a missing key.
+Versions 1 and 2 hold the client state, the buffers and the RNG states as pickles
+(``extra.pt``, ``rank<r>/rng.pt``). Version 3 holds no pickle (Note [data, never code] in
+_files.py) and may give CRC32Cs as version 2 does; every save writes it, since a reader of
+version 1 or 2 would look for the pickles. A reader accepts the versions in ``VERSIONS`` and
+refuses any other, naming it and the release to upgrade to; versions 1 and 2 it reads only
+with ``trust_pickle=True`` (``_legacy.py``), or once converted to version 3.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -48,13 +53,17 @@ import torch
 
 from ..aio._checksum import BLOCK
 from ..errors import StorageError, UsageError
+from ._files import BUFFERS, CLIENT_JSON, CLIENT_TENSORS, parse_kind, read_checked
 from ._io import Mover, check_file, copy_into
 
 FORMAT = "infinity-checkpoint"
-VERSIONS = (1, 2)  # the manifest versions this infinity reads (Note [manifest versions])
+VERSION = 3  # the manifest version a save writes (Note [manifest versions])
+VERSIONS = (1, 2, 3)  # the manifest versions this infinity reads (1 and 2 only with trust_pickle=True)
 MANIFEST, LATEST = "manifest.json", "latest"
 STATE_ARRAYS = ("master", "exp_avg", "exp_avg_sq")  # fp32, the optimizer's flat space
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+_RANK_FILE = re.compile(r"rank(0|[1-9][0-9]*)/([a-z_]+)\.(bin|safetensors|pt)")
+_HF_FILE = re.compile(r"hf/[\w.-]+\.json")
 
 
 def rank_file(rank: int, array: str) -> str:
@@ -113,11 +122,6 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def manifest_version(files: dict) -> int:
-    """The lowest version that describes these manifest entries (Note [manifest versions])."""
-    return 2 if any("crc32c" in entry for entry in files.values()) else 1
-
-
 def complete_checkpoints(directory: str) -> List[Tuple[float, str]]:
     """(saved_at, tag) of every complete checkpoint under ``directory``, oldest first."""
     out = []
@@ -142,8 +146,17 @@ def resolve(directory: str, tag: Optional[str]) -> str:
             raise UsageError(f"no checkpoint {tag!r} in {directory} (complete ones there: {found or 'none'})")
         return path
     try:
-        with open(os.path.join(directory, LATEST)) as f:
-            return os.path.join(directory, check_tag(f.read().strip()))
+        with open(os.path.join(directory, LATEST), "rb") as f:
+            line = f.read(4096)
+        try:
+            name = line.decode().strip()
+        except UnicodeDecodeError:
+            raise UsageError(f"{os.path.join(directory, LATEST)} does not name a checkpoint tag (it is not text); "
+                             f"pass tag= to choose one, or remove it to load the newest complete one") from None
+        try:
+            return os.path.join(directory, check_tag(name))
+        except UsageError as e:
+            raise UsageError(f"{os.path.join(directory, LATEST)} does not name a checkpoint: {e}") from None
     except FileNotFoundError:
         found = complete_checkpoints(directory)
         if not found:
@@ -191,25 +204,79 @@ class CheckpointReader:
         self.dtype = DTYPES[self.manifest["dtype"]]
         self.params: Dict[str, dict] = {p["name"]: p for p in self.manifest["params"]}
         self.mover = mover or Mover()
+        self.version = self.manifest["version"]
         self._checked: set = set()
+        self._small: Dict[str, tuple] = {}
         self.blocks: Dict[str, np.ndarray] = {}
 
     def file(self, rel: str) -> str:
         return os.path.join(self.path, rel)
 
     def verify(self, rels, blocks_of=()) -> None:
-        """Check the size and checksum of these files (relative paths), each once; for those
-        in ``blocks_of`` also keep their 4 KiB blocks' CRC32Cs (``self.blocks``), for a clone
-        back (Note [cloned checkpoints] in _clone.py)."""
+        """Check these files (relative paths), each once, before anything reads them: their kind
+        and, for a flat file, its size as the layout gives it; then their size and checksum
+        against the manifest; a small file is parsed too (``small``). For those in ``blocks_of``
+        also keep their 4 KiB blocks' CRC32Cs (``self.blocks``), for a clone back (Note [cloned
+        checkpoints] in _clone.py)."""
         files = self.manifest["files"]
         for rel in sorted(set(rels) - self._checked):
             if rel not in files:
                 raise StorageError(f"{self.file(MANIFEST)} lists no file {rel}: the checkpoint is incomplete")
+            kind = self.kind(rel)
+            if kind == "small":
+                self.small(rel)
+                continue
+            if kind == "flat" and files[rel]["bytes"] != self.flat_bytes(rel):
+                raise StorageError(f"checkpoint file {self.file(rel)}: the manifest says {files[rel]['bytes']} bytes, "
+                                   f"the layout it describes {self.flat_bytes(rel)}: the checkpoint was changed; load "
+                                   f"another tag or the previous checkpoint")
             blocks = np.zeros(-(-files[rel]["bytes"] // BLOCK), dtype=np.uint32) if rel in blocks_of else None
             check_file(self.mover, self.file(rel), files[rel], blocks)
             if blocks is not None:
                 self.blocks[rel] = blocks
             self._checked.add(rel)
+
+    def kind(self, rel: str) -> str:
+        """"flat", "small" (JSON, safetensors) or "pickle" (versions 1 and 2 only); StorageError
+        for a file no checkpoint of this version holds (Note [checkpoint layout])."""
+        m = _RANK_FILE.fullmatch(rel)
+        if m is not None and int(m.group(1)) < self.world:
+            if m.group(2) in ("params",) + STATE_ARRAYS and m.group(3) == "bin":
+                return "flat"
+            if (m.group(2), m.group(3)) == ("rng", "safetensors" if self.version >= VERSION else "pt"):
+                return "small" if self.version >= VERSION else "pickle"
+        if _HF_FILE.fullmatch(rel) or (self.version >= VERSION and rel in (CLIENT_JSON, CLIENT_TENSORS, BUFFERS)):
+            return "small"
+        if self.version < VERSION and rel == "extra.pt":
+            return "pickle"
+        raise StorageError(f"{self.file(MANIFEST)} lists {rel!r}, which no checkpoint of format version "
+                           f"{self.version} holds (Note [checkpoint layout] in _checkpoint/_format.py): the manifest "
+                           f"was changed or is not infinity's; load another tag or the previous checkpoint")
+
+    def flat_bytes(self, rel: str) -> int:
+        """The size of a flat file, from the layout the manifest records."""
+        if rel.endswith("/params.bin"):
+            return self.manifest["param_total"] * itemsize(self.dtype)
+        return self.manifest["opt_total"] * 4
+
+    def small(self, rel: str):
+        """The small file ``rel`` parsed (JSON: its value; safetensors: (tensors, metadata)),
+        read once into memory and checked against the manifest on those bytes before it is
+        parsed (Note [data, never code] in _files.py)."""
+        if rel not in self._small:
+            if self.kind(rel) != "small":
+                raise StorageError(f"checkpoint file {self.file(rel)} is not JSON or safetensors")
+            if rel not in self.manifest["files"]:
+                raise StorageError(f"{self.file(MANIFEST)} lists no file {rel}: the checkpoint is incomplete")
+            data = read_checked(self.file(rel), self.manifest["files"][rel])
+            self._small[rel] = (data, parse_kind(rel, data, self.file(rel)))
+            self._checked.add(rel)
+        return self._small[rel][1]
+
+    def small_bytes(self, rel: str) -> bytes:
+        """The checked bytes of the small file ``rel`` (``small``), e.g. to copy them."""
+        self.small(rel)
+        return self._small[rel][0]
 
     def read(self, name: str, array: str = "params") -> torch.Tensor:
         """The whole parameter ``name`` (shape as saved) from ``array``: params (compute

@@ -1,39 +1,46 @@
 """``infinity.load_checkpoint``: verify, then re-cut the saved shards into this run's stores.
 
-Every file a rank will read is verified (size and CRC-32 against the manifest) before any
-state changes, so a corrupt or incomplete checkpoint is refused, naming the file, and leaves
-the model and optimizer as they were. Then each rank computes, per parameter, which saved
-ranks hold the elements of its own chunk (Note [checkpoint layout] in _format.py) and copies
-them straight into its stores: into memory in place, into swap files through the bounded
-buffers of ``_io.Mover``.
+Every file a rank will read is verified (its kind, its size and CRC-32 against the manifest)
+before any state changes and before any byte of it is parsed, so a corrupt, incomplete or
+tampered checkpoint is refused, naming the file, and leaves the model and optimizer as they
+were; nothing in a checkpoint is code (Note [data, never code] in _files.py). Then each rank
+computes, per parameter, which saved ranks hold the elements of its own chunk (Note
+[checkpoint layout] in _format.py) and copies them straight into its stores: into memory in
+place, into swap files through the bounded buffers of ``_io.Mover``.
 """
 from __future__ import annotations
 
 import os
-import random
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
-from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._zero._param import raw_data
-from ..errors import StorageError, UsageError
+from ..errors import StorageError, UsageError, UsageTypeError
 from ._clone import Cloner, entries_of
+from ._files import BUFFERS, CLIENT_JSON, CLIENT_TENSORS, RNG, decode_client_state, rng_states, set_rng
 from ._format import STATE_ARRAYS, CheckpointReader, itemsize, merged, pieces, rank_file, resolve
 from ._io import Mover, copy_into
+from ._legacy import EXTRA, OLD_RNG, is_legacy, load_pickle, refuse
 from ._model import agree, check_compatible, engine_and_optimizer, failure
-from ._save import EXTRA, RNG, finish_pending
+from ._save import finish_pending
 
 
-def load_checkpoint(directory, model, optimizer, tag=None, *, clone: bool = True):
+def load_checkpoint(directory, model, optimizer, tag=None, *, clone: bool = True, trust_pickle: bool = False):
     """Load the checkpoint ``<directory>/<tag>`` (tag None: the latest complete one) into
     ``model`` and ``optimizer`` from ``infinity.initialize``, whatever the world size and the
     placement it was saved with; return the ``client_state`` it was saved with ({} if none).
     Collective. ``clone``: swap files are cloned from the checkpoint where the filesystem
-    shares extents (Note [cloned checkpoints] in _clone.py), else copied. The checkpoint's
-    ``extra.pt`` is a pickle: load checkpoints you trust."""
+    shares extents (Note [cloned checkpoints] in _clone.py), else copied. A checkpoint holds
+    no code (Note [data, never code] in _files.py); one of format version 1 or 2 holds pickles,
+    read only with ``trust_pickle=True``: it runs whatever code they hold, so pass it only for
+    a checkpoint whose every writer you trust (or convert it once: ``python -m infinity.export
+    --convert-old DIR --trust-pickle``)."""
+    if not isinstance(trust_pickle, bool) or not isinstance(clone, bool):
+        raise UsageTypeError(f"load_checkpoint: clone and trust_pickle are True or False, got {clone!r}, "
+                             f"{trust_pickle!r}")
     engine, opt = engine_and_optimizer(model, optimizer, "load_checkpoint")
     finish_pending(engine, "load_checkpoint")  # a save in flight reads the stores this load rewrites
     engine.settle_writes(rewriting=True)  # a failed step's states are about to be replaced: Note [failed step] in _step_gate.py
@@ -41,10 +48,14 @@ def load_checkpoint(directory, model, optimizer, tag=None, *, clone: bool = True
     reader = CheckpointReader(path, Mover(engine.cfg.aio))
     try:
         manifest = reader.manifest
+        if is_legacy(manifest) and not trust_pickle:  # every rank reads the same manifest
+            raise refuse(path, manifest, "load_checkpoint")
         check_compatible(engine, opt, manifest, path)
         plan = _plan(engine, opt, reader)
         clones = _clones(engine, opt, reader, plan, Cloner(clone))
         agree(_verify(reader, plan, engine.rank, clones), "load_checkpoint")
+        small = _small(reader, engine.rank, trust_pickle)
+        agree(small if not isinstance(small, _Small) else None, "load_checkpoint")
         for dest, items in plan:
             if dest is None:
                 continue
@@ -57,13 +68,14 @@ def load_checkpoint(directory, model, optimizer, tag=None, *, clone: bool = True
                       [at for _, _, at, _ in items])
     finally:
         reader.close()
-    saved = torch.load(os.path.join(path, EXTRA), weights_only=False)
+    if not isinstance(small, _Small):  # agreed above: unreachable, for the type checker
+        raise StorageError(f"load_checkpoint: {small[2]}")
     _restore_optimizer(engine, opt, manifest)
-    _restore_buffers(engine.model, saved["buffers"])
-    if manifest["world_size"] == engine.world_size:  # at another world size the ranks' streams differ anyway
-        _set_rng(torch.load(os.path.join(path, f"rank{engine.rank}", RNG), weights_only=False))
+    _restore_buffers(engine.model, small.buffers)
+    if small.rng is not None:  # at another world size the ranks' streams differ anyway
+        set_rng(small.rng)
     comm.barrier()
-    return saved["extra"]
+    return small.client_state
 
 
 def _resolve(directory, tag):
@@ -136,11 +148,48 @@ def _named(items, array: str) -> List[tuple]:
 
 def _verify(reader: CheckpointReader, plan, rank: int, clones=()):
     try:
-        reader.verify({rel for _, items in plan for rel, *_ in items} | {EXTRA} |
-                      ({f"rank{rank}/{RNG}"} if reader.world == comm.world_size() else set()), blocks_of=clones)
+        side = {rel for rel in reader.manifest["files"] if rel.startswith("hf/")} if rank == 0 else set()
+        reader.verify({rel for _, items in plan for rel, *_ in items} | side, blocks_of=clones)  # side: not read, tiny
     except (StorageError, OSError) as e:
         return failure(e)
     return None
+
+
+@dataclass
+class _Small:
+    """What a load reads from the small files (Note [data, never code] in _files.py)."""
+
+    client_state: Any
+    buffers: Dict[str, torch.Tensor]
+    rng: Optional[dict]  # this rank's RNG states; None at another world size
+
+
+def _small(reader: CheckpointReader, rank: int, trust_pickle: bool):
+    """The small files' ``_Small``, each file checked before it is parsed, or the failure.
+    Every rank reads the client state and buffers (rank 0 wrote them once)."""
+    same_world = reader.world == comm.world_size()
+    try:
+        if is_legacy(reader.manifest):
+            return _small_legacy(reader, rank, same_world, trust_pickle)
+        tensors, _ = reader.small(CLIENT_TENSORS)
+        client_state = decode_client_state(reader.small(CLIENT_JSON), tensors, reader.file(CLIENT_JSON))
+        buffers, _ = reader.small(BUFFERS)
+        rng = None
+        if same_world:
+            rel = f"rank{rank}/{RNG}"
+            rng = rng_states(*reader.small(rel), reader.file(rel))
+        return _Small(client_state, buffers, rng)
+    except Exception as e:  # noqa: BLE001 - e.g. a trusted old pickle that fails: every rank must hear of it
+        return failure(e)
+
+
+def _small_legacy(reader: CheckpointReader, rank: int, same_world: bool, trust_pickle: bool):
+    """A version 1 or 2 checkpoint's pickles, verified, then read as trusted (``_legacy.py``)."""
+    rels = [EXTRA] + ([f"rank{rank}/{OLD_RNG}"] if same_world else [])
+    reader.verify(rels)
+    saved = load_pickle(reader.file(EXTRA), trust_pickle=trust_pickle)
+    rng = load_pickle(reader.file(rels[1]), trust_pickle=trust_pickle) if same_world else None
+    return _Small(saved["extra"], saved["buffers"], rng)
 
 
 def _restore_optimizer(engine, opt, manifest: dict) -> None:
@@ -169,20 +218,3 @@ def _restore_buffers(model, buffers: Dict[str, torch.Tensor]) -> None:
         for name, value in buffers.items():
             if name in own:
                 own[name].copy_(value)
-
-
-def _own_device_state(state):
-    """This rank's device generator from a checkpoint: since this version one state, that of
-    the rank's own device; earlier checkpoints saved every visible GPU's (take this rank's)."""
-    if isinstance(state, (list, tuple)):
-        index = acc.device().index or 0
-        return state[index] if index < len(state) else None
-    return state
-
-
-def _set_rng(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    acc.set_rng_state(_own_device_state(states.get("cuda")))
-    random.setstate(states["python"])
-    kind, keys, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))

@@ -32,34 +32,37 @@ from ..errors import InfinityError, InsufficientResourcesError, UsageError, Usag
 from ._async import SaveHandle
 from ._async import start as start_async
 from ._clone import Cloner
+from ._files import encode_client_state
 from ._format import (
     FORMAT,
     LATEST,
     MANIFEST,
     STATE_ARRAYS,
+    VERSION,
     check_tag,
     complete_checkpoints,
     fsync_dir,
-    manifest_version,
     now,
     write_atomic,
 )
 from ._io import Mover
 from ._model import agree, engine_and_optimizer, failure, param_entries
-from ._snapshot import EXTRA, RNG, finish_rank, run_jobs, snapshot, staged_bytes
+from ._snapshot import finish_rank, run_jobs, snapshot, staged_bytes
 
-__all__ = ["EXTRA", "RNG", "save_checkpoint", "finish_pending"]
+__all__ = ["save_checkpoint", "finish_pending"]
 
-SMALL_FILES_BYTES = 64 << 20  # room kept for the manifest, RNG states, extra and config files
+SMALL_FILES_BYTES = 64 << 20  # room kept for the manifest, RNG states, client state, buffers and config files
 
 
 def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None, keep_last: Optional[int] = None,
                     blocking: bool = True, clone: bool = True) -> Union[str, SaveHandle]:
     """Save every state of ``model`` and ``optimizer`` (from ``infinity.initialize``) as
     ``<directory>/<tag>`` (tag None: ``step<optimizer steps>``) and point ``latest`` at it.
-    Collective: every rank calls it with the same arguments. ``client_state`` (a picklable
-    value, e.g. {"scheduler": its state_dict, "data_position": i}) comes back from
-    ``load_checkpoint``. ``keep_last``: then remove all but the newest ``keep_last`` complete
+    Collective: every rank calls it with the same arguments. ``client_state`` (e.g.
+    {"scheduler": its state_dict, "data_position": i}) comes back from ``load_checkpoint``: it
+    may hold dicts, lists, tuples, str, int, float, bool, None and tensors (back on the CPU),
+    and anything else is refused before anything is written (Note [data, never code] in
+    _files.py). ``keep_last``: then remove all but the newest ``keep_last`` complete
     checkpoints. ``clone``: NVMe states are cloned where the filesystem shares extents (Note
     [cloned checkpoints] in _clone.py), else copied. Returns the checkpoint's path; with
     ``blocking=False`` at once a ``SaveHandle`` (``wait()``, ``done()``) of a save that goes on
@@ -75,6 +78,8 @@ def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None,
     finish_pending(engine, "save_checkpoint")
     directory = os.path.abspath(os.fspath(directory))
     tag = check_tag(tag if tag is not None else f"step{opt._step}")
+    extra = {} if client_state is None else client_state
+    agree(_refused(extra), "save_checkpoint")  # before anything is written
     engine.settle_writes()  # the overlapped step and every shard write have landed
     token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # rank 0's
     tmp = os.path.join(directory, f".tmp-{tag}-{token}")
@@ -82,7 +87,6 @@ def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None,
     staging = not blocking and _staging_fits(engine, opt)
     agree(_prepare(directory, tag, tmp, _bytes_needed(engine, opt)), "save_checkpoint")
     head = _manifest_head(engine, opt, tag) if comm.rank() == 0 else None  # the states as of this call
-    extra = {} if client_state is None else client_state
     mover = Mover(engine.cfg.aio)
     taken = _snapshot_rank(engine, opt, tmp, extra, Cloner(clone), mover, stage=staging)
     if staging:
@@ -103,6 +107,15 @@ def save_checkpoint(directory, model, optimizer, tag=None, *, client_state=None,
         if comm.rank() == 0 else None
     agree(error, "save_checkpoint")
     return final if blocking else SaveHandle(final)  # blocking=False that could not stage: saved already
+
+
+def _refused(client_state) -> Optional[tuple]:
+    """None where a checkpoint can hold ``client_state``, else the failure naming what it cannot."""
+    try:
+        encode_client_state(client_state)
+    except UsageError as e:
+        return failure(e)
+    return None
 
 
 def _staging_fits(engine, opt) -> bool:
@@ -175,7 +188,7 @@ def _snapshot_rank(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *
             logger.info(f"checkpoint: rank {engine.rank} cloned {cloner.cloned_bytes / 2**20:.1f} MiB of NVMe "
                         f"states into {tmp}")
         return made, jobs
-    except Exception as e:  # noqa: BLE001 - e.g. an unpicklable client_state: every rank must hear of it
+    except Exception as e:  # noqa: BLE001 - e.g. a full disk: every rank must hear of it
         opt.store.checkpoint_done()
         return failure(e)
 
@@ -261,7 +274,7 @@ def _commit_or_abandon(head: dict, tmp: str, final: str, tag: str, token: str, f
 def _commit(head: dict, tmp: str, final: str, tag: str, token: str, files: dict, keep_last) -> Optional[tuple]:
     """Rank 0, once every rank's files are written: Note [crash-safe commit]."""
     try:
-        manifest = dict(format=FORMAT, version=manifest_version(files), **head, saved_at=now(),
+        manifest = dict(format=FORMAT, version=VERSION, **head, saved_at=now(),
                         files=dict(sorted(files.items())))
         path = os.path.join(tmp, MANIFEST)
         with open(path, "w") as f:

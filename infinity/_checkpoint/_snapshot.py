@@ -2,7 +2,8 @@
 
 ``snapshot`` creates the rank's files that cost nothing to make at the call (clones of swap
 files where the filesystem shares extents, Note [cloned checkpoints] in _clone.py; the RNG
-states, the client state, the buffers and the Hugging Face config) and returns the rest as
+states, the client state, the buffers and the Hugging Face config, as JSON and safetensors:
+Note [data, never code] in _files.py) and returns the rest as
 ``Job``s: a state in host memory (written in place by a blocking save, or staged into a copy
 for an asynchronous one, Note [asynchronous saves] in _async.py) or a swap file to copy
 (``reads_swap``: the step must not rewrite it until the job ran, Note [save fence] in
@@ -12,24 +13,20 @@ before the rank reports it (Note [crash-safe commit] in _save.py).
 from __future__ import annotations
 
 import os
-import random
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
 
-import numpy as np
 import torch
 
-from .._runtime import _accelerator as acc
 from .._runtime._tiers import Tier
 from .._zero._param import raw_data
 from ..aio import aligned_empty
 from ._clone import Cloner
+from ._files import BUFFERS, RNG, client_state_files, current_rng, rng_bytes, tensor_bytes, write_small
 from ._format import STATE_ARRAYS, fsync_dir, itemsize, rank_file
 from ._io import FileSink, Mover, Place, as_bytes, fsync_path
 from ._safetensors_export import _persistent_buffers
-
-EXTRA, RNG = "extra.pt", "rng.pt"
 
 
 @dataclass
@@ -64,9 +61,11 @@ def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stag
     sources = opt.store.checkpoint_sources()
     for name in STATE_ARRAYS:
         _add(made, jobs, tmp, rank_file(rank, name), sources[name], 4 * opt.total, cloner, mover, stage)
-    made[f"rank{rank}/{RNG}"] = _save_small(rng_states(), os.path.join(tmp, f"rank{rank}", RNG))
-    if rank == 0:
-        made[EXTRA] = _save_small({"extra": extra, "buffers": _buffers(engine.model)}, os.path.join(tmp, EXTRA))
+    made[f"rank{rank}/{RNG}"] = write_small(os.path.join(tmp, f"rank{rank}", RNG), rng_bytes(current_rng()))
+    if rank == 0:  # Note [data, never code] in _files.py
+        small = client_state_files(extra)
+        small[BUFFERS] = tensor_bytes(_persistent_buffers(engine.model))
+        made.update((rel, write_small(os.path.join(tmp, rel), data)) for rel, data in small.items())
         made.update(_hf_files(engine.model, tmp))
     return made, jobs
 
@@ -156,23 +155,12 @@ def _write_unit_shards(engine, opt, tmp: str, mover: Mover) -> dict:
     return {"bytes": nbytes, "crc32": crc}
 
 
-def _save_small(obj, path: str) -> dict:
-    """A small file through torch.save, fsynced; its size and CRC-32."""
-    torch.save(obj, path)
-    return small_entry(path)
-
-
 def small_entry(path: str) -> dict:
     """Size and CRC-32 of a small file, once fsynced."""
     fsync_path(path)
     with open(path, "rb") as f:
         data = f.read()
     return {"bytes": len(data), "crc32": zlib.crc32(data)}
-
-
-def _buffers(model) -> Dict[str, torch.Tensor]:
-    """The model's persistent buffers (rank 0's: every rank holds the same)."""
-    return {name: b.detach().cpu().clone() for name, b in _persistent_buffers(model).items()}
 
 
 def _hf_files(model, tmp: str) -> dict:
@@ -190,9 +178,3 @@ def _hf_files(model, tmp: str) -> dict:
     if out:
         fsync_dir(hf)
     return out
-
-
-def rng_states() -> dict:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "cuda": acc.get_rng_state(),
-            "python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)}

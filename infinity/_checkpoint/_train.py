@@ -42,6 +42,7 @@ class TrainCheckpoints:
     keep_last: Optional[int] = None
     save_async: bool = False  # Note [asynchronous saves] in _async.py; a save on a signal still blocks
     save_on_signal: bool = False  # SIGTERM/SIGINT save at the step's end (Note [preemption])
+    trust_pickle: bool = False  # --trust-pickle: resume from a version 1 or 2 checkpoint (Note [data, never code] in _files.py)
     stopped_by: Optional[str] = None  # the signal that stopped the job, on every rank once they agreed
     _flag: bool = False
     _signum: int = 0  # the signal that asked this rank to stop
@@ -51,7 +52,7 @@ class TrainCheckpoints:
     @classmethod
     def from_args(cls, save_every: Optional[int], resume: Optional[str], keep_last: Optional[int],
                   output_dir: Optional[str], save_async: bool = False,
-                  save_on_signal: bool = False) -> "TrainCheckpoints":
+                  save_on_signal: bool = False, trust_pickle: bool = False) -> "TrainCheckpoints":
         if save_every is not None and save_every < 1:
             raise UsageError(f"--save-every must be >= 1 (steps between checkpoints), got {save_every}")
         directory = os.path.join(output_dir, "checkpoints") if output_dir else None
@@ -62,7 +63,10 @@ class TrainCheckpoints:
             raise UsageError("--save-async makes the saves of --save-every asynchronous: pass --save-every N too")
         if save_on_signal and directory is None:
             raise UsageError("--save-on-signal saves a checkpoint under --output-dir/checkpoints: pass --output-dir")
-        return cls(directory, save_every or 0, resume, keep_last, save_async, save_on_signal)
+        if trust_pickle and resume is None:
+            raise UsageError("--trust-pickle lets --resume read a checkpoint of format version 1 or 2: pass --resume "
+                             "too")
+        return cls(directory, save_every or 0, resume, keep_last, save_async, save_on_signal, trust_pickle=trust_pickle)
 
     # ------------------------------------------------------------ resume
 
@@ -88,7 +92,7 @@ class TrainCheckpoints:
         source = self._source()
         if source is None:
             return 1
-        extra = load_checkpoint(source[0], run.model, run.optimizer, tag=source[1])
+        extra = load_checkpoint(source[0], run.model, run.optimizer, tag=source[1], trust_pickle=self.trust_pickle)
         run.scheduler.load_state_dict(extra["scheduler"])
         if comm.rank() == 0:
             print(f"infinity.train: resumed from {source[0]} ({source[1] or 'latest'}) after step {extra['step']}",

@@ -2,7 +2,8 @@
 
 Each phase runs in fresh gloo rank processes (``run_ranks``), so a resume is always a new
 process. One rank in fp32 resumes bit for bit (losses and weights) against an uninterrupted
-run; two ranks within 1e-6; over stage x tier. Resharding is checked state by state: a
+run; two ranks within 1e-6; over stage x tier; the client state, nested data and tensors,
+comes back as it was saved (Note [data, never code] in _checkpoint/_files.py). Resharding is checked state by state: a
 checkpoint saved at one world size / placement, loaded at another and saved again holds the
 same bytes for every parameter's weights, master weights, moments and step count.
 """
@@ -42,13 +43,35 @@ def _params(model):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _run(combo, steps, nvme, *, seed=0, load=None, save=None, tag=None):
+def client_state(position):
+    """Everything a client state may hold: JSON values, nested, tuples, int keys and tensors."""
+    return {"data_position": position, "scheduler": {"last_epoch": position, "base_lrs": [2e-3, 1e-3], "_last_lr":
+            [0.1 + 0.2, float("inf"), -0.0], "verbose": False, "name": "warmup", "lr_lambdas": [None]},
+            "big": 2 ** 70, "pair": (1, "a", [None]), "by_step": {3: "three", 10: [1.5]},
+            "tensors": [torch.arange(6, dtype=torch.float64).view(2, 3) / 7, {"mask": torch.tensor([True, False]),
+                        "half": torch.full((3,), 1 / 3, dtype=torch.bfloat16), "empty": torch.zeros(0, 4)}]}
+
+
+def same(a, b) -> bool:
+    """``a`` and ``b`` hold the same values of the same types, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return repr(a) == repr(b) if isinstance(a, float) else a == b  # repr: -0.0, inf and nan as they are
+
+
+def _run(combo, steps, nvme, *, seed=0, load=None, save=None, tag=None, trust_pickle=False):
     """Build, optionally load, train ``steps``, optionally save; losses and weights."""
     model, opt = infinity.initialize(build(KIND, seed=seed), _cfg(*combo, nvme))
-    extra = infinity.load_checkpoint(load, model, opt, tag=tag) if load else None
+    extra = infinity.load_checkpoint(load, model, opt, tag=tag, trust_pickle=trust_pickle) if load else None
     losses = _train(model, opt, steps)
     if save:
-        infinity.save_checkpoint(save, model, opt, tag=tag, client_state={"data_position": len(steps)})
+        infinity.save_checkpoint(save, model, opt, tag=tag, client_state=client_state(len(steps)))
     out = losses, _params(model), extra
     opt.engine.close()
     return out
@@ -65,10 +88,10 @@ def _first_half(tmp, combos):
     return out
 
 
-def _second_half(tmp, combos, seed=7):
+def _second_half(tmp, combos, seed=7, trust_pickle=False):
     """Per combo, in new processes: a differently initialized model, load, N more steps."""
     steps = batches(2 * N)
-    return {combo: _run(combo, steps[N:], f"{tmp}/nvme", seed=seed, load=f"{tmp}/ck{i}")
+    return {combo: _run(combo, steps[N:], f"{tmp}/nvme", seed=seed, load=f"{tmp}/ck{i}", trust_pickle=trust_pickle)
             for i, combo in enumerate(combos)}
 
 
@@ -78,7 +101,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, world):
     resumed = run_ranks(_second_half, world, str(tmp_path), GRID, timeout=300)[0]
     for combo in GRID:
         (ref_losses, ref_params), (losses, params, extra) = refs[combo], resumed[combo]
-        assert extra == {"data_position": N}
+        assert same(extra, client_state(N)), extra
         assert len(losses) == N
         if world == 1:  # bit for bit
             assert ref_losses[N:] == losses, combo
@@ -176,7 +199,8 @@ def _copy(src, dst):
     return dst / src.name
 
 
-FLIPPED = ["rank1/exp_avg_sq.bin", "rank0/params.bin", "extra.pt"]
+FLIPPED = ["rank1/exp_avg_sq.bin", "rank0/params.bin", "client_state.json", "client_state.safetensors",
+           "buffers.safetensors", "rank1/rng.safetensors"]
 MISSING = "rank1/master.bin"
 
 
@@ -201,15 +225,16 @@ def test_flipped_byte_or_missing_shard_is_refused_naming_the_file(tmp_path, save
         assert untouched  # nothing was loaded
 
 
-def test_manifest_of_a_copied_save_is_version_1_and_a_newer_version_is_refused(tmp_path, saved_once):
-    reader = CheckpointReader(saved_once)  # every file copied: readable by an infinity that reads version 1
-    assert reader.manifest["version"] == 1
+def test_manifest_of_a_copied_save_is_version_3_and_a_newer_version_is_refused(tmp_path, saved_once):
+    reader = CheckpointReader(saved_once)  # version 3: no pickle (Note [manifest versions] in _format.py)
+    assert reader.manifest["version"] == 3
     assert all("crc32" in e and "crc32c" not in e for e in reader.manifest["files"].values())
+    assert not [rel for rel in reader.manifest["files"] if rel.endswith(".pt")]
     reader.close()
     future = _copy(saved_once, tmp_path / "future")
     manifest = json.loads((future / "manifest.json").read_text())
     (future / "manifest.json").write_text(json.dumps(dict(manifest, version=99)))
-    with pytest.raises(StorageError, match=r"format version 99; this infinity reads versions 1, 2: upgrade infinity"):
+    with pytest.raises(StorageError, match=r"format version 99; this infinity reads versions 1, 2, 3: upgrade infinity"):
         CheckpointReader(future)
     error = run_ranks(_load_each, 1, str(tmp_path), COMBO, [str(future.parent)], timeout=120)[0][0]
     assert "format version 99" in error[0] and "upgrade infinity" in error[0] and error[1]  # nothing loaded
@@ -225,7 +250,11 @@ def _save_twice(tmp, combo, out):
     except UsageError as e:
         errors.append(str(e))
     try:
-        infinity.save_checkpoint(out, model, opt, tag="bad", client_state={"callback": lambda: 0})  # not picklable
+        infinity.save_checkpoint(out, model, opt, tag="bad", client_state={"callback": lambda: 0})  # not data
+    except UsageError as e:
+        errors.append(str(e))
+    try:
+        infinity.save_checkpoint(out, model, opt, tag="bad", client_state={"ok": [1, {"obj": object()}]})
     except UsageError as e:
         errors.append(str(e))
     for tag in ("b", "c", "d"):
@@ -237,7 +266,9 @@ def _save_twice(tmp, combo, out):
 
 def test_refused_saves_leave_nothing_and_keep_last_prunes_after_commit(tmp_path):
     errors = run_ranks(_save_twice, 2, str(tmp_path), (3, "cpu", "nvme"), str(tmp_path / "ck"), timeout=180)[0]
-    assert len(errors) == 2 and "already exists" in errors[0] and "pickle" in errors[1].lower()
+    assert len(errors) == 3 and "already exists" in errors[0] and "pickle" in errors[1].lower()
+    assert "client_state['callback'] is a function" in errors[1]
+    assert "client_state['ok'][1]['obj'] is a builtins.object" in errors[2] and "state_dict()" in errors[2]
     assert sorted(os.listdir(tmp_path / "ck")) == ["c", "d", "latest"]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "d"
     reader = CheckpointReader(tmp_path / "ck" / "d")

@@ -160,7 +160,7 @@ def test_cloned_save_resumes_bit_for_bit_and_stays_unchanged(tmp_path):
         losses, weights, *_ = resumed[combo]
         on_nvme = [f"rank0/{a}.bin" for a in ARRAYS if a != "params" or combo[1] == "nvme"]
         assert all(kinds[rel] == "crc32c" for rel in on_nvme), (combo, kinds)  # cloned, checksummed from the sums
-        assert kinds["version"] == 2  # refused by a reader of version 1 only (Note [manifest versions] in _format.py)
+        assert kinds["version"] == 3  # CRC32Cs, no pickle (Note [manifest versions] in _format.py)
         assert before == after, combo  # training on after the save did not change the checkpoint
         assert ref_losses[N:] == losses, combo
         for name, p in ref_weights.items():
@@ -182,7 +182,7 @@ def _save_copied(base, nvme):
 def test_save_across_filesystems_copies(tmp_path):
     with xfs_mount(str(tmp_path)) as xfs:  # swap files on the machine's disk, the checkpoint on XFS
         kinds, version = run_ranks(_save_copied, 1, xfs, str(tmp_path / "nvme"), timeout=120)[0]
-    assert kinds == ["crc32"] and version == 1  # every file copied: readable by a reader of version 1
+    assert kinds == ["crc32"] and version == 3  # every file copied, CRC-32s only; version 3: no pickle
 
 
 KILL_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "checkpoint_kill_loop.py")
