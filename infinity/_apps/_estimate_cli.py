@@ -17,7 +17,7 @@ from . import _plan as pl
 from . import _runmodel as rm
 from ._endurance import TB
 from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, _config_dict, _format_count
-from ._estimator import Estimate, estimate
+from ._estimator import Estimate, estimate, tier_name
 
 # --------------------------------------------------------------------------- CLI
 
@@ -38,7 +38,7 @@ def _yaml(config: dict) -> str:
 
 def _report(est: Estimate) -> str:
     rec = est.recommended
-    fitting = ", ".join(f"stage {p.stage} params={p.param_tier} optimizer={p.optimizer_tier}"
+    fitting = ", ".join(f"stage {p.stage} params={tier_name(p.param_tier)} optimizer={tier_name(p.optimizer_tier)}"
                         for p in est.fitting)
     out = [est.table(), "", "fits: " + (fitting or "nothing"), ""]
     if rec is None:
@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     st = p.add_argument_group("step time and host memory of one run (stage 3; Note [run model] in _runmodel.py)")
     st.add_argument("--step-time", action="store_true", help="predict the step time, its bottleneck and peak RSS")
-    st.add_argument("--offload", default="nvme,nvme", help="parameter tier,optimizer tier: none|cpu|nvme (nvme,nvme)")
+    st.add_argument("--offload", help="parameter tier,optimizer tier: none|cpu|nvme (the config's words; default: the "
+                                      "recommended placement's for --step-time, nvme,nvme for --steps and --plan)")
     st.add_argument("--rates", default="measured", choices=("measured", "dgx2", "h100"),
                     help="FLOP rate, NVMe and Adam bandwidths: measured here (under --nvme-path), the paper's "
                          "DGX-2, or an 8xH100 node with NVMe RAID")
@@ -121,8 +122,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="build the model on the meta device and run the engine's planner for the node (--gpus x "
                           "--nodes ranks, --drives, --nvme-layout): fetch units, each rank's bytes by tier, swap "
                           "files, buffers and host memory, each drive's swap bytes; nothing is allocated")
-    own.add_argument("--arch", default="gpt2", choices=pl.ARCHS,
-                     help="--plan: the decoder a shape (--layers, --hidden, --params) is built as")
+    own.add_argument("--arch", choices=pl.ARCHS,
+                     help="--plan: the decoder a shape (--layers, --hidden, --params) is built as (default: llama "
+                          "for a published Llama shape a bare --params took, else gpt2)")
     own.add_argument("--config", help="--plan: the infinity config to plan (its tiers, dtype, buffers) instead of "
                                       "stage 3 at --offload in --dtype")
     st.add_argument("--hardware", choices=("dgx2", "h100x8"),
@@ -142,12 +144,29 @@ def _drive_flags(hw) -> None:
                     help="--step-time with --drives: each rank on its drive, or every file striped (zero.nvme_layout)")
 
 
+def offload_tiers(offload: str) -> list:
+    """--offload PARAMS,OPTIMIZER in the config's words (none, cpu, nvme; ``device``, the table's word
+    before, as an alias of none)."""
+    tiers = [{"device": "none"}.get(t.strip(), t.strip()) for t in offload.split(",")]
+    if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
+        raise EstimateError(f"offload: {offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
+    return tiers
+
+
+def _offload_of(est: Estimate, args) -> str:
+    """--offload where given; else, for --step-time, the recommended placement's tiers (nvme,nvme where
+    nothing fits), and nvme,nvme for the SSD writes of --steps."""
+    if args.offload is not None:
+        return args.offload
+    rec = est.recommended
+    if args.step_time and rec is not None:
+        return f"{tier_name(rec.placement.param_tier)},{tier_name(rec.placement.optimizer_tier)}"
+    return "nvme,nvme"
+
+
 def _run_of(est: Estimate, args):
     """The stage-3 run of the run model (Note [run model] in _runmodel.py) at the --offload tiers."""
-    tiers = [t.strip() for t in args.offload.split(",")]
-    if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
-        raise EstimateError(f"offload: {args.offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
-    tiers = ["device" if t == "none" else t for t in tiers]
+    tiers = ["device" if t == "none" else t for t in offload_tiers(_offload_of(est, args))]
     hw = est.hardware
     s = est.shape
     return rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab or 0,
@@ -207,7 +226,12 @@ def _step_report(est: Estimate, args) -> str:
         on_nvme = "nvme" in (run.param_tier, run.optimizer_tier) and args.drive_bandwidth is None
         rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if on_nvme else None), run)
         preset = None
-    return rm.describe(run, _drive_rates(rates, args, est.hardware.gpus_per_node, preset))
+    rec = est.recommended
+    placed = (f"stage 3 with params={tier_name(Tier(run.param_tier))} optimizer={tier_name(Tier(run.optimizer_tier))}"
+              + (" (--offload)" if args.offload is not None else " (the recommended placement's tiers)"
+                 if rec is not None else " (nothing fits: every state on NVMe)"))
+    return "\n".join([_report(est), "", f"step time predicted for {placed}:",
+                      rm.describe(run, _drive_rates(rates, args, est.hardware.gpus_per_node, preset))])
 
 
 def _drive_rates(rates: "rm.Rates", args, ranks: int, preset: Optional[str] = None) -> "rm.Rates":
@@ -253,11 +277,13 @@ def _plan_report(est: Estimate, args) -> str:
         raise EstimateError("--plan: --config's nvme_path names the drives (and zero.nvme_layout their layout); "
                             "leave out --drives, or --config")
     drives = pl.drive_names(args.drives, args.hardware, args.nvme_path)
-    cfg = pl.plan_config(args.offload, args.dtype, args.config, est.max_tile_params if args.tiling_factor > 1 else None,
+    offload = ",".join(offload_tiers(args.offload or "nvme,nvme"))
+    cfg = pl.plan_config(offload, args.dtype, args.config, est.max_tile_params if args.tiling_factor > 1 else None,
                          drives, args.nvme_layout)
     node = pl.node_of(est.hardware, cfg, args.hardware, _drive_bandwidth(args))
     fields = _config_dict(args.model)[0] if args.model is not None else None
-    result = pl.timed_plan(lambda: pl.build_meta(fields, est.shape, args.arch), cfg, node)
+    arch = args.arch or ("llama" if est.shape.known else "gpt2")
+    result = pl.timed_plan(lambda: pl.build_meta(fields, est.shape, arch), cfg, node)
     return json.dumps(result.to_dict(), indent=2) if args.json else pl.report(result)
 
 

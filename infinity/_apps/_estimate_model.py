@@ -92,6 +92,8 @@ class Shape:
     vocab: Optional[int] = None        # unknown when only a parameter count was given
     ffn: Optional[int] = None          # MLP width; 4·hidden when unknown
     derived: bool = False              # True when guessed from the parameter count
+    kv_heads: Optional[int] = None     # grouped-query attention's key/value heads; heads when unknown
+    known: Optional[str] = None        # the published model whose shape a bare count took
 
     @property
     def largest_operator_numel(self) -> int:
@@ -107,6 +109,13 @@ class Shape:
 # is interpolated in log space against Ψ = 12·nl·hd², and hd follows from that same rule.
 _PAPER_SHAPES = ((12, 768, 12), (40, 1536, 16), (50, 4096, 16), (80, 10240, 128),
                  (100, 20480, 160), (128, 25600, 256), (195, 65536, 512), (315, 163840, 1024))
+
+
+# Published shapes a bare parameter count within 2% of theirs takes instead of an interpolated one.
+_KNOWN_SHAPES = {
+    "Llama-2/3 70B": (70 * 10**9, Shape(layers=80, hidden=8192, heads=64, vocab=32000, ffn=28672, derived=True,
+                                        kv_heads=8, known="Llama-2/3 70B")),
+}
 
 
 def _interpolate_log(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -126,6 +135,10 @@ def _shape_for_params(params: int, layers: Optional[int] = None,
     Layers and heads are interpolated between the paper's models, heads rounded to a power of
     two, and hd = √(Ψ / 12·nl) rounded to a multiple of the heads (at least of 64).
     """
+    if layers is None and hidden is None and heads is None:
+        for name, (count, shape) in _KNOWN_SHAPES.items():
+            if abs(params / count - 1) <= 0.02:
+                return shape
     sizes = [12 * nl * hd * hd for nl, hd, _ in _PAPER_SHAPES]
     if layers is None and hidden is not None:
         layers = max(1, round(params / (12 * hidden * hidden)))

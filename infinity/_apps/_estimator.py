@@ -108,6 +108,11 @@ class Precision:
         return self.param + self.grad + self.optimizer
 
 
+def tier_name(tier: Tier) -> str:
+    """A tier in the config's words: ``offload_*.device`` says none for the device tier."""
+    return "none" if tier is Tier.DEVICE else str(tier)
+
+
 @dataclass(frozen=True)
 class Terms:
     """The per-GPU residual and working-memory terms of 002 §3, and the model-state total."""
@@ -245,7 +250,8 @@ class Estimate:
 
     def _header_lines(self) -> list:
         s, hw, t = self.shape, self.hardware, self.terms
-        guessed = " (shape derived from the parameter count)" if s.derived else ""
+        guessed = (f" ({s.known}'s shape, for the parameter count)" if s.known else
+                   " (shape derived from the parameter count)" if s.derived else "")
         mark = lambda name: " (this machine)" if name in hw.detected else ""  # noqa: E731
         device = ("no accelerator: device tier is host memory"
                   if hw.device_is_host else f"{_format_bytes(hw.gpu_mem)}/GPU{mark('gpu_mem')}")
@@ -273,7 +279,7 @@ class Estimate:
         for p in self.placements:
             full = [tier for tier, ok in (("device", p.fits_device), ("host", p.fits_host),
                                           ("nvme", p.fits_nvme)) if not ok]
-            rows.append((str(p.stage), str(p.param_tier), str(p.optimizer_tier),
+            rows.append((str(p.stage), tier_name(p.param_tier), tier_name(p.optimizer_tier),
                          _format_bytes(p.device_bytes), _format_bytes(p.host_bytes),
                          _format_bytes(p.nvme_bytes),
                          "yes" if p.fits else "no: " + ", ".join(full)))

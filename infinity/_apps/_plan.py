@@ -146,7 +146,7 @@ def build_meta(model_config=None, shape: Optional[Shape] = None, arch: str = "gp
         model_config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, vocab_size=vocab,
                                   n_inner=shape.ffn) if arch == "gpt2" else \
             LlamaConfig(num_hidden_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                        num_key_value_heads=shape.heads, vocab_size=vocab,
+                        num_key_value_heads=shape.kv_heads or shape.heads, vocab_size=vocab,
                         intermediate_size=shape.ffn or -(-8 * shape.hidden // 3 // 256) * 256)
     elif isinstance(model_config, dict):
         fields = dict(model_config)

@@ -15,6 +15,7 @@ from .._runtime import _comm as comm
 from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
 from .._runtime._telemetry import fmt_bytes
+from .._runtime._tiers import Tier
 from .._zero._init_context import Init
 from ..config import Config
 from ..errors import InfinityError, InsufficientResourcesError, TrainError
@@ -161,9 +162,20 @@ def build_partitioned(cfg: Config) -> ModelSpec:
     t = cfg.train
     sizes = _fresh_param_sizes(t.model)  # on the meta device, outside Init (which would take them)
     with Init(config=cfg, enabled=cfg.zero.stage == 3) as init:
+        if init.enabled:
+            init.store.advice = _FLAG_ADVICE  # a refusal names this job's flags, not Init's arguments
         if sizes is not None:
             _check_build_room(sizes, init if init.enabled else None, t.model)
         return build_model(t.model, t.seq_len, init if init.enabled else None, t.micro_batch_size)
+
+
+# What a refusal of Init's room tells the train job's user to change, by the tier it refused (Init's own
+# advice names its arguments).
+_FLAG_ADVICE = {
+    Tier.DEVICE: "train with --offload cpu, or --offload nvme --nvme-path DIR, or on more ranks",
+    Tier.CPU: "train with --offload nvme --nvme-path DIR (a directory on a fast local disk), or on more ranks",
+    Tier.NVME: "give --nvme-path a directory on a larger disk, or free space there",
+}
 
 
 def _fresh_param_sizes(spec_value) -> Optional[List[int]]:

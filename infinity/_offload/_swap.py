@@ -84,11 +84,13 @@ class SwapDir:
         self._finalizer()
 
 
-def _make_nvme_path(nvme_path: str) -> None:
-    """Note [swap directories]: ``nvme_path`` made when missing, one level only and never at /."""
+def _make_nvme_path(nvme_path: str, *, create: bool = True) -> str:
+    """Note [swap directories]: ``nvme_path`` made when missing, one level only and never at /.
+    Without ``create`` only checked: the directory whose disk it will be on is returned (itself,
+    or the parent it would be made in), so that a refusal for its room leaves nothing behind."""
     path = os.path.abspath(nvme_path)
     if os.path.isdir(path):
-        return
+        return path
     parent = os.path.dirname(path)
     at_root = os.path.dirname(parent) == parent
     if at_root or not os.path.isdir(parent):
@@ -96,14 +98,17 @@ def _make_nvme_path(nvme_path: str) -> None:
         raise UsageError(f"nvme_path {nvme_path!r} does not exist, and infinity does not create it {where}: set "
                          f"zero.offload_param.nvme_path / zero.offload_optimizer.nvme_path (--nvme-path) to a "
                          f"directory on a fast local drive, or create it first")
+    if not create:
+        return parent
     try:
         os.mkdir(path)
     except FileExistsError:
-        return  # another rank made it first (or it is a file: the swap directory's creation says so)
+        return path  # another rank made it first (or it is a file: the swap directory's creation says so)
     except OSError as e:
         raise StorageError(e.errno, f"cannot create nvme_path {path}: {e.strerror}; give a writable directory "
                                     f"as nvme_path") from None
     logger.info("created nvme_path %s", path)
+    return path
 
 
 class StripedSwap:

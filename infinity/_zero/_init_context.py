@@ -101,18 +101,20 @@ class InitStore:
         if tier is Tier.NVME:
             self._swap_args = (nvme_path, rank, aio_cfg)
         self.room, self.where = room_for(tier, nvme_path)
+        self.advice = _ADVICE  # what a refusal tells to change, by tier
 
     def slot_bytes(self, numel: int, dtype: torch.dtype) -> int:
         nbytes = numel * dtype.itemsize
         return -(-nbytes // 4096) * 4096 if self.tier is Tier.NVME else nbytes
 
     def check_room(self, nbytes: int, what: str) -> None:
-        """Refuse, before storing anything more, if ``nbytes`` more do not fit (Note [Init preflight])."""
+        """Refuse, before storing anything more, if ``nbytes`` more do not fit (Note [Init preflight]),
+        with what to change in the caller's words (``advice``: the train job says its flags)."""
         if self.used + nbytes > self.room:
             raise InsufficientResourcesError(
                 f"infinity.Init: {what} needs {(self.used + nbytes) / GiB:.2f} GiB of {self.where} on this rank, "
                 f"{self.room / GiB:.2f} GiB available ({comm.ranks_here()} rank(s) on this node share it); "
-                f"{_ADVICE[self.tier]}")
+                f"{self.advice[self.tier]}")
 
     def new_chunk(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for a chunk that ``put`` stores without a copy: mapped memory, and on NVMe the
@@ -233,8 +235,10 @@ def room_for(tier: Tier, nvme_path: Optional[str]):
         if not nvme_path:
             raise UsageError("Init(offload='nvme') needs nvme_path: pass nvme_path= or set zero.offload_param.nvme_path "
                              "to a directory on a fast local disk")
-        _make_nvme_path(nvme_path)  # one level, as the engine makes it (Note [swap directories] in _swap.py)
-        return free_disk(nvme_path) // comm.ranks_here(), f"disk under {nvme_path}"
+        # checked as the engine makes it (Note [swap directories] in _swap.py), made only by the first chunk
+        # written: a refusal for its room leaves no empty directory behind
+        disk = _make_nvme_path(nvme_path, create=False)
+        return free_disk(disk) // comm.ranks_here(), f"disk under {nvme_path}"
     avail, bound = host_available()  # a memory cgroup's limit counts (Note [host memory available] in _host_memory.py)
     return int(avail * _HOST_SHARE) // comm.ranks_here(), "host memory" if bound == "MemAvailable" else \
         f"host memory (bound by {bound})"

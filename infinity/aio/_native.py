@@ -6,7 +6,9 @@ try:
 except ImportError as e:  # pragma: no cover - only on a broken install
     raise NativeLibraryMissing(
         "infinity.aio: the native module infinity._aio_cffi is not built; run "
-        "`bash scripts/setup_env.sh` (or `pip install --no-build-isolation -e .`)"
+        "`bash scripts/setup_env.sh` (or `pip install --no-build-isolation -e .`). In a clone's root after a plain "
+        "`pip install .`, Python imports the clone's source folder instead of the installed package: run from "
+        "another directory, or with `python -P`"
     ) from e
 
 READ = 0

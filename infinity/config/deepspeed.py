@@ -33,6 +33,7 @@ once at info level, with where it came from.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -388,9 +389,23 @@ def _walk(node: Mapping, prefix: str, st: _DsState, resolved: list) -> None:
             elif value is not None:
                 st.problems.append((path, f"must be a section (a mapping), got {_describe(value)}"))
         else:
-            st.problems.append((path, "DeepSpeed key infinity does not support, and ignoring it could change what is "
-                                      "trained; remove it (or, if it only tunes DeepSpeed, report it to be listed as "
-                                      "such)"))
+            st.problems.append((path, _unknown_key_message(path, prefix)))
+
+
+def _known_keys(prefix: str) -> list:
+    """The DeepSpeed keys this module knows directly under ``prefix`` (a section path ending in a dot, or "")."""
+    known = set(RENAMES) | set(FIXED) | set(TUNING) | set(_SPECIAL) | _SECTIONS | set(_RESULT_ADVICE)
+    return sorted({p[len(prefix):].split(".", 1)[0] for p in known if p.startswith(prefix) and len(p) > len(prefix)})
+
+
+def _unknown_key_message(path: str, prefix: str) -> str:
+    key = path[len(prefix):]
+    nearest = difflib.get_close_matches(key, _known_keys(prefix), n=1, cutoff=0.6)
+    if nearest:  # a typo: removing the key would drop what it asked for (e.g. an offload tier) silently
+        return (f"unknown DeepSpeed key; did you mean '{prefix}{nearest[0]}'? Rename it (removing it would drop "
+                f"what it asks for)")
+    return ("DeepSpeed key infinity does not support, and ignoring it could change what is trained; remove it (or, "
+            "if it only tunes DeepSpeed, report it to be listed as such)")
 
 
 def _keep_default(path: str, st: _DsState, resolved: list) -> None:

@@ -440,6 +440,9 @@ class Config:
                     node[name] = {}
                 node = node[name]
             node[leaf] = value
+        for section in ("offload_param", "offload_optimizer"):  # a tier moved to none by an override keeps no path
+            if updates.get(f"zero.{section}.device") == "none" and f"zero.{section}.nvme_path" not in updates:
+                data["zero"][section]["nvme_path"] = None
         return type(self).from_dict(data)
 
     # -- output ---------------------------------------------------------------------------

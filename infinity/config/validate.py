@@ -163,6 +163,9 @@ def _check_offload_section(offload: Any, prefix: str) -> list:
     if offload.device == "nvme" and offload.nvme_path is None:
         return [(f"{prefix}.nvme_path", f"is required when {prefix}.device is nvme; "
                  "give a directory on a local NVMe drive")]
+    if offload.device == "none" and offload.nvme_path is not None:  # a missing or misspelt device: no offload at all
+        return [(f"{prefix}.device", "is none (the default) while this section's nvme_path is set, so nothing would "
+                 "be offloaded; set device to nvme (or cpu) in this section, or remove its nvme_path")]
     return []
 
 

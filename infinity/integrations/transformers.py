@@ -4,10 +4,16 @@ Switching is one line: ``InfinityTrainer(..., infinity_config=cfg)`` where ``cfg
 :class:`infinity.Config`, a dict, or a path to an infinity YAML / a DeepSpeed JSON (its
 ``"auto"`` values resolved from the model and the ``TrainingArguments`` as transformers
 resolves them: Note [auto values] in config/deepspeed.py). Covered: transformers 5.x (tested
-with the installed 5.23); the Trainer's private ``_prepare_for_training`` is the one seam
+with the versions in constraints.txt); the Trainer's private ``_prepare_for_training`` is the one seam
 whose shape is version-specific, and its absence is refused at construction. Any other
 Trainer subclass (TRL's ``SFTTrainer``, ``DPOTrainer``, ...) runs on infinity as
 ``with_infinity(TrainerClass)(..., infinity_config=cfg)``: Note [TRL on infinity] in trl.py.
+
+A DeepSpeed user's script, which gives its JSON as ``TrainingArguments(deepspeed=...)``, changes its
+import line only: ``from infinity.integrations.transformers import InfinityTrainer as Trainer,
+TrainingArguments``. This ``TrainingArguments`` takes ``deepspeed=`` as infinity's config (it never
+reaches transformers' DeepSpeed set-up, which needs the deepspeed package), and ``InfinityTrainer``
+uses it where no ``infinity_config=`` is given.
 
 Note [InfinityTrainer seams]: what the Trainer's DeepSpeed path does, and where it happens here.
 - model: ``model_init`` runs under ``infinity.Init`` (the model is built partitioned); a
@@ -79,7 +85,7 @@ from ..config.deepspeed import _get, hidden_size_of
 from ..errors import UsageError, UsageTypeError
 from ._precision import FlagMeaning, autocast_forward, check_autocast_device, flag_meaning, stated_dtype
 
-__all__ = ["InfinityTrainer", "synced_generate", "with_infinity"]
+__all__ = ["InfinityTrainer", "TrainingArguments", "synced_generate", "with_infinity"]
 
 CHECKPOINT_TAG = "infinity"
 
@@ -132,6 +138,23 @@ def _config_source(source: Any) -> tuple:
     return source, _looks_like_deepspeed(source)
 
 
+@dataclasses.dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` whose ``deepspeed=`` (a DeepSpeed JSON's path or dict, or
+    any config ``infinity_config=`` takes) is kept as ``infinity_config`` for ``InfinityTrainer``
+    instead of starting DeepSpeed: ``deepspeed`` is None afterwards, so neither the Trainer nor
+    accelerate nor TRL takes a DeepSpeed path."""
+
+    infinity_config: Any = dataclasses.field(default=None, metadata={"help": "infinity's config (set from deepspeed=)"})
+
+    def __post_init__(self):
+        if self.deepspeed is not None:
+            if self.infinity_config is not None:
+                raise UsageError("TrainingArguments: give the config once, as deepspeed= or as infinity_config=")
+            self.infinity_config, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+
+
 class _ArgsView:
     """TrainingArguments with some attributes replaced."""
 
@@ -171,11 +194,17 @@ class InfinityTrainer(Trainer):
             raise UsageError("InfinityTrainer builds the optimizer (infinity's, partitioned) and the scheduler itself; "
                              "drop optimizers=(...) and give lr, betas, eps and weight decay in TrainingArguments, and "
                              "the schedule as lr_scheduler_type or the config's scheduler section")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "deepspeed", None):
+            raise UsageError("InfinityTrainer: TrainingArguments.deepspeed is set, which would start DeepSpeed; give the "
+                             "config to infinity instead: TrainingArguments from infinity.integrations.transformers "
+                             "takes deepspeed= as infinity's config, or pass infinity_config=")
+        if infinity_config is None:
+            infinity_config = getattr(training_args, "infinity_config", None)
         self._infinity_source, self._is_deepspeed = _config_source(infinity_config)
         self._strict = strict
         self._save_async = save_async  # Note [asynchronous saves] in infinity/_checkpoint/_async.py
         self._precision_flags = (False, False)
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self._flag_meaning = FlagMeaning.OFF
         if training_args is not None:
             self._flag_meaning = flag_meaning(training_args.fp16, training_args.bf16,

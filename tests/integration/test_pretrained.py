@@ -250,6 +250,17 @@ def test_eager_build_on_a_small_disk_is_refused_with_the_parameter(tmp_path):
         assert "point nvme_path at a larger disk" in str(err.value)
 
 
+def test_a_refusal_for_the_disk_leaves_no_directory_behind(tmp_path):
+    """nvme_path is made by the first chunk written, not before the room is checked."""
+    from torch import nn
+
+    with mounted("tmpfs", tmp_path / "small", "size=64k") as small:
+        with pytest.raises(InsufficientResourcesError, match="disk under"):
+            with infinity.Init(offload="nvme", nvme_path=str(small / "swap")):
+                nn.Linear(256, 256)  # 257 KiB of fp32
+        assert not (small / "swap").exists()
+
+
 def test_a_parameter_missing_from_the_checkpoint_is_initialized_like_plain(tmp_path):
     """Keys absent from the file are initialized by Hugging Face's own _init_weights, as without Init."""
     from safetensors.torch import load_file, save_file

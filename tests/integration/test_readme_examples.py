@@ -1,6 +1,8 @@
 """The README's examples run as written: every ```python block is a whole program, run in a fresh
-interpreter from an empty directory, and every ``python -m infinity.estimate`` command of a ```bash
-block runs and prints what the ```text block after it shows (its lines, "..." standing for the rest).
+interpreter from an empty directory, every ``python -m infinity.estimate`` command of a ```bash
+block runs and prints what the ```text block after it shows (its lines, "..." standing for the rest),
+and the install block's checks run where it says to run them: in a clone's root (a copy of the
+repository's files without built libraries) against the installed package.
 
 A block that is not meant to run is preceded by the line ``<!-- readme-test: skip -->``; keep
 such blocks rare. The README stays a front door: at most 200 lines."""
@@ -9,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import List, NamedTuple
@@ -103,6 +107,49 @@ def test_estimate_command_prints_what_the_readme_shows(jobs, command, shown):
     printed = {" ".join(line.split()) for line in proc.stdout.splitlines()}
     missing = [line for line in shown if " ".join(line.split()) not in printed]
     assert not missing, f"the README shows lines `{command}` no longer prints: {missing}\n{proc.stdout}"
+
+
+def install_checks(found: List[Block]) -> List[str]:
+    """The commands of the install block (the ```bash block that runs ``pip install``) other than pip's."""
+    install = next(b for b in found if b.lang == "bash" and "pip install" in b.text)
+    lines = [line.split("#", 1)[0].strip() for line in install.text.splitlines()]
+    return [line for line in lines if line and not line.startswith("pip ")]
+
+
+def _copy_package(dest: Path, built: bool) -> None:
+    """The repository's files as a fresh clone has them (tracked or not ignored), and with ``built`` the
+    native libraries built beside them, as a plain ``pip install .`` puts them in site-packages."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "infinity",
+                             "setup.py", "pyproject.toml"], cwd=ROOT, capture_output=True, check=True).stdout
+    files = [rel for rel in listed.decode().split("\0") if rel and (ROOT / rel).is_file()]
+    if built:
+        files += [str(p.relative_to(ROOT)) for p in (ROOT / "infinity").glob("*.so")]
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / rel, dest / rel)
+
+
+def test_install_checks_run_in_a_clone(tmp_path):
+    """In a clone's root after ``pip install .``: the package is a folder of a site directory (a copy
+    with the built libraries here, on a ``python -S`` path so that no editable install's finder
+    serves it), and the clone's source folder sits in the current directory."""
+    commands = install_checks(FOUND)
+    assert commands, "the install block checks nothing after pip install"
+    clone, site_dir = tmp_path / "clone", tmp_path / "site"
+    _copy_package(clone, built=False)
+    _copy_package(site_dir, built=True)
+    if not list((site_dir / "infinity").glob("_aio_cffi*.so")):
+        pytest.skip("the native libraries are not built in place here (no editable install)")
+    import site
+    path = os.pathsep.join([str(site_dir)] + site.getsitepackages())
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[0] == "python", command
+        proc = subprocess.run([sys.executable, "-S"] + argv[1:], cwd=clone, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"`{command}` in a clone's root:\n{proc.stderr[-3000:]}"
+        assert proc.stdout.split("\n", 1)[0] in ("io_uring", "threads"), proc.stdout
 
 
 def test_blocks_and_the_skip_marker():

@@ -522,6 +522,29 @@ def test_bad_deepspeed_names_the_deepspeed_key(data, key, text, monkeypatch):
     assert text in str(err)
 
 
+def test_deepspeed_typo_gets_did_you_mean_not_remove_it(nvme_dir):
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"devcie": "nvme", "nvme_path": nvme_dir}}}
+    err = _error(Config.from_deepspeed, ds)
+    assert "zero_optimization.offload_param.devcie" in err.keys
+    assert "did you mean 'zero_optimization.offload_param.device'?" in str(err)
+    assert "remove it" not in dict(err.problems)["zero_optimization.offload_param.devcie"]
+    del ds["zero_optimization"]["offload_param"]["devcie"]  # the old advice, followed: no tier, a path
+    err = _error(Config.from_deepspeed, ds)
+    assert err.keys == ["zero_optimization.offload_param.device"]
+    assert "nothing would be offloaded" in str(err) and "set device to nvme" in str(err)
+
+
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+def test_nvme_path_without_a_tier_is_refused(section, nvme_dir):
+    err = _error(Config.from_dict, {"zero": {"stage": 3, section: {"nvme_path": nvme_dir}}})
+    assert err.keys == [f"zero.{section}.device"] and "remove its nvme_path" in str(err)
+    cpu = Config.from_dict({"zero": {"stage": 3, section: {"device": "cpu", "nvme_path": nvme_dir}}})
+    assert getattr(cpu.zero, section).device == "cpu"  # DeepSpeed's templates keep a path beside cpu
+    nvme = Config.from_dict({"zero": {"stage": 3, section: {"device": "nvme", "nvme_path": nvme_dir}}})
+    moved = nvme.with_overrides({f"zero.{section}.device": "none"})  # e.g. --offload none on an NVMe config
+    assert getattr(moved.zero, section).nvme_path is None
+
+
 def test_from_dict_hints_at_deepspeed():
     err = _error(Config.from_dict, {"train_micro_batch_size_per_gpu": 4})
     assert "from_deepspeed" in str(err) and "'train.micro_batch_size'" in str(err)

@@ -420,3 +420,29 @@ def test_cli_plan_drive_table_keeps_its_columns_for_long_names_and_rank_lists(tm
         assert len({r.index(r.split()[1 if heading == "ranks" else 4]) for r in rows}) == 1
     end = lines[head].index("swap bytes") + len("swap bytes")
     assert all(r[end - 3:end] == "MiB" for r in rows)
+
+
+def test_bare_70b_takes_the_published_llama_shape():
+    shape = estimate("70B", gpus=8, gpu_mem="80GB", cpu_mem="1TB", nvme="10TB").shape
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn) == (80, 8192, 64, 8, 28672)
+    assert "Llama-2/3 70B's shape" in _cli("--params", "70B", "--gpus", "8", "--gpu-mem", "80GB", "--cpu-mem", "1TB",
+                                           "--nvme", "10TB").stdout
+
+
+def test_the_table_and_offload_speak_the_configs_words():
+    hw = ["--params", "1.3B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "64GB", "--nvme", "1TB"]
+    table = _cli(*hw)
+    rows = [line.split() for line in table.stdout.splitlines() if line[:1].isdigit() and "GiB" in line]
+    assert rows and {r[1] for r in rows} == {"none", "cpu", "nvme"} and "device" not in {r[2] for r in rows}
+    steps = {off: json.loads(_cli(*hw, "--steps", "10", "--offload", off, "--json").stdout)["ssd_writes"]
+             for off in ("none,nvme", "device,nvme")}  # device: the table's word before, kept as an alias
+    assert steps["none,nvme"] == steps["device,nvme"]
+
+
+def test_step_time_prints_the_table_and_predicts_the_recommended_placement():
+    hw = ["--params", "1.3B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "64GB", "--nvme", "1TB"]
+    run = _cli(*hw, "--step-time", "--rates", "h100")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(_cli(*hw).stdout.rstrip("\n"))  # the table and the recommended config first
+    assert "step time predicted for stage 3 with params=none optimizer=cpu (the recommended placement's tiers)" \
+        in run.stdout and "params on device, optimizer on cpu" in run.stdout
