@@ -52,6 +52,7 @@ from .validate import (
     _rule_text,
     _type_name,
     _validate_node,
+    tierless_offload_paths,
 )
 
 
@@ -374,6 +375,7 @@ class Config:
             raise ConfigError(f"a config must be a mapping of keys to values, got {_describe(data)}")
         problems: list = []
         kwargs = _collect(cls, data, "", problems)
+        problems.extend(tierless_offload_paths(data))  # a device left out beside a path: nothing offloaded
         if problems and _looks_like_deepspeed(data):  # said first: the problems below are DeepSpeed's names
             problems.insert(0, ("", "this looks like a DeepSpeed config: load it with infinity.Config.from_deepspeed("
                                     "data_or_path), which maps its keys onto infinity's (Config.from_file, "

@@ -163,10 +163,22 @@ def _check_offload_section(offload: Any, prefix: str) -> list:
     if offload.device == "nvme" and offload.nvme_path is None:
         return [(f"{prefix}.nvme_path", f"is required when {prefix}.device is nvme; "
                  "give a directory on a local NVMe drive")]
-    if offload.device == "none" and offload.nvme_path is not None:  # a missing or misspelt device: no offload at all
-        return [(f"{prefix}.device", "is none (the default) while this section's nvme_path is set, so nothing would "
-                 "be offloaded; set device to nvme (or cpu) in this section, or remove its nvme_path")]
     return []
+
+
+def tierless_offload_paths(data: Any) -> list:
+    """An offload section of a config dict that gives an nvme_path but no device (a device key left out or
+    misspelt) would train with nothing offloaded: a problem each. An explicit ``device: none`` beside a path
+    is the user's choice (a template that keeps its path) and stands."""
+    zero = data.get("zero") if isinstance(data, Mapping) else None
+    problems = []
+    for section in ("offload_param", "offload_optimizer"):
+        raw = zero.get(section) if isinstance(zero, Mapping) else None
+        if isinstance(raw, Mapping) and raw.get("nvme_path") is not None and "device" not in raw:
+            problems.append((f"zero.{section}.device", "is not given while this section's nvme_path is, so it "
+                             "would be none (the default) and nothing would be offloaded; set device to nvme (or "
+                             "cpu) in this section, or remove its nvme_path"))
+    return problems
 
 
 def _check_optimizer_offload_section(offload: Any, prefix: str) -> list:
