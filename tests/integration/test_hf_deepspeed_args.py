@@ -1,7 +1,7 @@
 """A DeepSpeed user's Trainer script runs on infinity with its import line changed: the DeepSpeed
 JSON stays in ``TrainingArguments(deepspeed=...)``, which transformers alone refuses where the
 deepspeed package is not installed."""
-import importlib.util
+import importlib.metadata
 import json
 import re
 from pathlib import Path
@@ -35,8 +35,12 @@ def _ds_json(tmp_path) -> str:
 
 def test_plain_transformers_refuses_without_deepspeed(tmp_path):
     """Why the import line changes: transformers' own TrainingArguments needs the deepspeed package."""
-    if importlib.util.find_spec("deepspeed") is not None:
-        pytest.skip("deepspeed is installed here")
+    try:  # the distribution, as transformers asks for it (a folder named deepspeed on sys.path is not one)
+        importlib.metadata.distribution("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    else:
+        pytest.skip("the deepspeed distribution is installed here")
     import transformers
 
     with pytest.raises(Exception, match="deepspeed"):
