@@ -194,6 +194,23 @@ def merged(items: List[Tuple[int, int, int, int]]) -> List[Tuple[int, int, int, 
     return [tuple(x) for x in out]
 
 
+def over_parts(dest, items: List[Tuple[int, int, int, int]], size: int) -> List[tuple]:
+    """(destination, items) for each part of ``dest``: a state split over tiers (Note [split
+    tiers] in _offload/_split.py) is a list of (tensor or swap file, elements), one after the
+    other in the flat space; each item cut where a part ends, its destination offset made the
+    part's own. Any other ``dest`` is one part."""
+    if not isinstance(dest, list):
+        return [(dest, items)]
+    out, start = [], 0
+    for place, numel in dest:
+        end = start + numel * size
+        mine = [(k, src + max(0, start - dst), max(dst, start) - start, min(dst + n, end) - max(dst, start))
+                for k, src, dst, n in items if dst < end and dst + n > start]
+        out.append((place, mine))
+        start = end
+    return out
+
+
 class CheckpointReader:
     """A checkpoint on disk, read tensor by tensor without a process group (export, tools)."""
 

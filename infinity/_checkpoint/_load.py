@@ -21,7 +21,7 @@ from .._zero._param import raw_data
 from ..errors import StorageError, UsageError, UsageTypeError
 from ._clone import Cloner, entries_of
 from ._files import BUFFERS, CLIENT_JSON, CLIENT_TENSORS, RNG, decode_client_state, rng_states, set_rng
-from ._format import STATE_ARRAYS, CheckpointReader, itemsize, merged, pieces, rank_file, resolve
+from ._format import STATE_ARRAYS, CheckpointReader, itemsize, merged, over_parts, pieces, rank_file, resolve
 from ._io import Mover, copy_into
 from ._legacy import EXTRA, OLD_RNG, is_legacy, load_pickle, refuse
 from ._model import agree, check_compatible, engine_and_optimizer, failure
@@ -106,7 +106,7 @@ def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
     plan = []
     sources = opt.store.checkpoint_sources()
     for name in STATE_ARRAYS:
-        plan.append((sources[name], _named(merged(fp32), name)))
+        plan += over_parts(sources[name], _named(merged(fp32), name), 4)
     if opt.param_store is not None:
         # the master weights hold the trainable units' parameters (Note [parameters from the master] in
         # _placement.py): their pieces are verified (None: not loaded), so a damaged file is still refused
@@ -117,7 +117,7 @@ def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
             plan.append((None, _named(merged(master_held), "params")))
         if own is not None:
             kept = [(k, src, dst - first, n) for k, src, dst, n in params if dst >= first]
-            plan.append((own[0], _named(merged(kept), "params")))
+            plan += over_parts(own[0], _named(merged(kept), "params"), size)
     plan += [(t, _named(items, "params")) for t, items in whole]
     return plan
 

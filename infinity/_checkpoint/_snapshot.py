@@ -19,7 +19,6 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .._runtime._tiers import Tier
 from .._zero._param import raw_data
 from ..aio import aligned_empty
 from ._clone import Cloner
@@ -51,8 +50,7 @@ def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stag
     if len(parts) == 1:
         _add(made, jobs, tmp, params, parts[0][0], size * opt.layout.param_total, cloner, mover, stage)
     elif parts:  # the master's, then the frozen units' (Note [parameters from the master] in _placement.py)
-        pieces = [(_staged(src, size * n) if stage and not isinstance(src, str) else src, size * n) for src, n in parts]
-        jobs.append(Job(params, _parts_writer(tmp, params, pieces), any(isinstance(src, str) for src, _ in parts)))
+        jobs.append(_parts_job(tmp, params, parts, size, stage))
     elif stage:
         jobs.append(Job(params, _flat_writer(tmp, params, _params_flat(engine, opt), size * opt.layout.param_total),
                         False))
@@ -60,7 +58,10 @@ def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stag
         jobs.append(Job(params, lambda m: _write_unit_shards(engine, opt, tmp, m), False))
     sources = opt.store.checkpoint_sources()
     for name in STATE_ARRAYS:
-        _add(made, jobs, tmp, rank_file(rank, name), sources[name], 4 * opt.total, cloner, mover, stage)
+        if isinstance(sources[name], list):  # over tiers: Note [split tiers] in _offload/_split.py
+            jobs.append(_parts_job(tmp, rank_file(rank, name), sources[name], 4, stage))
+        else:
+            _add(made, jobs, tmp, rank_file(rank, name), sources[name], 4 * opt.total, cloner, mover, stage)
     made[f"rank{rank}/{RNG}"] = write_small(os.path.join(tmp, f"rank{rank}", RNG), rng_bytes(current_rng()))
     if rank == 0:  # Note [data, never code] in _files.py
         small = client_state_files(extra)
@@ -73,9 +74,9 @@ def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stag
 def staged_bytes(engine, opt) -> int:
     """Bytes an asynchronous save copies into host memory at the call (``_staged``,
     ``_params_flat``): every state that is not in a swap file."""
-    params = 0 if opt.param_store is not None and opt.param_store.flat is None else \
-        itemsize(engine.dtype) * opt.layout.param_total
-    states = 0 if opt.store.tier is Tier.NVME else len(STATE_ARRAYS) * 4 * opt.total
+    params = itemsize(engine.dtype) * (opt.layout.param_total if opt.param_store is None or
+                                       opt.param_store.flat is not None else opt.param_store.host_upto)
+    states = len(STATE_ARRAYS) * 4 * opt.store.memory_elems
     return params + states
 
 
@@ -99,6 +100,12 @@ def _add(made: dict, jobs: List[Job], tmp: str, rel: str, source, nbytes: int, c
         jobs.append(Job(rel, _flat_writer(tmp, rel, source, nbytes), True))
     else:
         jobs.append(Job(rel, _flat_writer(tmp, rel, _staged(source, nbytes) if stage else source, nbytes), False))
+
+
+def _parts_job(tmp: str, rel: str, parts: List[tuple], size: int, stage: bool) -> Job:
+    """One checkpoint file from (tensor or swap file, elements) parts in order; ``stage``: the tensors copied now."""
+    pieces = [(_staged(src, size * n) if stage and not isinstance(src, str) else src, size * n) for src, n in parts]
+    return Job(rel, _parts_writer(tmp, rel, pieces), any(isinstance(src, str) for src, _ in parts))
 
 
 def _parts_writer(tmp: str, rel: str, parts: List[Tuple[Place, int]]) -> Callable[[Mover], dict]:

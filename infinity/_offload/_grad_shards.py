@@ -55,12 +55,13 @@ class GradShards:
         self.files.wait(self.writer, "gradient shard writes")
 
     def _read(self, offset: int, out: torch.Tensor) -> None:
-        self.reader.pread(out, self.files.paths["grad"], offset * 4)
+        self.reader.pread(out, self.files.paths["grad"], self.files.byte_offset("grad", offset))
         self.files.wait(self.reader, f"reading gradient shards at element {offset}")
         self.files.io["grad"][0] += out.numel() * 4
 
     def _write(self, offset: int, values: torch.Tensor) -> None:
-        self.writer.pwrite(values, self.files.paths["grad"], offset * 4)  # the handle keeps values alive
+        # the handle keeps values alive
+        self.writer.pwrite(values, self.files.paths["grad"], self.files.byte_offset("grad", offset))
         self.files.io["grad"][1] += values.numel() * 4
 
     def accumulate(self, offset: int, shard_grad: torch.Tensor, scale: float) -> None:

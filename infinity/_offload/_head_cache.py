@@ -6,12 +6,12 @@ transitions.
 from __future__ import annotations
 
 import enum
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 from ..aio._handle import close_handles
 from ..aio._memory import release_pages
 from ..errors import InvariantError
-from ._memory_plan import OPT_HOST_CACHE
+from ._memory_plan import OPT_HOST_CACHE, OPT_STATES
 from ._optimizer_files import STATES, OptimizerFiles
 from ._optimizer_store import zeros_host
 from ._swap import new_aio
@@ -28,7 +28,9 @@ class HeadState(enum.Enum):
 
 class HeadCache:
     """``head`` elements (whole chunks) of master weights, moments and gradient shards in host
-    memory, written through to the files by the update. Transitions: ``start_reads`` (EMPTY
+    memory, written through to the files by the update; the chunks below the files' ``base``
+    (the host share of a split, Note [split tiers] in _split.py) are the only copy: never
+    read, written or given back, whatever the state, which describes the chunks after them. Transitions: ``start_reads`` (EMPTY
     -> READING), ``land`` (READING or LOADED -> LOADED), ``release`` (LOADED -> EMPTY, pages
     given back), ``invalidate`` (any -> EMPTY: the files were rewritten), ``forget`` (any ->
     EMPTY: an update failed); each raises InvariantError in a state it does not start from."""
@@ -36,11 +38,12 @@ class HeadCache:
     def __init__(self, files: OptimizerFiles, head: int, aio_cfg):
         self.files = files
         self.head = head
+        self.owned = files.base  # elements in host memory only
         # zeros: the gaps between aligned unit ranges must read as zero gradients
-        self.sets = [{n: zeros_host(files.chunk, OPT_HOST_CACHE) for n in files.swapped}
-                     for _ in range(head // files.chunk)]
+        what = [OPT_STATES if i * files.chunk < files.base else OPT_HOST_CACHE for i in range(head // files.chunk)]
+        self.sets = [{n: zeros_host(files.chunk, w) for n in files.swapped} for w in what]
         # Note [compressed moments on disk] in _nvme_optimizer_store.py
-        self.records = [files.record_set(OPT_HOST_CACHE) for _ in self.sets]
+        self.records = [files.record_set(w) for w in what]
         self.io = new_aio(aio_cfg)
         self.state = HeadState.EMPTY
 
@@ -53,7 +56,8 @@ class HeadCache:
         """Submit the reads of the cached chunks' master weights and moments."""
         self._expect("start_reads", HeadState.EMPTY)
         for i, (off, bufs) in enumerate(self.chunks()):
-            self.files.read_arrays(self.io, off, bufs, self.records[i], STATES)
+            if off >= self.owned:
+                self.files.read_arrays(self.io, off, bufs, self.records[i], STATES)
         self.state = HeadState.READING
 
     def land(self) -> None:
@@ -61,8 +65,9 @@ class HeadCache:
         self._expect("land", HeadState.READING, HeadState.LOADED)
         self.files.wait(self.io, "reading the cached optimizer chunks")
         if self.state is HeadState.READING:
-            for i, (_, bufs) in enumerate(self.chunks()):
-                self.files.expand(self.records[i], bufs)
+            for i, (off, bufs) in enumerate(self.chunks()):
+                if off >= self.owned:
+                    self.files.expand(self.records[i], bufs)
             self.state = HeadState.LOADED
 
     def release(self) -> None:
@@ -70,7 +75,8 @@ class HeadCache:
         landed (Note [released pages] in aio/_memory.py); read again before the next update."""
         self._expect("release", HeadState.LOADED)
         self.files.wait(self.io, "writing back the cached optimizer chunks")
-        for hs, recs in zip(self.sets, self.records):
+        first = self.owned // self.files.chunk
+        for hs, recs in zip(self.sets[first:], self.records[first:]):
             for t in [hs[n] for n in STATES] + list(recs.values()):
                 release_pages(t)
         self.state = HeadState.EMPTY
@@ -89,13 +95,21 @@ class HeadCache:
     def wait(self, what: str = "writing back the cached optimizer chunks") -> None:
         self.files.wait(self.io, what)
 
-    def chunks(self) -> Iterator[Tuple[int, dict]]:
-        """(offset, the cached arrays cut to the chunk's length) of every cached chunk."""
+    def chunks(self, lo: int = 0, hi: Optional[int] = None) -> Iterator[Tuple[int, dict]]:
+        """(offset, the cached arrays cut to the chunk's length) of every cached chunk (those
+        starting in [lo, hi) only, if given)."""
         chunk, total = self.files.chunk, self.files.total
         for i, hs in enumerate(self.sets):
             off = i * chunk
-            n = min(chunk, total - off)
-            yield off, {name: t[:n] for name, t in hs.items()}
+            if lo <= off < (self.head if hi is None else hi):
+                yield off, {name: t[:min(chunk, total - off)] for name, t in hs.items()}
+
+    def owned_pieces(self, offset: int, numel: int, name: str):
+        """(view of the cached ``name`` array, start in the range) of the part of
+        [offset, offset + numel) held in host memory only."""
+        end = min(offset + numel, self.owned)
+        for hs, lo, n, at in self.pieces(offset, max(0, end - offset)):
+            yield hs[name][lo : lo + n], at
 
     def pieces(self, offset: int, numel: int):
         """(cached set, start in its chunk, length, start in the range) of the part of

@@ -33,22 +33,17 @@ class MomentStaging:
             self._io = new_aio(self._aio_cfg)
         return self._io
 
-    def _chunks(self):
-        chunk, total = self.files.chunk, self.files.total
-        for off in range(0, total, chunk):
-            yield off, min(chunk, total - off)
-
     def stage(self, name: str) -> str:
         """An fp32 file of the expanded moment ``name``."""
-        path = self.paths.get(name) or self.swap.file(f"{name}.fp32.swp", 4 * self.files.total)
+        path = self.paths.get(name) or self.swap.file(f"{name}.fp32.swp", 4 * (self.files.total - self.files.base))
         self.paths[name] = path
         records, buf = self._pipeline.records[0], self._pipeline.sets[0][name]
-        for off, n in self._chunks():
+        for off, n in self.files.spans():
             rec = self.files.record(records, name, n)
             self.files.read(self._reader, name, off, rec)
             self.files.wait(self._reader, f"reading {name} at element {off} for a checkpoint")
             self.files.decode(name, rec, buf[:n])
-            self._handle().pwrite(buf[:n], path, off * 4)
+            self._handle().pwrite(buf[:n], path, (off - self.files.base) * 4)
             self.files.wait(self._io, f"staging {name} at element {off} for a checkpoint")
         return path
 
@@ -57,8 +52,8 @@ class MomentStaging:
         writer = self._pipeline.writers[0]
         for name, path in self.paths.items():
             records, buf = self._pipeline.records[0], self._pipeline.sets[0][name]
-            for off, n in self._chunks():
-                self._handle().pread(buf[:n], path, off * 4)
+            for off, n in self.files.spans():
+                self._handle().pread(buf[:n], path, (off - self.files.base) * 4)
                 self.files.wait(self._io, f"reading the staged {name} at element {off}")
                 rec = self.files.encode(name, buf[:n], records)
                 self.files.put(writer, name, off, rec)

@@ -16,10 +16,11 @@ from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ..aio._checksum import sums_of
 from ..aio._handle import close_handles
+from ..errors import InvariantError
 from ._grad_shards import GradShards
 from ._head_cache import HeadCache, HeadState
 from ._layout import ParamSource
-from ._memory_plan import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, totals
+from ._memory_plan import GRADIENTS, OPT_BUFFERS, OPT_FILES, OPT_HOST_CACHE, OPT_STATES, totals
 from ._moment_staging import MomentStaging
 from ._moments import file_bytes, record_bytes
 from ._optimizer_files import NAMES, STATES, OptimizerFiles
@@ -89,15 +90,21 @@ class NvmeOptimizerStore:
     def __init__(self, total: int, ranges: List[tuple], swap: Swap, aio_cfg, chunk: Optional[int],
                  accumulation_steps: int, host_cache: Optional[int] = None, grads_in_memory: bool = False,
                  moments: str = "fp32", release_cache: bool = False, phased: bool = False,
-                 master: Optional[MasterFile] = None):
+                 master: Optional[MasterFile] = None, host_upto: int = 0):
         self.tier = Tier.NVME
         self.total = total
         self.ranges = ranges  # (offset, numel) of every unit's shard in the flat space
         self.chunk = chunk_elems(chunk, total)
-        head = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]
+        self.first = head_elems(host_cache, ranges, self.chunk, total)  # Note [host cache]: updated by update_head
+        # ``host_upto``: the first elements in host memory only, the host share of a split (Note [split tiers] in
+        # _split.py), cached chunks of their own; the cache covers them and the ``host_cache`` after them
+        head = max(self.first, host_upto)
+        self.host_upto = host_upto
+        if host_upto and master is not None:
+            raise InvariantError("a split optimizer tier keeps the master weights of its host share out of master.swp")
         # master: master.swp shared with the parameter store (Note [parameters from the master] in _placement.py)
         self.files = OptimizerFiles(total, self.chunk, swap, aio_cfg, grads_in_memory=grads_in_memory,
-                                    moments=moments, master=master)
+                                    moments=moments, master=master, base=host_upto)
         self.cache = HeadCache(self.files, head, aio_cfg)
         self.pipeline = SwapPipeline(self.files, head, aio_cfg, phased=phased, grads_in_memory=grads_in_memory)
         self.grads = GradShards(self.files, self.cache, ranges, in_memory=grads_in_memory,
@@ -109,6 +116,10 @@ class NvmeOptimizerStore:
         self._reload_below = total // 2  # a gradient below this offset starts the cache's reads (Note [host cache])
         self.files.zero_fill(self.pipeline.sets[0]["grad"].zero_(), self.pipeline.writers[0])
         # What trades host memory for disk traffic, said once (Note [host cache], [gradients in host memory])
+        if host_upto:
+            logger.info("optimizer states split: the first %d of %d elements (%.0f MiB with their gradients) in host "
+                        "memory only, the rest in swap files (zero.offload_optimizer.split)", host_upto, total,
+                        16 * host_upto / 2**20)
         logger.info("optimizer states on NVMe: host cache of the first %d elements (%.0f MiB; "
                     "zero.offload_optimizer.host_cache: %s), gradient shards in %s (%.0f MiB of host memory), "
                     "buffer sets %.0f MiB", head, 4 * len(self.files.swapped) * head / 2**20,
@@ -122,6 +133,11 @@ class NvmeOptimizerStore:
     def head(self) -> int:
         """Elements at the start of the flat space in the host cache (Note [host cache])."""
         return self.cache.head
+
+    @property
+    def memory_elems(self) -> int:
+        """The split's host share (Note [split tiers] in _split.py): the rest is in the files."""
+        return self.host_upto
 
     @property
     def head_sets(self) -> list:
@@ -164,17 +180,25 @@ class NvmeOptimizerStore:
     def load_master(self, offset: int, values: torch.Tensor) -> None:
         self._files_landed()  # older values must land first
         buf = values.contiguous().to(torch.float32)
-        writer = self.pipeline.writers[0]
-        self.files.write(writer, "master", offset, buf)
-        self.files.wait(writer, f"writing master weights at element {offset}")
-        if offset < self.head:
-            self.cache.invalidate()  # the next update reads the cache afresh (Note [host cache])
+        for dst, at in self.cache.owned_pieces(offset, buf.numel(), "master"):  # Note [split tiers] in _split.py
+            dst.copy_(buf[at : at + dst.numel()])
+        skip = max(0, min(self.host_upto - offset, buf.numel()))
+        if skip < buf.numel():
+            writer = self.pipeline.writers[0]
+            self.files.write(writer, "master", offset + skip, buf[skip:])
+            self.files.wait(writer, f"writing master weights at element {offset + skip}")
+            if offset + skip < self.head:
+                self.cache.invalidate()  # the next update reads the cache afresh (Note [host cache])
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor:
         self._files_landed()
         out = torch.empty(numel, dtype=torch.float32)
-        self.files.read(self.reader, "master", offset, out)
-        self.files.wait(self.reader, f"reading master weights at element {offset}")
+        for src, at in self.cache.owned_pieces(offset, numel, "master"):  # Note [split tiers] in _split.py
+            out[at : at + src.numel()].copy_(src)
+        skip = max(0, min(self.host_upto - offset, numel))
+        if skip < numel:
+            self.files.read(self.reader, "master", offset + skip, out[skip:])
+            self.files.wait(self.reader, f"reading master weights at element {offset + skip}")
         return out
 
     def master_view(self) -> Optional[torch.Tensor]:
@@ -188,9 +212,12 @@ class NvmeOptimizerStore:
         Note [parameters from the master] in _placement.py), for a checkpoint; compressed
         moments expanded into fp32 staging files (Note [compressed moments on disk])."""
         self._files_landed()
-        out = {name: self.files.paths[name] for name in STATES}
+        out: dict = {name: self.files.paths[name] for name in STATES}
         for name in self.files.packed:
             out[name] = self.staging.stage(name)
+        if self.host_upto:  # Note [split tiers] in _split.py: the host share, then the files
+            out = {name: [(bufs[name], bufs[name].numel()) for _, bufs in self.cache.chunks(0, self.host_upto)]
+                   + [(path, self.total - self.host_upto)] for name, path in out.items()}
         return out
 
     def checkpoint_loaded(self) -> None:
@@ -256,9 +283,14 @@ class NvmeOptimizerStore:
         if self.cache.state is HeadState.EMPTY:
             self.cache.start_reads()
         self.cache.land()  # and their last write-back
-        for i, (off, bufs) in enumerate(self.cache.chunks()):
+        self._update_cached(fn, 0, self.first)
+
+    def _update_cached(self, fn: Callable[[Chunk], None], lo: int, hi: int) -> None:
+        """The cached chunks starting in [lo, hi): written through, or not at all in the host share of a split."""
+        for off, bufs in self.cache.chunks(lo, hi):
             bufs = self.grads.with_grad(bufs, off, bufs["master"].numel())
-            self.pipeline.update_one(fn, off, bufs, self.cache.io, self.cache.records[i], cached=True)
+            self.pipeline.update_one(fn, off, bufs, self.cache.io, self.cache.records[off // self.chunk], cached=True,
+                                     owned=off < self.host_upto)
 
     def update_tail(self, fn: Callable[[Chunk], None]) -> None:
         """The chunks past the head, streamed through the buffer sets (Note [optimizer swapper]).
@@ -271,7 +303,12 @@ class NvmeOptimizerStore:
         writes (the master weights' too, which the parameter store writes) land before chunk
         k + 1's reads are submitted, and those reads land before chunk k's moments are
         written; the arithmetic of chunk k overlaps chunk k + 1's reads, and so does the
-        write of its master weights where the parameter store writes them as published."""
+        write of its master weights where the parameter store writes them as published.
+
+        The cached chunks past ``first`` (a split's host share larger than the head that
+        ``update_head`` takes) come first, while the primed reads of the files' first chunks land."""
+        if self.head > self.first:
+            self._update_cached(fn, self.first, self.head)
         self.pipeline.run(fn, self.grads.with_grad)
 
     def abandon_update(self) -> None:
@@ -303,7 +340,7 @@ class NvmeOptimizerStore:
 
     def nbytes(self) -> dict:
         return totals(self.plan(self.total, self.chunk, len(self.cache.sets) * self.chunk, self.grads.mem is not None,
-                                self.files.moments))
+                                self.files.moments, self.host_upto))
 
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py); the buffer sets,
@@ -319,7 +356,8 @@ class NvmeOptimizerStore:
         return {n: sums_of(p) for n, p in self.files.paths.items() if sums_of(p)}
 
     @classmethod
-    def plan(cls, total: int, chunk: int, head: int, grads_in_memory: bool, moments: str = "fp32") -> dict:
+    def plan(cls, total: int, chunk: int, head: int, grads_in_memory: bool, moments: str = "fp32",
+             host_upto: int = 0) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory_plan.py): the swap files (gradients
         too unless they stay in host memory), the buffer sets, the host cache of the first
         ``head`` elements (Note [host cache]) and the gradients in host memory (Note
@@ -327,12 +365,16 @@ class NvmeOptimizerStore:
         bytes (BlockSums.bytes_for; Note [swap checksums] in aio/_checksum.py), nor a
         checkpoint's staging files of compressed moments (8 bytes per element while it runs).
         Compressed moments (Note [compressed moments on disk]) shrink their files and add a
-        record buffer per moment to each buffer set and cached chunk."""
+        record buffer per moment to each buffer set and cached chunk. ``host_upto``: the host
+        share of a split (whole chunks at the start, inside ``head``; Note [split tiers] in
+        _split.py), optimizer states in host memory with no file behind them."""
         swapped = len(NAMES) - (1 if grads_in_memory else 0)
         packed = 2 * (record_bytes(moments, chunk) if moments != "fp32" else 0)  # both moments' records
-        files = 4 * (swapped - 2) * total + 2 * file_bytes(moments, total, chunk)
+        on_disk = total - host_upto
+        files = 4 * (swapped - 2) * on_disk + 2 * file_bytes(moments, on_disk, chunk)
         return {"nvme": {OPT_FILES: files},
                 "host": {OPT_BUFFERS: cls.SETS * (4 * len(NAMES) * chunk + packed),
-                         OPT_HOST_CACHE: 4 * swapped * head + head // chunk * packed,
+                         OPT_STATES: 4 * swapped * host_upto + host_upto // chunk * packed,
+                         OPT_HOST_CACHE: 4 * swapped * (head - host_upto) + (head - host_upto) // chunk * packed,
                          GRADIENTS: 4 * total if grads_in_memory else 0}}
 

@@ -27,11 +27,15 @@ class OptimizerFiles:
     memory), the moments' codec, and byte counts: per file (``array_io``) and per kind of
     handle (``io``: the step's and the gradients', which run on different threads).
     ``master``: master.swp shared with the parameter store, which writes the step's master
-    weights (Note [parameters from the master] in _placement.py); None: this store's own."""
+    weights (Note [parameters from the master] in _placement.py); None: this store's own.
+    ``base``: the files hold the flat space from this element (whole chunks) on; the part
+    before it lives in host memory only (Note [split tiers] in _split.py)."""
 
     def __init__(self, total: int, chunk: int, swap: Swap, aio_cfg, *, grads_in_memory: bool, moments: str,
-                 master: Optional[MasterFile] = None):
-        self.total, self.chunk, self.rank = total, chunk, swap.rank
+                 master: Optional[MasterFile] = None, base: int = 0):
+        if base % chunk or not 0 <= base <= total:
+            raise InvariantError(f"optimizer files from element {base}: not a chunk boundary of {total} elements")
+        self.total, self.chunk, self.rank, self.base = total, chunk, swap.rank, base
         self.swapped = STATES if grads_in_memory else NAMES  # the arrays with a swap file
         self.moments = moments
         self.codec: Optional[Codec] = Codec(moments, chunk) if moments != "fp32" else None
@@ -66,19 +70,26 @@ class OptimizerFiles:
     # ------------------------------------------------------------ where values lie
 
     def file_bytes(self, name: str) -> int:
-        return file_bytes(self.moments if name in self.packed else "fp32", self.total, self.chunk)
+        return file_bytes(self.moments if name in self.packed else "fp32", self.total - self.base, self.chunk)
+
+    def spans(self):
+        """(offset, elements) of every chunk the files hold, in order."""
+        for off in range(self.base, self.total, self.chunk):
+            yield off, min(self.chunk, self.total - off)
 
     def byte_offset(self, name: str, offset: int) -> int:
         """Where element ``offset`` (a chunk's start, for a compressed moment) is in its file."""
+        if offset < self.base:
+            raise InvariantError(f"optimizer element {offset} is in host memory only (the files start at {self.base})")
         if name in self.packed:
-            return offset // self.chunk * self.code.record
-        return offset * 4
+            return (offset - self.base) // self.chunk * self.code.record
+        return (offset - self.base) * 4
 
     def element_of(self, name: str, byte_offset: int) -> int:
         """The element at ``byte_offset`` of a swap file (the chunk's first, for a compressed moment)."""
         if name in self.packed:
-            return byte_offset // self.code.record * self.chunk
-        return byte_offset // 4
+            return self.base + byte_offset // self.code.record * self.chunk
+        return self.base + byte_offset // 4
 
     def record_set(self, what: str) -> dict:
         """A record buffer per compressed moment, for one chunk (none for fp32 moments)."""
@@ -139,8 +150,7 @@ class OptimizerFiles:
         """Every file but master.swp reads as zeros (moments start at zero; the gaps between
         unit ranges must read as zero gradients). ``zeros``: one chunk of them."""
         for name in (n for n in self.swapped if n != "master"):
-            for off in range(0, self.total, self.chunk):
-                n = min(self.chunk, self.total - off)
+            for off, n in self.spans():
                 self.put(handle, name, off, zeros.view(torch.uint8)[: self.code.length(n)]
                          if name in self.packed else zeros[:n])
         self.wait(handle, "zero-filling the optimizer swap files")

@@ -53,6 +53,10 @@ class OptimizerStore(Protocol):
     total: int
     tier: Tier  # where the states live: the device, host memory or NVMe
 
+    @property
+    def memory_elems(self) -> int: ...  # the first elements held in memory (all, or a split's host share: Note
+    # [split tiers] in _split.py)
+
     def load_master(self, offset: int, values: torch.Tensor) -> None: ...
 
     def read_master(self, offset: int, numel: int) -> torch.Tensor: ...
@@ -137,6 +141,7 @@ class MemoryOptimizerStore:
             lambda what=None: torch.zeros(total, dtype=torch.float32, device=acc.device()))
         self.tier = tier
         self.total = total
+        self.memory_elems = total
         self.lazy_grad = lazy_grad  # stage 1: a gradient shard exists only during the step
         self.overlapped = overlapped
         self.pieces = _unit_pieces(ranges or [], total, chunk_elems(chunk, total)) if overlapped else []

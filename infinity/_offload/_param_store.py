@@ -22,7 +22,7 @@ from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ..aio._checksum import checksummed, sums_of
 from ..aio._handle import close_handles
-from ..errors import InfinityError, UsageError
+from ..errors import InfinityError, InvariantError, UsageError
 from ._layout import ALIGN_ELEMS, ParamSource, round_up
 from ._memory_plan import PARAM_CACHE, PARAM_FILES, PARAM_HANDOFF, PARAM_SHARDS, PARAM_STAGING, totals
 from ._ordered_writes import WRITE_HANDLES, MasterFile, OrderedWrites
@@ -144,7 +144,8 @@ class ParamStore:
     def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[Swap] = None, aio_cfg=None,
                  alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
                  buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
-                 update_chunk: int = 0, master: Optional[MasterFile] = None, cache_elems: int = 0):
+                 update_chunk: int = 0, master: Optional[MasterFile] = None, cache_elems: int = 0,
+                 host_upto: int = 0):
         tier = Tier.of(tier)
         # Note [parameters from the master] in _placement.py: ``alias`` is the master tensor (MASTER), ``master``
         # is master.swp shared with the NVMe optimizer store (MASTER_FILE)
@@ -160,6 +161,9 @@ class ParamStore:
         self._lock_copies = threading.Lock()  # the forward gives shards back while the step's thread takes outputs
         self.bytes_read = 0
         self.own_from = master.total if master is not None else 0  # below: the master's elements
+        # Note [split tiers] in _split.py: the first ``host_upto`` elements (whole units) in host memory only,
+        # params.swp from there on
+        self.host_upto, self._host = self._host_share(host_upto if tier is Tier.NVME else 0, master)
         self._own: Optional[OrderedWrites] = None  # params.swp's writes, where it exists
         self._frozen: Optional[torch.Tensor] = None  # under MASTER in memory: the frozen units' shards
         if tier is Tier.NVME:
@@ -192,6 +196,15 @@ class ParamStore:
             self._frozen = self._memory(total - self.own_from) if total > self.own_from else None
         else:
             self.flat = self._memory(total)
+
+    def _host_share(self, host_upto: int, master: Optional[MasterFile]) -> tuple:
+        """(elements, tensor) of the split's host share (Note [split tiers] in _split.py); params.swp follows it."""
+        if not host_upto:
+            return 0, None
+        if master is not None:
+            raise InvariantError("a split parameter tier keeps its shards out of master.swp")
+        self.own_from = host_upto
+        return host_upto, aligned_empty(host_upto, self.dtype, what=PARAM_SHARDS)
 
     def _memory(self, numel: int) -> torch.Tensor:
         if self.tier is Tier.CPU:
@@ -255,6 +268,13 @@ class ParamStore:
         flat, at = self._tensor_at(offset)
         return flat[at : at + numel]
 
+    def host_share(self, offset: int, numel: int) -> Optional[torch.Tensor]:
+        """The shard at ``offset`` as a view of the split's host share (Note [split tiers] in
+        _split.py), or None where it is in params.swp."""
+        if self._host is None or offset + numel > self.host_upto:
+            return None
+        return self._host[offset : offset + numel]
+
     def write(self, offset: int, values: torch.Tensor, *, keep: bool = False) -> None:
         """Store ``values`` (any float dtype; cast here) at ``offset``; async on NVMe. With
         ``keep`` (the optimizer step's fresh output, never modified afterwards) the values
@@ -264,6 +284,12 @@ class ParamStore:
             return
         if values.dtype != self.dtype:
             values = values.to(self.dtype)
+        if offset < self.host_upto:  # Note [split tiers] in _split.py: whole units, never on the disk
+            n = min(values.numel(), self.host_upto - offset)
+            self._host[offset : offset + n].copy_(values[:n])
+            if n == values.numel():
+                return
+            offset, values = offset + n, values[n:]
         end = offset + values.numel()
         writes, at = self._file_at(offset)
         writes.write(at, values)  # Note [write ordering] in _ordered_writes.py
@@ -407,7 +433,8 @@ class ParamStore:
                                                                   if self._frozen is not None else [])
         self.flush()
         bounds = [start for start, _ in self._files[1:]] + [self.total]
-        return [(w.path, stop - start) for (start, w), stop in zip(self._files, bounds)]
+        host = [(self._host, self.host_upto)] if self._host is not None else []  # Note [split tiers] in _split.py
+        return host + [(w.path, stop - start) for (start, w), stop in zip(self._files, bounds)]
 
     def own_part(self) -> Optional[tuple]:
         """(destination, first element) of the shards this store keeps itself, which a
@@ -417,9 +444,12 @@ class ParamStore:
             if self.source is ParamSource.MASTER:
                 return None if self._frozen is None else (self._frozen, self.own_from)
             return self.flat, 0
-        if self._own is None:
+        if self._own is None and self._host is None:
             return None
         self.flush()
+        if self._host is not None:  # the split's host share, then params.swp (Note [split tiers] in _split.py)
+            rest = [(self._own.path, self.total - self.host_upto)] if self._own is not None else []
+            return [(self._host, self.host_upto)] + rest, 0
         return self._own.path, self.own_from
 
     def checkpoint_loaded(self) -> None:
@@ -462,6 +492,9 @@ class ParamStore:
         """A copy of [offset, offset + numel), once every write to it has landed."""
         if self.flat is not None:
             return self.view(offset, numel).clone()
+        host = self.host_share(offset, numel)
+        if host is not None:
+            return host.clone()
         pending = self.start_read(offset, numel)
         buf = self.finish_read(pending, f"reading back parameter shards at element {offset}")
         out = buf[:numel].clone()
@@ -490,7 +523,8 @@ class ParamStore:
         pool = self.pool or HostPool(0, 0, self.dtype, "")
         return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
                                 self.update_chunk, self.source,
-                                cache=getattr(self, "cache_elems", 0), frozen=self.total - self.own_from))
+                                cache=getattr(self, "cache_elems", 0), frozen=self.total - self.own_from,
+                                host_upto=self.host_upto))
 
     def close(self) -> None:
         """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
@@ -500,6 +534,7 @@ class ParamStore:
             close_handles(self._all_readers)
             # Note [closed engines] in _engine.py: the cache, hand-off and staging memory goes now
             self._cache, self._cached = {}, 0
+            self._host = None
             self._handoff = []
             self._filling = {}
             self._outputs.clear()
@@ -512,20 +547,22 @@ class ParamStore:
 
     @staticmethod
     def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0,
-             source: ParamSource = ParamSource.OWN, cache: int = 0, frozen: int = 0) -> dict:
+             source: ParamSource = ParamSource.OWN, cache: int = 0, frozen: int = 0, host_upto: int = 0) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory_plan.py): the shards on their tier;
         on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
         ``source`` MASTER_FILE: the trainable shards are the optimizer's master.swp, and only
         the ``frozen`` elements after them have a file of their own; MASTER: they are the
         master tensor, and only the ``frozen`` elements are this store's, on the master's
         ``tier`` (Note [parameters from the master] in _placement.py); ``cache``: elements of the parameter cache (Note
-        [parameter cache])."""
+        [parameter cache]); ``host_upto``: the split's host share, shards in host memory with
+        no file behind them (Note [split tiers] in _split.py)."""
         own = total * itemsize
         if source is ParamSource.MASTER:  # the master's bytes are the optimizer's; the frozen units' are here
             return {tier.memory: {PARAM_SHARDS: frozen * itemsize}}
         if tier is Tier.NVME:
-            files = frozen * itemsize if source is ParamSource.MASTER_FILE else own
-            return {"nvme": {PARAM_FILES: files}, "host": {PARAM_CACHE: min(cache, total) * itemsize,
+            files = frozen * itemsize if source is ParamSource.MASTER_FILE else own - host_upto * itemsize
+            return {"nvme": {PARAM_FILES: files}, "host": {PARAM_SHARDS: host_upto * itemsize,
+                                                           PARAM_CACHE: min(cache, total - host_upto) * itemsize,
                                                            PARAM_STAGING: buffer_count * buffer_numel * itemsize,
                                                            PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
         return {tier.memory: {PARAM_SHARDS: own}}

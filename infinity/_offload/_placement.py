@@ -5,6 +5,7 @@ the preflight checks it, the stores are built from it, and the optimizer and eng
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,6 +17,8 @@ from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ._layout import ALIGN_ELEMS, Layout, ParamSource, states_in_host
+from ._optimizer_store import chunk_elems
+from ._split import host_fraction, opt_host_upto, param_host_upto, plan_auto
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 
@@ -77,37 +80,75 @@ class Placement:
     param_cache_elems: int  # Note [parameter cache] in _param_store.py
     gathered_reuse_bytes: int  # recycled gathered buffers (Note [recycled host memory] in _recycle.py)
     direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
+    opt_host_upto: int = 0  # an NVMe optimizer tier's host share: Note [split tiers] in _split.py
+    param_host_upto: int = 0  # an NVMe parameter tier's host share, whole units
 
     @classmethod
     def of(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int,
            machine: Optional[Machine] = None) -> "Placement":
-        """The placement on ``world_size`` ranks of ``machine`` (None: this one, read when needed)."""
+        """The placement on ``world_size`` ranks of ``machine`` (None: this one, read when needed);
+        a section's ``device: auto`` planned (Note [planned split] in _split.py)."""
         z = cfg.zero
-        opt_tier = Tier.of(z.offload_optimizer.device)
-        param_tier = Tier.of(z.offload_param.device) if partition_params else Tier.DEVICE
+        opt_auto, param_auto = z.offload_optimizer.device == "auto", partition_params and z.offload_param.device == "auto"
+        opt = (Tier.CPU, None) if opt_auto else (Tier.of(z.offload_optimizer.device), host_fraction(z.offload_optimizer))
+        param = (Tier.CPU, None) if param_auto else \
+            (Tier.of(z.offload_param.device) if partition_params else Tier.DEVICE, host_fraction(z.offload_param))
+        build = functools.partial(cls.build, cfg, partition_params, dtype, specs, world_size, machine)
+        if not (opt_auto or param_auto):
+            return build(opt, param)
+        return plan_auto(build, cfg, opt_auto, param_auto, opt, param, machine or Machine.here())
+
+    @classmethod
+    def build(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int,
+              machine: Optional[Machine], opt: tuple, param: tuple, grads_in_memory: Optional[bool] = None
+              ) -> "Placement":
+        """The placement with the optimizer states and the parameters on the (tier, host
+        fraction) given (Note [split tiers] in _split.py)."""
+        z = cfg.zero
+        opt_tier, param_tier = opt[0], param[0]
         align = ALIGN_ELEMS if Tier.NVME in (opt_tier, param_tier) else 1
         layout = Layout.assign(specs, align)
         accelerator = acc.has_accelerator() if machine is None else machine.accelerator
         overlap = overlap_step(z.offload_optimizer.overlap_step, partition_params, opt_tier, param_tier,
                                states_in_host(opt_tier, not accelerator), accelerator)
-        grads_in_memory = opt_tier is Tier.NVME and gradients_in_host(z.offload_optimizer.gradients, layout.opt_total,
-                                                                      machine)
+        if grads_in_memory is None:
+            grads_in_memory = opt_tier is Tier.NVME and gradients_in_host(z.offload_optimizer.gradients,
+                                                                          layout.opt_total, machine)
+        opt_upto = opt_host_upto(opt[1] or 0.0, layout.opt_total, chunk_elems(z.offload_optimizer.chunk_size,
+                                                                              layout.opt_total)) \
+            if opt_tier is Tier.NVME else 0
+        param_upto = param_host_upto(param[1] or 0.0, layout.param_ranges, layout.param_total) \
+            if param_tier is Tier.NVME else 0
         source = ParamSource.of(partitioned=partition_params, fp32=dtype == torch.float32,
                                 same_spaces=layout.same_spaces, opt_tier=opt_tier, param_tier=param_tier,
                                 device_is_host=not accelerator)
+        if source is ParamSource.MASTER_FILE and (opt_upto or param_upto):
+            source = ParamSource.OWN  # master.swp would have to hold a host share too (Note [split tiers] in _split.py)
+        param_upto = param_upto if source is ParamSource.OWN else 0
         itemsize = torch.empty((), dtype=dtype).element_size()
         reuse = GATHERED_REUSE * layout.max_shard * world_size * itemsize \
             if partition_params and not accelerator else 0  # a device caching allocator already reuses memory
         direct = partition_params and world_size == 1 and not accelerator  # FetchUnit._direct_read_buffer
-        cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total, itemsize,
+        cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total - param_upto, itemsize,
                                   *((machine.host_available, machine.ranks_on_node) if machine else ())) \
             if param_tier is Tier.NVME and source is not ParamSource.MASTER else 0
         return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, source, cache,
-                   reuse, direct)
+                   reuse, direct, opt_upto, param_upto)
 
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        """Where each state is, in the config's words."""
+        def one(tier: Tier, upto: int, total: int) -> str:
+            if tier is Tier.NVME and upto:
+                return f"split cpu {upto / total:.2f}, nvme {1 - upto / total:.2f}"
+            return {Tier.DEVICE: "none", Tier.CPU: "cpu", Tier.NVME: "nvme"}[tier]
+        out = f"optimizer {one(self.opt_tier, self.opt_host_upto, max(self.layout.opt_total, 1))}"
+        if self.partition_params:
+            out += f", parameters {one(self.param_tier, self.param_host_upto, max(self.layout.param_total, 1))}"
+        return out
 
 
 def overlap_step(choice: str, partition_params: bool, opt_tier: Tier, param_tier: Tier, states_in_host: bool,

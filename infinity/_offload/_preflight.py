@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
@@ -19,15 +19,55 @@ from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ..errors import InsufficientResourcesError
 from ._drives import drive_paths, local_rank, node_bytes_per_drive, rank_drives
-from ._layout import ParamSource
+from ._layout import Layout, ParamSource
 from ._memory_plan import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
 from ._nvme_optimizer_store import NvmeOptimizerStore
 from ._optimizer_store import MemoryOptimizerStore, chunk_elems, head_elems
 from ._param_store import ParamStore
 from ._swap import reclaim_stale, stale_elsewhere
 
-if TYPE_CHECKING:
-    from ._placement import Placement
+
+class Placed(Protocol):
+    """What the memory model reads of a placement (``Placement`` in _placement.py, after this module)."""
+
+    @property
+    def opt_tier(self) -> Tier: ...
+
+    @property
+    def param_tier(self) -> Tier: ...
+
+    @property
+    def partition_params(self) -> bool: ...
+
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def overlap(self) -> bool: ...
+
+    @property
+    def grads_in_memory(self) -> bool: ...
+
+    @property
+    def param_source(self) -> ParamSource: ...
+
+    @property
+    def param_cache_elems(self) -> int: ...
+
+    @property
+    def gathered_reuse_bytes(self) -> int: ...
+
+    @property
+    def direct_reads(self) -> bool: ...
+
+    @property
+    def opt_host_upto(self) -> int: ...
+
+    @property
+    def param_host_upto(self) -> int: ...
+
+    @property
+    def itemsize(self) -> int: ...
 
 
 GiB = float(1 << 30)
@@ -36,24 +76,26 @@ GiB = float(1 << 30)
 def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsize: int, overlapped: bool,
                lazy_grad: bool, chunk: int, head: int, grads_in_memory: bool, staging_numel: int,
                staging_count: int, param_source: ParamSource, gathered_bytes: int, moments: str = "fp32",
-               param_cache: int = 0) -> Plan:
+               param_cache: int = 0, opt_host_upto: int = 0, param_host_upto: int = 0) -> Plan:
     """The bytes of every store for a plan (Note [one memory model] in _memory_plan.py). ``param_tier`` is None
     when parameters stay whole (stages 1-2); ``gathered_bytes`` is the gathered recycler's
-    capacity (0 with an accelerator, whose caching allocator reuses device memory)."""
+    capacity (0 with an accelerator, whose caching allocator reuses device memory). ``opt_host_upto``,
+    ``param_host_upto``: an NVMe tier's host share (Note [split tiers] in _split.py)."""
     if opt_tier is Tier.NVME:
-        plans = [NvmeOptimizerStore.plan(opt_total, chunk, head, grads_in_memory, moments)]
+        plans = [NvmeOptimizerStore.plan(opt_total, chunk, max(head, opt_host_upto), grads_in_memory, moments,
+                                         opt_host_upto)]
     else:
         plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
     if param_tier is not None:  # under MASTER the frozen units' shards only: Note [parameters from the master] in _placement.py
         plans.append(ParamStore.plan(opt_tier if param_source is ParamSource.MASTER else param_tier, param_total,
                                      itemsize, staging_numel, staging_count, chunk, param_source,
                                      cache=param_cache,  # Note [parameter cache] in _param_store.py
-                                     frozen=param_total - opt_total))
+                                     frozen=param_total - opt_total, host_upto=param_host_upto))
         plans.append({"device": {GATHERED: gathered_bytes}})
     return merge(*plans)
 
 
-def plan(placement: "Placement", cfg) -> dict:
+def plan(placement: Placed, cfg) -> dict:
     """Bytes per tier this rank will hold, and per drive on disk, from the one memory model
     (Note [one memory model] in _memory_plan.py); ``categories`` says what they are."""
     z = cfg.zero
@@ -69,7 +111,8 @@ def plan(placement: "Placement", cfg) -> dict:
         grads_in_memory=placement.grads_in_memory, staging_numel=max(z.offload_param.buffer_size or 0, layout.max_shard),
         staging_count=0 if placement.direct_reads else staging_buffers(z),
         param_source=placement.param_source, gathered_bytes=placement.gathered_reuse_bytes,
-        moments=z.offload_optimizer.moments, param_cache=placement.param_cache_elems)
+        moments=z.offload_optimizer.moments, param_cache=placement.param_cache_elems,
+        opt_host_upto=placement.opt_host_upto, param_host_upto=placement.param_host_upto)
     need: dict = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
                   "categories": cats}
     for path, nbytes in _nvme_files(cfg, cats):
@@ -112,7 +155,7 @@ def free_disk(path: str) -> int:
     return shutil.disk_usage(probe or ".").free
 
 
-def preflight(placement: "Placement", cfg) -> dict:
+def preflight(placement: Placed, cfg) -> dict:
     need = plan(placement, cfg)
     ranks = comm.ranks_here()
     problems = []
@@ -122,7 +165,8 @@ def preflight(placement: "Placement", cfg) -> dict:
         where = "" if bound == "MemAvailable" else f" (bound by {bound})"
         problems.append(
             f"host memory{where}: {ranks} rank(s) x {_amounts(host_total, avail, ranks)} available; "
-            f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme), "
+            f"offload more state to NVMe (zero.offload_optimizer.device / zero.offload_param.device: nvme, or a "
+            f"smaller cpu share of their split, or device: auto to plan it), "
             f"lower zero.offload_optimizer.chunk_size or zero.offload_optimizer.host_cache, keep gradients on "
             f"NVMe (zero.offload_optimizer.gradients: nvme), or run fewer ranks per node")
     if acc.has_accelerator():  # each rank has a device of its own
@@ -198,7 +242,7 @@ def engine_device_is_host() -> bool:
     return not acc.has_accelerator()
 
 
-def device_need(placement: "Placement", need: dict) -> int:
+def device_need(placement: Placed, need: dict) -> int:
     """Bytes of model state on this rank's accelerator: the plan's device stores, and for
     stages 1-2 the whole parameters (in the compute dtype, every rank's shard of them)."""
     whole = 0 if placement.partition_params else \

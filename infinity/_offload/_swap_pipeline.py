@@ -129,9 +129,11 @@ class SwapPipeline:
         self.files.master_landed(off, min(self.files.chunk, self.files.total - off))
 
     def update_one(self, fn: Callable[[Chunk], None], off: int, bufs: dict, writer, records: dict,
-                   cached: bool = False, before_writes: Optional[Callable[[], None]] = None) -> None:
+                   cached: bool = False, before_writes: Optional[Callable[[], None]] = None,
+                   owned: bool = False) -> None:
         """``fn`` on one chunk, then its states written back through ``writer`` (a cached chunk:
-        written through, its memory kept equal to the file: Note [host cache] in _nvme_optimizer_store.py)."""
+        written through, its memory kept equal to the file: Note [host cache] in _nvme_optimizer_store.py;
+        ``owned``, in the host share of a split, written nowhere: Note [split tiers] in _split.py)."""
         chunk = Chunk(off, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"])
         fn(chunk)
         if before_writes is not None:
@@ -143,7 +145,7 @@ class SwapPipeline:
             if name == "master" and self.files.master_shared:
                 continue  # fn handed them to the parameter store, which writes them
             if name not in self.files.packed:
-                for lo, hi in spans:
+                for lo, hi in [] if owned else spans:
                     self.files.write(writer, name, lo, bufs[name][lo - off : hi - off])
                 continue
             if not spans:
@@ -151,7 +153,8 @@ class SwapPipeline:
             rec = self.files.encode(name, bufs[name], records)
             if cached:  # the cache holds what the file holds (Note [host cache] in _nvme_optimizer_store.py)
                 self.files.decode(name, rec, bufs[name])
-            self.files.write(writer, name, off, rec)
+            if not owned:  # the host share computes as the files' do (Note [split tiers] in _split.py)
+                self.files.write(writer, name, off, rec)
 
     def reset(self) -> None:
         """Any -> IDLE after a failed update (Note [failed step] in _step_gate.py): every read

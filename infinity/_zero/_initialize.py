@@ -243,7 +243,7 @@ def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: Sta
                                   z.offload_optimizer.host_cache, placement.grads_in_memory,
                                   moments=z.offload_optimizer.moments,
                                   release_cache=z.host_allocator == "release", phased=z.offload_optimizer.swap_io == "phased",
-                                  master=master)
+                                  master=master, host_upto=placement.opt_host_upto)
     return MemoryOptimizerStore(placement.opt_tier, total, lazy_grad=not policy.reduce_in_backward,
                                 overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size)
 
@@ -267,7 +267,7 @@ def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store: Opti
     return ParamStore(tier, placement.dtype, placement.layout.param_total,
                       swap=swap_dirs.under(z.offload_param.nvme_path) if tier is Tier.NVME else None,
                       aio_cfg=cfg.aio, alias=opt_store.master_view() if master_tensor else None, master=master,
-                      cache_elems=placement.param_cache_elems,
+                      cache_elems=placement.param_cache_elems, host_upto=placement.param_host_upto,
                       max_unit=placement.layout.max_shard, direct_reads=placement.direct_reads,
                       update_chunk=chunk_elems(z.offload_optimizer.chunk_size, placement.layout.opt_total),
                       buffer_size=z.offload_param.buffer_size, buffer_count=staging_buffers(z),

@@ -408,6 +408,10 @@ class FetchUnit:
         """The NVMe tier's staging: the parameter cache's copy, else the step's hand-off, else
         a read submitted (None when ``block`` is off and no buffer is free)."""
         nbytes = self.shard_numel * self.store.itemsize
+        host = self.store.host_share(self.param_offset, self.shard_numel)  # Note [split tiers] in _offload/_split.py
+        if host is not None:
+            self.ctx.counters.bytes["param_host"] += nbytes
+            return Staging.cached(host)
         cached = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache] in _param_store.py
         if cached is not None:
             self.ctx.counters.bytes["param_cache"] += nbytes

@@ -116,7 +116,6 @@ TUNING = {
     "zero_optimization.offload_optimizer.pipeline": "the optimizer step already overlaps its swaps",
     "zero_optimization.offload_optimizer.pipeline_read": "the optimizer step already overlaps its swaps",
     "zero_optimization.offload_optimizer.pipeline_write": "the optimizer step already overlaps its swaps",
-    "zero_optimization.offload_optimizer.ratio": "infinity offloads all optimizer states or none",
     "zero_optimization.overlap_comm": "infinity always overlaps the reduce-scatters with backward",
     "zero_optimization.contiguous_gradients": "gradient shards always accumulate in one flat buffer",
     "zero_optimization.reduce_scatter": "gradients are always reduce-scattered",
@@ -379,6 +378,8 @@ def _walk(node: Mapping, prefix: str, st: _DsState, resolved: list) -> None:
         elif path in _RESULT_ADVICE:
             st.problems.append((path, f"{value!r} would change the training result and infinity cannot honour it: "
                                       f"{_RESULT_ADVICE[path]}"))
+        elif path == _RATIO:
+            _map_ratio(value, st)
         elif path in TUNING:
             st.tuning.append((path, TUNING[path]))
         elif path in _SPECIAL:
@@ -392,9 +393,23 @@ def _walk(node: Mapping, prefix: str, st: _DsState, resolved: list) -> None:
             st.problems.append((path, _unknown_key_message(path, prefix)))
 
 
+_RATIO = "zero_optimization.offload_optimizer.ratio"
+
+
+def _map_ratio(value, st: "_DsState") -> None:
+    """DeepSpeed's ``offload_optimizer.ratio``, the share of the optimizer states the CPU updates
+    (the rest stay on the GPU), is a split of infinity's (Note [split tiers] in _offload/_split.py):
+    {device: 1 - ratio, cpu: ratio}; 1 is the whole state offloaded, no split."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        st.problems.append((_RATIO, f"expected a number between 0 and 1, got {_describe(value)}"))
+    elif value < 1:
+        st.set("zero.offload_optimizer.split.device", 1.0 - float(value), _RATIO)
+        st.set("zero.offload_optimizer.split.cpu", float(value), _RATIO)
+
+
 def _known_keys(prefix: str) -> list:
     """The DeepSpeed keys this module knows directly under ``prefix`` (a section path ending in a dot, or "")."""
-    known = set(RENAMES) | set(FIXED) | set(TUNING) | set(_SPECIAL) | _SECTIONS | set(_RESULT_ADVICE)
+    known = set(RENAMES) | set(FIXED) | set(TUNING) | set(_SPECIAL) | _SECTIONS | set(_RESULT_ADVICE) | {_RATIO}
     return sorted({p[len(prefix):].split(".", 1)[0] for p in known if p.startswith(prefix) and len(p) > len(prefix)})
 
 

@@ -40,6 +40,7 @@ from .validate import (
     _check_optimizer_offload_section,
     _check_precision_section,
     _check_prefetch_section,
+    _check_split_section,
     _check_stripe_size,
     _check_zero_section,
     _describe,
@@ -66,14 +67,31 @@ def _opt(default: Any = None, help: str = "", **rules: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
-Device = Literal["none", "cpu", "nvme"]
+Device = Literal["none", "cpu", "nvme", "auto"]
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Note [split tiers] in `infinity/_offload/_split.py`: one state over several tiers, by fraction of this rank's
+    flat space, the fastest tier holding the part the step needs first; every fraction null = no split."""
+
+    device: Optional[float] = _opt(None, "fraction in device memory (0 on every tier for now: the device share is "
+                                   "not built yet)", ge=0, le=1)
+    cpu: Optional[float] = _opt(None, "fraction in host memory", ge=0, le=1)
+    nvme: Optional[float] = _opt(None, "fraction in the swap files", ge=0, le=1)
+
+    _cross_check = _check_split_section
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
     """Where parameter shards live when they are not in use (stage 3 only)."""
 
-    device: Device = _opt("none", "tier of the parameter shards: none (device memory), cpu or nvme")
+    device: Device = _opt("none", "tier of the parameter shards: none (device memory), cpu or nvme; with a split, "
+                          "its slowest tier; auto = planned from the machine "
+                          "(Note [planned split] in `infinity/_offload/_split.py`)")
+    split: SplitConfig = _opt(SplitConfig, "the parameter shards over host memory and NVMe by fraction, the first "
+                              "fetch units in host memory (nvme only)")
     nvme_path: Optional[Union[str, Tuple[str, ...]]] = _opt(
         None, "directory for the swap files, or a list of them, one per drive (zero.nvme_layout says how a rank "
         "uses them: Note [many drives] in `infinity/_offload/_drives.py`); required when device is nvme",
@@ -94,7 +112,12 @@ class OffloadConfig:
 class OptimizerOffloadConfig:
     """Where optimizer states (fp32 master, Adam moments) and gradient shards live."""
 
-    device: Device = _opt("none", "tier of optimizer states and gradient shards: none, cpu or nvme")
+    device: Device = _opt("none", "tier of optimizer states and gradient shards: none, cpu or nvme; with a split, "
+                          "its slowest tier; auto = planned from the machine "
+                          "(Note [planned split] in `infinity/_offload/_split.py`)")
+    split: SplitConfig = _opt(SplitConfig, "the optimizer states (fp32 master weights and both moments; their gradient "
+                              "shards follow) over host memory and NVMe by fraction, in whole chunks, the start of the "
+                              "flat space in host memory (DeepSpeed's offload_optimizer.ratio)")
     nvme_path: Optional[Union[str, Tuple[str, ...]]] = _opt(
         None, "directory for the swap files, or a list of them, one per drive (zero.nvme_layout says how a rank "
         "uses them: Note [many drives] in `infinity/_offload/_drives.py`); required when device is nvme",
@@ -201,6 +224,12 @@ class ZeroConfig:
     nvme_stripe_size: int = _opt(
         8 << 20, "stripe: bytes of one extent, a multiple of 4096 and of aio.block_size (bytes or a size like '8MiB')",
         gt=0, parse=_parse_bytes, check=_check_stripe_size, type_doc="int or size string")
+
+    host_memory_limit: Optional[int] = _opt(
+        None, "host memory this rank's states may take when a section's device is auto, bytes or a size like '64GB'; "
+        "null = its share of the node's available host memory less a margin "
+        "(Note [planned split] in `infinity/_offload/_split.py`)",
+        gt=0, parse=_parse_bytes, type_doc="int, size string or null")
 
     _cross_check = _check_zero_section
 

@@ -159,7 +159,46 @@ def _check_betas(value: tuple) -> Optional[str]:
 # Sections: keys checked against each other (a section's ``_cross_check``), run once its own keys are fine
 
 
+SPLIT_TIERS = ("device", "cpu", "nvme")  # fastest first (Note [split tiers] in _offload/_split.py)
+
+
+def split_fractions(split: Any) -> Optional[dict]:
+    """{tier name: fraction} of a ``split`` section (missing tiers 0), or None when none is given."""
+    given = {t: getattr(split, t) for t in SPLIT_TIERS}
+    if all(v is None for v in given.values()):
+        return None
+    return {t: float(v or 0.0) for t, v in given.items()}
+
+
+def _check_split_section(split: Any, prefix: str) -> list:
+    fr = split_fractions(split)
+    if fr is None:
+        return []
+    total = sum(fr.values())
+    if abs(total - 1.0) > 1e-6:
+        return [(prefix, f"fractions {_fractions_text(fr)} sum to {total:g}; they must sum to 1 (e.g. cpu: "
+                 f"{fr['cpu'] / total if total else 0.5:.2f}, nvme: {fr['nvme'] / total if total else 0.5:.2f})")]
+    if fr["device"]:
+        return [(f"{prefix}.device", f"{fr['device']:g}: a device share of an offloaded state is not supported yet "
+                 f"(the device part would need its own update on the device); move it to cpu (cpu: "
+                 f"{fr['cpu'] + fr['device']:g}) or keep the whole state on the device with device: none")]
+    return []
+
+
+def _fractions_text(fr: dict) -> str:
+    return "{" + ", ".join(f"{t}: {v:g}" for t, v in fr.items() if v) + "}"
+
+
 def _check_offload_section(offload: Any, prefix: str) -> list:
+    fr = split_fractions(offload.split)
+    if fr is not None:  # Note [split tiers] in _offload/_split.py
+        slowest = "nvme" if fr["nvme"] else "cpu"
+        if offload.device == "auto":
+            return [(f"{prefix}.split", "is given while device is auto, which plans the split itself; remove "
+                     "split, or set device to " + slowest)]
+        if offload.device != slowest:
+            return [(f"{prefix}.device", f"is {offload.device} while split {_fractions_text(fr)} puts part of the "
+                     f"state on {slowest}; set device to {slowest}, the split's slowest tier")]
     if offload.device == "nvme" and offload.nvme_path is None:
         return [(f"{prefix}.nvme_path", f"is required when {prefix}.device is nvme; "
                  "give a directory on a local NVMe drive")]
