@@ -2,7 +2,9 @@
 
 Every benchmark builds its command line with ``parser``, so ``--steps``, ``--warmup``,
 ``--seq-len``, ``--micro-batch``, ``--nvme-path``, ``--only``, ``--smoke``, ``--out``,
-``--rounds``, ``--budget`` and ``--timeout`` mean the same everywhere.
+``--rounds``, ``--budget`` and ``--timeout`` mean the same everywhere. In a benchmark of a
+primitive a step is one timed repetition (a pass over a file, one Adam step), so its
+repetitions are ``--steps`` too; ``--threads`` is torch's thread count in each contender.
 
 Note [host peak]: "host peak" in every benchmark record is the process's peak resident set
 (Linux ``VmHWM``: pages of host memory it held at once, pinned and pageable alike, files mapped
@@ -36,17 +38,22 @@ def parse_list(text: str) -> List[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def parser(description: str, *, steps: int, warmup: int, seq_len: int, micro_batch: int, only: str,
-           rounds: int = 1, budget: float = 3600.0, timeout: float = 1200.0) -> argparse.ArgumentParser:
-    """The flags every benchmark has, with this benchmark's defaults; it adds its own to the result."""
+def parser(description: str, *, steps: int, warmup: int, seq_len: Optional[int] = None,
+           micro_batch: Optional[int] = None, only: Optional[str] = None, rounds: int = 1, budget: float = 3600.0,
+           timeout: float = 1200.0) -> argparse.ArgumentParser:
+    """The flags every benchmark has, with this benchmark's defaults; it adds its own to the result.
+    ``--seq-len``, ``--micro-batch`` and ``--only`` are there where the benchmark gives a default."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=steps, help="timed steps after the warm-ups, per round (median)")
     p.add_argument("--warmup", type=int, default=warmup, help="untimed steps first, per round")
-    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
-    p.add_argument("--micro-batch", type=int, default=micro_batch, help="sequences per step")
+    if seq_len is not None:
+        p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
+    if micro_batch is not None:
+        p.add_argument("--micro-batch", type=int, default=micro_batch, help="sequences per step")
     p.add_argument("--nvme-path", default=os.environ.get("GPU_CHECK_DISK", tempfile.gettempdir()),
                    help="a directory; each NVMe contender makes its own temporary folder under it and removes it")
-    p.add_argument("--only", default=only, help="comma-separated contenders, run in this order")
+    if only is not None:
+        p.add_argument("--only", default=only, help="comma-separated contenders (or cells), run in this order")
     p.add_argument("--smoke", action="store_true", help="the smallest size, a few steps: a check that runs on a CPU")
     p.add_argument("--out", metavar="FILE", help="also append each JSON record to FILE")
     p.add_argument("--rounds", type=int, default=rounds,
@@ -56,6 +63,12 @@ def parser(description: str, *, steps: int, warmup: int, seq_len: int, micro_bat
     p.add_argument("--timeout", type=float, default=timeout, help="seconds one contender's process may take")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p
+
+
+def load_note() -> str:
+    """The load average, which moves every timing on a shared machine."""
+    return "load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + \
+        f" on {os.cpu_count()} cores"
 
 
 def host_peak_bytes() -> Optional[int]:

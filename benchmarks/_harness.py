@@ -1,7 +1,7 @@
 """The benchmarks' harness: contenders in processes of their own, rounds, one record schema.
 
 A benchmark names its cells (a contender at a model size), says how to build one cell's child
-spec, and gives the function its child runs (``measure``); ``run`` does the rest:
+spec, and gives the function its child runs (``measure``); ``run_cells`` does the rest:
 
 - each cell runs in a process of its own (``python -m benchmarks.<name> --child SPEC``), so its
   memory peaks, threads and process group are its own, under a time limit (``--timeout``, cut to
@@ -15,19 +15,32 @@ spec, and gives the function its child runs (``measure``); ``run`` does the rest
   run again;
 - each cell's record is printed as one JSON line once its last round is done (and appended to
   ``--out``); the child's own output goes to stderr, so stdout holds only records and the
-  closing table.
+  closing table with the ratios (``finish``).
 
-Record schema (``RESULT_FIELDS``), one per cell: ``bench``, ``kind`` ("result"),
+Note [contenders side by side]: where a comparison needs one process (the same buffers, one
+file, the machine at the same moment: ours against fio, CPU Adam against torch's, checksums on and
+off), a cell names its contenders in ``Cell.side_by_side`` and its child measures them in turns
+and returns ``side_by_side({name: sample})``; each contender still gets a record of its own.
+
+Record schema (``RESULT_FIELDS``), one per contender and size: ``bench``, ``kind`` ("result"),
 ``contender``, ``size``, ``status`` (ok, error, timeout, skipped), ``step_s`` (median of the
-timed steps, seconds, each step timed between device synchronizes), ``step_s_min``,
-``step_s_max``, ``steps`` (timed steps in all rounds), ``rounds``, ``tflops`` (6 x params x
-tokens per step / step_s / 1e12: the dense-matmul estimate, no attention term), ``gpu_peak_gib``
-(the device's peak allocated bytes over the training steps, None without a GPU), ``host_peak_gib``
-(Note [host peak] in _flags.py: over the training steps), ``first_loss`` (the loss of the first
-batch, before any update), ``last_loss``, ``params``, ``tokens_per_step``, ``device``, ``dtype``,
-``error`` (None when ok; the reason when skipped), ``extra`` (the benchmark's own figures, a
-dict). Ratio lines (``RATIO_FIELDS``): ``bench``, ``kind`` ("ratio"), ``size``, ``contender``,
-``vs``, and the quotients ``step``, ``gpu_peak``, ``host_peak`` (contender over vs).
+timed steps, seconds, each step timed between device synchronizes; in a benchmark of a primitive
+a step is one timed repetition of what it measures: one pass over a file, one Adam step),
+``step_s_min``, ``step_s_max``, ``steps`` (timed steps in all rounds), ``rounds``, ``tflops`` (6 x
+params x tokens per step / step_s / 1e12: the dense-matmul estimate, no attention term; None
+where nothing trains), ``gpu_peak_gib`` (the device's peak allocated bytes over the training
+steps, None without a GPU), ``host_peak_gib`` (Note [host peak] in _flags.py: over the training
+steps), ``first_loss`` (the loss of the first batch, before any update), ``last_loss``,
+``params``, ``tokens_per_step``, ``device``, ``dtype``, ``error`` (None when ok; the reason when
+skipped), ``extra`` (the benchmark's own figures, a dict). Ratio lines (``RATIO_FIELDS``):
+``bench``, ``kind`` ("ratio"), ``size``, ``contender``, ``vs``, the quotients ``step``,
+``gpu_peak``, ``host_peak`` (contender over vs) and ``extra`` (quotients of the two records'
+``extra`` figures the benchmark names, such as bytes or GB/s). Transcribed records
+(``TRANSCRIBED_FIELDS``, kind "transcribed") are figures measured before the harness, copied
+from the page that held them: ``section``, ``run`` (the command, as spelt now, and the
+conditions), ``machine``, ``measured`` (when), ``source`` (the page and commit copied from) and
+``body``, the section's paragraphs (strings) and tables (``{"header": [...], "rows": [[...]]}``)
+in order; ``python -m benchmarks.report`` renders them as docs/measured.md.
 """
 from __future__ import annotations
 
@@ -45,7 +58,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import _flags
 
@@ -61,13 +74,21 @@ RESULT_FIELDS = {
     "error": (str, type(None)), "extra": dict,
 }
 RATIO_FIELDS = {"bench": str, "kind": str, "size": str, "contender": str, "vs": str, "step": _NUMBER,
-                "gpu_peak": _NUMBER, "host_peak": _NUMBER}
+                "gpu_peak": _NUMBER, "host_peak": _NUMBER, "extra": dict}
+TRANSCRIBED_FIELDS = {"bench": str, "kind": str, "section": str, "run": str, "machine": str, "measured": str,
+                      "source": str, "body": list}
+FIELDS = {"result": RESULT_FIELDS, "ratio": RATIO_FIELDS, "transcribed": TRANSCRIBED_FIELDS}
 STATUSES = ("ok", "error", "timeout", "skipped")
+WRAPPER_FIELDS = ("phase",)  # scripts/gpu_check/phase.py adds the phase to every record it keeps
 
 
 def check_record(record: dict) -> List[str]:
-    """What is wrong with ``record`` against its schema (empty when nothing)."""
-    fields = RATIO_FIELDS if record.get("kind") == "ratio" else RESULT_FIELDS
+    """What is wrong with ``record`` against its schema (empty when nothing); the GPU check's
+    ``phase`` beside the record is not the record's."""
+    record = {k: v for k, v in record.items() if k not in WRAPPER_FIELDS}
+    fields = FIELDS.get(record.get("kind"))
+    if fields is None:
+        return [f"kind: {record.get('kind')!r} is not one of {', '.join(FIELDS)}"]
     problems = [f"{k}: missing" for k in fields if k not in record]
     problems += [f"{k}: unknown field" for k in record if k not in fields]
     problems += [f"{k}: {type(record[k]).__name__} is not {fields[k]}" for k in fields
@@ -126,17 +147,63 @@ def timed_steps(trainer, batches: list, warmup: int, steps: int, at_timed: Calla
     return {"times": times, "losses": losses}
 
 
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes, by the host's clock."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def sample(times: Sequence[float], *, losses: Sequence[float] = (), extra: Optional[dict] = None, **fields) -> dict:
+    """What a child returns for one contender: its timed steps' seconds, the losses if it
+    trained, its own figures (``extra``) and any of ``params``, ``tokens_per_step``, ``device``,
+    ``dtype``, ``gpu_peak``, ``host_peak`` (bytes)."""
+    return {"times": list(times), "losses": list(losses), "extra": dict(extra or {}), **fields}
+
+
+def skipped(reason: str) -> dict:
+    """A contender of a side-by-side cell that could not run here (Note [contenders side by side])."""
+    return {"skipped": reason}
+
+
+def side_by_side(samples: Dict[str, dict]) -> dict:
+    """A side-by-side cell's child result: one sample per contender (Note [contenders side by side])."""
+    return {"contenders": samples}
+
+
+def use_tree(path: Optional[str]) -> None:
+    """Import infinity from another checkout (an earlier commit, its native libraries built) in
+    this child: before anything imported infinity."""
+    if path:
+        if "infinity" in sys.modules:
+            raise RuntimeError("use_tree: infinity is already imported from this checkout")
+        sys.path.insert(0, os.path.abspath(path))
+
+
 def child_main(measure: Callable[[dict], dict], spec_json: str) -> None:
-    """In the child: run ``measure(spec)``, write what it returns where the parent reads it, and
-    exit at once: the interpreter's teardown (freeing pinned host memory buffer by buffer, a
-    CUDA context, process groups) is no part of any figure and takes seconds of the budget."""
+    """In the child: run ``measure(spec)``, write what it returns where the parent reads it (or
+    print it as JSON where the spec names no ``result_path``), and exit at once: the
+    interpreter's teardown (freeing pinned host memory buffer by buffer, a CUDA context, process
+    groups) is no part of any figure and takes seconds of the budget."""
     spec = json.loads(spec_json)
-    sample = measure(spec)
-    with open(spec["result_path"], "w") as f:
-        json.dump(sample, f)
+    result = measure(spec)
+    if "result_path" in spec:
+        with open(spec["result_path"], "w") as f:
+            json.dump(result, f)
+    else:
+        print(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def parse(parser, measure: Callable[[dict], dict], argv=None):
+    """The benchmark's command line; with ``--child`` this process is one cell's child: it runs
+    ``measure`` and exits (``child_main``)."""
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(measure, args.child)
+    return args
 
 
 def _error_line(lines) -> str:
@@ -171,14 +238,16 @@ def stop_group(proc: subprocess.Popen) -> None:
             pass
 
 
-def spawn(module: str, spec: dict, timeout: float, env: Optional[dict] = None) -> dict:
-    """Run one cell's child; its sample, or ``{"status": error|timeout, "error", "where"}``.
-    What the child prints is copied to this process's stderr as it comes."""
+def spawn(target: str, spec: dict, timeout: float, env: Optional[dict] = None, python: str = sys.executable) -> dict:
+    """Run one cell's child, ``python -m target --child SPEC`` (``target`` a module) or ``python
+    target --child SPEC`` (a script's path); its result, or ``{"status": error|timeout, "error",
+    "where"}``. What the child prints is copied to this process's stderr as it comes."""
     fd, result_path = tempfile.mkstemp(prefix="bench_result_", suffix=".json")
     os.close(fd)
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))  # its lines reach the log as they come
     child_env["PYTHONPATH"] = ROOT + (os.pathsep + child_env["PYTHONPATH"] if child_env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", module, "--child", json.dumps(dict(spec, result_path=result_path))]
+    how = [target] if target.endswith(".py") else ["-m", target]
+    cmd = [python, *how, "--child", json.dumps(dict(spec, result_path=result_path))]
     tail: collections.deque = collections.deque(maxlen=60)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
@@ -214,6 +283,11 @@ class Cell:
     contender: str
     size: str
     skip: Optional[str] = None  # why this cell cannot run here
+    side_by_side: Tuple[str, ...] = ()  # the contenders its one process measures (Note [contenders side by side])
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return self.side_by_side or (self.contender,)
 
 
 def rotated(cells: List[Cell], rounds: int) -> Iterable[tuple]:
@@ -234,7 +308,10 @@ def _finite(x) -> Optional[float]:
 
 def result_record(bench: str, cell: Cell, samples: List[dict], failure: Optional[dict], skip: Optional[str],
                   dtype: str) -> dict:
-    """The cell's one record from its rounds' samples (and its failure, if any)."""
+    """The contender's one record from its rounds' samples (and its failure, if any)."""
+    reasons = [s["skipped"] for s in samples if "skipped" in s]
+    samples = [s for s in samples if "skipped" not in s]
+    skip = skip if skip is not None or samples or not reasons else reasons[-1]
     times = [t for s in samples for t in s["times"]]
     first = samples[0] if samples else {}
     record = {"bench": bench, "kind": "result", "contender": cell.contender, "size": cell.size,
@@ -245,15 +322,18 @@ def result_record(bench: str, cell: Cell, samples: List[dict], failure: Optional
               "dtype": first.get("dtype", dtype), "error": None, "extra": {}}
     if skip is not None:
         return dict(record, status="skipped", error=skip)
-    if times:
-        step = statistics.median(times)
+    if samples:
         gpu = [s["gpu_peak"] for s in samples if s.get("gpu_peak") is not None]
         host = [s["host_peak"] for s in samples if s.get("host_peak") is not None]
+        losses = [s["losses"] for s in samples if s.get("losses")]
+        record.update(gpu_peak_gib=gib(max(gpu)) if gpu else None, host_peak_gib=gib(max(host)) if host else None,
+                      first_loss=_finite(losses[0][0]) if losses else None,
+                      last_loss=_finite(losses[-1][-1]) if losses else None, extra=samples[-1].get("extra", {}))
+    if times:
+        step = statistics.median(times)
+        work = 6 * record["params"] * record["tokens_per_step"] if record["params"] else 0
         record.update(step_s=round(step, 5), step_s_min=round(min(times), 5), step_s_max=round(max(times), 5),
-                      tflops=_finite(6 * record["params"] * record["tokens_per_step"] / step / 1e12),
-                      gpu_peak_gib=gib(max(gpu)) if gpu else None, host_peak_gib=gib(max(host)) if host else None,
-                      first_loss=_finite(samples[0]["losses"][0]), last_loss=_finite(samples[-1]["losses"][-1]),
-                      extra=samples[-1].get("extra", {}))
+                      tflops=_finite(work / step / 1e12) if work and step else None)
     if failure is not None:
         record.update(status=failure["status"], error=failure["error"])
         if failure.get("where"):
@@ -261,16 +341,43 @@ def result_record(bench: str, cell: Cell, samples: List[dict], failure: Optional
     return record
 
 
-def ratio_record(bench: str, a: dict, b: dict) -> Optional[dict]:
-    """``a`` over ``b`` (two ok records of one size), or None when either has no figures."""
-    if a.get("step_s") is None or b.get("step_s") is None:
+def cell_records(bench: str, cell: Cell, samples: List[dict], failure: Optional[dict], skip: Optional[str],
+                 dtype: str) -> List[dict]:
+    """One record per contender of the cell (Note [contenders side by side])."""
+    if not cell.side_by_side:
+        return [result_record(bench, cell, samples, failure, skip, dtype)]
+    return [result_record(bench, Cell(name, cell.size), [s["contenders"][name] for s in samples
+                                                          if name in s["contenders"]], failure, skip, dtype)
+            for name in cell.side_by_side]
+
+
+def _quotient(a, b) -> Optional[float]:
+    ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    return round(a / b, 3) if ok and a and b else None
+
+
+def ratio_record(bench: str, a: dict, b: dict, extra: Sequence[str] = ()) -> Optional[dict]:
+    """``a`` over ``b`` (two ok records of one size): the step time, the peaks and the ``extra``
+    figures named; None when neither the step times nor any of those figures give a quotient."""
+    quotients = {k: _quotient(a["extra"].get(k), b["extra"].get(k)) for k in extra}
+    quotients = {k: v for k, v in quotients.items() if v is not None}
+    if (a.get("step_s") is None or b.get("step_s") is None) and not quotients:
         return None
-
-    def q(key):
-        return round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
-
     return {"bench": bench, "kind": "ratio", "size": a["size"], "contender": a["contender"], "vs": b["contender"],
-            "step": q("step_s"), "gpu_peak": q("gpu_peak_gib"), "host_peak": q("host_peak_gib")}
+            "step": _quotient(a.get("step_s"), b.get("step_s")),
+            "gpu_peak": _quotient(a.get("gpu_peak_gib"), b.get("gpu_peak_gib")),
+            "host_peak": _quotient(a.get("host_peak_gib"), b.get("host_peak_gib")), "extra": quotients}
+
+
+def ratios(bench: str, records: List[dict], pairs: Sequence[Tuple[str, str]], extra: Sequence[str] = ()) -> List[dict]:
+    """The ratio lines of ``pairs`` (contender, vs) at every size where both are ok, by size."""
+    ok = {(r["contender"], r["size"]): r for r in records if r.get("kind") == "result" and r["status"] == "ok"}
+    out = []
+    for size in dict.fromkeys(size for _, size in ok):
+        for a, b in pairs:
+            if (a, size) in ok and (b, size) in ok:
+                out.append(ratio_record(bench, ok[a, size], ok[b, size], extra))
+    return [q for q in out if q is not None]
 
 
 def emit(record: dict, out: Optional[str]) -> None:
@@ -281,13 +388,57 @@ def emit(record: dict, out: Optional[str]) -> None:
             f.write(line + "\n")
 
 
-def run(bench: str, module: str, cells: List[Cell], spec_of: Callable[[Cell, str], dict], args,
+def _text(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+COLUMNS = (("contender", "contender"), ("size", "size"), ("step s", "step_s"),
+           ("min-max", lambda r: "-" if r["step_s"] is None else f"{r['step_s_min']:.4g}-{r['step_s_max']:.4g}"))
+
+
+def table(records: List[dict], columns: Sequence[tuple] = COLUMNS, extra: Sequence[str] = ()) -> str:
+    """The result records as a table: ``columns`` (title, a field's name or a function of the
+    record), then the ``extra`` figures named, then the status."""
+    cols = list(columns) + [(k, lambda r, k=k: r["extra"].get(k)) for k in extra]
+    cols.append(("status", lambda r: r["status"] + (f": {r['error']}"[:90] if r["error"] else "")))
+    rows = [[_text(get(r) if callable(get) else r.get(get)) for _, get in cols]
+            for r in records if r.get("kind") == "result"]
+    widths = [max([len(title)] + [len(row[i]) for row in rows]) for i, (title, _) in enumerate(cols)]
+    lines = ["  ".join(title.ljust(w) for (title, _), w in zip(cols, widths))]
+    return "\n".join(lines + ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows])
+
+
+def ratio_text(q: dict) -> str:
+    figures = [f"{name} x{_text(q[key])}" for name, key in (("step", "step"), ("GPU peak", "gpu_peak"),
+                                                            ("host peak", "host_peak")) if q[key] is not None]
+    figures += [f"{k} x{_text(v)}" for k, v in q["extra"].items()]
+    return f"{q['size']}: {q['contender']} / {q['vs']}: " + ", ".join(figures)
+
+
+def finish(bench: str, records: List[dict], args, pairs: Sequence[Tuple[str, str]] = (), extra: Sequence[str] = (),
+           columns: Sequence[tuple] = COLUMNS, ratio_extra: Sequence[str] = ()) -> int:
+    """The closing table, then each ratio of ``pairs`` as a record (and to ``--out``) and as a
+    line; the exit status: 1 when a contender failed or timed out."""
+    print(table(records, columns, extra), flush=True)
+    quotients = ratios(bench, records, pairs, ratio_extra)
+    for q in quotients:
+        emit(q, args.out)
+    for q in quotients:
+        print(ratio_text(q), flush=True)
+    return 1 if any(r.get("status") in ("error", "timeout") for r in records) else 0
+
+
+def run_cells(bench: str, module: str, cells: List[Cell], spec_of: Callable[[Cell, str], dict], args,
         env_of: Callable[[Cell], dict] = lambda cell: {}, dtype: str = "",
-        prepare: Callable[[Cell, float], None] = lambda cell, deadline: None) -> List[dict]:
+        prepare: Callable[[Cell, float], None] = lambda cell, deadline: None,
+        python_of: Callable[[Cell], str] = lambda cell: sys.executable) -> List[dict]:
     """Run every cell for ``args.rounds`` rounds (Note [contender rounds]); returns the records,
     printed as they are done. ``spec_of(cell, scratch)`` is the child's spec: ``scratch`` a
     fresh directory under ``--nvme-path``, removed after the child. ``prepare(cell, deadline)``
-    runs before each cell's time is counted (to wait for what the cell needs, by ``deadline``)."""
+    runs before each cell's time is counted (to wait for what the cell needs, by ``deadline``);
+    ``python_of(cell)`` is the interpreter its child runs in."""
     deadline = time.time() + args.budget
     rounds = max(1, args.rounds)
     samples: Dict[Cell, List[dict]] = {cell: [] for cell in cells}
@@ -304,7 +455,7 @@ def run(bench: str, module: str, cells: List[Cell], spec_of: Callable[[Cell, str
             if left < (1 if args.smoke else MIN_CELL_SECONDS):
                 skip = f"no time left ({max(left, 0):.0f} s of --budget {args.budget:.0f} s)"
             else:
-                sample = run_cell(bench, module, cell, spec_of, env_of, args.nvme_path, r, left)
+                sample = run_cell(bench, module, cell, (spec_of, env_of, python_of), args.nvme_path, r, left)
                 if "error" in sample:
                     failures[cell] = sample
                 else:
@@ -312,16 +463,18 @@ def run(bench: str, module: str, cells: List[Cell], spec_of: Callable[[Cell, str
         if skip is not None or cell in failures or r == rounds - 1:
             done.add(cell)
             skip = None if samples[cell] else skip  # out of time after some rounds: what it has
-            records.append(result_record(bench, cell, samples[cell], failures.get(cell), skip, dtype))
-            emit(records[-1], args.out)
+            for record in cell_records(bench, cell, samples[cell], failures.get(cell), skip, dtype):
+                records.append(record)
+                emit(record, args.out)
     return records
 
 
-def run_cell(bench: str, module: str, cell: Cell, spec_of, env_of, nvme_path: str, r: int, left: float) -> dict:
+def run_cell(bench: str, module: str, cell: Cell, how: tuple, nvme_path: str, r: int, left: float) -> dict:
+    spec_of, env_of, python_of = how
     print(f"[{bench}] round {r}: {cell.contender} at {cell.size} (limit {left:.0f} s)", file=sys.stderr, flush=True)
     os.makedirs(nvme_path, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=f"{bench}_{cell.contender}_", dir=nvme_path)
     try:
-        return spawn(module, spec_of(cell, scratch), left, env_of(cell))
+        return spawn(module, spec_of(cell, scratch), left, env_of(cell), python_of(cell))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

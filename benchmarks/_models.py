@@ -13,7 +13,10 @@ LayerNorm 1 and 0), parameter by parameter, each from a generator seeded from ``
 index. That is a few seconds for GPT-2 XL on many cores where Hugging Face's constructor, which
 initializes every weight twice on one core, takes half a minute, and it gives the same tensors
 whatever the thread count. Dropout is off, so two contenders' first losses agree to rounding.
-``batches`` draws random tokens from its own seeded generator.
+``batches`` draws random tokens from its own seeded generator. Both take a named size or a
+``Shape``; ``Shape.for_params(n)`` is a GPT-2-proportioned shape of about ``n`` parameters.
+(``_blocks.GPTBlock``, one block of plain torch modules, is for the benchmarks that stack blocks
+of their own.)
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List
+from typing import List, Union
 
 VOCAB = 50257  # GPT-2's
 
@@ -39,16 +42,39 @@ class Shape:
         """GPT-2's proportions at any depth and width: heads of 64 dimensions, its vocabulary."""
         return cls(layers=layers, hidden=hidden, heads=hidden // 64)
 
+    @classmethod
+    def for_params(cls, params: float) -> "Shape":
+        """GPT-2's proportions at about ``params`` parameters: the widest of the usual widths whose
+        32 layers stay within it, then as many layers as reach it."""
+        widths = [768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192]
+        hidden = max([w for w in widths if w * w * 12 * 32 <= params] or [widths[0]])
+        per_layer = 12 * hidden * hidden + 13 * hidden
+        return cls.of(max(1, math.ceil((params - (VOCAB + 1024) * hidden) / per_layer)), hidden)
+
+    @property
+    def params(self) -> int:
+        """GPT-2's parameter count at this shape (the head tied to the token embedding)."""
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.positions) * h + 2 * h
+
+    @property
+    def name(self) -> str:
+        return f"{self.layers}x{self.hidden}"
+
 
 SHAPES = {
     "tiny": Shape(layers=2, hidden=64, heads=2, vocab=512, positions=64),
     "124m": Shape(layers=12, hidden=768, heads=12),
+    "1.3b": Shape(layers=24, hidden=2048, heads=32),
     "1.5b": Shape(layers=48, hidden=1600, heads=25),  # GPT-2 XL
 }
 INIT_STD = 0.02  # GPT2Config.initializer_range
+Size = Union[str, Shape]
 
 
-def shape_of(size: str) -> Shape:
+def shape_of(size: Size) -> Shape:
+    if isinstance(size, Shape):
+        return size
     try:
         return SHAPES[size]
     except KeyError:
@@ -73,7 +99,7 @@ def build(shape: Shape, user_defaults: bool = False):
     return GPT2LMHeadModel(cfg)
 
 
-def gpt2(size: str, seed: int = 0):
+def gpt2(size: Size, seed: int = 0):
     """GPT-2 of ``size`` on the CPU in fp32, dropout off (Note [identical contenders])."""
     import torch
 
@@ -111,7 +137,7 @@ def _init_weights(model, shape: Shape, seed: int) -> None:
         list(pool.map(fill, range(len(params))))
 
 
-def batches(size: str, micro_batch: int, seq_len: int, count: int, seed: int = 1) -> List["torch.Tensor"]:  # noqa: F821
+def batches(size: Size, micro_batch: int, seq_len: int, count: int, seed: int = 1) -> List["torch.Tensor"]:  # noqa: F821
     """``count`` batches of random token ids, (micro_batch, seq_len) int64 on the CPU."""
     import torch
 
@@ -120,3 +146,4 @@ def batches(size: str, micro_batch: int, seq_len: int, count: int, seed: int = 1
         raise ValueError(f"--seq-len {seq_len} is longer than the {size} model's {shape.positions} positions")
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(shape.vocab, (micro_batch, seq_len), generator=gen) for _ in range(count)]
+

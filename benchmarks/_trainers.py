@@ -13,7 +13,8 @@ detached: reading it is the caller's synchronize), made of ``forward_backward(id
   copies, torch's fused AdamW on the masters, the clipping on the masters' gradients; fp32:
   AdamW on the parameters (fused where torch has it for the device).
 - ``InfinityTrainer``: ``infinity.initialize`` with ``infinity_config`` (ZeRO-3, parameters
-  and optimizer states on one tier).
+  and optimizer states on one tier; the one config builder of the benchmarks, each adding the
+  keys it measures).
 - ``DeepSpeedTrainer``: ``deepspeed.initialize`` with ``deepspeed_config`` (ZeRO-3, offload to
   cpu or NVMe, DeepSpeed's CPU AdamW). The model is handed over whole and DeepSpeed partitions
   it: under ``deepspeed.zero.Init`` without transformers' DeepSpeed integration, transformers
@@ -103,14 +104,29 @@ class PlainTrainer(Trainer):
                     p.copy_(m)
 
 
-def infinity_config(tier: str, dtype: str, nvme_path: Optional[str] = None) -> dict:
-    """ZeRO-3, parameters and optimizer states on ``tier`` (cpu or nvme), the common optimizer."""
-    offload = {"device": tier, **({"nvme_path": nvme_path} if tier == "nvme" else {})}
-    return {"zero": {"stage": 3, "offload_param": dict(offload), "offload_optimizer": dict(offload)},
-            "precision": {"dtype": dtype},
-            "optimizer": {"type": "adamw", "lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999],
-                          "eps": 1e-8},
-            "gradient_clipping": CLIP}
+def merged(base: dict, more: dict) -> dict:
+    """``base`` with ``more`` written over it, dicts merged key by key."""
+    out = dict(base)
+    for key, value in more.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def infinity_config(tier: str, dtype: str, nvme_path: Optional[str] = None, *, optimizer_tier: Optional[str] = None,
+                    clip: Optional[float] = CLIP, optimizer: Optional[dict] = None, **more) -> dict:
+    """ZeRO-3, parameters on ``tier`` and optimizer states on ``optimizer_tier`` (cpu, nvme or
+    none; by default ``tier``), the common AdamW (``optimizer`` instead where a benchmark's
+    figures need its own) and clipping (``clip`` None: the config's default); ``more`` is merged
+    over the result (``zero={"prefetch": {...}}``, ``device_memory_limit=...``)."""
+    def offload(device: str) -> dict:
+        return {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
+
+    common = {"type": "adamw", "lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "eps": 1e-8}
+    cfg = {"zero": {"stage": 3, "offload_param": offload(tier), "offload_optimizer": offload(optimizer_tier or tier)},
+           "precision": {"dtype": dtype}, "optimizer": optimizer or common}
+    if clip is not None:
+        cfg["gradient_clipping"] = clip
+    return merged(cfg, more)
 
 
 class InfinityTrainer(Trainer):

@@ -5,12 +5,19 @@ batches (8 x 1024 tokens by default) the same way (``_trainers``: bf16 compute w
 weights, AdamW lr 1e-4 and weight decay 0.01, clipping at 1.0), each in a process of its own
 (``_harness``), at each size of ``--sizes`` (124m: 12 x 768; 1.5b: GPT-2 XL, 48 x 1600):
 
-  plain           the whole model on the GPU, torch's fused AdamW on fp32 masters
-  infinity-cpu    infinity ZeRO-3, offload_param and offload_optimizer on cpu
-  infinity-nvme   the same on NVMe (a temporary folder under --nvme-path)
-  deepspeed-cpu   DeepSpeed ZeRO-3, offload_param and offload_optimizer on cpu
-  deepspeed-nvme  DeepSpeed ZeRO-Infinity, both on NVMe (its defaults otherwise)
-  fsdp2-cpu       torch FSDP2, fully_shard with CPUOffloadPolicy, one rank
+  plain                   the whole model on the GPU, torch's fused AdamW on fp32 masters
+  infinity-none           infinity ZeRO-3, nothing offloaded
+  infinity-cpu            infinity ZeRO-3, offload_param and offload_optimizer on cpu
+  infinity-nvme           the same on NVMe (a temporary folder under --nvme-path)
+  deepspeed-cpu           DeepSpeed ZeRO-3, offload_param and offload_optimizer on cpu
+  deepspeed-nvme          DeepSpeed ZeRO-Infinity, both on NVMe (its defaults otherwise: max_in_cpu keeps
+                          up to 1e9 parameter elements in host memory, so a 124M model's parameters never
+                          leave it)
+  deepspeed-nvme-swapped  the same with max_in_cpu 0: parameters really swapped (DeepSpeed 0.19.8 on the
+                          CPU accelerator fails it: "Not enough buffers 0 for swapping 1" in its parameter
+                          swapper, or bf16 buffers for an fp32 model, its Init._set_dtype turning the fp32
+                          it is given into bf16 where the accelerator lacks fp16)
+  fsdp2-cpu               torch FSDP2, fully_shard with CPUOffloadPolicy, one rank
 
 One JSON record per contender and size (the schema in ``_harness``): the median step time over
 ``--steps`` steps after ``--warmup`` warm-ups (each timed between device synchronizes; the last
@@ -20,6 +27,15 @@ peaks and the disk bytes per step (``/proc/self/io``). Then ratio lines: every c
 plain, and infinity and FSDP2 against DeepSpeed at the same placement. Without CUDA the default
 dtype is fp32, DeepSpeed runs only with ``DS_ACCELERATOR=cpu`` and FSDP2 is skipped; a contender
 that cannot run here (DeepSpeed not installed, no GPU) is recorded as skipped with the reason.
+``--deepspeed-venv DIR`` runs the DeepSpeed cells in a virtual environment of their own
+(``--system-site-packages``, so this torch), installing DeepSpeed there on first use (with
+DS_BUILD_OPS=0: its ops build just in time, async_io against libaio-dev, installed as root where
+missing), never into this environment. On a CPU, for the head-to-head against DeepSpeed that the
+development machines ran::
+
+    DS_ACCELERATOR=cpu python -m benchmarks.peers --sizes 124m --dtype fp32 --micro-batch 4 --seq-len 256 \
+        --threads 2 --rounds 2 --steps 2 --warmup 1 --deepspeed-venv ~/.cache/infinity/deepspeed-0.19.8 \
+        --only plain,deepspeed-cpu,infinity-cpu,deepspeed-nvme,infinity-nvme,deepspeed-nvme-swapped
 
     python -m benchmarks.peers [--sizes 124m,1.5b] [--only plain,infinity-cpu,fsdp2-cpu@1.5b]
                                [--steps 4 --warmup 2 --rounds 1] [--budget S] [--out FILE]
@@ -31,6 +47,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 import time
 from typing import List, Optional
@@ -39,8 +57,12 @@ from . import _flags, _harness, _models, _trainers
 from ._harness import Cell
 
 BENCH = "peers"
-CONTENDERS = ("plain", "infinity-cpu", "infinity-nvme", "deepspeed-cpu", "deepspeed-nvme", "fsdp2-cpu")
-VS_DEEPSPEED = {"infinity-cpu": "deepspeed-cpu", "infinity-nvme": "deepspeed-nvme", "fsdp2-cpu": "deepspeed-cpu"}
+CONTENDERS = ("plain", "infinity-none", "infinity-cpu", "infinity-nvme", "deepspeed-cpu", "deepspeed-nvme",
+              "deepspeed-nvme-swapped", "fsdp2-cpu")
+VS_DEEPSPEED = (("infinity-cpu", "deepspeed-cpu"), ("infinity-nvme", "deepspeed-nvme"),
+                ("infinity-nvme", "deepspeed-nvme-swapped"), ("fsdp2-cpu", "deepspeed-cpu"))
+PAIRS = tuple((name, "plain") for name in CONTENDERS if name != "plain") + VS_DEEPSPEED  # every ratio it records
+DEEPSPEED = "0.19.8"  # what --deepspeed-venv installs: works with torch 2.13's CPU build
 GB = 1e9
 
 
@@ -56,13 +78,15 @@ def make_trainer(spec: dict, model):
     if kind == "plain":
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         return _trainers.PlainTrainer(model, device, dtype), device
-    tier = kind.split("-", 1)[1]
+    tier = kind.split("-")[1]
     if kind.startswith("infinity-"):
         import infinity
 
         return _trainers.InfinityTrainer(model, _trainers.infinity_config(tier, dtype, spec["scratch"])), infinity.device()
     if kind.startswith("deepspeed-"):
         cfg = _trainers.deepspeed_config(tier, dtype, spec["micro_batch"], spec["scratch"], pin=cuda)
+        if kind == "deepspeed-nvme-swapped":
+            cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
         trainer = _trainers.DeepSpeedTrainer(model, cfg, backend="nccl" if cuda else "gloo")
         return trainer, trainer.engine.device
     return _trainers.Fsdp2Trainer(model, dtype), torch.device("cuda", 0)
@@ -91,6 +115,8 @@ def measure(spec: dict) -> dict:
     """The child: build, set up, train; the sample the harness summarizes."""
     import torch
 
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
     model = _models.gpt2(spec["size"], seed=0)
     params = _models.param_count(model)
@@ -146,10 +172,10 @@ def wait_for_ops(cell: Cell, deadline: float, args) -> None:
     print(f"[{BENCH}] waited {time.time() - start:.0f} s for {ready}", file=sys.stderr, flush=True)
 
 
-def skip_reason(contender: str, cuda: bool) -> Optional[str]:
+def skip_reason(contender: str, cuda: bool, venv: Optional[str] = None) -> Optional[str]:
     if contender.startswith("deepspeed-"):
-        if importlib.util.find_spec("deepspeed") is None:
-            return "DeepSpeed is not installed"
+        if venv is None and importlib.util.find_spec("deepspeed") is None:
+            return "DeepSpeed is not installed (--deepspeed-venv DIR installs it there)"
         if not cuda and os.environ.get("DS_ACCELERATOR") != "cpu":
             return "no CUDA (DS_ACCELERATOR=cpu runs DeepSpeed on the CPU)"
     if contender == "fsdp2-cpu" and not cuda:
@@ -157,7 +183,7 @@ def skip_reason(contender: str, cuda: bool) -> Optional[str]:
     return None
 
 
-def plan(only: List[str], sizes: List[str], smoke: bool, cuda: bool) -> List[Cell]:
+def plan(only: List[str], sizes: List[str], smoke: bool, cuda: bool, venv: Optional[str] = None) -> List[Cell]:
     """The cells in run order: by size, then in --only's order; ``name@size`` at that size only."""
     cells: List[Cell] = []
     for size in sizes:
@@ -166,33 +192,37 @@ def plan(only: List[str], sizes: List[str], smoke: bool, cuda: bool) -> List[Cel
             if name not in CONTENDERS:
                 raise SystemExit(f"--only: unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")
             if (not at or at == size or smoke) and all(c.contender != name or c.size != size for c in cells):
-                cells.append(Cell(name, size, skip_reason(name, cuda)))
+                cells.append(Cell(name, size, skip_reason(name, cuda, venv)))
     return cells
 
 
-def ratios(records: List[dict]) -> List[dict]:
-    out = []
-    ok = {(r["contender"], r["size"]): r for r in records if r["status"] == "ok"}
-    for (name, size), record in ok.items():
-        for vs in ("plain", VS_DEEPSPEED.get(name)):
-            if vs and vs != name and (vs, size) in ok:
-                out.append(_harness.ratio_record(BENCH, record, ok[(vs, size)]))
-    return [r for r in out if r is not None]
+def ensure_deepspeed(venv: str) -> str:
+    """``venv``'s python, DeepSpeed installed there (once); libaio-dev installed as root where
+    missing (DeepSpeed's async_io op, its NVMe contenders, builds against it)."""
+    if not os.path.exists("/usr/include/libaio.h") and os.geteuid() == 0 and shutil.which("apt-get"):
+        print("installing libaio-dev (DeepSpeed's async_io op builds against it)", file=sys.stderr, flush=True)
+        subprocess.run(["apt-get", "update", "-qq"], check=False, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "libaio-dev"], check=False, capture_output=True,
+                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    python = os.path.join(venv, "bin", "python")
+    probe = [python, "-c", f"import deepspeed, sys; sys.exit(deepspeed.__version__ != {DEEPSPEED!r})"]
+    if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    print(f"installing DeepSpeed {DEEPSPEED} into {venv} (first use)", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", f"deepspeed=={DEEPSPEED}"], check=True,
+                   env=dict(os.environ, DS_BUILD_OPS="0"))
+    return python
 
 
-def table(records: List[dict]) -> str:
-    def f(x, width: int, digits: int) -> str:
-        return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+def decimals(key: str, digits: int):
+    """A table column: the record's ``key`` to ``digits`` decimals."""
+    return lambda r: "-" if r[key] is None else f"{r[key]:.{digits}f}"
 
-    lines = [f"{'contender':<15} {'size':<5} {'step s':>8} {'min-max':>13} {'TFLOP/s':>8} {'GPU GiB':>8} "
-             f"{'host GiB':>8} {'loss first':>10} {'last':>8}  status"]
-    for r in records:
-        span = f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f}" if r["step_s"] is not None else "-"
-        status = r["status"] + (f": {r['error']}" if r["error"] else "")
-        lines.append(f"{r['contender']:<15} {r['size']:<5} {f(r['step_s'], 8, 4)} {span:>13} {f(r['tflops'], 8, 1)} "
-                     f"{f(r['gpu_peak_gib'], 8, 2)} {f(r['host_peak_gib'], 8, 2)} {f(r['first_loss'], 10, 4)} "
-                     f"{f(r['last_loss'], 8, 4)}  {status[:90]}")
-    return "\n".join(lines)
+
+COLUMNS = _harness.COLUMNS + (("TFLOP/s", decimals("tflops", 1)), ("GPU GiB", decimals("gpu_peak_gib", 2)),
+                              ("host GiB", decimals("host_peak_gib", 2)), ("loss first", decimals("first_loss", 4)),
+                              ("last", decimals("last_loss", 4)))
 
 
 def main() -> None:
@@ -203,10 +233,10 @@ def main() -> None:
                    help="auto: bf16 with CUDA (not in --smoke), else fp32")
     p.add_argument("--deepspeed-ops-ready", metavar="FILE",
                    help="before a DeepSpeed contender, wait until FILE exists (DeepSpeed's ops built elsewhere)")
-    args = p.parse_args()
-    if args.child:
-        _harness.child_main(measure, args.child)
-        return
+    p.add_argument("--deepspeed-venv", metavar="DIR",
+                   help="run the DeepSpeed contenders in this virtual environment, DeepSpeed installed there first")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in each contender (0: torch's default)")
+    args = _harness.parse(p, measure)
     import torch
 
     cuda = torch.cuda.is_available()
@@ -216,16 +246,18 @@ def main() -> None:
     for size in sizes:
         _models.shape_of(size)
     dtype = args.dtype if args.dtype != "auto" else "bf16" if cuda and not args.smoke else "fp32"
-    cells = plan(_flags.parse_list(args.only), sizes, args.smoke, cuda)
+    cells = plan(_flags.parse_list(args.only), sizes, args.smoke, cuda, args.deepspeed_venv)
     spec = {"dtype": dtype, "steps": args.steps, "warmup": args.warmup, "micro_batch": args.micro_batch,
-            "seq_len": args.seq_len}
-    records = _harness.run(BENCH, "benchmarks.peers", cells,
-                           lambda cell, scratch: dict(spec, contender=cell.contender, size=cell.size, scratch=scratch),
-                           args, dtype=dtype, prepare=lambda cell, deadline: wait_for_ops(cell, deadline, args))
-    print(table(records), flush=True)
-    for ratio in ratios(records):
-        _harness.emit(ratio, args.out)
-    sys.exit(1 if any(r["status"] in ("error", "timeout") for r in records) else 0)
+            "seq_len": args.seq_len, "threads": args.threads}
+    deepspeed_python = sys.executable
+    if args.deepspeed_venv and any(c.contender.startswith("deepspeed-") and c.skip is None for c in cells):
+        deepspeed_python = ensure_deepspeed(os.path.expanduser(args.deepspeed_venv))
+    records = _harness.run_cells(BENCH, "benchmarks.peers", cells,
+                                 lambda cell, scratch: dict(spec, contender=cell.contender, size=cell.size, scratch=scratch),
+                                 args, dtype=dtype, prepare=lambda cell, deadline: wait_for_ops(cell, deadline, args),
+                                 python_of=lambda cell: deepspeed_python if cell.contender.startswith("deepspeed-")
+                                 else sys.executable)
+    sys.exit(_harness.finish(BENCH, records, args, PAIRS, columns=COLUMNS))
 
 
 if __name__ == "__main__":

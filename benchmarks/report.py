@@ -1,47 +1,45 @@
-"""docs/benchmarks.md and its plots, generated from the records in benchmarks/records/.
+"""docs/benchmarks.md and its plots, and docs/measured.md, generated from the records in benchmarks/records/.
 
-    python -m benchmarks.report            # write docs/benchmarks.md and docs/images/bench-*.png
-    python -m benchmarks.report --check    # exit 1 if either would change (tests/unit runs it)
+    python -m benchmarks.report            # write docs/benchmarks.md, docs/images/bench-*.png, docs/measured.md
+    python -m benchmarks.report --check    # exit 1 if any would change (tests/unit runs it)
 
-Every figure of the page comes from a record: the head-to-head (``peers`` result records),
-where a step's time goes (``step_profile`` records), and for each record file the machine
-(the ``env`` phase of a GPU check), its host-device and disk bandwidths (``primitives``), its
-test phases' pass counts (``matrix``, ``ordering``, ``train``) and what ran (the file's row in
-benchmarks/records/README.md, which every record file must have).
+Every figure of docs/benchmarks.md comes from a record: the head-to-head (``peers`` result
+records), where a step's time goes (``step_profile``), every other benchmark's results and
+ratios (a section each), and for each record file the machine (the ``env`` phase of a GPU
+check), its host-device and disk bandwidths (``device_primitives``), its test phases' pass
+counts (``matrix``, ``ordering``, ``train``) and what ran (the file's row in
+benchmarks/records/README.md, which every record file must have); the list of benchmarks comes
+from their modules' docstrings. docs/measured.md is the transcribed records (``_measured.py``):
+figures measured before the harness.
 
 Note [merged cells]: the head-to-head table is one run's, the main one (the file with the most
 ok ``peers`` cells), and a cell that run lacks or could not measure is taken from another
 file's ok record of the same contender and size. Such a cell was measured at another time, so
 its row, its bars (hatched) and every ratio it enters say that it comes from a separate run.
 
-Note [plot digests]: a PNG's bytes depend on matplotlib's version and fonts, not only on the
-data, so ``--check`` compares no bytes: each PNG carries in a ``Comment`` chunk a digest of its
-data and of the code that draws it, which ``--check`` recomputes without matplotlib. The PNGs
-are deterministic all the same (fixed size and dpi, the default style, no Software chunk).
+The plots and their digests are in ``_plots.py`` (Note [plot digests] in _plots.py).
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
-import inspect
-import io
 import json
 import re
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
-from . import _headline, _models, peers
+from . import _harness, _headline, _measured, _models, peers
+from ._measured import markdown_table
+from ._plots import Figure, draw_peers, draw_profile, png_bytes, png_text  # noqa: F401 - png_text: tests read it
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "records"
 PAGE = ROOT / "docs" / "benchmarks.md"
+MEASURED = ROOT / "docs" / "measured.md"
 IMAGES = ROOT / "docs" / "images"
 PREFIX = "bench-"  # the PNGs under docs/images that this generator owns
-FIG_SIZE, DPI = (11.0, 4.2), 100
 SEPARATE = "separate run"
 
 
@@ -169,11 +167,6 @@ def cell_text(text: str, limit: int = 160) -> str:
     return text.replace("|", "\\|")
 
 
-def table(header: List[str], rows: List[List[str]]) -> List[str]:
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
 # ------------------------------------------------------------------ the head-to-head
 
 
@@ -197,7 +190,7 @@ def ratio_lines(cells: List[Entry]) -> List[str]:
     """infinity against DeepSpeed at the same placement, then every contender against plain, by size."""
     ok = [e for e in cells if _ok(e.record)]
     by_key = {e.key: e for e in ok}
-    ratios = peers.ratios([e.record for e in ok])
+    ratios = _harness.ratios(peers.BENCH, [e.record for e in ok], peers.PAIRS)
     order = {key: _cell_order(key) for key in by_key}  # (size, contender): vs DeepSpeed first, then vs plain
     ratios.sort(key=lambda q: (order[q["contender"], q["size"]][:2], q["vs"] == "plain", order[q["contender"], q["size"]]))
     lines = []
@@ -246,7 +239,7 @@ def peers_section(runs: List[Run]) -> tuple:
              "beside it), TFLOP/s the dense-matmul estimate (6 x parameters x tokens / step time), the peaks are "
              "over the training steps. A row marked **separate run** was measured by another run, not beside the "
              "others: see its section under [the runs](#the-runs).", "", cells_line(cells), ""]
-    lines += table(PEERS_HEADER, [peers_row(e) for e in cells]) + [""]
+    lines += markdown_table(PEERS_HEADER, [peers_row(e) for e in cells]) + [""]
     for figure in figures:
         lines += [f"![{figure.alt}](images/{figure.name})", ""]
     ratios = ratio_lines(cells)
@@ -266,36 +259,87 @@ PROFILE_COLUMNS = (("variant", "variant"), ("size", "size"), ("offload", "offloa
                    ("GPU peak GiB", "gpu_peak_gib"))
 
 
+def figure_of(record: dict, key: str):
+    """A record's field, or its benchmark's own figure of that name."""
+    return record[key] if key in record else record["extra"].get(key)
+
+
 def profile_row(record: dict, run: Run) -> List[str]:
     cells = []
     for _, key in PROFILE_COLUMNS:
-        value = record.get(key)
+        value = figure_of(record, key)
         cells.append(value if isinstance(value, str) else sig(value))
-    stalls = record.get("stall_s", {})
+    stalls = record["extra"].get("stall_s", {})
     cells.append(", ".join(f"{k} {sig(v)}" for k, v in sorted(stalls.items()) if v) or "-")
-    if record.get("status", "ok") != "ok":
-        cells.append(f"{record['status']}: {cell_text(record.get('error', ''), 80)}")
+    if record["status"] != "ok":
+        cells.append(f"{record['status']}: {cell_text(record.get('error') or '', 80)}")
     else:
-        cells.append(f"{fixed(record.get('loss_first'), 4)} → {fixed(record.get('loss_last'), 4)}")
+        cells.append(f"{fixed(record['first_loss'], 4)} → {fixed(record['last_loss'], 4)}")
     return cells + [run_link(run)]
 
 
 def profile_section(runs: List[Run]) -> tuple:
-    rows = [(r, run) for run in runs for r in run.bench("step_profile")]
+    rows = [(r, run) for run in runs for r in run.bench("step_profile", "result")]
     if not rows:
         return [], []
     header = [title for title, _ in PROFILE_COLUMNS] + ["stalls s", "loss first → last", "run"]
     parts = ("forward_s", "backward_s", "step_call_s", "gpu_busy_s", "gpu_idle_s")
-    data = {"bars": [{"label": f"{r['size']} {r['offload']} {r['variant']}", **{k: r.get(k) for k in parts}}
-                     for r, _ in rows if r.get("status", "ok") == "ok"]}
+    data = {"bars": [{"label": f"{r['size']} {r['extra']['offload']} {r['extra']['variant']}",
+                      **{k: r["extra"].get(k) for k in parts}} for r, _ in rows if r["status"] == "ok"]}
     figure = Figure(f"{PREFIX}step-profile.png", "where a step's time goes", data, draw_profile)
     lines = ["## Where a step's time goes", "",
              "`python -m benchmarks.step_profile`: infinity's step split into forward, backward and the step() "
              "call, each part timed between device synchronizations (so the step here is longer than the "
              "head-to-head's), seconds a step, the median of the timed steps; GPU busy and idle are of one "
              "profiled step; stalls are the engine's waits by stage.", ""]
-    lines += table(header, [profile_row(r, run) for r, run in rows]) + [""]
+    lines += markdown_table(header, [profile_row(r, run) for r, run in rows]) + [""]
     return lines + [f"![{figure.alt}](images/{figure.name})", ""], [figure]
+
+
+# ------------------------------------------------------------------ every other benchmark
+
+
+SECTIONS = ("peers", "step_profile", "device_primitives")  # the benchmarks with sections of their own
+
+
+def benchmark_list() -> List[str]:
+    """Each benchmark module with the first line of its docstring, read without importing it."""
+    import ast
+
+    lines = []
+    for path in sorted((ROOT / "benchmarks").glob("[!_]*.py")):
+        if path.stem != "report":
+            doc = (ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0].replace("``", "`")
+            lines.append(f"- `python -m benchmarks.{path.stem}`: {' '.join(doc.split())}")
+    return lines
+
+
+def figures_text(extra: dict) -> str:
+    """A record's own scalar figures, in brief."""
+    return cell_text(", ".join(f"{k} {sig(v) if isinstance(v, float) else v}" for k, v in extra.items()
+                               if isinstance(v, (int, float, str, bool)) and k != "where"), 120) or "-"
+
+
+def other_sections(runs: List[Run]) -> List[str]:
+    """A section per benchmark without one of its own: its result records and ratios, by run."""
+    found: Dict[str, list] = {}
+    for run in runs:
+        for r in run.records:
+            if r.get("kind") in ("result", "ratio") and r.get("bench") not in SECTIONS:
+                found.setdefault(r["bench"], []).append((r, run))
+    lines = []
+    for bench, rows in sorted(found.items()):
+        results = [(r, run) for r, run in rows if r["kind"] == "result"]
+        lines += [f"### `{bench}`", "", f"`python -m benchmarks.{bench}`:", ""]
+        lines += markdown_table(["contender", "size", "step s (median)", "min-max", "figures", "status", "run"], [
+            [r["contender"], r["size"], sig(r["step_s"]),
+             "-" if r["step_s"] is None else f"{sig(r['step_s_min'])}-{sig(r['step_s_max'])}", figures_text(r["extra"]),
+             r["status"] + (f": {cell_text(r['error'], 80)}" if r.get("error") else ""), run_link(run)]
+            for r, run in results]) + [""]
+        lines += [f"- {cell_text(_harness.ratio_text(q), 200)} ({run_link(run)})" for q, run in rows
+                  if q["kind"] == "ratio"]
+        lines += [""] if lines[-1] else []
+    return lines
 
 
 # ------------------------------------------------------------------ the runs
@@ -318,24 +362,26 @@ def machine_line(run: Run) -> str:
 
 
 def bandwidth_lines(run: Run) -> List[str]:
-    prims = [r for r in run.phase("primitives") if r.get("bench")]
-    copies = {(r["bench"], r["host"]): r for r in prims if r["bench"] in ("h2d", "d2h")}
+    prims = [r for r in run.bench("device_primitives", "result") if r["status"] == "ok"]
+    copies = {(r["contender"].split("-")[0], r["extra"]["host"]): r["extra"] for r in prims
+              if r["contender"].startswith(("h2d-", "d2h-"))}
     lines = []
     if copies:
         hosts = list(dict.fromkeys(host for _, host in copies))
         size = next(iter(copies.values()))["bytes"] / 2**20
 
-        def gbps(r):
-            return f"{r['gbps']:.1f} ({r['min_gbps']:.1f}-{r['max_gbps']:.1f})" if r else "-"
+        def gbps(x):
+            return f"{x['gbps']:.1f} ({x['min_gbps']:.1f}-{x['max_gbps']:.1f})" if x else "-"
 
         rows = [[host, gbps(copies.get(("h2d", host))), gbps(copies.get(("d2h", host)))] for host in hosts]
         lines += [f"- PCIe, copies of {size:.0f} MiB (GB/s, median and min-max):", ""]
-        lines += ["  " + line for line in table(["host memory", "host → device", "device → host"], rows)] + [""]
-    for r in (r for r in prims if r["bench"].startswith("aio_")):
-        lines.append(f"- Disk, {r['bench'].split('_')[1]}: {r['gbps']:.2f} GB/s ({r['min_gbps']:.2f}-"
-                     f"{r['max_gbps']:.2f}), {r['bytes'] / 2**30:.0f} GiB through `infinity.aio` ({r['backend']}, "
-                     f"{'O_DIRECT, ' if r.get('o_direct') else ''}{r['fs']}, {r['block_size'] // 2**20} MiB blocks, "
-                     f"queue depth {r['queue_depth']})")
+        lines += ["  " + line for line in markdown_table(["host memory", "host → device", "device → host"], rows)] + [""]
+    for r in (r for r in prims if r["contender"].startswith("aio-")):
+        x = r["extra"]
+        lines.append(f"- Disk, {r['contender'].split('-')[1]}: {x['gbps']:.2f} GB/s ({x['min_gbps']:.2f}-"
+                     f"{x['max_gbps']:.2f}), {x['bytes'] / 2**30:.0f} GiB through `infinity.aio` ({x['backend']}, "
+                     f"{'O_DIRECT, ' if x.get('o_direct') else ''}{x['fs']}, {x['block_size'] // 2**20} MiB blocks, "
+                     f"queue depth {x['queue_depth']})")
     return lines
 
 
@@ -376,10 +422,16 @@ def replaced_lines(run: Run, cells: List[Entry]) -> List[str]:
 
 
 def run_section(run: Run, cells: List[Entry]) -> List[str]:
-    lines = [f"### {run_heading(run)}", "", f"[records](../benchmarks/records/{run.name}); what ran: {run.what_ran}",
-             "", machine_line(run)]
-    lines += bandwidth_lines(run) + tested_lines(run) + replaced_lines(run, cells)
-    n_peers, n_profile = len(run.bench("peers", "result")), len(run.bench("step_profile"))
+    lines = [f"### {run_heading(run)}", "", f"[records](../benchmarks/records/{run.name}); what ran: {run.what_ran}", ""]
+    transcribed = [r for r in run.records if r.get("kind") == "transcribed"]
+    if transcribed:
+        return lines + [f"- Transcribed figures, measured before the harness on the machines each names: "
+                        f"{len(transcribed)} sections, in [measured figures](measured.md)", ""]
+    lines += [machine_line(run)] + bandwidth_lines(run) + tested_lines(run) + replaced_lines(run, cells)
+    others = collections.Counter(r["bench"] for r in run.records if r.get("kind") == "result"
+                                 and r["bench"] not in SECTIONS)
+    lines += [f"- `{bench}` results: {n}, in [{bench}](#{anchor(f'`{bench}`')})" for bench, n in sorted(others.items())]
+    n_peers, n_profile = len(run.bench("peers", "result")), len(run.bench("step_profile", "result"))
     if n_peers:
         lines.append(f"- `peers` cells: {n_peers}, in the [head-to-head](#head-to-head-on-one-gpu)"
                      + (f" as a **{SEPARATE}**" if any(e.run is run and e.separate for e in cells) else ""))
@@ -387,14 +439,14 @@ def run_section(run: Run, cells: List[Entry]) -> List[str]:
         lines.append(f"- `step_profile` cells: {n_profile}, in [where a step's time goes](#where-a-steps-time-goes)")
     rows = phase_rows(run)
     if rows:
-        lines += ["", "Phases of the check:", ""] + table(["phase", "status", "seconds", "records", "reason"], rows)
+        lines += ["", "Phases of the check:", ""] + markdown_table(["phase", "status", "seconds", "records", "reason"], rows)
     return lines + [""]
 
 
 # ------------------------------------------------------------------ the page
 
 
-def render(runs: List[Run]) -> tuple:
+def benchmarks_page(runs: List[Run]) -> tuple:
     """(the page's text, its figures)."""
     head = ["# Benchmarks", "",
             "<!-- Generated by `python -m benchmarks.report` from benchmarks/records/*.jsonl: do not edit; "
@@ -406,138 +458,18 @@ def render(runs: List[Run]) -> tuple:
             "before the harness, are in [measured figures](measured.md).", ""]
     peers_lines, peers_figs = peers_section(runs)
     profile_lines, profile_figs = profile_section(runs)
+    others = ["## Every benchmark", "", "Each runs from the repository root as `python -m benchmarks.<name>` "
+              "(`--smoke`: seconds on a CPU, which the test suite runs), its contenders measured in the same run "
+              "and the ratios printed; a benchmark's records, once in benchmarks/records, get a section here.", ""]
+    others += benchmark_list() + [""] + other_sections(runs)
     cells = merged_cells(runs)
     runs_lines = ["## The runs", "", "One section per records file: what ran, on which machine, and what else "
                   "that run measured.", ""]
     main = main_run(runs)
     for run in sorted(runs, key=lambda r: (r is not main, r.name)):
         runs_lines += run_section(run, cells)
-    text = "\n".join(head + peers_lines + profile_lines + runs_lines).rstrip("\n") + "\n"
+    text = "\n".join(head + peers_lines + profile_lines + others + runs_lines).rstrip("\n") + "\n"
     return text, peers_figs + profile_figs
-
-
-# ------------------------------------------------------------------ plots
-
-
-@dataclass(frozen=True)
-class Figure:
-    name: str  # under docs/images
-    alt: str
-    data: dict
-    draw: Callable[[dict], object]
-
-    def digest(self) -> str:
-        """Note [plot digests]: the data and the drawing code."""
-        code = "".join(inspect.getsource(f) for f in (self.draw, _style, _bar_colors, _stacked, png_bytes))
-        blob = json.dumps([self.name, self.data], sort_keys=True) + code
-        return "benchmarks.report sha256:" + hashlib.sha256(blob.encode()).hexdigest()
-
-
-COLORS = {"plain": "#7f7f7f", "infinity": "#1f77b4", "deepspeed": "#ff7f0e", "fsdp2": "#2ca02c"}
-
-
-def _bar_colors(names: List[str]) -> List[str]:
-    return [COLORS.get(name.split("-")[0], "#9467bd") for name in names]
-
-
-def _style(ax, ylabel: str) -> None:
-    ax.set_ylabel(ylabel)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    ax.spines[["top", "right"]].set_visible(False)
-
-
-def draw_peers(data: dict):
-    from matplotlib.figure import Figure as MplFigure
-
-    bars = data["bars"]
-    names = [b["contender"] for b in bars]
-    x = list(range(len(bars)))
-    hatch = ["//" if b["separate"] else "" for b in bars]
-    fig = MplFigure(figsize=FIG_SIZE, dpi=DPI)
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.1, 1]})
-    steps = [b["step_s"] for b in bars]
-    err = [[s - b["min"] for s, b in zip(steps, bars)], [b["max"] - s for s, b in zip(steps, bars)]]
-    for i, (s, color) in enumerate(zip(steps, _bar_colors(names))):
-        left.bar(i, s, color=color, hatch=hatch[i], edgecolor="white" if not hatch[i] else "black", linewidth=0.5)
-        top = max(s, bars[i]["max"] or s)  # above the whisker
-        left.annotate(f"{s:.3g}", (i, top), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
-    left.errorbar(x, steps, yerr=err, fmt="none", ecolor="black", capsize=3, linewidth=0.8)
-    left.set_title("step time (median, min-max)", fontsize=10)
-    _style(left, "seconds a step")
-    width = 0.38
-    for shift, key, label, color in ((-width / 2, "gpu", "GPU peak", "#4c72b0"), (width / 2, "host", "host peak", "#dd8452")):
-        values = [b[key] or 0.0 for b in bars]
-        right.bar([i + shift for i in x], values, width, label=label, color=color, hatch=None)
-        for i, v in enumerate(values):
-            right.annotate(f"{v:.1f}", (i + shift, v), xytext=(0, 2), textcoords="offset points", ha="center",
-                           fontsize=7)
-    right.set_title("memory peaks over the training steps", fontsize=10)
-    right.legend(fontsize=8, frameon=False)
-    _style(right, "GiB")
-    labels = [n + ("\n(separate run)" if b["separate"] else "") for n, b in zip(names, bars)]
-    for ax in (left, right):
-        ax.set_xticks(x, labels, fontsize=8, rotation=20, ha="right")
-    fig.suptitle(data["title"], fontsize=11)
-    fig.tight_layout()
-    return fig
-
-
-def _stacked(ax, bars: List[dict], parts: tuple) -> None:
-    """One horizontal bar per entry of ``bars``, its ``parts`` (key, label, color) end to end."""
-    start = [0.0] * len(bars)
-    for key, label, color in parts:
-        values = [b[key] or 0.0 for b in bars]
-        ax.barh(range(len(bars)), values, left=start, label=label, color=color)
-        start = [s + v for s, v in zip(start, values)]
-
-
-def draw_profile(data: dict):
-    from matplotlib.figure import Figure as MplFigure
-
-    bars = data["bars"]
-    labels = [b["label"] for b in bars]
-    y = list(range(len(bars)))
-    fig = MplFigure(figsize=(FIG_SIZE[0], 2.4 + 0.6 * len(bars)), dpi=DPI)
-    left, right = fig.subplots(1, 2)
-    _stacked(left, bars, (("forward_s", "forward", "#4c72b0"), ("backward_s", "backward", "#55a868"),
-                          ("step_call_s", "step() call", "#c44e52")))
-    left.set_title("the step's parts, each between synchronizations (s)", fontsize=10)
-    _stacked(right, bars, (("gpu_busy_s", "GPU busy", "#4c72b0"), ("gpu_idle_s", "GPU idle", "#cccccc")))
-    right.set_title("one profiled step (s)", fontsize=10)
-    for ax in (left, right):
-        ax.set_yticks(y, labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.legend(fontsize=8, frameon=False, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
-        ax.grid(axis="x", alpha=0.3)
-        ax.set_axisbelow(True)
-    fig.tight_layout()
-    return fig
-
-
-def png_bytes(figure: Figure) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.style
-
-    with matplotlib.style.context("default"):
-        fig = figure.draw(figure.data)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None, "Comment": figure.digest()})
-    return buf.getvalue()
-
-
-def png_text(data: bytes) -> Dict[str, str]:
-    """A PNG's tEXt chunks, read without matplotlib."""
-    chunks, pos = {}, 8
-    while pos + 8 <= len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        if kind == b"tEXt":
-            key, _, value = data[pos + 8:pos + 8 + length].partition(b"\0")
-            chunks[key.decode("latin-1")] = value.decode("latin-1")
-        pos += 12 + length
-    return chunks
 
 
 # ------------------------------------------------------------------ write or check
@@ -593,11 +525,14 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if the page or a plot is stale")
     args = p.parse_args(argv)
     runs = load_runs()
-    text, figures = render(runs)
+    text, figures = benchmarks_page(runs)
+    measured = _measured.measured_page(runs)
     readme_now, readme = readme_with_headline(runs)
     if args.check:
         problems = stale(text, figures) + (["README.md: its headline is not what the records give"]
                                            if readme is not None and readme != readme_now else [])
+        problems += [] if MEASURED.exists() and MEASURED.read_text() == measured else \
+            [f"{MEASURED.name}: not what the transcribed records give"]
         for problem in problems:
             print(f"stale: {problem} (regenerate with: python -m benchmarks.report)", file=sys.stderr)
         return 1 if problems else 0
@@ -606,6 +541,9 @@ def main(argv=None) -> int:
         print("wrote README.md (its headline)")
     for name in write(text, figures):
         print(f"wrote {name}")
+    if not MEASURED.exists() or MEASURED.read_text() != measured:
+        MEASURED.write_text(measured)
+        print(f"wrote {MEASURED.name}")
     return 0
 
 

@@ -1,33 +1,37 @@
-"""Where a step's time goes on a GPU: infinity's step split into forward, backward and the
-step() call (and the parts of that call: the previous step joined, parameter copies, the
-gradients landing, the norm, the update or its launch), with the engine's telemetry (bytes and
-stalls per stage, the update's seconds, elements and threads) and the GPU's busy time from
-torch.profiler, for variants run each in
-a process of its own: the overlapped step on and off (``zero.offload_optimizer.overlap_step``),
-the prefetcher on and off (``zero.prefetch.enabled``).
+"""Where a step's time goes on a GPU: infinity's step in its parts, with the engine's telemetry
+and the GPU's busy time, for variants each in a process of its own.
+
+The parts: forward, backward and the step() call (and the parts of that call: the previous step
+joined, parameter copies, the gradients landing, the norm, the update or its launch); the
+telemetry: bytes and stalls per stage, the update's seconds, elements and threads; the GPU's busy
+time from torch.profiler. The variants: the overlapped step on and off
+(``zero.offload_optimizer.overlap_step``), the prefetcher on and off (``zero.prefetch.enabled``).
 
     python -m benchmarks.step_profile --only 1.5b/cpu/overlap,1.5b/cpu/no-overlap
     python -m benchmarks.step_profile --only 124m/nvme/prefetch,124m/nvme/no-prefetch
     python -m benchmarks.step_profile --smoke
 
-Cells are size/offload/variant, each in a process of its own (benchmarks/_harness.py). One JSON
-record a line per cell (``--out`` appends them to a file too), then a table, with the run
-model's prediction for the same run from rates measured in the child (``predicted_step_s``).
-Each phase is timed between device synchronizations, which serialise the GPU at the phase
-edges; the step time of record is benchmarks.peers's, without them. ``gpu_busy_s``: the
-union of the GPU's kernel intervals in one profiled step, ``gpu_idle_s`` the rest of that
-step's wall time.
+Cells are size/offload/variant, each in a process of its own (benchmarks/_harness.py); a
+cell's record is contender ``infinity-<offload>-<variant>`` at its size, ``step_s`` the whole
+step and ``extra`` the rest: the parts (``forward_s``, ``backward_s``, ``step_call_s``, medians),
+``variant``, ``offload``, the telemetry's figures, and the run model's prediction for the same
+run from rates measured in the child (``predicted_step_s``). Each phase is timed between device
+synchronizations, which serialise the GPU at the phase edges; the step time of record is
+benchmarks.peers's, without them. ``gpu_busy_s``: the union of the GPU's kernel intervals in
+one profiled step, ``gpu_idle_s`` the rest of that step's wall time.
 """
 from __future__ import annotations
 
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 from benchmarks import _flags, _harness, _models
+from benchmarks._harness import Cell
 from benchmarks._harness import sync_device as sync
+
+BENCH = "step_profile"
 
 VARIANTS = {
     "overlap": {"overlap_step": "auto", "prefetch": True},
@@ -37,14 +41,12 @@ VARIANTS = {
 }
 
 
-def config(offload: str, nvme_path: str, variant: str, dtype: str = "bf16") -> dict:
+def variant_config(offload: str, nvme_path: str, variant: str, dtype: str = "bf16") -> dict:
+    from benchmarks._trainers import infinity_config
+
     v = VARIANTS[variant]
-    return {"zero": {"stage": 3, "offload_param": {"device": offload, "nvme_path": nvme_path},
-                     "offload_optimizer": {"device": offload, "nvme_path": nvme_path,
-                                           "overlap_step": v["overlap_step"]},
-                     "prefetch": {"enabled": v["prefetch"]}},
-            "precision": {"dtype": dtype}, "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
-            "gradient_clipping": 1.0}
+    return infinity_config(offload, dtype, nvme_path, zero={"offload_optimizer": {"overlap_step": v["overlap_step"]},
+                                                            "prefetch": {"enabled": v["prefetch"]}})
 
 
 def _gpu_busy(step) -> dict:
@@ -84,14 +86,29 @@ def _union(spans) -> float:
     return total
 
 
-def child(spec: dict) -> dict:
+def telemetry_figures(telemetry: list) -> dict:
+    """The timed steps' telemetry, per step: stalls by stage, GB by stage, the step() call's parts, the update."""
+    n = len(telemetry)
+    update = {k: sum(t["update"][k] for t in telemetry) / n for k in ("seconds", "elements", "background_seconds")}
+    parts = sorted({k for t in telemetry for k in t.get("step_call_s", {})})
+    return {"stall_s": {k: round(sum(t["stall_s"][k] for t in telemetry) / n, 4) for k in telemetry[0]["stall_s"]},
+            "gb_per_step": {k: round(sum(t["bytes"].get(k, 0) for t in telemetry) / n / 1e9, 3) for k in
+                            ("host_to_device", "grad_offload", "nvme_read", "param_cache", "param_handoff")},
+            "step_call_parts_s": {k: round(sum(t.get("step_call_s", {}).get(k, 0.0) for t in telemetry) / n, 4)
+                                  for k in parts},
+            "update_s": round(update["seconds"], 4), "update_background_s": round(update["background_seconds"], 4),
+            "update_threads": max(t["update"]["peak_threads"] for t in telemetry),
+            "update_gelems_per_s": round(update["elements"] / update["seconds"] / 1e9, 3) if update["seconds"] else None}
+
+
+def measure(spec: dict) -> dict:
     import torch
 
     import infinity
 
     model = _models.gpt2(spec["size"], seed=0)
     params = _models.param_count(model)
-    model, opt = infinity.initialize(model, config=config(spec["offload"], spec["nvme_path"], spec["variant"],
+    model, opt = infinity.initialize(model, config=variant_config(spec["offload"], spec["scratch"], spec["variant"],
                                                                spec["dtype"]))
     dev = infinity.device() if hasattr(infinity, "device") else next(model.parameters()).device
     batches = _models.batches(spec["size"], spec["micro_batch"], spec["seq_len"], spec["warmup"] + spec["steps"] + 1)
@@ -127,27 +144,18 @@ def child(spec: dict) -> dict:
     gpu = _gpu_busy(lambda: one(batches[-1], False))
     opt.wait_step()
     engine.close()
-    n = len(telemetry)
-    stalls = {k: round(sum(t["stall_s"][k] for t in telemetry) / n, 4) for k in telemetry[0]["stall_s"]}
-    moved = {k: round(sum(t["bytes"].get(k, 0) for t in telemetry) / n / 1e9, 3) for k in
-             ("host_to_device", "grad_offload", "nvme_read", "param_cache", "param_handoff")}
-    update = {k: sum(t["update"][k] for t in telemetry) / n for k in ("seconds", "elements", "background_seconds")}
-    parts = sorted({k for t in telemetry for k in t.get("step_call_s", {})})
-    step_parts = {k: round(sum(t.get("step_call_s", {}).get(k, 0.0) for t in telemetry) / n, 4) for k in parts}
-    out = {"variant": spec["variant"], "size": spec["size"], "offload": spec["offload"], "params": params,
-           **{k: round(statistics.median(v), 4) for k, v in phases.items()},
-           "stall_s": stalls, "gb_per_step": moved, "step_call_parts_s": step_parts,
-           "update_s": round(update["seconds"], 4), "update_background_s": round(update["background_seconds"], 4),
-           "update_threads": max(t["update"]["peak_threads"] for t in telemetry),
-           "update_gelems_per_s": round(update["elements"] / update["seconds"] / 1e9, 3) if update["seconds"] else None,
-           "torch_threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
-           "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4), **gpu}
-    if torch.cuda.is_available():
-        out["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    out.update(_predicted(spec, params, VARIANTS[spec["variant"]]["overlap_step"] == "auto"))
-    if out.get("predicted_step_s"):
-        out["predicted_over_measured"] = round(out["predicted_step_s"] / out["step_s"], 3)
-    return out
+    extra = {"variant": spec["variant"], "offload": spec["offload"],
+             **{k: round(statistics.median(v), 4) for k, v in phases.items() if k != "step_s"},
+             **telemetry_figures(telemetry), "torch_threads": torch.get_num_threads(),
+             "cpus": len(os.sched_getaffinity(0)), **gpu}
+    extra.update(_predicted(spec, params, VARIANTS[spec["variant"]]["overlap_step"] == "auto"))
+    if extra.get("predicted_step_s"):
+        extra["predicted_over_measured"] = round(extra["predicted_step_s"] / statistics.median(phases["step_s"]), 3)
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return _harness.sample(phases["step_s"], losses=losses, params=params, dtype=spec["dtype"],
+                           tokens_per_step=spec["micro_batch"] * spec["seq_len"], device=f"{dev.type}: {name}",
+                           gpu_peak=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                           extra=extra)
 
 
 def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
@@ -162,7 +170,7 @@ def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
     run = Run(params=params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
               micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], dtype=spec["dtype"], param_tier=spec["offload"],
               optimizer_tier=spec["offload"], device_is_host=not torch.cuda.is_available())
-    rates = Rates.measure(spec["nvme_path"] if spec["offload"] == "nvme" else None, run)
+    rates = Rates.measure(spec["scratch"] if spec["offload"] == "nvme" else None, run)
     st = step_time(run, rates)
     step = st["predicted"]
     if not overlapped and not run.device_is_host:  # the update inside step(): the terms add
@@ -176,28 +184,15 @@ def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
                       "nvme_write_gbps": None if rates.nvme_write == float("inf") else round(rates.nvme_write / 1e9, 2)}}
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def table(records: list) -> str:
-    cols = ("variant", "size", "offload", "step_s", "predicted_step_s", "forward_s", "backward_s", "step_call_s",
-            "update_s", "update_background_s", "update_threads", "gpu_busy_s", "gpu_idle_s")
-    lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
-    for r in records:
-        lines.append(" | ".join(str(r.get(c, r.get("error", "")) if c != "variant" else r.get(c)) for c in cols))
-    return "\n".join(lines)
+COLUMNS = (("contender", "contender"), ("size", "size"), ("step s", "step_s"))
+EXTRA = ("predicted_step_s", "forward_s", "backward_s", "step_call_s", "update_s", "update_background_s",
+         "update_threads", "gpu_busy_s", "gpu_idle_s")
 
 
 def main(argv=None) -> int:
     p = _flags.parser(__doc__, steps=3, warmup=2, seq_len=1024, micro_batch=8,
                       only="1.5b/cpu/overlap,1.5b/cpu/no-overlap", budget=3600.0, timeout=240.0)
-    args = p.parse_args(argv)
-    if args.child:
-        _harness.child_main(child, args.child)
-        return 0
+    args = _harness.parse(p, measure, argv)
     cells = [tuple(c.split("/")) for c in _flags.parse_list(args.only)]  # size/offload/variant
     for cell in cells:
         if len(cell) != 3 or cell[1] not in ("cpu", "nvme") or cell[2] not in VARIANTS:
@@ -207,25 +202,17 @@ def main(argv=None) -> int:
     if args.smoke:
         cells = [("tiny", offload, variant) for _, offload, variant in cells]
         args.steps, args.warmup, args.seq_len, args.micro_batch = 2, 1, 32, 2
+    import torch
+
     # bf16 with CUDA (not in --smoke), else fp32, as benchmarks.peers chooses: never by this CPU's features
-    dtype = "bf16" if _cuda_available() and not args.smoke else "fp32"
-    deadline = time.time() + args.budget
-    records = []
-    for size, offload, variant in cells:
-        record = {"bench": "step_profile", "variant": variant, "size": size, "offload": offload}
-        left = deadline - time.time()
-        if left < _harness.MIN_CELL_SECONDS and not args.smoke:
-            record.update(status="skipped", error=f"the budget is spent ({left:.0f} s left)")
-        else:
-            with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
-                spec = {"variant": variant, "size": size, "offload": offload, "nvme_path": nvme, "dtype": dtype,
-                        "steps": args.steps,
-                        "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch}
-                record.update(_harness.spawn("benchmarks.step_profile", spec, min(args.timeout, max(left, 1.0))))
-        records.append(record)
-        _harness.emit(record, args.out)
-    print(table(records), flush=True)
-    return 0 if all(r.get("status", "ok") in ("ok", "skipped") for r in records) else 1
+    dtype = "bf16" if torch.cuda.is_available() and not args.smoke else "fp32"
+    of = {f"infinity-{offload}-{variant}": (offload, variant) for _, offload, variant in cells}
+    spec = {"dtype": dtype, "steps": args.steps, "warmup": args.warmup, "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch}
+    records = _harness.run_cells(BENCH, "benchmarks.step_profile", [Cell(f"infinity-{o}-{v}", size) for size, o, v in cells],
+                                 lambda cell, scratch: dict(spec, size=cell.size, offload=of[cell.contender][0],
+                                                      variant=of[cell.contender][1], scratch=scratch), args, dtype=dtype)
+    return _harness.finish(BENCH, records, args, columns=COLUMNS, extra=EXTRA)
 
 
 if __name__ == "__main__":

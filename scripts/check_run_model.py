@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
@@ -24,27 +23,24 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
-from _child import ChildFailed, spawn_child  # noqa: E402 - after the path insert
-
-from benchmarks import _models  # noqa: E402
+from benchmarks import _harness, _models  # noqa: E402 - after the path insert
 
 GiB = 2**30
 VOCAB = _models.VOCAB
 MODELS = {"tiny": (2, 256, 4, 128), "124m": (12, 768, 4, 256), "1b": (18, 2048, 1, 256)}  # layers, hidden, batch, seq
 
 
-def child(spec: dict) -> dict:
+def measure(spec: dict) -> dict:
     import torch
 
     import infinity
+    from benchmarks._trainers import infinity_config
     from infinity.testing import Run, adam_rate, compute_rate, peak_rss
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
     tier = spec["tier"]
-    cfg = {"zero": {"stage": 3, "offload_param": {"device": tier, "nvme_path": spec["nvme"]},
-                    "offload_optimizer": {"device": tier, "nvme_path": spec["nvme"]}},
-           "precision": {"dtype": "fp32"}, "optimizer": {"lr": 1e-4}}
+    cfg = infinity_config(tier, "fp32", spec["nvme"], clip=None, optimizer={"lr": 1e-4})
     with infinity.Init(config=cfg):
         model = _models.build(_models.Shape.of(spec["layers"], spec["hidden"]))
     model, opt = infinity.initialize(model, cfg)
@@ -97,9 +93,8 @@ def main() -> None:
     ap.add_argument("--nvme-path", default=tempfile.gettempdir())
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return
+    if args.child:  # prints the result as JSON where the spec names no result_path (tests/integration/test_memory_model.py)
+        _harness.child_main(measure, args.child)
     from infinity.testing import Rates, Run, host_memory, step_time
 
     models = args.models.split(",") + (["1b"] if args.big else [])
@@ -115,12 +110,12 @@ def main() -> None:
             spec = dict(layers=layers, hidden=hidden, batch=batch, seq=seq, tier=tier, nvme=nvme,
                         steps=args.steps, warmup=args.warmup)
             try:
-                got = spawn_child(__file__, spec, 7200, what=f"{name} {tier}")
-            except ChildFailed as e:
-                print(e)
-                continue
+                got = _harness.spawn(os.path.abspath(__file__), spec, 7200)
             finally:
                 subprocess.run(["rm", "-rf", nvme])
+            if "error" in got:
+                print(f"{name} {tier}: {got['status']}: {got['error']} {got['where']}")
+                continue
             rates = dataclasses.replace(here, flops=got["flops"], adam=got["adam"])  # the child's, beside its steps
             run = Run(params=got["params"], layers=layers, hidden=hidden, heads=hidden // 64, vocab=VOCAB,
                          micro_batch=batch, seq_len=seq, param_tier=tier, optimizer_tier=tier)

@@ -14,7 +14,7 @@
 # step's time goes, and the run model's prediction), ordering (tests/unit/test_device_ordering.py),
 # oom (scripts/gpu_check/oom.py: a real out-of-memory error in backward on GPT-2, recovered, the
 # allocated bytes before and after), train (one torchrun rank of infinity.train), primitives
-# (scripts/bench_device_primitives.py, last: what time is left). Writes OUTDIR/results.jsonl (one JSON object a
+# (benchmarks/device_primitives.py, last: what time is left). Writes OUTDIR/results.jsonl (one JSON object a
 # line, each with its "phase"), OUTDIR/log.txt (everything the phases printed) and
 # OUTDIR/summary.txt (the table printed at the end). Without CUDA the tests are skipped (or run
 # on GPU_CHECK_ACCELERATOR, e.g. emulated) and the benchmarks run at their smoke sizes.
@@ -180,6 +180,7 @@ tests ordering 40 tests/unit/test_device_ordering.py
 # forward and backward peaks), recovered: zero_grad, the allocated bytes back, smaller batches on.
 phase oom 40 ${nogpu:+--skip "$nogpu"} -- env INFINITY_ACCELERATOR="$ACC" "$PY" scripts/gpu_check/oom.py $tiny
 phase train 45 -- "$PY" scripts/gpu_check/train_one_rank.py --timeout 40
-phase primitives 30 -- "$PY" scripts/bench_device_primitives.py $tiny
+phase primitives 30 -- "$PY" -m benchmarks.device_primitives ${tiny:+--smoke} --budget 27 --timeout 25 --max-seconds 14 \
+  --nvme-path "$GPU_CHECK_DISK"
 
 "$PY" scripts/gpu_check/phase.py summary "$OUT" | tee "$OUT/summary.txt"

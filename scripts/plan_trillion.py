@@ -13,7 +13,7 @@ import time
 
 RUNS = {
     "dgx2": ["--hardware", "dgx2", "--layers", "128", "--hidden", "25600", "--arch", "llama", "--tiling-factor", "8"],
-    "h100x8": ["--hardware", "h100x8", "--layers", "128", "--hidden", "25600"],
+    "h100x8": ["--hardware", "h100x8", "--layers", "128", "--hidden", "25600", "--arch", "gpt2"],
 }
 
 

@@ -36,7 +36,7 @@ falls back to ``release_freed_blocks``, which fixes the threshold at MMAP_THRESH
 block of that size or more is a mapping of its own, returned to the system when freed, and trims
 what the arenas already keep. The cost is a page fault per page of each new block, which the
 heap's reuse avoided; blocks below the threshold still come from the arenas. Measured there
-(scripts/bench_host_memory.py), peak RSS and minor faults per step: dynamic (glibc's default)
+(benchmarks/host_memory.py), peak RSS and minor faults per step: dynamic (glibc's default)
 4.48 GiB, 0.35M; fixed at 16 MiB 5.10 GiB, 0.1-0.4M; 4 MiB 4.11 GiB, 0.9M; 1 MiB 3.84 GiB,
 1.27M. 1 MiB is the only setting that removes the retained pages at the peak, and its 0.9M more
 faults per step (3.6 GB zeroed) made the step 1.18x slower in a paired run, which is why the

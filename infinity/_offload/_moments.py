@@ -22,7 +22,7 @@ Codes (per block of ``BLOCK`` = 2048 elements, as bitsandbytes and torchao block
 Rounding is stochastic (unbiased in code space): with round-to-nearest, ``v = 0.999 v +
 0.001 g^2`` changes v by 0.1% a step, less than half a bf16 ulp (0.4%) or an int8 step, and v
 would freeze; stochastic rounding keeps the expected update. The noise comes from the store's
-own generator (seeded by the rank), so runs are reproducible. ``scripts/bench_compressed_states.py``
+own generator (seeded by the rank), so runs are reproducible. ``benchmarks/compressed_states.py``
 measures the codes on a real fine-tune; ``tests/unit/test_compressed_moments.py`` bounds their
 round-trip errors.
 """

@@ -299,7 +299,7 @@ class NvmeOptimizerStore:
         chunk k - 1's writes drain, so the disk serves reads and writes at once. Some disks
         serve that mix slowly: this machine's virtual disk, over a 48 GB working set, moved
         1.2-1.6 GB/s reading and writing at once but 1.8-2.1 GB/s in turns
-        (scripts/bench_disk_mix.py). With ``swap_io: phased`` they take turns: chunk k's
+        (benchmarks/disk_mix.py). With ``swap_io: phased`` they take turns: chunk k's
         writes (the master weights' too, which the parameter store writes) land before chunk
         k + 1's reads are submitted, and those reads land before chunk k's moments are
         written; the arithmetic of chunk k overlaps chunk k + 1's reads, and so does the

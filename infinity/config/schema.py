@@ -139,7 +139,7 @@ class OptimizerOffloadConfig:
     swap_io: Literal["overlap", "phased"] = _opt(
         "overlap", "nvme: overlap: a chunk's reads run while the previous chunk's writes drain (NVMe devices serve "
         "both at once); phased: reads and writes take turns, the update's arithmetic overlapping the reads only "
-        "(for disks that serve mixed I/O slowly; measure with scripts/bench_disk_mix.py)")
+        "(for disks that serve mixed I/O slowly; measure with python -m benchmarks.disk_mix)")
     # Note [overlapped step] in _zero_optimizer.py
     overlap_step: Literal["auto", "on", "off"] = _opt(
         "auto", "stage 3 with the states off the device: run the update on a background thread, unit by unit in the "

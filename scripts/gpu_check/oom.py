@@ -20,6 +20,7 @@ import sys
 import torch
 
 import infinity
+from benchmarks import _models
 from infinity.testing import (
     cap_device_memory,
     device_memory_peak,
@@ -28,20 +29,13 @@ from infinity.testing import (
     wait_device_memory,
 )
 
-VOCAB = 50257
 LR = 1e-4
 
 
-def build(tiny: bool):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def model_of(tiny: bool):
+    """GPT-2 124M, or with ``tiny`` 2 x 64 (vocab 1024): the benchmarks' one builder, dropout and the cache off."""
     torch.manual_seed(0)
-    layers, hidden, heads = (2, 64, 2) if tiny else (12, 768, 12)
-    cfg = GPT2Config(vocab_size=1024 if tiny else VOCAB, n_positions=1024, n_embd=hidden, n_layer=layers, n_head=heads,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(cfg)
-    model.config.use_cache = False
-    return model
+    return _models.build(_models.Shape(layers=2, hidden=64, heads=2, vocab=1024) if tiny else _models.SHAPES["124m"])
 
 
 def on_device(model, dev):
@@ -108,7 +102,7 @@ def main() -> int:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both sides: the losses comparable
         torch.backends.cudnn.allow_tf32 = False
-    model = build(args.tiny)
+    model = model_of(args.tiny)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     small = [torch.randint(0, vocab, (args.small, seq), generator=g).to(dev) for _ in range(args.steps)]

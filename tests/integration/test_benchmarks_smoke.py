@@ -1,6 +1,7 @@
 """The benchmarks at their smoke size, as a user runs them (``python -m benchmarks.<name> --smoke``):
-they finish, every line they print is a record of the harness's one schema, and the contenders
-that train for real here train the same model on the same batch (equal first losses in fp32)."""
+they finish, every line they print is a record of the harness's one schema, the contenders that
+train for real here train the same model on the same batch (equal first losses in fp32), and each
+benchmark compares ours with its reference in the run (a ratio record) where both run here."""
 import json
 import math
 import os
@@ -17,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_HERE = ("plain", "infinity-cpu", "infinity-nvme")  # every machine runs these for real
 
 
-def run_smoke(module: str, tmp_path: Path) -> tuple:
+def run_smoke(module: str, tmp_path: Path, *more: str) -> tuple:
     out = tmp_path / "records.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     proc = subprocess.run([sys.executable, "-m", module, "--smoke", "--out", str(out), "--nvme-path", str(tmp_path),
-                           "--timeout", "120"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                           "--timeout", "120", *more], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{module} --smoke failed:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return printed, [json.loads(line) for line in out.read_text().splitlines()]
@@ -47,6 +48,46 @@ def test_peers_smoke(tmp_path):
         assert abs(results[name]["first_loss"] - results["plain"]["first_loss"]) <= 1e-5, (name, results)
     ratios = {(r["contender"], r["vs"]) for r in records if r["kind"] == "ratio"}
     assert {("infinity-cpu", "plain"), ("infinity-nvme", "plain")} <= ratios
+
+
+# module -> (flags beside --smoke, a ratio it records here: (contender, vs) or None where its reference
+# cannot run on a CPU machine without fio, a GPU or another checkout)
+SMOKE = {
+    "activation_offload": ((), ("offload-cpu", "offload-none")),
+    "aio": ((), None),  # fio: the reference, often not installed
+    "checkpoint": ((), ("save_checkpoint", "torch.save")),
+    "checksums": (("--only", "crc32c,aio"), ("aio-checksums-on", "aio-checksums-off")),
+    "compressed_states": ((), ("moments-int8", "moments-fp32")),
+    "cpu_adam": ((), ("ours-fp32", "torch-fused-fp32")),
+    "device_primitives": ((), None),  # the copies need CUDA; the disk has no reference
+    "disk_mix": ((), ("at-once", "read-then-write")),
+    "fetch_units": ((), ("module", "block")),
+    "host_memory": (("--only", "plain,release"), ("release", "plain")),
+    "large_model": ((), ("infinity-nvme", "disk-serial")),
+    "load": (("--only", "load"), ("from_pretrained", "aio-read")),
+    "param_bytes": ((), None),  # its reference is another checkout (--baseline)
+    "prefetch": (("--only", "plain,infinity-nvme"), ("infinity-nvme", "plain")),
+    "tiling": ((), ("factor-4", "factor-1")),
+}
+
+
+def test_every_benchmark_has_a_smoke_test():
+    modules = {p.stem for p in (ROOT / "benchmarks").glob("[!_]*.py")} - {"report", "peers", "step_profile"}
+    assert modules == set(SMOKE)  # peers above, step_profile in test_step_profile_smoke.py
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_benchmark_smoke(name, tmp_path):
+    more, ratio = SMOKE[name]
+    printed, records = run_smoke(f"benchmarks.{name}", tmp_path, *more)
+    assert printed == records and records
+    for record in records:
+        assert _harness.check_record(record) == [], record
+        assert record["bench"] == name
+    results = [r for r in records if r["kind"] == "result"]
+    assert any(r["status"] == "ok" for r in results) and not [r for r in results if r["status"] in ("error", "timeout")]
+    if ratio is not None:
+        assert any((r["contender"], r["vs"]) == ratio for r in records if r["kind"] == "ratio"), records
 
 
 def test_one_size_parser():

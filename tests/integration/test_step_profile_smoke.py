@@ -1,10 +1,12 @@
-"""benchmarks/step_profile.py at its smoke size: every cell's record carries the step's parts,
-the telemetry it reads and the run model's prediction (the GPU figures come from
-scripts/gpu_check.sh's profile phase)."""
+"""benchmarks/step_profile.py at its smoke size: every cell's record, in the harness's one schema,
+carries the step's parts, the telemetry it reads and the run model's prediction (the GPU figures
+come from scripts/gpu_check.sh's profile phase)."""
 import json
 import os
 import subprocess
 import sys
+
+from benchmarks import _harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -16,12 +18,14 @@ def test_the_step_profile_smoke_run_records_every_part(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["size"], r["offload"], r["variant"]) for r in records] == [("tiny", "cpu", "overlap"),
-                                                                         ("tiny", "nvme", "no-prefetch")]
+    assert all(_harness.check_record(r) == [] for r in records), records
+    assert [(r["contender"], r["size"]) for r in records] == [("infinity-cpu-overlap", "tiny"),
+                                                              ("infinity-nvme-no-prefetch", "tiny")]
     for r in records:
-        assert r["step_s"] > 0 and r["forward_s"] > 0 and r["backward_s"] > 0
-        assert {"norm", "gradients_landing"} <= set(r["step_call_parts_s"])
-        assert r["update_s"] > 0 and r["update_threads"] >= 1
-        assert r["predicted_step_s"] > 0 and "adam" in r["run_model_terms_s"]
-        assert r["loss_first"] == records[0]["loss_first"]  # the same model and first batch
-    assert records[1]["gb_per_step"]["grad_offload"] > 0
+        x = r["extra"]
+        assert r["status"] == "ok" and r["step_s"] > 0 and x["forward_s"] > 0 and x["backward_s"] > 0
+        assert {"norm", "gradients_landing"} <= set(x["step_call_parts_s"])
+        assert x["update_s"] > 0 and x["update_threads"] >= 1
+        assert x["predicted_step_s"] > 0 and "adam" in x["run_model_terms_s"]
+        assert r["first_loss"] == records[0]["first_loss"]  # the same model and first batch
+    assert records[1]["extra"]["gb_per_step"]["grad_offload"] > 0

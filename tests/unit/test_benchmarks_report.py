@@ -29,7 +29,7 @@ def row_of(page: str, contender: str, size: str) -> str:
 
 @pytest.fixture(scope="module")
 def generated():
-    return report.render(report.load_runs())
+    return report.benchmarks_page(report.load_runs())
 
 
 def test_page_and_plots_are_current():
@@ -105,3 +105,53 @@ def test_plots_are_deterministic(generated):
     first, second = report.png_bytes(figure), report.png_bytes(figure)
     assert first == second
     assert b"Software" not in first and report.png_text(first)["Comment"] == figure.digest()
+
+
+def test_every_record_is_of_the_one_schema():
+    """Every benchmark record kept (a GPU check's own lines aside) is of the harness's schema."""
+    from benchmarks import _harness
+
+    for path in sorted(RECORDS.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "bench" in record:
+                assert _harness.check_record(record) == [], (path.name, record)
+
+
+def test_the_measured_page_is_the_transcribed_records():
+    page = (ROOT / "docs" / "measured.md").read_text()
+    transcribed = [r for run in report.load_runs() for r in run.records if r.get("kind") == "transcribed"]
+    assert transcribed and "scripts/bench_" not in page
+    for r in transcribed:
+        assert f"\n## {r['section']}\n" in page and r["machine"] in page and r["measured"] in page, r["section"]
+        for block in r["body"]:
+            if isinstance(block, dict):
+                row = block["rows"][0]
+                assert "| " + " | ".join(row) + " |" in page, (r["section"], row)
+
+
+def test_a_stale_measured_page_fails_the_check(tmp_path, monkeypatch):
+    stale_page = tmp_path / "measured.md"
+    stale_page.write_text((ROOT / "docs" / "measured.md").read_text().replace("1.08x", "1.8x"))
+    monkeypatch.setattr(report, "MEASURED", stale_page)
+    assert report.main(["--check"]) == 1
+
+
+def test_another_benchmarks_records_get_a_section(generated):
+    """A benchmark without a section of its own is shown from its records, ratios included."""
+    from benchmarks import _harness
+
+    def result(contender, step):
+        return {"bench": "cpu_adam", "kind": "result", "contender": contender, "size": "64M-t2", "status": "ok",
+                "step_s": step, "step_s_min": step, "step_s_max": step, "steps": 5, "rounds": 1, "tflops": None,
+                "gpu_peak_gib": None, "host_peak_gib": None, "first_loss": None, "last_loss": None, "params": 1 << 26,
+                "tokens_per_step": 0, "device": None, "dtype": "fp32", "error": None, "extra": {"gelems_per_s": 1.5}}
+
+    records = [result("ours-fp32", 0.04), result("torch-fused-fp32", 0.05)]
+    records += _harness.ratios("cpu_adam", records, [("ours-fp32", "torch-fused-fp32")])
+    assert all(_harness.check_record(r) == [] for r in records)
+    run = report.Run(RECORDS / "made-up.jsonl", tuple(records), "a test's records")
+    text, _ = report.benchmarks_page(report.load_runs() + [run])
+    assert "### `cpu_adam`" in text and "| ours-fp32 | 64M-t2 | 0.04 |" in text
+    assert "64M-t2: ours-fp32 / torch-fused-fp32: step x0.8" in text
+    assert text.count("python -m benchmarks.cpu_adam") >= 2  # the list of benchmarks, and its section

@@ -1,7 +1,7 @@
 """Note [block cache] in native/host_alloc/host_alloc.cpp: torch's CPU blocks of 1 MiB or more
 from mappings of their own, freed blocks reused whole by size and bounded, installed while an
 engine runs. Counts and addresses only: what reuse and release save is timed in
-scripts/bench_host_memory.py."""
+benchmarks/host_memory.py."""
 import ctypes
 import threading
 

@@ -4,56 +4,58 @@ A GPT-2 (byte-level, vocab 256, built from a config: nothing downloads) is first
 briefly with plain torch AdamW on this repository's English prose (README.md, docs/) and saved
 with ``save_pretrained``; then it is fine-tuned from that checkpoint on different text, this
 repository's Python source, with everything on NVMe (parameters, master weights, moments,
-gradients; no host cache), fp32 compute, once per moments mode: fp32, bf16, int8. The three
-runs live side by side in this process and take their steps in turns (round robin), on the
-same batches, so their step times share the machine's noise.
+gradients; no host cache), fp32 compute, once per moments mode: contenders ``moments-fp32``,
+``moments-bf16``, ``moments-int8``. The three runs live side by side in one process and take
+their steps in turns (round robin), on the same batches, so their step times share the
+machine's noise (Note [contenders side by side] in _harness.py).
 
-Printed: the training-loss curves' deviation from the fp32-moments run (max and mean of
-|loss - loss_fp32|, raw and over a 20-step moving average), the final eval loss of each on
-held-out source, the optimizer swap bytes per step (moments and all), the step time (median)
-and the time the step spent compressing and expanding the moments. The tolerance is stated
-and checked: mean |dloss| <= 1% of the fp32 run's mean loss and the final eval loss within 1%
-(relative) of fp32's.
+Each record's losses are its fine-tuning curve; ``extra``: the curve's deviation from the fp32
+run (max and mean of |loss - loss_fp32|, and the max over 20-step moving averages), the final
+eval loss on held-out source and its relative difference from fp32's, the optimizer swap bytes
+per step (moments and all), the time the step spent compressing and expanding the moments, and
+``within_tolerance``: mean |dloss| <= 1% of the fp32 run's mean loss and the final eval loss
+within 1% (relative) of fp32's. Ratios: each mode against fp32 (step time and bytes); the exit
+status is 1 when a mode is outside the tolerance.
 
-    python scripts/bench_compressed_states.py [--steps 300] [--nvme-path DIR] [--quick]
+    python -m benchmarks.compressed_states [--steps 300] [--nvme-path DIR] [--smoke]
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infinity
+from . import _flags, _harness
+from ._harness import ROOT, Cell
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = "compressed_states"
 MODES = ("fp32", "bf16", "int8")
 TOLERANCE = 0.01  # relative: mean |dloss| / mean loss, and |eval - eval_fp32| / eval_fp32
+PAIRS = (("moments-bf16", "moments-fp32"), ("moments-int8", "moments-fp32"))
 
 
-def corpus(patterns) -> torch.Tensor:
+def corpus(patterns):
     """The bytes of the repository's files matching ``patterns`` (sorted), as a uint8 tensor."""
     files = sorted({f for p in patterns for f in glob.glob(os.path.join(ROOT, p), recursive=True)})
     data = b"\n".join(open(f, "rb").read() for f in files)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def sample(data: torch.Tensor, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+def draw(data, batch: int, seq: int, g):
     starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
     return torch.stack([data[s : s + seq] for s in starts.tolist()])
 
 
-def build(args):
+def byte_gpt2(args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers, n_head=4,
+    cfg = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.hidden, n_layer=args.layers, n_head=4,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg)
     model.config.use_cache = False
@@ -62,13 +64,13 @@ def build(args):
 
 def pretrain(args, out_dir: str) -> None:
     """Plain torch AdamW on the prose; saved with save_pretrained."""
-    model = build(args)
+    model = byte_gpt2(args)
     prose = corpus(["README.md", "docs/**/*.md", "native/**/*.md"])
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     g = torch.Generator().manual_seed(1)
     t0 = time.perf_counter()
     for step in range(args.pretrain_steps):
-        ids = sample(prose, args.batch, args.seq, g)
+        ids = draw(prose, args.micro_batch, args.seq_len, g)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -80,11 +82,12 @@ def pretrain(args, out_dir: str) -> None:
           f"of prose in {time.perf_counter() - t0:.0f} s; saved to {out_dir}")
 
 
-def config(mode: str, nvme: str, args) -> dict:
-    return {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
-                     "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "gradients": "nvme", "host_cache": 0,
-                                           "chunk_size": args.chunk, "moments": mode}},
-            "precision": {"dtype": "fp32"}, "optimizer": {"lr": args.lr, "weight_decay": 0.01}}
+def moments_config(mode: str, nvme: str, args) -> dict:
+    from ._trainers import infinity_config
+
+    return infinity_config("nvme", "fp32", nvme, clip=None, optimizer={"lr": args.lr, "weight_decay": 0.01},
+                           zero={"offload_optimizer": {"gradients": "nvme", "host_cache": 0, "chunk_size": args.chunk,
+                                                       "moments": mode}})
 
 
 class CodecClock:
@@ -106,11 +109,11 @@ class CodecClock:
             setattr(codec, name, timed)
 
 
-def evaluate(model, held: torch.Tensor, args) -> float:
+def evaluate(model, held, args) -> float:
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         losses = [model(input_ids=ids, labels=ids).loss.item()
-                  for ids in (sample(held, args.batch, args.seq, g) for _ in range(args.eval_batches))]
+                  for ids in (draw(held, args.micro_batch, args.seq_len, g) for _ in range(args.eval_batches))]
     return sum(losses) / len(losses)
 
 
@@ -128,12 +131,12 @@ def finetune(args, pretrained: str, nvme_root: str) -> dict:
         model.config.use_cache = False
         nvme = os.path.join(nvme_root, mode)
         os.makedirs(nvme, exist_ok=True)
-        model, opt = infinity.initialize(model, config(mode, nvme, args))
+        model, opt = infinity.initialize(model, moments_config(mode, nvme, args))
         runs[mode] = {"model": model, "opt": opt, "losses": [], "times": [], "clock": CodecClock(opt.store),
                       "codec": [], "io": None}
     g = torch.Generator().manual_seed(3)
     for step in range(args.steps):
-        ids = sample(train, args.batch, args.seq, g)
+        ids = draw(train, args.micro_batch, args.seq_len, g)
         order = MODES[step % 3:] + MODES[: step % 3]  # round robin: no mode always runs first
         for mode in order:
             r = runs[mode]
@@ -170,70 +173,59 @@ def moving(xs, k=20):
     return [sum(xs[i : i + k]) / k for i in range(len(xs) - k + 1)]
 
 
-def report(runs: dict, args) -> bool:
-    ref = runs["fp32"]
+def figures(runs: dict, args) -> dict:
+    """Each mode's sample: its timed steps, its curve, and its deviation from the fp32 run."""
+    ref, warmup = runs["fp32"], args.warmup
     mean_loss = statistics.fmean(ref["losses"])
-    w = args.warmup
-    print(f"\nfine-tune: {args.steps} steps, batch {args.batch} x {args.seq} bytes, lr {args.lr}, fp32 compute, "
-          f"everything on NVMe, chunk {args.chunk}; {ref['params'] / 1e6:.2f}M optimizer elements on this rank")
-    print(f"tolerance: mean |dloss| <= {TOLERANCE:.0%} of the fp32 run's mean loss ({mean_loss:.4f}), "
-          f"final eval loss within {TOLERANCE:.0%} of fp32's\n")
-    head = ("moments", "max|dloss|", "mean|dloss|", "max|d avg20|", "eval loss", "eval vs fp32", "moment MB/step",
-            "opt MB/step", "step ms", "codec ms", "ok")
-    rows, ok_all = [head], True
+    out = {}
     for mode in MODES:
         r = runs[mode]
         d = [abs(a - b) for a, b in zip(r["losses"], ref["losses"])]
-        dm = [abs(a - b) for a, b in zip(moving(r["losses"]), moving(ref["losses"]))]
+        dm = [abs(a - b) for a, b in zip(moving(r["losses"]), moving(ref["losses"]))] or [0.0]
         rel_eval = (r["eval"] - ref["eval"]) / ref["eval"]
-        ok = statistics.fmean(d) <= TOLERANCE * mean_loss and abs(rel_eval) <= TOLERANCE
-        ok_all &= ok
-        rows.append((mode, f"{max(d):.4f}", f"{statistics.fmean(d):.4f}", f"{max(dm):.4f}", f"{r['eval']:.4f}",
-                     f"{rel_eval:+.2%}", f"{r['moment_bytes_per_step'] / 1e6:.2f}", f"{r['bytes_per_step'] / 1e6:.2f}",
-                     f"{statistics.median(r['times'][w:]) * 1e3:.1f}", f"{statistics.median(r['codec'][w:]) * 1e3:.1f}",
-                     "yes" if ok else "NO"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    for row in rows:
-        print("  ".join(c.rjust(wd) for c, wd in zip(row, widths)))
-    t32 = statistics.median(ref["times"][w:])
-    for mode in MODES[1:]:
-        r = runs[mode]
-        print(f"{mode}: moment bytes per step {ref['moment_bytes_per_step'] / r['moment_bytes_per_step']:.2f}x fewer, "
-              f"optimizer bytes per step {ref['bytes_per_step'] / r['bytes_per_step']:.2f}x fewer, step time "
-              f"{statistics.median(r['times'][w:]) / t32:.2f}x fp32's (codec {statistics.median(r['codec'][w:]) / t32:.1%} "
-              f"of an fp32 step)")
-    return ok_all
+        out[f"moments-{mode}"] = _harness.sample(r["times"][warmup:], losses=r["losses"], params=r["params"],
+                                                 tokens_per_step=args.micro_batch * args.seq_len, dtype="fp32", extra={
+            "max_dloss": round(max(d), 4), "mean_dloss": round(statistics.fmean(d), 5), "max_d_avg20": round(max(dm), 4),
+            "eval_loss": round(r["eval"], 4), "eval_vs_fp32": round(rel_eval, 5),
+            "moment_mb_per_step": round(r["moment_bytes_per_step"] / 1e6, 3),
+            "optimizer_mb_per_step": round(r["bytes_per_step"] / 1e6, 3),
+            "codec_ms": round(statistics.median(r["codec"][warmup:]) * 1e3, 2), "tolerance": TOLERANCE,
+            "within_tolerance": statistics.fmean(d) <= TOLERANCE * mean_loss and abs(rel_eval) <= TOLERANCE})
+    return out
+
+
+def measure(spec: dict) -> dict:
+    args = SimpleNamespace(**spec)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    pretrained = os.path.join(args.scratch, "pretrained")
+    print("pretraining (plain PyTorch, fp32) on the repository's prose ...", file=sys.stderr)
+    pretrain(args, pretrained)
+    print("fine-tuning on the repository's Python source, fp32 / bf16 / int8 moments in turns ...", file=sys.stderr)
+    return _harness.side_by_side(figures(finetune(args, pretrained, os.path.join(args.scratch, "swap")), args))
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
+    p = _flags.parser(__doc__, steps=300, warmup=5, seq_len=64, micro_batch=8, timeout=4 * 3600.0, budget=4 * 3600.0)
     p.add_argument("--pretrain-steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timings and byte counts")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--chunk", type=int, default=1 << 16, help="optimizer swap chunk (elements)")
     p.add_argument("--eval-batches", type=int, default=20)
-    p.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temporary one)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 40 pretrain and 40 fine-tune steps")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.pretrain_steps, args.eval_batches = 40, 40, 4
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    work = tempfile.mkdtemp(prefix="bench-compressed-", dir=args.nvme_path)
-    try:
-        pretrained = os.path.join(work, "pretrained")
-        print("pretraining (plain PyTorch, fp32) on the repository's prose ...")
-        pretrain(args, pretrained)
-        print("fine-tuning on the repository's Python source, fp32 / bf16 / int8 moments in turns ...")
-        ok = report(finetune(args, pretrained, os.path.join(work, "swap")), args)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print("\nall modes within tolerance" if ok else "\nSOME MODE OUTSIDE TOLERANCE")
-    return 0 if ok else 1
+    args = _harness.parse(p, measure, argv)
+    if args.smoke:
+        args.steps, args.pretrain_steps, args.eval_batches, args.warmup, args.micro_batch = 6, 5, 1, 1, 2
+    spec = {k: getattr(args, k) for k in ("steps", "warmup", "seq_len", "micro_batch", "pretrain_steps", "layers",
+                                          "hidden", "lr", "chunk", "eval_batches")}
+    records = _harness.run_cells(BENCH, "benchmarks.compressed_states", [Cell("moments", f"{args.layers}x{args.hidden}",
+                                                                        side_by_side=tuple(f"moments-{m}" for m in MODES))],
+                                 lambda cell, scratch: dict(spec, scratch=scratch), args, dtype="fp32")
+    status = _harness.finish(BENCH, records, args, PAIRS, extra=(
+        "mean_dloss", "max_d_avg20", "eval_loss", "eval_vs_fp32", "moment_mb_per_step", "codec_ms", "within_tolerance"),
+        ratio_extra=("moment_mb_per_step", "optimizer_mb_per_step"))
+    outside = [r["contender"] for r in records if r["status"] == "ok" and not r["extra"]["within_tolerance"]]
+    print(f"outside the tolerance: {', '.join(outside)}" if outside else "every mode within the tolerance")
+    return status or (1 if outside else 0)
 
 
 if __name__ == "__main__":
