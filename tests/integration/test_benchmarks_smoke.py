@@ -67,6 +67,7 @@ SMOKE = {
     "load": (("--only", "load"), ("from_pretrained", "aio-read")),
     "param_bytes": ((), None),  # its reference is another checkout (--baseline)
     "prefetch": (("--only", "plain,infinity-nvme"), ("infinity-nvme", "plain")),
+    "split_tiers": ((), ("split-50", "all-nvme")),
     "tiling": ((), ("factor-4", "factor-1")),
 }
 
