@@ -60,6 +60,7 @@ from .._offload._moments import file_bytes
 from .._offload._optimizer_store import chunk_elems, head_elems
 from .._offload._placement import GATHERED_REUSE, gradients_in_host, param_cache_elems
 from .._offload._preflight import staging_buffers, store_plan
+from .._offload._split import opt_host_upto
 from .._runtime import _accelerator as acc
 from .._runtime._tiers import Tier
 from .._zero._zero_optimizer import _native_adam, torch_adam_step
@@ -278,6 +279,8 @@ class Run:
     host_mem: int = 0  # bytes of host memory per node, for the gradients' "auto" rule; 0: this machine's
     moments: str = "fp32"  # zero.offload_optimizer.moments (Note [compressed moments] in _moments.py)
     host_allocator: str = "release"  # zero.host_allocator: with release the host cache is read again each step
+    opt_host_fraction: float = 0.0  # an NVMe optimizer tier's host share (Note [split tiers] in _offload/_split.py)
+    param_host_fraction: float = 0.0  # an NVMe parameter tier's host share
 
     @property
     def itemsize(self) -> int:
@@ -316,7 +319,9 @@ def host_memory(run: Run) -> dict:
                       staging_count=0 if direct else staging_buffers(z), param_source=_param_source(run),
                       param_cache=_param_cache(run, total),
                       gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0,
-                      moments=run.moments)
+                      moments=run.moments, opt_host_upto=opt_host_upto(run.opt_host_fraction, total, chunk)
+                      if run.optimizer_tier == "nvme" else 0,
+                      param_host_upto=int(run.param_host_fraction * total) if run.param_tier == "nvme" else 0)
     out = dict(plan["host"])
     if PARAM_HANDOFF in out:
         out[PARAM_HANDOFF] = min(out[PARAM_HANDOFF], total * isz)  # typical: at most the parameter space
@@ -365,20 +370,23 @@ def nvme_bytes(run: Run) -> dict:
     read = write = 0
     source = _param_source(run)
     if run.param_tier == "nvme" and source is not ParamSource.MASTER:
-        # backward's re-reads of what the parameter cache does not hold; the forward takes the step's hand-off
-        read += (total - _param_cache(run, total)) * run.itemsize
-        write += 0 if source is ParamSource.MASTER_FILE else total * run.itemsize  # the optimizer's master write
+        # backward's re-reads of what the parameter cache does not hold; the forward takes the step's hand-off;
+        # a split's host share is neither read nor written (Note [split tiers] in _offload/_split.py)
+        on_disk = total - int(run.param_host_fraction * total)
+        read += max(0, on_disk - _param_cache(run, total)) * run.itemsize
+        write += 0 if source is ParamSource.MASTER_FILE else on_disk * run.itemsize  # the optimizer's master write
     if run.optimizer_tier == "nvme":
-        cached = min(head, total)  # the head is whole chunks: it may end past the last element
-        states = int(per_elem * (total - cached))
+        owned = opt_host_upto(run.opt_host_fraction, total, chunk)  # in host memory only
+        cached = max(min(head, total), owned) - owned  # the head is whole chunks: it may end past the last element
+        states = int(per_elem * (total - owned - cached))
         read += states
         if run.host_allocator == "release":  # the host cache gave its pages back through forward: read again
             read += int(per_elem * cached)  # before the update (Note [host cache] in _nvme_optimizer_store.py)
         # the host cache is write-through (Note [host cache] in _nvme_optimizer_store.py)
         write += states + int(per_elem * cached)
         if not gim:
-            read += 4 * (total - cached)
-            write += 4 * (total - cached)
+            read += 4 * (total - owned - cached)
+            write += 4 * (total - owned - cached)
     return {"read": read, "write": write}
 
 

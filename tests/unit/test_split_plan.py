@@ -119,3 +119,14 @@ def test_auto_without_an_nvme_path_stays_in_host_memory():
     cfg = Config.from_dict({"zero": {"stage": 3, "offload_optimizer": {"device": "auto"},
                                      "host_memory_limit": 1}})
     assert _placement(cfg).opt_tier.name == "CPU"
+
+
+def test_the_run_model_moves_only_the_nvme_share():
+    """The run model's NVMe bytes per step for an optimizer split: the owned chunks are neither
+    read nor written (Note [run model] in infinity/_apps/_runmodel.py)."""
+    from infinity._apps._runmodel import Run, nvme_bytes
+
+    shape = dict(params=192_096_768, layers=4, hidden=1536, heads=12, vocab=50257, micro_batch=1, seq_len=32,
+                 param_tier="cpu", optimizer_tier="nvme", host_mem=24 * GiB)
+    whole, half = nvme_bytes(Run(**shape)), nvme_bytes(Run(**shape, opt_host_fraction=0.5))
+    assert 0.45 < half["read"] / whole["read"] < 0.55 and 0.45 < half["write"] / whole["write"] < 0.55
