@@ -3,13 +3,18 @@
 A wide, shallow GPT-2 (``--layers`` x ``--hidden``, 4 x 1536 by default: about 190M parameters,
 whose optimizer traffic dominates the step) in fp32, one rank, parameters in host memory, the
 optimizer states' tier the contender: ``all-cpu``, ``split-50`` (cpu 0.5, nvme 0.5), ``split-25``
-(cpu 0.25, nvme 0.75) and ``all-nvme``, each in a process of its own, rounds rotated; every NVMe
-contender with no host cache and the gradient shards in a swap file, so that its disk traffic is
-the split's alone. ``extra``: the optimizer's NVMe MiB read and written per step (medians, from
-the engine's telemetry) and ``saved``, the share of what all-NVMe costs over all-cpu a split saves,
-1 - (split - cpu) / (nvme - cpu), computed by the ratio lines. Ratios: each against all-nvme.
+(cpu 0.25, nvme 0.75) and ``all-nvme``, each in a process of its own, rounds rotated, the host
+cache and the gradients' tier left to their defaults. ``extra``: the optimizer's NVMe MiB read and
+written per step (medians, from the engine's telemetry), and the run model's prediction of the step
+(``predicted_s``, Note [run model] in infinity/_apps/_runmodel.py, from rates measured on this machine
+in the same child) with its error against the measured median (``model_error``). After the table,
+each split's ``saved``: the share of what all-NVMe costs over all-cpu it saves, 1 - (split - cpu) /
+(nvme - cpu). Ratios: each against all-nvme.
 
-    python -m benchmarks.split_tiers [--steps 3] [--layers 4] [--hidden 1536] [--smoke]
+``--big``: a model whose states are about 1.5x this machine's host memory, ``auto`` (both sections
+``device: auto``, Note [planned split] in infinity/_offload/_split.py) against ``all-nvme``.
+
+    python -m benchmarks.split_tiers [--steps 3] [--layers 4] [--hidden 1536] [--big] [--smoke]
 """
 from __future__ import annotations
 
@@ -20,22 +25,27 @@ from . import _flags, _harness, _models
 from ._harness import Cell
 
 BENCH = "split_tiers"
-SPLITS = {"all-cpu": None, "split-50": 0.5, "split-25": 0.25, "all-nvme": 0.0}
+SPLITS = {"all-cpu": None, "split-50": 0.5, "split-25": 0.25, "all-nvme": 0.0, "auto": "auto"}
+SMALL = ("all-cpu", "split-50", "split-25", "all-nvme")
+BIG = ("auto", "all-nvme")
 COUNTERS = ("nvme_optimizer_read_bytes", "nvme_optimizer_write_bytes")
 MIB = tuple(k.replace("_bytes", "_mib") for k in COUNTERS)
 PAIRS = tuple((name, "all-nvme") for name in SPLITS if name != "all-nvme")
 
 
-def config(contender: str, scratch: str, chunk: int) -> dict:
+def split_config(contender: str, scratch: str, chunk: int, big: bool = False) -> dict:
     from ._trainers import infinity_config
 
     host = SPLITS[contender]
-    cfg = infinity_config("cpu", "fp32", scratch, optimizer_tier="cpu" if host is None else "nvme",
+    if host == "auto":
+        cfg = infinity_config("nvme", "fp32", scratch, zero={"offload_optimizer": {"chunk_size": chunk}})
+        cfg["zero"]["offload_optimizer"]["device"] = cfg["zero"]["offload_param"]["device"] = "auto"
+        return cfg
+    params = "nvme" if big else "cpu"
+    cfg = infinity_config(params, "fp32", scratch, optimizer_tier="cpu" if host is None else "nvme",
                           zero={"offload_optimizer": {"chunk_size": chunk}})
-    if host is not None:
-        cfg["zero"]["offload_optimizer"].update(host_cache=0, gradients="nvme")
-        if host:
-            cfg["zero"]["offload_optimizer"]["split"] = {"cpu": host, "nvme": 1 - host}
+    if host:
+        cfg["zero"]["offload_optimizer"]["split"] = {"cpu": host, "nvme": 1 - host}
     return cfg
 
 
@@ -46,7 +56,9 @@ def measure(spec: dict) -> dict:
 
     torch.manual_seed(0)
     shape = _models.Shape.of(spec["layers"], spec["hidden"])
-    model, opt = infinity.initialize(_models.build(shape), config(spec["contender"], spec["scratch"], spec["chunk"]))
+    cfg = split_config(spec["contender"], spec["scratch"], spec["chunk"], spec["big"])
+    model, opt = infinity.initialize(_models.build(shape), cfg)
+    placement = opt.store, opt.param_store
     ids = _models.batches(shape, spec["micro_batch"], spec["seq_len"], 1)[0]
     times, rows, losses = [], [], []
     for step in range(spec["warmup"] + spec["steps"]):
@@ -66,10 +78,34 @@ def measure(spec: dict) -> dict:
             times.append(seconds)
             rows.append({k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS})
     params = sum(p.numel() for p in model.parameters())
+    run = _run_of(spec, shape, params, *placement)
     opt.engine.close()
     extra = {m: round(statistics.median(r[k] for r in rows) / 2**20, 1) for k, m in zip(COUNTERS, MIB)}
+    extra.update(_model_step(run, spec["scratch"], statistics.median(times)))
     return _harness.sample(times, losses=losses[spec["warmup"]:], params=params,
                            tokens_per_step=spec["micro_batch"] * spec["seq_len"], dtype="fp32", extra=extra)
+
+
+def _run_of(spec: dict, shape, params: int, store, param_store):
+    """The run model's description of this contender's run, its tiers and host shares as built."""
+    from infinity.testing import Run
+
+    def tier(s) -> str:
+        return {"DEVICE": "none", "CPU": "cpu", "NVME": "nvme"}[s.tier.name] if s is not None else "cpu"
+
+    return Run(params=params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
+               micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], param_tier=tier(param_store),
+               optimizer_tier=tier(store), opt_host_fraction=store.memory_elems / store.total if tier(store) == "nvme"
+               else 0.0, param_host_fraction=getattr(param_store, "host_upto", 0) / max(param_store.total, 1)
+               if param_store is not None else 0.0)
+
+
+def _model_step(run, scratch: str, measured: float) -> dict:
+    """The run model's step for ``run`` with this machine's rates, measured now, and its error."""
+    from infinity.testing import Rates, step_time
+
+    predicted = step_time(run, Rates.measure(scratch, run))["predicted"]
+    return {"predicted_s": round(predicted, 3), "model_error": round(predicted / measured - 1, 3)}
 
 
 def saved(records: list) -> dict:
@@ -86,17 +122,32 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--chunk", type=int, default=1 << 22, help="zero.offload_optimizer.chunk_size")
+    p.add_argument("--big", action="store_true", help="auto against all-nvme, states about 1.5x host memory")
     args = _harness.parse(p, measure, argv)
     if args.smoke:
         args.layers, args.hidden, args.steps, args.seq_len, args.chunk = 1, 64, 1, 16, 4096
-    cells = [Cell(name, f"{args.layers}x{args.hidden}") for name in SPLITS]
+    elif args.big:
+        args.layers, args.hidden = _big_shape()
+    cells = [Cell(name, f"{args.layers}x{args.hidden}") for name in (BIG if args.big else SMALL)]
     records = _harness.run_cells(BENCH, "benchmarks.split_tiers", cells, lambda cell, scratch: {
         "contender": cell.contender, "layers": args.layers, "hidden": args.hidden, "steps": args.steps,
         "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "chunk": args.chunk,
-        "scratch": scratch}, args, dtype="fp32")
+        "scratch": scratch, "big": args.big}, args, dtype="fp32")
     for name, share in saved(records).items():
         print(f"{name} saves {share:.0%} of what all-nvme costs over all-cpu (target: at least 40% for split-50)")
-    return _harness.finish(BENCH, records, args, PAIRS, extra=MIB, ratio_extra=MIB)
+    pairs = (("auto", "all-nvme"),) if args.big else PAIRS
+    return _harness.finish(BENCH, records, args, pairs, extra=MIB + ("predicted_s", "model_error"), ratio_extra=MIB)
+
+
+def _big_shape() -> tuple:
+    """(layers, hidden) of a 24-layer GPT-2 whose fp32 states (20 bytes per parameter: the
+    parameters, master weights, both moments and the gradients) are about 1.5x the host memory
+    available now (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    target = 1.5 * available / 20
+    hidden = min(range(1024, 8193, 128), key=lambda h: abs(_models.Shape.of(24, h).params - target))
+    return 24, hidden
 
 
 if __name__ == "__main__":
