@@ -16,8 +16,8 @@ from ..config import AioConfig
 from . import _plan as pl
 from . import _runmodel as rm
 from ._endurance import TB
-from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, _config_dict, _format_count
-from ._estimator import Estimate, estimate, tier_name
+from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, _config_dict, _format_count, vocab_of
+from ._estimator import Estimate, Given, estimate, resolve, tier_name
 
 # --------------------------------------------------------------------------- CLI
 
@@ -44,9 +44,10 @@ def _report(est: Estimate) -> str:
     if rec is None:
         tiled = est.tiling_needed
         if tiled is not None:
-            out.append(f"no placement fits untiled; the largest operator ({_format_count(est.shape.largest_operator_numel)} "
-                       f"params) fits with tiling factor {tiled.tiling_factor} (zero.tiling.max_tile_params = "
-                       f"{tiled.max_tile_params}):")
+            out.append(f"no placement fits untiled; one fits with tiling factor {tiled.tiling_factor} "
+                       f"(zero.tiling.max_tile_params = {tiled.max_tile_params}): the largest operator "
+                       f"({_format_count(est.shape.largest_operator_numel)} params) and every other one above it in "
+                       f"tiles, each a fetch unit of its own:")
             out += ["recommended config:", _yaml(tiled.recommended.config)] + _how_to_run(tiled)
             return "\n".join(out)
         out.append("no placement fits: add GPUs or nodes, host memory or NVMe space, or lower "
@@ -117,20 +118,27 @@ def _parser() -> argparse.ArgumentParser:
     ssd.add_argument("--steps", type=int, help="optimizer steps of the run: the TB it writes to each node's NVMe")
     ssd.add_argument("--endurance-tbw", type=float,
                      help="the drive's rated endurance in TB written (aio.endurance_tbw): the run's share of it")
+    _plan_flags(p)
+    st.add_argument("--hardware", choices=("dgx2", "h100x8"),
+                    help="a whole node: its GPUs, memories and NVMe for the estimate and its rates for --step-time "
+                         "(the paper's DGX-2, or an 8xH100 node with NVMe RAID; figures in _runmodel.py)")
+    return p
+
+
+def _plan_flags(p: argparse.ArgumentParser) -> None:
     own = p.add_argument_group("the engine's own plan (Note [planned by the engine] in _plan.py)")
     own.add_argument("--plan", action="store_true",
                      help="build the model on the meta device and run the engine's planner for the node (--gpus x "
                           "--nodes ranks, --drives, --nvme-layout): fetch units, each rank's bytes by tier, swap "
                           "files, buffers and host memory, each drive's swap bytes; nothing is allocated")
     own.add_argument("--arch", choices=pl.ARCHS,
-                     help="--plan: the decoder a shape (--layers, --hidden, --params) is built as (default: llama "
-                          "for a published Llama shape a bare --params took, else gpt2)")
+                     help="the decoder a shape (--layers, --hidden, --params) is built as, for the table and --plan "
+                          "(default: llama, whose Linear layers zero.tiling tiles)")
+    own.add_argument("--stage", type=int, choices=(1, 2, 3), default=3,
+                     help="--plan: the ZeRO stage planned (stages 1-2 keep the parameters whole on the device: "
+                          "--offload none,OPTIMIZER)")
     own.add_argument("--config", help="--plan: the infinity config to plan (its tiers, dtype, buffers) instead of "
                                       "stage 3 at --offload in --dtype")
-    st.add_argument("--hardware", choices=("dgx2", "h100x8"),
-                    help="a whole node: its GPUs, memories and NVMe for the estimate and its rates for --step-time "
-                         "(the paper's DGX-2, or an 8xH100 node with NVMe RAID; figures in _runmodel.py)")
-    return p
 
 
 def _drive_flags(hw) -> None:
@@ -165,16 +173,18 @@ def _offload_of(est: Estimate, args) -> str:
 
 
 def _run_of(est: Estimate, args):
-    """The stage-3 run of the run model (Note [run model] in _runmodel.py) at the --offload tiers."""
+    """The stage-3 run of the run model (Note [run model] in _runmodel.py) at the --offload tiers, of
+    the table's plan of that row (its layout, its stores' bytes)."""
     tiers = ["device" if t == "none" else t for t in offload_tiers(_offload_of(est, args))]
     hw = est.hardware
     s = est.shape
-    return rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab or 0,
+    row = est.placement(3, *tiers)
+    return rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=vocab_of(s),
                   micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name, param_tier=tiers[0],
                   optimizer_tier=tiers[1], ranks=hw.ranks, device_is_host=hw.device_is_host,
                   ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 or not hw.device_is_host else 0,
                   host_mem=0 if hw.device_is_host else hw.cpu_mem,  # the CPU runs here train without checkpoints
-                  moments=est.precision.moments)
+                  moments=est.precision.moments, figures=pl.figures_of(row.plan) if row.plan is not None else None)
 
 
 def _ssd_writes(est: Estimate, args) -> dict:
@@ -265,7 +275,7 @@ def _drive_bandwidth(args) -> Optional[Tuple[float, float]]:
     return figures[0], figures[-1]
 
 
-def _plan_report(est: Estimate, args) -> str:
+def _plan_report(est: Given, args) -> str:
     """Note [planned by the engine] in _plan.py: the model built on the meta device and planned for the node."""
     others = [flag for flag, given in (("--step-time", args.step_time), ("--steps", args.steps is not None),
                                        ("--trainable", args.trainable is not None)) if given]
@@ -278,12 +288,14 @@ def _plan_report(est: Estimate, args) -> str:
                             "leave out --drives, or --config")
     drives = pl.drive_names(args.drives, args.hardware, args.nvme_path)
     offload = ",".join(offload_tiers(args.offload or "nvme,nvme"))
+    if args.stage < 3 and offload.split(",")[0] != "none":
+        raise EstimateError(f"--stage {args.stage} keeps the parameters whole on the device: --offload none,"
+                            f"{offload.split(',')[1]}, or --stage 3")
     cfg = pl.plan_config(offload, args.dtype, args.config, est.max_tile_params if args.tiling_factor > 1 else None,
-                         drives, args.nvme_layout)
+                         drives, args.nvme_layout, stage=args.stage, moments=args.moments)
     node = pl.node_of(est.hardware, cfg, args.hardware, _drive_bandwidth(args))
-    fields = _config_dict(args.model)[0] if args.model is not None else None
-    arch = args.arch or ("llama" if est.shape.known else "gpt2")
-    result = pl.timed_plan(lambda: pl.build_meta(fields, est.shape, arch), cfg, node)
+    fields = _config_dict(args.model)[0] if args.model is not None and est.arch == "config" else None
+    result = pl.timed_plan(lambda: pl.build_meta(fields, est.shape, est.arch), cfg, node)
     return json.dumps(result.to_dict(), indent=2) if args.json else pl.report(result)
 
 
@@ -299,17 +311,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _, gpus, gpu_mem, cpu_mem, nvme = rm.NODES[args.hardware]
         args.gpus, args.gpu_mem = args.gpus or gpus, args.gpu_mem or gpu_mem
         args.cpu_mem, args.nvme = args.cpu_mem or cpu_mem, args.nvme or nvme
-    try:
-        est = estimate(args.params, model=args.model, layers=args.layers, hidden=args.hidden,
-                       heads=args.heads, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                       ckpt_interval=args.ckpt_interval, gpus=args.gpus, nodes=args.nodes,
-                       gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme=args.nvme,
-                       dtype=args.dtype, moments=args.moments, nvme_path=args.nvme_path, trainable=args.trainable,
-                       tiling_factor=args.tiling_factor)
+    try:  # --plan plans its own placement: the table's rows are not planned for it
+        est = (resolve if args.plan else estimate)(
+            args.params, model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+            seq_len=args.seq_len, micro_batch=args.micro_batch, ckpt_interval=args.ckpt_interval, gpus=args.gpus,
+            nodes=args.nodes, gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme=args.nvme, dtype=args.dtype,
+            moments=args.moments, nvme_path=args.nvme_path, trainable=args.trainable,
+            tiling_factor=args.tiling_factor, arch=args.arch)
     except EstimateError as exc:
         parser.error(str(exc))     # exits 2 with the usage and the message
     try:
-        writes = _ssd_writes(est, args) if args.steps is not None else None
+        writes = _ssd_writes(est, args) if args.steps is not None and not args.plan else None  # --plan refuses --steps
         if args.plan:
             text = _plan_report(est, args)
         elif args.step_time:

@@ -1,7 +1,23 @@
 """What ``infinity.estimate`` is given: sizes and counts as text (``parse_size``,
 ``parse_count``), and the model's shape, from a parameter count (interpolated between the
 paper's shapes), from explicit layers / hidden / heads, or from a Hugging Face config or
-directory (Note: the formulas, in _estimator.py)."""
+directory (Note: the formulas, in _estimator.py); and the model itself on the meta device
+(Note [the planned decoder]).
+
+Note [the planned decoder]: the estimator's table, ``--plan`` and ``--step-time`` speak of one
+model: the estimator plans each placement with the engine's own functions (Note [planned by
+the engine] in _plan.py), which need the model's fetch units, so a shape is built as a model on
+the meta device. A config that transformers can build is that model (``--plan`` builds the
+same); a shape alone (a bare count, or layers and hidden) is ``decoder``: a Llama (every matrix
+an ``nn.Linear``, which zero.tiling tiles; ``--arch gpt2``: a GPT-2, whose ``Conv1D`` it does
+not) with the modules, names, tied weights and parameter shapes of transformers' own
+(``build_meta`` in _plan.py, with the vocabulary ``vocab_of`` gives), built here without
+transformers and without initializing anything, so its units, their tiles and its parameter
+count are those of ``--plan`` (tests/unit/test_estimate_plan.py compares them). Its count is
+the estimate's: a bare count takes the shape whose decoder has about that many parameters, its
+embedding and head included (a bare 7B: 48 layers x 3392, 7.05B). ``trainable`` trains the
+model's last parameters that fit and an adapter in its last block for the rest (``_freeze`` in
+_estimator.py)."""
 from __future__ import annotations
 
 import json
@@ -9,14 +25,18 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 
 from .._runtime._log import logger
 from ..errors import EstimateError
 
 _NVME_PATH_PLACEHOLDER = "/local_nvme"
+GPT2_VOCAB = 50257  # the vocabulary of a decoder given by its shape only (GPT-2's)
+GPT2_POSITIONS = 1024  # GPT2Config's n_positions
+ARCHS = ("gpt2", "llama")  # the decoders a shape is built as
 
 
 # --------------------------------------------------------------------------- parsing sizes
@@ -129,11 +149,13 @@ def _interpolate_log(x: float, xs: Sequence[float], ys: Sequence[float]) -> floa
 
 
 def _shape_for_params(params: int, layers: Optional[int] = None,
-                      hidden: Optional[int] = None, heads: Optional[int] = None) -> Shape:
+                      hidden: Optional[int] = None, heads: Optional[int] = None, embeddings: int = 0) -> Shape:
     """A GPT-3-like shape for Ψ parameters following the paper's model sizes (Fig. 2a).
 
     Layers and heads are interpolated between the paper's models, heads rounded to a power of
-    two, and hd = √(Ψ / 12·nl) rounded to a multiple of the heads (at least of 64).
+    two, and hd solves 12·nl·hd² + E·hd = Ψ (E: ``embeddings``, the rows of the decoder's
+    vocabulary matrices, so that the decoder planned has about Ψ parameters: Note [the planned
+    decoder]), rounded to a multiple of the heads (at least of 64).
     """
     if layers is None and hidden is None and heads is None:
         for name, (count, shape) in _KNOWN_SHAPES.items():
@@ -141,7 +163,7 @@ def _shape_for_params(params: int, layers: Optional[int] = None,
                 return shape
     sizes = [12 * nl * hd * hd for nl, hd, _ in _PAPER_SHAPES]
     if layers is None and hidden is not None:
-        layers = max(1, round(params / (12 * hidden * hidden)))
+        layers = max(1, round((params - embeddings * hidden) / (12 * hidden * hidden)))
     if layers is None:
         layers = max(1, round(_interpolate_log(params, sizes, [s[0] for s in _PAPER_SHAPES])))
     if heads is None:
@@ -152,7 +174,8 @@ def _shape_for_params(params: int, layers: Optional[int] = None,
             heads = min(divisors, key=lambda h: abs(math.log(h / guess)))
     if hidden is None:
         step = max(64, heads)
-        hidden = max(step, step * round(math.sqrt(params / (12 * layers)) / step))
+        root = (math.sqrt(embeddings**2 + 48 * layers * params) - embeddings) / (24 * layers)
+        hidden = max(step, step * round(root / step))
     return Shape(layers=layers, hidden=hidden, heads=heads, derived=True)
 
 
@@ -197,10 +220,11 @@ def _field(fields: dict, name: str) -> Optional[int]:
     return None
 
 
-def _count_with_transformers(fields: dict, config: Any) -> Optional[int]:
-    """Exact parameter count of the model built on the meta device (no memory used)."""
+def _built_with_transformers(fields: dict, config: Any) -> Optional[nn.Module]:
+    """The model of a config built by transformers on the meta device (no memory used), or None
+    where transformers is missing or cannot build it."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM  # optional (the hf extra): counted without it
+        from transformers import AutoConfig, AutoModelForCausalLM  # optional (the hf extra): planned without it
     except ImportError:
         return None
     try:
@@ -210,15 +234,16 @@ def _count_with_transformers(fields: dict, config: Any) -> Optional[int]:
             rest = {k: v for k, v in fields.items() if k != "model_type"}
             config = AutoConfig.for_model(fields["model_type"], **rest)
         with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(config)
-        return sum(p.numel() for p in built.parameters())
-    except Exception as exc:  # unknown architecture, bad fields: the closed formula stands in
-        logger.info("estimate: transformers could not build the model (%s); "
-                    "counting parameters with 12·nl·hd² + vocab·hd", exc)
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # unknown architecture, bad fields: the decoder of its shape stands in
+        logger.info("estimate: transformers could not build the model (%s); planning the decoder of its shape", exc)
         return None
 
 
-def _shape_from_model(model: Any) -> tuple[Shape, int]:
+def _shape_from_model(model: Any) -> Tuple[Shape, Callable[[], nn.Module]]:
+    """The shape of a model config and a builder of the model on the meta device (Note [the
+    planned decoder]): transformers' model where it can build it, else the decoder of the shape
+    (a Llama for a Llama config, else a GPT-2)."""
     fields, config = _config_dict(model)
     dims = {name: _field(fields, name) for name in _CONFIG_KEYS}
     if dims["layers"] is None or dims["hidden"] is None:
@@ -226,15 +251,97 @@ def _shape_from_model(model: Any) -> tuple[Shape, int]:
                             "(num_hidden_layers / n_layer) and the hidden size "
                             "(hidden_size / n_embd)")
     heads = dims["heads"] or max(1, dims["hidden"] // 128)
+    kv = fields.get("num_key_value_heads")
     shape = Shape(layers=dims["layers"], hidden=dims["hidden"], heads=heads,
-                  vocab=dims["vocab"], ffn=dims["ffn"])
-    params = _count_with_transformers(fields, config)
-    if params is None:
-        params = _closed_form_params(shape)
-    return shape, params
+                  vocab=dims["vocab"], ffn=dims["ffn"], kv_heads=kv if isinstance(kv, int) and kv > 0 else None)
+    built = [_built_with_transformers(fields, config)]
+    if built[0] is not None:  # built once here; again for each later call (zero.tiling changes what it is given)
+        return shape, lambda: built.pop() if built else _built_with_transformers(fields, config)
+    arch = "llama" if fields.get("model_type") == "llama" else "gpt2"
+    return shape, lambda: decoder(shape, arch)
 
 
-def _closed_form_params(shape: Shape) -> int:
-    """002 eq. 1 (12·nl·hd², or 2·nl·hd·ffn + 4·nl·hd² for a known MLP width) + embedding."""
-    per_layer = 4 * shape.hidden**2 + 2 * shape.hidden * (shape.ffn or 4 * shape.hidden)
-    return shape.layers * per_layer + (shape.vocab or 0) * shape.hidden
+# --------------------------------------------------------------------------- the planned decoder
+
+def vocab_of(shape: Shape) -> int:
+    """The vocabulary of the decoder a shape is built as (Note [the planned decoder])."""
+    return shape.vocab or GPT2_VOCAB
+
+
+def llama_ffn(shape: Shape) -> int:
+    """A Llama's MLP width: the shape's, else 8/3 of the hidden size rounded up to a multiple of
+    256 (as many parameters as GPT-2's 4x MLP)."""
+    return shape.ffn or -(-8 * shape.hidden // 3 // 256) * 256
+
+
+class _Conv1D(nn.Module):
+    """transformers' GPT-2 ``Conv1D``: a weight (in, out) and a bias; a type zero.tiling does not tile."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.empty(n_in, n_out)), nn.Parameter(torch.empty(n_out))
+
+
+class _Norm(nn.Module):
+    """A LayerNorm (weight and bias) or an RMSNorm (weight only)."""
+
+    def __init__(self, hidden: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden))
+        self.register_parameter("bias", nn.Parameter(torch.empty(hidden)) if bias else None)
+
+
+def _linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
+    """An ``nn.Linear`` (the type zero.tiling tiles) of uninitialized meta tensors: a trillion
+    parameters' worth is built in milliseconds."""
+    m = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(m)
+    m.in_features, m.out_features = n_in, n_out
+    m.weight = nn.Parameter(torch.empty(n_out, n_in))
+    m.register_parameter("bias", nn.Parameter(torch.empty(n_out)) if bias else None)
+    return m
+
+
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))  # given a weight: not initialized
+
+
+def _module(**children) -> nn.Module:
+    m = nn.Module()
+    for name, child in children.items():
+        setattr(m, name, child)
+    return m
+
+
+def _gpt2_block(hd: int, inner: int) -> nn.Module:
+    return _module(ln_1=_Norm(hd), attn=_module(c_attn=_Conv1D(hd, 3 * hd), c_proj=_Conv1D(hd, hd)),
+                   ln_2=_Norm(hd), mlp=_module(c_fc=_Conv1D(hd, inner), c_proj=_Conv1D(inner, hd)))
+
+
+def _llama_layer(hd: int, heads: int, kv_heads: int, ffn: int) -> nn.Module:
+    head_dim = hd // heads
+    attn = _module(q_proj=_linear(hd, heads * head_dim), k_proj=_linear(hd, kv_heads * head_dim),
+                   v_proj=_linear(hd, kv_heads * head_dim), o_proj=_linear(heads * head_dim, hd))
+    return _module(self_attn=attn, mlp=_module(gate_proj=_linear(hd, ffn), up_proj=_linear(hd, ffn),
+                                               down_proj=_linear(ffn, hd)),
+                   input_layernorm=_Norm(hd, bias=False), post_attention_layernorm=_Norm(hd, bias=False))
+
+
+def decoder(shape: Shape, arch: str = "llama") -> nn.Module:
+    """Note [the planned decoder]: transformers' LlamaForCausalLM (untied head) or GPT2LMHeadModel
+    (tied head) of ``shape``, on the meta device, as ``build_meta`` in _plan.py builds it."""
+    if arch not in ARCHS:
+        raise EstimateError(f"arch: {arch!r}; use one of {', '.join(ARCHS)}")
+    hd, vocab = shape.hidden, vocab_of(shape)
+    with torch.device("meta"):
+        if arch == "gpt2":
+            body = _module(wte=_embedding(vocab, hd), wpe=_embedding(GPT2_POSITIONS, hd),
+                           h=nn.ModuleList(_gpt2_block(hd, shape.ffn or 4 * hd) for _ in range(shape.layers)),
+                           ln_f=_Norm(hd))
+            model = _module(transformer=body, lm_head=_linear(hd, vocab))
+            model.lm_head.weight = body.wte.weight  # tied, as GPT-2's
+            return model
+        layers = nn.ModuleList(_llama_layer(hd, shape.heads, shape.kv_heads or shape.heads, llama_ffn(shape))
+                               for _ in range(shape.layers))
+        body = _module(embed_tokens=_embedding(vocab, hd), layers=layers, norm=_Norm(hd, bias=False))
+        return _module(model=body, lm_head=_linear(hd, vocab))

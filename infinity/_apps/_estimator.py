@@ -17,58 +17,64 @@ Note: the formulas, and where they come from
 
     Partitioning (000 §5): stage 1 splits the optimizer states over N (P·Ψ + G·Ψ + O·Ψ/N per
     rank), stage 2 also the gradients (P·Ψ + (G+O)·Ψ/N), stage 3 also the parameters
-    ((P+G+O)·Ψ/N). Only stage 3 can move parameters off the device. The gradient shard of
-    stage 2/3 lives with the optimizer states (``offload_optimizer`` moves both).
+    ((P+G+O)·Ψ/N). Only stage 3 can move parameters off the device. The table's rows are not
+    these terms but the engine's own plan of each placement (Note [planned by the engine] in
+    _plan.py, the one computation ``--plan`` makes, for the model of Note [the planned decoder]
+    in _estimate_model.py): the stores' bytes per tier (fp32 master weights, moments and
+    gradient shards: 16Ψ/N; the compute-dtype gradient is never stored, it is reduce-scattered
+    from the device), the whole parameters of stages 1-2, the working memory of the largest
+    unit, the NVMe tiers' buffers and caches, and the automatic rules (gradients in host
+    memory, the parameter cache, parameters from the master) for the node's host memory.
 
     Activation checkpoints (002 eq. 3): 2·bsz·seq·hd·nl/ci bytes per GPU (2 = bytes of a
     low-precision element; 4 for fp32). They stay on the device.
 
     Model-state working memory, MSWM (002 eq. 4): the parameters and gradients of the largest
     single operator, 4·hd·4hd bytes for the hd→4hd linear layer. When the model is known the
-    largest operator may instead be the embedding (vocab·hd) or a wider MLP. Stage 3 needs it
-    for every placement (the operator is gathered whole); stage 2 needs the full gradient of
-    that operator before its reduce-scatter; stage 1 keeps everything whole already.
+    largest operator may instead be the embedding (vocab·hd) or a wider MLP. The header gives
+    it; the rows take the engine's working memory of the largest fetch unit instead (stage 3:
+    it, the units gathered ahead, its gradient and the parameters that stay gathered; stage 2:
+    its gradient before the reduce-scatter; stage 1: the whole gradients until the step).
 
     Activation working memory, AWM (002 eq. 5): bsz·seq·ci·(16·hd + 2·heads·seq) bytes: the
     activations recomputed between two checkpoints during backward.
 
     Memory-centric tiling (002 §5.1.3): with tiling factor f (zero.tiling) the largest operator
-    is gathered and differentiated one tile at a time, so MSWM (and stage 2's full gradient of
-    it) is divided by f: (P+G)·⌈largest/f⌉. AWM is unchanged (a tile's output is a slice of the
-    operator's). When no placement fits, the estimate tries f = 2, 4, ... 4096 and names the
-    smallest that makes one fit, with its zero.tiling.max_tile_params.
-
-    NVMe tiers need host memory of their own, computed by the stores' own formulas with the
-    config's defaults (``_staging_bytes``; the preflight of a real run checks the same bytes):
-    the parameter tier's staging pool and hand-off buffers (shards of the largest operator),
-    the optimizer swapper's buffer sets, its host cache of the first unit (the embedding) and,
-    in stages 2-3 when they take at most a quarter of host memory, the fp32 gradient shards.
+    is gathered and differentiated one tile at a time, so MSWM is divided by f:
+    (P+G)·⌈largest/f⌉; the rows plan the model tiled as ``initialize`` tiles it, tiles of at most
+    ⌈largest/f⌉ parameters. AWM is unchanged (a tile's output is a slice of the operator's).
+    When no placement fits, the estimate tries powers of two up to 4096, from the smallest whose
+    tiles could leave a row room (three at most: each is a plan of the model tiled), and names
+    the smallest that makes one fit, with its zero.tiling.max_tile_params.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Optional, Tuple
 
-from .._offload._layout import ParamSource
-from .._offload._memory_plan import GRADIENTS, OPT_STATES, PARAM_SHARDS
-from .._offload._moments import MODES, file_bytes
-from .._offload._optimizer_store import chunk_elems, head_elems
-from .._offload._preflight import staging_buffers, store_plan
+import torch
+from torch import nn
+
+from .._offload._moments import MODES
+from .._runtime._log import logger
 from .._runtime._tiers import Tier
-from ..config import Config
+from . import _plan as pl
 from ._estimate_hardware import Hardware, _detect_hardware
 from ._estimate_model import (
     _NVME_PATH_PLACEHOLDER,
+    GPT2_POSITIONS,
+    GPT2_VOCAB,
     EstimateError,
     Shape,
-    _closed_form_params,
     _format_bytes,
     _format_count,
     _shape_for_params,
     _shape_from_model,
+    decoder,
     parse_count,
     parse_size,
 )
@@ -98,10 +104,6 @@ class Precision:
         if dtype == "fp32":
             return cls(dtype, param=4, grad=4, optimizer=8, activation=4, moments=moments)    # m, v only
         raise EstimateError(f"dtype: {dtype!r} is not supported; use bf16, fp16 or fp32")
-
-    def nvme_saving(self, n: int) -> int:
-        """Bytes the compressed moments save on NVMe for ``n`` elements (Note [compressed moments] in _moments.py)."""
-        return 2 * (4 * n - file_bytes(self.moments, n, chunk_elems(None, n))) if n else 0
 
     @property
     def total(self) -> int:
@@ -136,7 +138,8 @@ class PlacementEstimate:
     fits_device: bool
     fits_host: bool
     fits_nvme: bool
-    host_plan: dict = field(default_factory=dict)  # per node: the NVMe tiers' host buffers by category
+    host_plan: dict = field(default_factory=dict)  # per node: host memory by category (the stores' plan)
+    plan: Optional[pl.Plan] = field(default=None, repr=False, compare=False)  # the engine's plan of the row
 
     @property
     def fits(self) -> bool:
@@ -147,9 +150,9 @@ class PlacementEstimate:
         return (self.stage, self.param_tier, self.optimizer_tier)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
         out.update(param_tier=str(self.param_tier), optimizer_tier=str(self.optimizer_tier),
-                   fits=self.fits)
+                   host_plan=dict(self.host_plan), fits=self.fits)
         return out
 
 
@@ -186,9 +189,12 @@ class Estimate:
     nvme_path: Optional[str] = None
     tiling_factor: int = 1                # the factor these placements were computed with
     tiling_needed: Optional["Estimate"] = None  # nothing fits: the estimate at the smallest factor that fits
+    arch: str = "llama"  # the decoder a shape was built as ("config": the config's own model)
+    trainable: Optional[int] = None  # parameters trained in the planned model (None: all)
 
     def placement(self, stage: int, param_tier: str, optimizer_tier: str) -> PlacementEstimate:
-        wanted = (stage, Tier(param_tier), Tier(optimizer_tier))
+        """The row of ``stage`` with the tiers in the config's words (``none``, ``cpu``, ``nvme``; ``device`` too)."""
+        wanted = (stage, Tier.of(param_tier), Tier.of(optimizer_tier))
         for p in self.placements:
             if p.key == wanted:
                 return p
@@ -219,7 +225,7 @@ class Estimate:
 
         zero = {"stage": p.stage, "offload_param": offload(p.param_tier), "offload_optimizer": offload(p.optimizer_tier)}
         if self.tiling_factor > 1:
-            zero["tiling"] = {"enabled": True, "max_tile_params": self.max_tile_params}
+            zero.update(pl.tiling_keys(self.max_tile_params))  # the keys the rows were planned with
         return {"zero": zero, "precision": {"dtype": self.precision.name}}
 
     @property
@@ -250,8 +256,10 @@ class Estimate:
 
     def _header_lines(self) -> list:
         s, hw, t = self.shape, self.hardware, self.terms
-        guessed = (f" ({s.known}'s shape, for the parameter count)" if s.known else
-                   " (shape derived from the parameter count)" if s.derived else "")
+        about = [f"{s.known}'s shape, for the parameter count" if s.known else
+                 "shape derived from the parameter count" if s.derived else ""]
+        about.append({"llama": "planned as a Llama", "gpt2": "planned as a GPT-2"}.get(self.arch, ""))
+        guessed = f" ({'; '.join(a for a in about if a)})" if any(about) else ""
         mark = lambda name: " (this machine)" if name in hw.detected else ""  # noqa: E731
         device = ("no accelerator: device tier is host memory"
                   if hw.device_is_host else f"{_format_bytes(hw.gpu_mem)}/GPU{mark('gpu_mem')}")
@@ -271,7 +279,17 @@ class Estimate:
             "(largest operator's params + grads" + (f", tiled {self.tiling_factor} ways: tiles of "
                                                    f"{_format_count(self.max_tile_params)} params)"
                                                    if self.tiling_factor > 1 else ")"),
-        ]
+        ] + self._units_line()
+
+    def _units_line(self) -> list:
+        """What the rows were planned of: the fetch units and the engine's working memory at stage 3."""
+        row = next((p for p in self.placements if p.key == (3, Tier.DEVICE, Tier.DEVICE)), None)
+        if row is None or row.plan is None:
+            return []
+        plan = row.plan
+        return [f"fetch units (the rows: the engine's plan, as --plan): {plan.units}, the largest "
+                f"{plan.largest_unit[0] or '<root>'} ({_format_count(plan.largest_unit[1])} params); stage 3's "
+                f"device working memory {_format_bytes(plan.working_memory)}"]
 
     def _placement_lines(self) -> list:
         head = ("stage", "params", "optimizer", "device/GPU", "host/node", "nvme/node", "fits")
@@ -298,59 +316,53 @@ def _terms(params: int, trainable: int, shape: Shape, seq: int, bsz: int, ci: in
                  activation_working=int(awm * scale), model_state_working=mswm)
 
 
-def _placement(stage, ptier, otier, params, trainable, shape, terms, prec, hw, tiling: int = 1) -> PlacementEstimate:
-    ranks, per_node = hw.ranks, hw.gpus_per_node
-    shard = math.ceil(params / ranks)
-    tshard = math.ceil(trainable / ranks)  # gradients and optimizer states exist for trainable parameters only
-    tiers = {Tier.DEVICE: 0, Tier.CPU: 0, Tier.NVME: 0}                    # bytes per GPU
-    # Note [parameters from the master] in _placement.py: the engine's rule, for a model whose trainable
-    # parameters are all of it; parameters from the master are counted on the master's tier
-    source = ParamSource.of(partitioned=stage == 3, fp32=prec.name == "fp32", same_spaces=trainable == params,
-                            opt_tier=otier, param_tier=ptier, device_is_host=hw.device_is_host)
-    tiers[otier if source.from_master else ptier] += prec.param * (shard if stage == 3 else params)
-    if stage == 1:
-        tiers[Tier.DEVICE] += prec.grad * trainable
-        tiers[otier] += prec.optimizer * tshard
-    else:
-        tiers[otier] += (prec.grad + prec.optimizer) * tshard
-    working = {1: 0, 2: prec.grad * math.ceil(shape.largest_operator_numel / tiling), 3: terms.model_state_working}
-    device = (tiers[Tier.DEVICE] + working[stage] + terms.activation_checkpoints
-              + terms.activation_working)
-    if otier is Tier.NVME:
-        tiers[Tier.NVME] -= prec.nvme_saving(tshard)
-    staging = _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, source)
-    host = per_node * (tiers[Tier.CPU] + sum(staging.values()))
-    nvme = per_node * tiers[Tier.NVME]
+_GRID = [(s, pt, ot) for s in (1, 2, 3) for pt in Tier for ot in Tier if s == 3 or pt is Tier.DEVICE]
+
+
+def _placements(model, params: int, trainable: int, terms: Terms, prec: Precision, hw: Hardware,
+                max_tile: Optional[int]) -> list:
+    """Every row of the grid, each the engine's own plan (Note [planned by the engine] in _plan.py)
+    of ``model`` (on the meta device; tiled here to ``max_tile`` where given) for the node of
+    ``hw``: the plan ``--plan`` makes of the same placement."""
+    cfgs = {key: pl.plan_config(f"{tier_name(key[1])},{tier_name(key[2])}", prec.name, max_tile_params=max_tile,
+                                stage=key[0], moments=prec.moments) for key in _GRID}
+    node = pl.node_of(hw, cfgs[(3, _D, _D)])
+    with pl.quiet(logging.ERROR):  # the automatic rules' lines, once per row otherwise; tiling's, per module
+        specs = pl.tiled_specs(model, cfgs[(3, _D, _D)], node.world)  # the same units at every stage
+        return [_row(key, pl.plan_specs(specs, cfgs[key], node, params, trainable), terms, hw) for key in _GRID]
+
+
+def _row(key: tuple, plan: pl.Plan, terms: Terms, hw: Hardware) -> PlacementEstimate:
+    """A row of the table from the engine's plan of it: the device's bytes per GPU (the plan's,
+    with the activation terms), host memory and NVMe per node."""
+    per_node, rank = hw.gpus_per_node, plan.per_rank
+    device = plan.device_per_rank + terms.activation_checkpoints + terms.activation_working
+    host, nvme = per_node * rank["host"], per_node * rank["nvme"]
     if hw.device_is_host:     # one memory holds both tiers
         fits_device = fits_host = device * per_node + host <= hw.cpu_mem
     else:
         fits_device, fits_host = device <= hw.gpu_mem, host <= hw.cpu_mem
-    return PlacementEstimate(stage, ptier, otier, device_bytes=device, host_bytes=host, nvme_bytes=nvme,
-                     fits_device=fits_device, fits_host=fits_host, fits_nvme=nvme <= hw.nvme,
-                     host_plan={k: per_node * v for k, v in staging.items()})
+    return PlacementEstimate(*key, device_bytes=device, host_bytes=host, nvme_bytes=nvme, fits_device=fits_device,
+                             fits_host=fits_host, fits_nvme=nvme <= hw.nvme,
+                             host_plan={k: per_node * v for k, v in plan.categories.get("host", {}).items()}, plan=plan)
 
 
-def _staging_bytes(stage, ptier, otier, tshard, shape, prec, hw, source: ParamSource = ParamSource.OWN) -> dict:
-    """Host buffers of the NVMe tiers per GPU by category: the stores' own plan (Note [one
-    memory model] in _memory_plan.py) for a layout made from the shape, with the config's defaults
-    (the preflight of a real run checks the same bytes)."""
-    if Tier.NVME not in (ptier, otier):
-        return {}
-    z = Config().zero
-    largest = math.ceil(shape.largest_operator_numel / hw.ranks)
-    chunk = chunk_elems(z.offload_optimizer.chunk_size, tshard)
-    first = math.ceil((shape.vocab * shape.hidden if shape.vocab else shape.largest_operator_numel) / hw.ranks)
-    head = head_elems(z.offload_optimizer.host_cache, [(0, first)], chunk, tshard)  # the first unit, cached
-    grads_in_host = stage > 1 and 4 * tshard * hw.gpus_per_node <= hw.cpu_mem // 4  # the "auto" rule
-    plan = store_plan(opt_tier=otier, param_tier=ptier if ptier is Tier.NVME else None, opt_total=tshard,
-                      param_total=tshard, itemsize=prec.param, overlapped=False, lazy_grad=False, chunk=chunk, head=head,
-                      grads_in_memory=grads_in_host, staging_numel=largest, staging_count=staging_buffers(z),
-                      param_source=source,  # Note [parameters from the master] in _placement.py
-                      gathered_bytes=0, moments=prec.moments)["host"]
-    if otier is not Tier.NVME:  # the memory tier's states are the paper's terms (_placement), not buffers
-        plan = {k: v for k, v in plan.items() if k not in (OPT_STATES, GRADIENTS)}
-    plan.pop(PARAM_SHARDS, None)
-    return plan
+def _freeze(model, trainable: Optional[int]) -> int:
+    """Train ``trainable`` elements of ``model`` (None: all): its last parameters that fit (the top
+    layers, as when the lower ones are frozen), and the rest as an adapter in its last block (as
+    LoRA's sit beside frozen weights); the model's parameter count then."""
+    params = list(model.parameters())
+    if trainable is None:
+        return sum(p.numel() for p in params)
+    left = trainable
+    for p in reversed(params):
+        p.requires_grad_(p.numel() <= left)
+        left -= p.numel() if p.requires_grad else 0
+    if left:
+        blocks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+        owner = blocks[-1][-1] if blocks else model
+        owner.register_parameter("adapter", nn.Parameter(torch.empty(left, device="meta")))
+    return sum(p.numel() for p in model.parameters())
 
 
 def _positive_int(value: Any, what: str, allow_none: bool = True) -> Optional[int]:
@@ -370,7 +382,7 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
              micro_batch: int = 1, ckpt_interval: int = 1, gpus: Optional[int] = None,
              nodes: int = 1, gpu_mem: Any = None, cpu_mem: Any = None, nvme: Any = None,
              dtype: str = "bf16", nvme_path: Optional[str] = None, trainable: Any = None,
-             tiling_factor: int = 1, moments: str = "fp32") -> Estimate:
+             tiling_factor: int = 1, moments: str = "fp32", arch: Optional[str] = None) -> Estimate:
     """Memory per tier for each ZeRO stage and offload choice, and which of them fit.
 
     ``params`` is a count (``1e12``, ``"70B"``); ``model`` a transformers config, a dict of
@@ -383,7 +395,63 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
     operator split into this many tiles (zero.tiling); when nothing fits, ``tiling_needed`` is
     the estimate at the smallest factor (a power of two) that makes a placement fit, if any.
     ``moments``: ``zero.offload_optimizer.moments`` (bf16/int8 shrink the moments on NVMe).
+    Each row is the engine's own plan of the model (Note [the planned decoder] in
+    _estimate_model.py: a config's model as transformers builds it, else the decoder of the shape,
+    ``arch`` gpt2 or llama), whose count the result's ``params`` is; ``trainable`` trains that many of its
+    parameters: its last ones that fit (as when the lower layers are frozen) and an adapter in its
+    last block for the rest (as LoRA's), everything else frozen.
     """
+    given = resolve(params, model=model, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
+                    micro_batch=micro_batch, ckpt_interval=ckpt_interval, gpus=gpus, nodes=nodes, gpu_mem=gpu_mem,
+                    cpu_mem=cpu_mem, nvme=nvme, dtype=dtype, nvme_path=nvme_path, trainable=trainable,
+                    tiling_factor=tiling_factor, moments=moments, arch=arch)
+    first = [given.model]  # the model resolve built (and counted), planned first; the tiling search builds others
+
+    def at(factor: int) -> Estimate:
+        planned = first.pop() if first else given.build()
+        count = _freeze(planned, given.trainable)  # the model with the adapter, if any
+        trained = count if given.trainable is None else given.trainable
+        terms = _terms(count, trained, given.shape, seq_len, micro_batch, ckpt_interval, given.precision, factor)
+        tile = math.ceil(given.shape.largest_operator_numel / factor) if factor > 1 else None
+        rows = _placements(planned, count, trained, terms, given.precision, given.hardware, tile)
+        return Estimate(params=count, shape=given.shape, seq_len=seq_len, micro_batch=micro_batch,
+                        ckpt_interval=ckpt_interval, precision=given.precision, hardware=given.hardware, terms=terms,
+                        placements=rows, nvme_path=nvme_path, tiling_factor=factor, arch=given.arch,
+                        trainable=None if given.trainable is None else trained)
+
+    est = at(tiling_factor)
+    if not est.fitting:
+        est.tiling_needed = _smallest_tiling(at, est)
+    return est
+
+
+@dataclass
+class Given:
+    """What an estimate is of, checked: the model (its shape, a builder of it on the meta device,
+    the decoder it was built as, one built and its count), the precision and the hardware."""
+
+    shape: Shape
+    build: Callable[[], Any]
+    arch: str
+    model: Any
+    params: int
+    trainable: Optional[int]  # asked for (None: all)
+    precision: Precision
+    hardware: Hardware
+    tiling_factor: int
+
+    @property
+    def max_tile_params(self) -> int:
+        return math.ceil(self.shape.largest_operator_numel / self.tiling_factor)
+
+
+def resolve(params: Any = None, *, model: Any = None, layers: Optional[int] = None, hidden: Optional[int] = None,
+            heads: Optional[int] = None, seq_len: int = 1024, micro_batch: int = 1, ckpt_interval: int = 1,
+            gpus: Optional[int] = None, nodes: int = 1, gpu_mem: Any = None, cpu_mem: Any = None, nvme: Any = None,
+            dtype: str = "bf16", nvme_path: Optional[str] = None, trainable: Any = None, tiling_factor: int = 1,
+            moments: str = "fp32", arch: Optional[str] = None) -> Given:
+    """``estimate``'s arguments checked and resolved, nothing planned yet (``--plan`` plans one
+    placement of its own from them)."""
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
         _positive_int(value, name)
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
@@ -392,57 +460,82 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
     _positive_int(gpus, "gpus")
     _positive_int(tiling_factor, "tiling_factor", allow_none=False)
     prec = Precision.of(dtype, moments)
-    shape, params = _resolve_model(params, model, layers, hidden, heads)
+    shape, build, arch = _resolve_model(params, model, layers, hidden, heads, arch)
     if nvme_path is not None and not os.path.isdir(nvme_path):
         raise EstimateError(f"nvme_path: {nvme_path!r} is not a directory")
     hw = _detect_hardware(gpus, nodes, _optional_size(gpu_mem, "gpu_mem"),
                           _optional_size(cpu_mem, "cpu_mem"), _optional_size(nvme, "nvme"),
                           nvme_path or tempfile.gettempdir())
-    trained = params if trainable is None else parse_count(trainable, "trainable")
-    if trained > params:
-        raise EstimateError(f"trainable: {trained} is more than the model's {params} parameters")
-    def at(factor: int) -> Estimate:
-        terms = _terms(params, trained, shape, seq_len, micro_batch, ckpt_interval, prec, factor)
-        grid = [(s, pt, ot) for s in (1, 2, 3) for pt in Tier for ot in Tier if s == 3 or pt is Tier.DEVICE]
-        placements = [_placement(s, pt, ot, params, trained, shape, terms, prec, hw, factor) for s, pt, ot in grid]
-        return Estimate(params=params, shape=shape, seq_len=seq_len, micro_batch=micro_batch,
-                        ckpt_interval=ckpt_interval, precision=prec, hardware=hw, terms=terms,
-                        placements=placements, nvme_path=nvme_path, tiling_factor=factor)
-
-    est = at(tiling_factor)
-    if not est.fitting:
-        est.tiling_needed = _smallest_tiling(at, tiling_factor)
-    return est
+    built = build()
+    count = sum(p.numel() for p in built.parameters())  # Note [the planned decoder] in _estimate_model.py
+    asked = None if trainable is None else parse_count(trainable, "trainable")
+    if asked is not None and asked > count:
+        raise EstimateError(f"trainable: {asked} is more than the model's {count} parameters")
+    return Given(shape, build, arch, built, count, asked, prec, hw, tiling_factor)
 
 
 _MAX_TILING = 4096
 
 
-def _smallest_tiling(at, start: int) -> Optional[Estimate]:
-    """The estimate at the smallest power-of-two tiling factor above ``start`` with a placement
-    that fits; None when tiling alone cannot make one fit."""
-    factor = 2
-    while factor <= _MAX_TILING:
-        est = at(factor) if factor > start else None
-        if est is not None and est.fitting:
-            return est
-        if est is not None and factor >= est.shape.largest_operator_numel:
-            return None  # tiles of one parameter: tiling cannot go further
+def _smallest_tiling(at, est: Estimate) -> Optional[Estimate]:
+    """The estimate at the smallest power-of-two tiling factor above ``est``'s with a placement
+    that fits; None when tiling alone cannot make one fit. Each factor tried is a plan of the
+    model tiled (thousands of tiles for a large model), so only those that can fit are: from
+    the smallest whose tiles leave a stage-3 row room (``_tiling_floor``), three at most."""
+    factor = _tiling_floor(est)
+    for _ in range(3):
+        if factor is None or factor > _MAX_TILING or factor >= est.shape.largest_operator_numel:
+            return None  # tiles of one parameter at most: tiling cannot go further
+        tiled = at(factor)
+        if tiled.fitting:
+            return tiled
         factor *= 2
     return None
 
 
-def _resolve_model(params, model, layers, hidden, heads) -> tuple[Shape, int]:
+def _tiling_floor(est: Estimate) -> Optional[int]:
+    """The smallest power-of-two factor above ``est``'s whose tiles could let a stage-3 row fit:
+    tiling lowers only the working memory of the largest unit ((2 + gather_depth) of its
+    parameters, Note [operator working memory] in _tiling.py); None when no row can fit so."""
+    hw, best = est.hardware, None
+    depth = 1 + 2  # zero.prefetch.gather_depth's default, the unit itself and its gradient
+    for p in est.placements:
+        plan = p.plan
+        if p.stage != 3 or plan is None or not p.fits_nvme:
+            continue
+        swapped = plan.working_memory - plan.persistent  # the part tiles shrink
+        room = (hw.cpu_mem - p.host_bytes) // hw.gpus_per_node - (p.device_bytes - swapped) if hw.device_is_host \
+            else (hw.gpu_mem - (p.device_bytes - swapped) if p.fits_host else -1)
+        tile = room // (depth * est.precision.param)
+        if tile >= 1:
+            need = 2 ** max(1, math.ceil(math.log2(est.shape.largest_operator_numel / tile)))
+            best = need if best is None else min(best, need)
+    return None if best is None else max(best, 2 * est.tiling_factor)
+
+
+def _resolve_model(params, model, layers, hidden, heads, arch: Optional[str]) -> Tuple[Shape, Callable, str]:
+    """The model's shape, a builder of the model on the meta device (Note [the planned decoder]
+    in _estimate_model.py) and the decoder a shape is built as (``arch``, else Llama)."""
     count = None if params is None else parse_count(params)
     if model is not None:
-        shape, counted = _shape_from_model(model)
+        shape, build = _shape_from_model(model)
         overrides = {k: v for k, v in (("layers", layers), ("hidden", hidden), ("heads", heads))
                      if v is not None}
-        return Shape(**{**asdict(shape), **overrides}), count or counted
-    if layers is not None and hidden is not None:
+        if not overrides and arch is None:
+            return shape, build, "config"
+        shape = Shape(**{**asdict(shape), **overrides})  # another shape than the config's: its decoder
+    elif layers is not None and hidden is not None:
         shape = Shape(layers=layers, hidden=hidden, heads=heads or max(1, hidden // 128))
-        return shape, count or _closed_form_params(shape)
-    if count is None:
+    elif count is None:
         raise EstimateError("give a parameter count (params / --params), a model config "
                             "(model / --model), or both layers and hidden")
-    return _shape_for_params(count, layers, hidden, heads), count
+    else:  # the decoder's vocabulary matrices: Llama's embedding and head, GPT-2's tied one and its positions
+        rows = 2 * GPT2_VOCAB if (arch or "llama") == "llama" else GPT2_VOCAB + GPT2_POSITIONS
+        shape = _shape_for_params(count, layers, hidden, heads, embeddings=rows)
+    arch = arch or "llama"  # every matrix an nn.Linear: zero.tiling tiles them all
+    built = decoder(shape, arch)
+    counted = sum(p.numel() for p in built.parameters())
+    if count is not None and abs(counted / count - 1) > 0.02:
+        logger.info("estimate: %s parameters given; the %s decoder of %d layers x %d planned has %s",
+                    _format_count(count), arch, shape.layers, shape.hidden, _format_count(counted))
+    return shape, lambda: decoder(shape, arch), arch

@@ -1,13 +1,15 @@
 """``python -m infinity.estimate --plan``: the engine's own plan of a model on a node it does not run on.
 
-Note [planned by the engine]: the estimator's formulas (Note: the formulas, in _estimator.py)
-say what a model needs from the paper's terms; the plan says what ``infinity.initialize``
-would allocate. It builds the model on the meta device (no parameter memory, whatever its size)
-and runs the functions the engine runs before its first byte (Note [build order] in
-_initialize.py): ``placement_of`` (fetch units, tiers, flat layout, the automatic rules for a
-``Machine`` that describes the target node instead of this one) and the preflight's ``plan`` (the
-one memory model: Note [one memory model] in _memory_plan.py), then spreads each rank's swap
-bytes over the config's drives as the preflight does (``node_need``: Note [many drives] in
+Note [planned by the engine]: the paper's terms (Note: the formulas, in _estimator.py) say what a
+model needs; the plan says what ``infinity.initialize`` would allocate, and every row of the
+estimator's table is such a plan (``plan_specs``, for the model of Note [the planned decoder] in
+_estimate_model.py), so the table, ``--plan`` and ``--step-time`` share one computation. It
+builds the model on the meta device (no parameter memory, whatever its size) and runs the
+functions the engine runs before its first byte (Note [build order] in _initialize.py): the
+fetch units, ``Placement.of`` (tiers, flat layout, the automatic rules for a ``Machine`` that
+describes the target node instead of this one) and the preflight's ``plan`` (the one memory
+model: Note [one memory model] in _memory_plan.py), then spreads each rank's swap bytes over the
+config's drives as the preflight does (``node_need``: Note [many drives] in
 _drives.py). Nothing is allocated, no file is made and no process group is needed: the world
 size and the node are parameters. Every
 rank of a node gets the same plan (bandwidth-centric partitioning gives each the same shard of
@@ -33,20 +35,27 @@ from .._offload._layout import ParamSource
 from .._offload._memory_plan import totals
 from .._offload._moments import file_bytes
 from .._offload._optimizer_files import NAMES, SIGNED, STATES
-from .._offload._optimizer_store import chunk_elems
+from .._offload._optimizer_store import chunk_elems, head_elems
 from .._offload._placement import Machine, Placement
 from .._offload._preflight import node_need
 from .._offload._preflight import plan as preflight_plan
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
-from .._zero._tiling import check_working_memory, tile_model, working_memory_bytes
-from .._zero._unit_plan import placement_of
+from .._zero._tiling import check_working_memory, tile_model, unit_working_memory
+from .._zero._unit_plan import DTYPES, StagePolicy, unit_specs_of
 from ..config import Config, ConfigError
 from . import _runmodel as rm
 from ._estimate_hardware import Hardware
-from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, Shape, _format_bytes, _format_count
-
-GPT2_VOCAB = 50257  # the vocabulary of a decoder given by its shape only (GPT-2's)
+from ._estimate_model import (
+    _NVME_PATH_PLACEHOLDER,
+    ARCHS,
+    EstimateError,
+    Shape,
+    _format_bytes,
+    _format_count,
+    llama_ffn,
+    vocab_of,
+)
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class Plan:
     params: int
     trainable: int
     node: Node
+    stage: int
     dtype: str
     units: int
     trainable_units: int
@@ -90,15 +100,26 @@ class Plan:
     tiers: Dict[str, str]
     categories: Dict[str, Dict[str, int]]  # per rank: tier -> category -> bytes
     swap_files: Dict[str, int]  # per rank: file -> bytes
-    working_memory: int  # device bytes while the largest unit runs
+    whole_params: int  # per rank: stages 1-2's whole parameters on the device (not in ``categories``)
+    working_memory: int  # device bytes while the largest unit runs (stages 1-2: the gradients before their reduce)
     drives: Dict[str, int]  # per node: drive -> swap bytes (Note [many drives] in _drives.py)
     drive_ranks: Dict[str, List[int]]  # drive -> the ranks of the node with swap files there
     nvme_layout: str
+    persistent: int = 0  # of the working memory: what stays gathered (Note [persistent parameters] in _unit_plan.py)
+    chunk: int = 0  # elements of the optimizer's swap chunk
+    head: int = 0  # elements of the optimizer's host cache
+    placement: Optional[Placement] = None  # what the plan was made of (not in to_dict)
     seconds: float = 0.0  # to build the model and plan it
 
     @property
     def per_rank(self) -> Dict[str, int]:
         return totals(self.categories)
+
+    @property
+    def device_per_rank(self) -> int:
+        """Device bytes of a rank before activations: the device tier, the whole parameters of
+        stages 1-2 and the working memory of the largest unit."""
+        return self.per_rank["device"] + self.whole_params + self.working_memory
 
     @property
     def host_per_rank(self) -> int:
@@ -109,7 +130,7 @@ class Plan:
     def to_dict(self) -> dict:
         node = self.node
         return {
-            "params": self.params, "trainable": self.trainable, "dtype": self.dtype,
+            "params": self.params, "trainable": self.trainable, "stage": self.stage, "dtype": self.dtype,
             "node": {"name": node.name, "ranks": node.ranks, "nodes": node.nodes, "accelerator": node.accelerator,
                      "gpu_mem": node.gpu_mem, "host_mem": node.host_mem, "nvme": node.nvme,
                      "nvme_layout": self.nvme_layout, "drive_read": node.drive_read, "drive_write": node.drive_write},
@@ -118,16 +139,15 @@ class Plan:
             "param_total": self.param_total, "opt_total": self.opt_total, "param_source": self.param_source,
             "tiers": self.tiers, "per_rank": {"bytes": self.per_rank, "categories": self.categories,
                                               "host": self.host_per_rank, "swap_files": self.swap_files,
-                                              "working_memory": self.working_memory},
+                                              "whole_params": self.whole_params,
+                                              "working_memory": self.working_memory,
+                                              "device": self.device_per_rank},
             "per_node": {"host": self.host_per_rank * node.ranks, "nvme": self.per_rank["nvme"] * node.ranks,
                          "drives": self.drives, "drive_ranks": self.drive_ranks,
                          "fits_host": self.host_per_rank * node.ranks <= node.host_mem,
                          "fits_nvme": self.per_rank["nvme"] * node.ranks <= node.nvme},
             "seconds": self.seconds,
         }
-
-
-ARCHS = ("gpt2", "llama")  # the decoders a shape is built as
 
 
 def build_meta(model_config=None, shape: Optional[Shape] = None, arch: str = "gpt2") -> nn.Module:
@@ -142,12 +162,12 @@ def build_meta(model_config=None, shape: Optional[Shape] = None, arch: str = "gp
             raise EstimateError("plan: give a model config (--model) or its shape (--layers and --hidden, or --params)")
         if arch not in ARCHS:
             raise EstimateError(f"arch: {arch!r}; use one of {', '.join(ARCHS)}")
-        vocab = shape.vocab or GPT2_VOCAB
+        vocab = vocab_of(shape)  # Note [the planned decoder] in _estimate_model.py: the estimator's decoder
         model_config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, vocab_size=vocab,
                                   n_inner=shape.ffn) if arch == "gpt2" else \
             LlamaConfig(num_hidden_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
                         num_key_value_heads=shape.kv_heads or shape.heads, vocab_size=vocab,
-                        intermediate_size=shape.ffn or -(-8 * shape.hidden // 3 // 256) * 256)
+                        intermediate_size=llama_ffn(shape))
     elif isinstance(model_config, dict):
         fields = dict(model_config)
         if "model_type" not in fields:
@@ -161,29 +181,51 @@ def build_meta(model_config=None, shape: Optional[Shape] = None, arch: str = "gp
 def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
     """Note [planned by the engine]: ``model`` (on the meta device, or anywhere: nothing of it
     is read but its parameters' shapes and flags) under ``cfg`` on ``node``."""
-    world = node.world
+    return plan_specs(tiled_specs(model, cfg, node.world), cfg, node, sum(p.numel() for p in model.parameters()),
+                      sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def tiled_specs(model: nn.Module, cfg, world: int) -> list:
+    """``model`` tiled as ``initialize`` tiles it (zero.tiling), then its fetch units on ``world`` ranks."""
     tiling = cfg.zero.tiling  # as initialize does, before the units are planned
-    with _quiet():  # a line per tiled module: thousands for a trillion parameters
+    with quiet():  # a line per tiled module: thousands for a trillion parameters
         tile_model(model, tiling.enabled, tiling.min_params, tiling.max_tile_params)
-    placement, specs, _ = placement_of(model, cfg, world, node.machine)
-    numel = [(s.module_name, s.shard_numel * world) for s in specs]
-    check_working_memory(numel, placement.itemsize, cfg)  # refused as initialize refuses it
+    return unit_specs_of(model, cfg, world)[0]
+
+
+def plan_specs(specs, cfg, node: Node, params: int, trainable: int) -> Plan:
+    """The plan of a model's fetch units (``UnitSpec``s, ``unit_specs_of``) of ``params``
+    parameters, ``trainable`` of them trained, under ``cfg`` on ``node``: what ``plan_model``
+    reports and each row of the estimator's table (Note [the planned decoder] in _estimate_model.py)."""
+    world = node.world
+    policy = StagePolicy.of(cfg.zero.stage)
+    placement = Placement.of(cfg, policy.partition_params, DTYPES[cfg.precision.dtype], specs, world, node.machine)
+    itemsize = placement.itemsize
+    units = [(s.module_name, s.shard_numel * world, s.persistent) for s in specs]
+    if policy.partition_params:
+        check_working_memory(units, itemsize, cfg)  # refused as initialize refuses it
+        name, numel, persistent, working = unit_working_memory(units, itemsize, cfg)
+    else:  # the whole parameters stay on the device; their gradients until the step (1) or their unit's reduce (2)
+        name, numel = max(((n, c) for n, c, _ in units), key=lambda u: u[1], default=("", 0))
+        persistent = 0
+        grads = sum(c for (_, c, _), s in zip(units, specs) if s.trainable) if cfg.zero.stage < 2 else numel
+        working = grads * itemsize
     need = preflight_plan(placement, cfg)
-    cats = {tier: dict(c) for tier, c in need["categories"].items()}
-    largest = max(numel, key=lambda u: u[1], default=("", 0))
-    prefetch = cfg.zero.prefetch
-    params = sum(p.numel() for p in model.parameters())
+    n, z = placement.layout.opt_total, cfg.zero.offload_optimizer
+    chunk = chunk_elems(z.chunk_size, n)  # as the preflight's plan takes them (Note [host cache] in _nvme_optimizer_store.py)
+    head = head_elems(z.host_cache, list(placement.layout.opt_ranges), chunk, n)
     return Plan(
-        params=params, trainable=sum(p.numel() for p in model.parameters() if p.requires_grad), node=node,
+        params=params, trainable=trainable, node=node, stage=cfg.zero.stage,
         dtype=cfg.precision.dtype, units=len(specs), trainable_units=sum(s.trainable for s in specs),
-        largest_unit=largest, param_total=placement.layout.param_total, opt_total=placement.layout.opt_total,
+        largest_unit=(name, numel), param_total=placement.layout.param_total, opt_total=placement.layout.opt_total,
         param_source=placement.param_source.value,
-        tiers={"params": str(placement.param_tier), "optimizer": str(placement.opt_tier)}, categories=cats,
-        swap_files=swap_files(placement, cfg),
-        working_memory=working_memory_bytes(largest[1], placement.itemsize,
-                                            prefetch.gather_depth if prefetch.enabled else 0),
-        drives=node_need(cfg, need, node.ranks), drive_ranks=_drive_ranks(cfg, node.ranks),
-        nvme_layout=cfg.zero.nvme_layout)
+        tiers={"params": str(placement.param_tier), "optimizer": str(placement.opt_tier)},
+        categories={tier: dict(c) for tier, c in need["categories"].items()}, swap_files=swap_files(placement, cfg),
+        # the whole parameters of stages 1-2, as the preflight's device_need counts them
+        whole_params=0 if policy.partition_params else placement.layout.param_total * world * itemsize,
+        working_memory=working, persistent=persistent, drives=node_need(cfg, need, node.ranks),
+        drive_ranks=_drive_ranks(cfg, node.ranks), nvme_layout=cfg.zero.nvme_layout, chunk=chunk, head=head,
+        placement=placement)
 
 
 def _drive_ranks(cfg, ranks: int) -> Dict[str, List[int]]:
@@ -200,9 +242,10 @@ def _drive_ranks(cfg, ranks: int) -> Dict[str, List[int]]:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet(below: int = logging.WARNING):
+    """The engine's lines below ``below`` off: a plan of many modules, or made many times (the estimator's rows)."""
     level = logger.level
-    logger.setLevel(max(level, logging.WARNING))
+    logger.setLevel(max(level, below))
     try:
         yield
     finally:
@@ -227,6 +270,28 @@ def swap_files(placement: Placement, cfg) -> Dict[str, int]:
     return out
 
 
+def figures_of(plan: Plan) -> "rm.Figures":
+    """What the run model reads of a stage-3 plan (Note [run model] in _runmodel.py): its layout's
+    figures and its stores' bytes, so that --step-time speaks of the plan the table shows."""
+    placement = plan.placement
+    if placement is None or not placement.partition_params:
+        raise EstimateError("the run model is of stage 3's plans")
+    layout = placement.layout
+    return rm.Figures(total=layout.opt_total, largest=plan.largest_unit[1], max_shard=layout.max_shard,
+                      chunk=plan.chunk, head=plan.head, grads_in_memory=placement.grads_in_memory,
+                      param_cache=placement.param_cache_elems, param_source=placement.param_source.value,
+                      categories=plan.categories)
+
+
+def tiling_keys(max_tile_params: int) -> dict:
+    """zero's keys for tiles of at most ``max_tile_params`` parameters: tiling, and a persistence
+    threshold no larger (zero.prefetch.persistence_threshold: a tile below it would stay gathered)."""
+    keys: dict = {"tiling": {"enabled": True, "max_tile_params": max_tile_params}}
+    if max_tile_params < Config().zero.prefetch.persistence_threshold:
+        keys["prefetch"] = {"persistence_threshold": max_tile_params}
+    return keys
+
+
 def timed_plan(build, cfg, node: Node) -> Plan:
     """Build the model (``build()``) and plan it, timing both."""
     began = time.perf_counter()
@@ -247,13 +312,14 @@ def report(p: Plan) -> str:
     hw = node.name or f"{node.nodes} node(s) x {node.ranks} rank(s)"
     lines = [
         f"plan (the engine's own, on the meta device; nothing allocated): {_format_count(p.params)} parameters "
-        f"({_format_count(p.trainable)} trainable), {p.dtype}, stage-3 parameters on {p.tiers['params']}, "
-        f"optimizer states on {p.tiers['optimizer']}",
+        f"({_format_count(p.trainable)} trainable), {p.dtype}, stage {p.stage}, "
+        f"{placed(p)}",
         f"node: {hw}: {node.world} rank(s) in all, host {_format_bytes(node.host_mem)}/node, "
         f"NVMe {_format_bytes(node.nvme)}/node on {len(p.drive_ranks)} drive(s), layout {p.nvme_layout}",
         f"fetch units: {p.units} ({p.trainable_units} trainable), the largest {p.largest_unit[0] or '<root>'} "
         f"({_format_count(p.largest_unit[1])} parameters); per rank {_format_count(p.param_total)} parameter "
-        f"elements, {_format_count(p.opt_total)} optimizer elements; {SOURCES[p.param_source]}",
+        f"elements, {_format_count(p.opt_total)} optimizer elements; "
+        f"{SOURCES[p.param_source] if p.stage == 3 else 'the parameters whole on every rank'}",
         "",
         "per rank (every rank the same):",
     ]
@@ -262,12 +328,16 @@ def report(p: Plan) -> str:
         if cats:
             parts = ", ".join(f"{c} {_format_bytes(n)}" for c, n in sorted(cats.items(), key=lambda kv: -kv[1]))
             lines.append(f"  {tier:<6} {_format_bytes(t[tier]):>11}  {parts}")
-    device = t["device"] + p.working_memory
+    device = p.device_per_rank
     fit = "fits" if device <= node.gpu_mem else "does not fit: tile the largest operators, zero.tiling"
-    lines.append(f"  device working memory of the largest unit: {_format_bytes(p.working_memory)} "
-                 "(it, the units gathered ahead, its gradient)" + (
-                     f"; with the device tier {_format_bytes(device)} of {_format_bytes(node.gpu_mem)}/GPU before "
-                     f"activations ({fit})" if node.accelerator else ""))
+    what = "(it, the units gathered ahead, its gradient, the units that stay gathered)" if p.stage == 3 else \
+        "(the gradients of the largest unit before their reduce-scatter)" if p.stage == 2 else \
+        "(the whole gradients until the step)"
+    if p.whole_params:
+        lines.append(f"  device whole parameters: {_format_bytes(p.whole_params)} (stage {p.stage})")
+    lines.append(f"  device working memory of the largest unit: {_format_bytes(p.working_memory)} {what}" + (
+        f"; with the device tier {_format_bytes(device)} of {_format_bytes(node.gpu_mem)}/GPU before "
+        f"activations ({fit})" if node.accelerator else ""))
     files = ", ".join(f"{name} {_format_bytes(n)}" for name, n in p.swap_files.items()) or "none"
     lines.append(f"  swap files: {files}")
     lines.append(f"  host memory of the rank: {_format_bytes(p.host_per_rank)}")
@@ -288,6 +358,13 @@ def report(p: Plan) -> str:
         lines.append(row)
     lines.append(f"planned in {p.seconds:.1f} s")
     return "\n".join(lines)
+
+
+def placed(p: Plan) -> str:
+    """Where a plan keeps the parameters and the optimizer states, in the config's words."""
+    words = {"device": "none", "cpu": "cpu", "nvme": "nvme"}
+    params = f"offload_param {words[p.tiers['params']]}" if p.stage == 3 else "parameters whole on the device"
+    return f"{params}, offload_optimizer {words[p.tiers['optimizer']]}"
 
 
 def _ranks(ranks: List[int]) -> str:
@@ -330,11 +407,13 @@ def node_of(hw: Hardware, cfg, preset: Optional[str] = None,
 
 
 def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_params: Optional[int] = None,
-                drives: Tuple[str, ...] = (_NVME_PATH_PLACEHOLDER,), nvme_layout: str = "per_rank") -> Config:
-    """The config a plan is for: a file's (``--config``: its drives, its layout), else stage 3
-    at the ``offload`` tiers (parameters,optimizer) in ``dtype`` with the swap files on
-    ``drives`` laid out by ``nvme_layout`` (Note [many drives] in _drives.py), tiled to
-    ``max_tile_params`` where given (zero.tiling)."""
+                drives: Tuple[str, ...] = (_NVME_PATH_PLACEHOLDER,), nvme_layout: str = "per_rank", stage: int = 3,
+                moments: str = "fp32") -> Config:
+    """The config a plan is for: a file's (``--config``: its drives, its layout), else ``stage``
+    at the ``offload`` tiers (parameters,optimizer; the parameters' none below stage 3) in
+    ``dtype`` with the moments on NVMe in ``moments`` and the swap files on ``drives`` laid
+    out by ``nvme_layout`` (Note [many drives] in _drives.py), tiled to ``max_tile_params``
+    where given (zero.tiling)."""
     if path is not None:
         try:
             return Config.from_file(path)
@@ -352,10 +431,12 @@ def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_p
     def section(device: str) -> dict:
         return {"device": device, "nvme_path": here} if device == "nvme" else {"device": device}
 
-    zero = {"stage": 3, "offload_param": section(tiers[0]), "offload_optimizer": section(tiers[1]),
+    zero = {"stage": stage, "offload_param": section(tiers[0]), "offload_optimizer": section(tiers[1]),
             "nvme_layout": nvme_layout}
+    if tiers[1] == "nvme":
+        zero["offload_optimizer"]["moments"] = moments
     if max_tile_params is not None:
-        zero["tiling"] = {"enabled": True, "max_tile_params": max_tile_params}
+        zero.update(tiling_keys(max_tile_params))
     cfg = Config.from_dict({"zero": zero, "precision": {"dtype": dtype}})
     named = drives[0] if len(drives) == 1 else tuple(drives)
     for key in ("offload_param", "offload_optimizer"):

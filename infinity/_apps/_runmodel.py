@@ -5,7 +5,8 @@ predicts (1) the peak resident set of a rank and (2) the time of a training step
 bottleneck, from the same numbers the engine uses:
 
 - Host memory: the stores' plan (Note [one memory model] in _memory_plan.py, the very function
-  the preflight calls, with a layout made from the shape), the gathered buffers of the
+  the preflight calls, with a layout made from the shape; from ``infinity.estimate --step-time``,
+  the plan of the table's row itself, ``Run.figures``: Note [planned by the engine] in _plan.py), the gathered buffers of the
   prefetch window and the largest unit's full gradient (002 eq. 4, MSWM), the activations
   and a baseline (interpreter, torch, transformers: ``BASELINE``). Activations without
   checkpointing, measured for Hugging Face GPT-2 blocks in fp32 (``scripts/check_run_model.py``
@@ -67,6 +68,7 @@ from .._zero._zero_optimizer import _native_adam, torch_adam_step
 from ..aio import aligned_empty
 from ..config import AioConfig, Config
 from ._disk_probe import probe_disk
+from ._estimate_model import _format_count
 
 BASELINE = 450 << 20  # bytes: python + torch + transformers + the model's objects, measured on CPU hosts
 ACT_PER_LAYER = 28 * 4  # bytes per token per layer per hidden unit, fp32 (Note [run model])
@@ -260,6 +262,25 @@ NODES = {"dgx2": (DGX2, 16, "32GB", "1.5TB", "28TB"), "h100x8": (H100_RAID, 8, "
 
 
 @dataclass(frozen=True)
+class Figures:
+    """A planned placement's figures (``figures_of`` in _plan.py: the plan the estimator's table
+    shows), which a run of a shape otherwise derives (``_layout``): the optimizer's flat
+    elements, the largest unit (full) and its shard, the swap chunk, the host cache, whether
+    gradients stay in host memory, the parameter cache, the parameter source and the stores'
+    bytes (tier -> category -> bytes)."""
+
+    total: int
+    largest: int
+    max_shard: int
+    chunk: int
+    head: int
+    grads_in_memory: bool
+    param_cache: int
+    param_source: str
+    categories: dict
+
+
+@dataclass(frozen=True)
 class Run:
     """One stage-3 run per rank: model shape, batch, dtype, where the states live."""
 
@@ -281,6 +302,7 @@ class Run:
     host_allocator: str = "release"  # zero.host_allocator: with release the host cache is read again each step
     opt_host_fraction: float = 0.0  # an NVMe optimizer tier's host share (Note [split tiers] in _offload/_split.py)
     param_host_fraction: float = 0.0  # an NVMe parameter tier's host share
+    figures: Optional[Figures] = None  # the estimator's plan of this run, where it made one
 
     @property
     def itemsize(self) -> int:
@@ -295,6 +317,9 @@ def _layout(run: Run):
     """The numbers a real layout would give the store plan: shard sizes, the largest unit
     (the embedding of a GPT, or the MLP's 4·hd² matrix), the chunk, the host cache."""
     z = Config().zero
+    f = run.figures
+    if f is not None:  # the plan the estimator made
+        return z, f.total, f.largest, f.max_shard, f.chunk, f.head, f.grads_in_memory
     largest = max(run.vocab * run.hidden, 4 * run.hidden * run.hidden)
     shard = math.ceil(run.params / run.ranks)
     total = round_up(shard, ALIGN_ELEMS)
@@ -313,15 +338,14 @@ def host_memory(run: Run) -> dict:
     z, total, largest, max_shard, chunk, head, gim = _layout(run)
     isz = run.itemsize
     direct = run.ranks == 1 and run.device_is_host
-    plan = store_plan(opt_tier=Tier(run.optimizer_tier), param_tier=Tier(run.param_tier), opt_total=total,
-                      param_total=total, itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme",
-                      lazy_grad=False, chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
-                      staging_count=0 if direct else staging_buffers(z), param_source=_param_source(run),
-                      param_cache=_param_cache(run, total),
-                      gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0,
-                      moments=run.moments, opt_host_upto=opt_host_upto(run.opt_host_fraction, total, chunk)
-                      if run.optimizer_tier == "nvme" else 0,
-                      param_host_upto=int(run.param_host_fraction * total) if run.param_tier == "nvme" else 0)
+    plan = run.figures.categories if run.figures is not None else store_plan(
+        opt_tier=Tier(run.optimizer_tier), param_tier=Tier(run.param_tier), opt_total=total, param_total=total,
+        itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme", lazy_grad=False,
+        chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
+        staging_count=0 if direct else staging_buffers(z), param_source=_param_source(run),
+        param_cache=_param_cache(run, total), gathered_bytes=GATHERED_REUSE * largest * isz if run.device_is_host else 0,
+        moments=run.moments, opt_host_upto=opt_host_upto(run.opt_host_fraction, total, chunk) if run.optimizer_tier ==
+        "nvme" else 0, param_host_upto=int(run.param_host_fraction * total) if run.param_tier == "nvme" else 0)
     out = dict(plan["host"])
     if PARAM_HANDOFF in out:
         out[PARAM_HANDOFF] = min(out[PARAM_HANDOFF], total * isz)  # typical: at most the parameter space
@@ -350,6 +374,8 @@ def activation_bytes(run: Run) -> int:
 
 def _param_cache(run: Run, total: int) -> int:
     """Elements of the automatic parameter cache (Note [parameter cache] in _param_store.py)."""
+    if run.figures is not None:
+        return run.figures.param_cache
     if run.param_tier != "nvme" or _param_source(run) is ParamSource.MASTER:
         return 0
     return param_cache_elems(None, total, run.itemsize, available=run.host_mem or None, ranks=run.ranks)
@@ -358,6 +384,8 @@ def _param_cache(run: Run, total: int) -> int:
 def _param_source(run: Run) -> ParamSource:
     """Where the run's parameter shards are kept, by the engine's own rule (Note [parameters
     from the master] in _placement.py), for a model without frozen parameters."""
+    if run.figures is not None:
+        return ParamSource(run.figures.param_source)
     return ParamSource.of(partitioned=True, fp32=run.dtype == "fp32", same_spaces=True,
                           opt_tier=Tier.of(run.optimizer_tier), param_tier=Tier.of(run.param_tier),
                           device_is_host=run.device_is_host)
@@ -435,8 +463,10 @@ def _on_accelerator(run: Run, rates: Rates, terms: dict, shard: int, disk: float
 def describe(run: Run, rates: Rates) -> str:
     mem = host_memory(run)
     st = step_time(run, rates)
-    lines = [f"run: {run.params / 1e6:.0f}M parameters, {run.micro_batch} x {run.seq_len} tokens per rank, {run.dtype}, "
-             f"params on {run.param_tier}, optimizer on {run.optimizer_tier}, {run.ranks} rank(s)",
+    words = {"device": "none", "none": "none", "cpu": "cpu", "nvme": "nvme"}  # the config's (offload_*.device)
+    lines = [f"run: {_format_count(run.params)} parameters, {run.micro_batch} x {run.seq_len} tokens per rank, "
+             f"{run.dtype}, offload_param {words[run.param_tier]}, offload_optimizer {words[run.optimizer_tier]}, "
+             f"{run.ranks} rank(s)",
              f"rates ({rates.name}): {rates.flops / 1e9:.0f} GFLOP/s, NVMe read {rates.nvme_read / 1e9:.2f} GB/s, "
              f"write {rates.nvme_write / 1e9:.2f} GB/s, Adam {rates.adam / 1e6:.0f} M elements/s",
              f"predicted step: {st['predicted']:.2f} s ({st['tokens_per_s']:.0f} tokens/s, {st['tflops_per_rank']:.2f} "

@@ -21,8 +21,9 @@ Note [hook protocol]: the hooks at stage 3.
   backward was waiting for that unit drops its hold.
 - end of backward (autograd callback): reduce what is left (parameters without a gradient
   on this rank, as zeros: Note [bucket plan] in _reduce.py), wait for every reduce-scatter,
-  release every remaining hold. After backward only persistent units (below
-  ``persistence_threshold``) stay gathered, until the step makes their copies stale.
+  release every remaining hold. After backward only persistent units (the parameters below
+  ``persistence_threshold``, in units of their own: Note [persistent parameters] in
+  _unit_plan.py) stay gathered, until the step makes their copies stale.
 The backward half (pre-backward, post-accumulate-grad, the end of backward) is
 ``BackwardHooks`` in _backward.py, with Note [hold until the input gradients] and Note [used
 again in one backward] in _backward.py; each module's progress through backward is its ``ModuleState``'s

@@ -149,7 +149,8 @@ def _build_engine(model: nn.Module, cfg):
     dtype = DTYPES[cfg.precision.dtype]
     placement, specs, uses = placement_of(model, cfg, world)
     if policy.partition_params:  # Note [operator working memory] in _tiling.py: refused before anything is allocated
-        check_working_memory([(s.module_name, s.shard_numel * world) for s in specs], placement.itemsize, cfg)
+        check_working_memory([(s.module_name, s.shard_numel * world, s.persistent) for s in specs],
+                             placement.itemsize, cfg)
     memory_plan = preflight(placement, cfg)  # Note [one memory model] in _memory_plan.py
     swap_dirs = SwapDirs.of(cfg, rank)  # Note [many drives] in _drives.py
     block_cache = _start_host_allocator(cfg.zero.host_allocator)
@@ -170,7 +171,6 @@ def _build_engine(model: nn.Module, cfg):
         ctx = UnitContext(
             world_size=world, rank=rank, dtype=dtype, itemsize=placement.itemsize,
             partitioned=policy.partition_params,
-            persistence_threshold=cfg.zero.prefetch.persistence_threshold if policy.partition_params else 0,
             counters=counters, ledger=ledger, gathered=recycler, param_store=param_store,
             param_source=placement.param_source,
             step_gate=gate, make_room=prefetcher.make_room, on_unavailable=calls.on_unavailable)

@@ -58,6 +58,22 @@ def split_bounds(n: int, splits: int) -> List[Tuple[int, int]]:
     return out
 
 
+def _on_meta(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _linear(n_in: int, n_out: int, bias: bool, device, dtype) -> nn.Linear:
+    """A tile, uninitialized on the meta device (nothing to draw; a plan there makes thousands)."""
+    if not _on_meta(device):
+        return nn.Linear(n_in, n_out, bias=bias, device=device, dtype=dtype)
+    tile = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(tile)
+    tile.in_features, tile.out_features = n_in, n_out
+    tile.weight = nn.Parameter(torch.empty(n_out, n_in, device=device, dtype=dtype))
+    tile.register_parameter("bias", nn.Parameter(torch.empty(n_out, device=device, dtype=dtype)) if bias else None)
+    return tile
+
+
 def _check_splits(what: str, features: int, splits: int) -> None:
     if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
         raise UsageError(f"TiledLinear: {what}_splits must be a positive int, got {splits!r}")
@@ -82,9 +98,10 @@ class TiledLinear(nn.Module):
         self.out_bounds = split_bounds(out_features, out_splits)
         self.has_bias = bias
         self.tiles = nn.ModuleList(
-            nn.Linear(ihi - ilo, ohi - olo, bias=bias and i == 0, device=device, dtype=dtype)
+            _linear(ihi - ilo, ohi - olo, bias and i == 0, device, dtype)
             for olo, ohi in self.out_bounds for i, (ilo, ihi) in enumerate(self.in_bounds))
-        self.reset_parameters()
+        if not _on_meta(device):  # nothing to draw on the meta device (from_linear copies the values in)
+            self.reset_parameters()
         self.register_state_dict_post_hook(_untiled_state_dict)
         self.register_load_state_dict_pre_hook(_tiled_load_state_dict)
 
@@ -235,7 +252,8 @@ class TiledEmbedding(nn.Module):
         self.bounds = split_bounds(num_embeddings, splits)
         self.tiles = nn.ModuleList(
             nn.Embedding(hi - lo, embedding_dim, device=device, dtype=dtype,
-                         padding_idx=padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else None)
+                         padding_idx=padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else None,
+                         _weight=torch.empty(hi - lo, embedding_dim, device=device, dtype=dtype) if _on_meta(device) else None)
             for lo, hi in self.bounds)
         self.register_state_dict_post_hook(_untiled_embedding_state_dict)
         self.register_load_state_dict_pre_hook(_tiled_embedding_load_state_dict)
@@ -472,22 +490,26 @@ def tile_params_to_fit(limit: int, itemsize: int, gather_depth: int, persistent_
     return max(0, limit - persistent_bytes) // ((2 + gather_depth) * itemsize)
 
 
+def unit_working_memory(units, itemsize: int, cfg) -> Tuple[str, int, int, int]:
+    """(name, parameters, persistent bytes, working memory) of the largest stage-3 unit not persistent; ``units``:
+    (name, full count, persistent: Note [persistent parameters] in _unit_plan.py; a pair: below the threshold)."""
+    depth = cfg.zero.prefetch.gather_depth if cfg.zero.prefetch.enabled else 0
+    threshold = cfg.zero.prefetch.persistence_threshold
+    flagged = [(u[0], u[1], u[2] if len(u) > 2 else u[1] < threshold) for u in units]
+    persistent = sum(n * itemsize for _, n, kept in flagged if kept)
+    name, numel = max(((name, n) for name, n, kept in flagged if not kept), key=lambda u: u[1], default=("", 0))
+    return name, numel, persistent, working_memory_bytes(numel, itemsize, depth, persistent) if numel else persistent
+
+
 def check_working_memory(units, itemsize: int, cfg) -> None:
-    """``units``: (module name, full parameter count) of each stage-3 fetch unit, known before
-    anything is allocated (Note [build order] in _initialize.py)."""
+    """``units``: (module name, full count, persistent) of each stage-3 unit (Note [build order] in _initialize.py)."""
     limit = cfg.device_memory_limit
     if limit is None or not units:
         return
+    name, numel, persistent, need = unit_working_memory(units, itemsize, cfg)
+    if not numel or need <= limit:
+        return
     depth = cfg.zero.prefetch.gather_depth if cfg.zero.prefetch.enabled else 0
-    threshold = cfg.zero.prefetch.persistence_threshold
-    persistent = sum(n * itemsize for _, n in units if n < threshold)
-    fetched = [(name, n) for name, n in units if n >= threshold]
-    if not fetched:
-        return
-    name, numel = max(fetched, key=lambda u: u[1])
-    need = working_memory_bytes(numel, itemsize, depth, persistent)
-    if need <= limit:
-        return
     fit = tile_params_to_fit(limit, itemsize, depth, persistent)
     if fit < 1:
         raise DeviceOutOfMemory(

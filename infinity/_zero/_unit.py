@@ -51,7 +51,6 @@ class UnitContext:
     dtype: torch.dtype  # the compute dtype of the gathered parameters
     itemsize: int
     partitioned: bool  # stage 3: parameters live as shards between uses
-    persistence_threshold: int  # units smaller than this stay gathered (zero.prefetch.persistence_threshold)
     counters: "Counters"
     ledger: GatherLedger["FetchUnit"]
     gathered: Optional["Recycler"]  # recycled gathered buffers (CPU-only runs)
@@ -124,6 +123,7 @@ class FetchUnit:
             offset += info.chunk
         self.shard_numel = offset
         self.trainable = spec.trainable  # the engine never mixes the two in a unit
+        self._persistent = spec.persistent  # Note [persistent parameters] in _unit_plan.py
         self.param_offset = param_offset  # start of this unit's shard in the parameter store's flat space
         self.opt_offset = opt_offset  # start of its range in the optimizer's flat fp32 space (trainable units)
         self._state = ParamState.AVAILABLE  # the model's own full tensors until partition()
@@ -270,8 +270,9 @@ class FetchUnit:
 
     @property
     def persistent(self) -> bool:
-        """Small units stay gathered between uses (zero.prefetch.persistence_threshold)."""
-        return self.partitioned and self.full_numel < self.ctx.persistence_threshold
+        """A unit of parameters below zero.prefetch.persistence_threshold stays gathered between
+        uses (Note [persistent parameters] in _unit_plan.py)."""
+        return self.partitioned and self._persistent
 
     def acquire(self, why: Hold) -> None:
         """Hold the unit for ``why``; gather it if needed (waiting for what the prefetcher

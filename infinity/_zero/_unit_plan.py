@@ -18,6 +18,19 @@ largest unit (a block, or a tile where tiling applies). ``group: module`` gives 
 module. Stages 1-2 group the same way: their units set the reduce-scatter granularity and the
 flat layout of the optimizer's space, so every stage sums the global gradient norm in the same
 order and clips with the same bits.
+
+Note [persistent parameters]: ``zero.prefetch.persistence_threshold`` is per parameter, as
+DeepSpeed's ``stage3_param_persistence_threshold`` (which maps onto it) is: at stage 3 a
+parameter with fewer elements stays gathered between uses, and the rest of its module's
+parameters are partitioned as usual. The unit machinery stays per unit: a unit's parameters
+are split into those at or above the threshold (a unit partitioned as any) and those below it
+(a persistent unit of their own, ``UnitSpec.persistent``), so the small parameters of a block
+(its norms, its biases) form one persistent unit beside the block's unit, and a unit of small
+parameters only is persistent whole, however many elements they sum to. The module, and for a
+block each of its submodules, uses both units, so the hooks acquire and release both (Note
+[hook protocol] in _engine.py); only the large one is freed at its last release. The split is
+made at every stage with the config's threshold, so stages 1-2 keep the units and the flat
+layout of stage 3; only a partitioned unit is persistent.
 """
 from __future__ import annotations
 
@@ -56,19 +69,24 @@ class UnitSpec:
     params: Tuple[Tuple[str, nn.Parameter], ...]
     shard_numel: int
     trainable: bool
+    persistent: bool = False  # its parameters stay gathered at stage 3 (Note [persistent parameters])
 
 
-def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter]], world_size: int) -> UnitSpec:
+def unit_spec(index: int, module_name: str, params: List[Tuple[str, nn.Parameter]], world_size: int,
+              persistent: bool = False) -> UnitSpec:
     shard = sum(padded(p.numel(), world_size) // world_size for _, p in params)
-    return UnitSpec(index, module_name, tuple(params), shard, any(p.requires_grad for _, p in params))
+    return UnitSpec(index, module_name, tuple(params), shard, any(p.requires_grad for _, p in params), persistent)
 
 
-def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
+def plan_units(model: nn.Module, world_size: int, blocks=(), persistence_threshold: int = 0
+               ) -> Tuple[List[UnitSpec], List[Tuple[str, nn.Module, List[int]]]]:
     """The fetch units of a model (Note [fetch unit grouping]): one per block in ``blocks``
     holding every parameter inside it (nested blocks apart), one per other module that owns
-    parameters; each split into trainable, then frozen. And per module, the units it holds in
-    its forward and backward: those owning its own parameters (tied ones: the owner's unit)
-    and, for a block, all of the block's."""
+    parameters; each split into trainable, then frozen, and each of those into its parameters
+    of at least ``persistence_threshold`` elements, then those below it (Note [persistent
+    parameters]). And per module, the units it holds in its forward and backward: those
+    owning its own parameters (tied ones: the owner's unit) and, for a block, all of the
+    block's."""
     blocks = set(blocks)
     names = dict(model.named_modules())
     name_of = {id(m): n for n, m in names.items()}
@@ -90,8 +108,8 @@ def plan_units(model: nn.Module, world_size: int, blocks=()) -> Tuple[List[UnitS
     key_units: Dict[nn.Module, List[int]] = {}
     for key, params in members.items():
         name = name_of[id(key)]
-        for group in _by_requires_grad(params):  # Note [frozen parameters] in _layout.py
-            specs.append(unit_spec(len(specs), name, group, world_size))
+        for group, persistent in _groups(params, persistence_threshold):  # Note [frozen parameters] in _layout.py
+            specs.append(unit_spec(len(specs), name, group, world_size, persistent))
             key_units.setdefault(key, []).append(specs[-1].index)
             for _, p in group:
                 owner[p] = specs[-1].index
@@ -119,10 +137,25 @@ def block_modules(model: nn.Module, cfg) -> list:
     return out
 
 
-def _by_requires_grad(params: list) -> list:
-    """A module's own parameters as up to two groups, trainable first: a unit is either
-    trainable or frozen."""
-    return [g for g in ([x for x in params if x[1].requires_grad], [x for x in params if not x[1].requires_grad]) if g]
+def _groups(params: list, threshold: int) -> list:
+    """A module's own parameters as up to four (group, persistent) pairs: trainable first (a unit
+    is either trainable or frozen: Note [frozen parameters] in _layout.py), each as its
+    parameters of at least ``threshold`` elements, then those below it (Note [persistent parameters])."""
+    out = []
+    for trainable in (True, False):
+        mine = [x for x in params if x[1].requires_grad is trainable]
+        large = [x for x in mine if x[1].numel() >= threshold]
+        small = [x for x in mine if x[1].numel() < threshold]
+        out += [(g, persistent) for g, persistent in ((large, False), (small, True)) if g]
+    return out
+
+
+def unit_specs_of(model: nn.Module, cfg, world_size: int) -> Tuple[List[UnitSpec], list]:
+    """The fetch units of ``model`` under ``cfg`` on ``world_size`` ranks, and each module's uses
+    (Note [fetch unit grouping], [persistent parameters]): the same at every stage, so that every
+    stage has the same flat layout."""
+    blocks = block_modules(model, cfg.zero.fetch_units)
+    return plan_units(model, world_size, blocks, cfg.zero.prefetch.persistence_threshold)
 
 
 def placement_of(model: nn.Module, cfg, world_size: int, machine: Optional[Machine] = None
@@ -132,7 +165,6 @@ def placement_of(model: nn.Module, cfg, world_size: int, machine: Optional[Machi
     (Note [build order] in _initialize.py), and what ``infinity.estimate --plan`` reports for a
     model built on the meta device."""
     policy = StagePolicy.of(cfg.zero.stage)
-    blocks = block_modules(model, cfg.zero.fetch_units)  # every stage: the same units, the same flat layout
-    specs, uses = plan_units(model, world_size, blocks)  # Note [fetch unit grouping]
+    specs, uses = unit_specs_of(model, cfg, world_size)
     placement = Placement.of(cfg, policy.partition_params, DTYPES[cfg.precision.dtype], specs, world_size, machine)
     return placement, specs, uses

@@ -161,7 +161,9 @@ class PrefetchConfig:
                              ge=0, le=64)
     bucket_size: int = _opt(50_000_000, "elements in flight in prefetches at a time", gt=0)
     max_live_parameters: int = _opt(1_000_000_000, "cap on gathered (full) parameter elements", gt=0)
-    persistence_threshold: int = _opt(100_000, "parameters with fewer elements stay gathered", ge=0)
+    persistence_threshold: int = _opt(100_000, "stage 3: each parameter with fewer elements stays gathered between uses, "
+                                       "the rest of its module is partitioned (per parameter, as DeepSpeed's "
+                                       "stage3_param_persistence_threshold)", ge=0)
 
     _cross_check = _check_prefetch_section
 

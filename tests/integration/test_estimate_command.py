@@ -1,5 +1,5 @@
 """``python -m infinity.estimate`` as a shell runs it: bad input exits 2 with the message on
-stderr and no traceback (its answers are tested through ``main`` in tests/unit/test_estimate.py)."""
+stderr and no traceback (its answers are tested through ``main`` in tests/integration/test_estimate_tables.py)."""
 import subprocess
 import sys
 

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires
 STEPS = 4
 LR, WEIGHT_DECAY = 1e-3, 0.01
 RTOL = ATOL = 1e-5
+SMALL = 200  # a persistence threshold above the tiny models' norms and biases (32-128), below their matrices
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ def _grid_one_rank() -> list:
                       Cell(kind, mode, 3, "cpu", "cpu"),
                       Cell(kind, mode, 3, "nvme", "nvme" if kind == "gpt2" else "cpu", persist=0)]
         cells.append(Cell(kind, "nonreentrant", 3, "none", "none"))  # the default threshold: units stay gathered
+        # Note [persistent parameters] in _unit_plan.py: the norms and biases stay gathered, the matrices do not
+        cells += [Cell(kind, "none", 3, "none", "none", persist=SMALL),
+                  Cell(kind, "reentrant", 3, "nvme", "cpu", persist=SMALL)]
     cells += [Cell("gpt2", "nonreentrant", 3, "nvme", "nvme", persist=0, clip=1.0),
               Cell("llama", "reentrant", 2, clip=1.0)]
     cells += [Cell("llama_frozen", "reentrant", 2)]
@@ -227,6 +231,38 @@ def check_matches_reference(cell: Cell, result) -> None:
         problems.append(f"{len(bad)} of {len(params)} parameters differ after {STEPS} steps; largest |diff|: "
                         + ", ".join(f"{n} {e:.2e}" for e, n in bad[:6]))
     assert not problems, f"{cell.id} does not match plain AdamW:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_small_parameters_stay_gathered_beside_their_blocks_partitioned_ones(kind, tmp_path):
+    """Note [persistent parameters] in _unit_plan.py: zero.prefetch.persistence_threshold is per
+    parameter, as DeepSpeed's stage3_param_persistence_threshold: within one block, the
+    parameters below it (norms, biases) stay gathered after backward while the block's matrices
+    are released, and the gathered elements are exactly the small parameters'. Training still
+    matches plain AdamW."""
+    from infinity._zero._param import ParamState, info_of
+
+    cell = Cell(kind, "none", 3, "cpu", "cpu", persist=SMALL)
+    model, opt = infinity.initialize(build(kind), config=cell.config(str(tmp_path)))
+    engine = opt.engine
+    try:
+        named = dict(model.named_parameters())
+        small = {n for n, p in named.items() if p.numel() < SMALL}
+        assert small and len(small) < len(named)
+        block = lambda n: ".".join(n.split(".")[:3])  # noqa: E731 - transformer.h.0, model.layers.0
+        assert {block(n) for n in small} & {block(n) for n in named if n not in small}  # one block holds both
+        for ids, targets in batches(kind, 2):
+            loss_of(model, kind, ids, targets).backward()
+            for name, p in named.items():
+                unit = info_of(p).unit
+                assert unit.persistent is (name in small), name
+                assert unit.state is (ParamState.AVAILABLE if name in small else ParamState.RELEASED), name
+            assert engine.ledger.live == sum(named[n].numel() for n in small)  # gathered: the small ones only
+            opt.step()
+            opt.zero_grad()
+    finally:
+        infinity.close(model)
+    check_matches_reference(cell, train(cell, str(tmp_path)))
 
 
 # ------------------------------------------------------------------ the references themselves

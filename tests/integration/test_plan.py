@@ -1,7 +1,7 @@
 """The engine's own plan on the meta device (Note [planned by the engine] in
 infinity/_apps/_plan.py): a trillion-parameter decoder planned for a DGX-2 and a DGX H100 agrees
-with the estimator's formulas and allocates nothing; a small model's plan is what a real engine
-on this machine builds, swap file by swap file."""
+with the paper's formulas and is the estimator's row of that placement, and allocates nothing; a
+small model's plan is what a real engine on this machine builds, swap file by swap file."""
 import os
 
 import pytest
@@ -43,9 +43,9 @@ def test_a_trillion_parameters_planned_agree_with_the_formulas(tmp_path, trillio
     assert all(p.device.type == "meta" for p in trillion.parameters())  # nothing allocated ...
     assert not any(os.scandir(tmp_path))  # ... and no file made
     _, gpus, gpu_mem, cpu_mem, nvme = rm.NODES[name]
-    est = estimate(psi, layers=SHAPE.layers, hidden=SHAPE.hidden, heads=SHAPE.heads, gpus=gpus, gpu_mem=gpu_mem,
-                   cpu_mem=cpu_mem, nvme=nvme, dtype="bf16")
-    formula = est.placement(3, "nvme", "nvme")
+    est = estimate(layers=SHAPE.layers, hidden=SHAPE.hidden, heads=SHAPE.heads, gpus=gpus, gpu_mem=gpu_mem,
+                   cpu_mem=cpu_mem, nvme=nvme, dtype="bf16", arch="gpt2")
+    row = est.placement(3, "nvme", "nvme")
     prec = Precision.of("bf16")
     shard = -(-psi // ranks)
     # 002 §3 per rank: the bf16 parameters (2 bytes) and the fp32 states with the fp32 gradient
@@ -55,12 +55,13 @@ def test_a_trillion_parameters_planned_agree_with_the_formulas(tmp_path, trillio
     fp32 = sum(n for f, n in files.items() if f != "params.swp") + plan.categories["host"].get("gradients", 0)
     assert fp32 == pytest.approx(prec.optimizer * shard, rel=1e-4)
     assert sum(files.values()) == plan.per_rank["nvme"]  # the swap files are the memory model's NVMe bytes
-    # the formulas also count the bf16 gradient (2 bytes) with the optimizer's tier; the engine
+    # the paper also counts the bf16 gradient (2 bytes) with the optimizer's tier; the engine
     # never stores it: it is reduce-scattered from the device's buckets into the fp32 gradient
-    assert formula.nvme_bytes - plan.per_rank["nvme"] * ranks == pytest.approx(prec.grad * shard * ranks, rel=1e-3)
+    assert est.params == psi
     assert est.terms.model_states == pytest.approx(plan.per_rank["nvme"] * ranks + prec.grad * psi, rel=1e-4)
-    # the optimizer swapper's buffer sets are the same store formula in both
-    assert plan.categories["host"]["optimizer_buffers"] == formula.host_plan["optimizer_buffers"] // ranks
+    # the estimator's row of this placement is this plan (Note [the planned decoder] in _estimate_model.py)
+    assert row.nvme_bytes == plan.per_rank["nvme"] * ranks and row.host_bytes == plan.host_per_rank * ranks
+    assert row.host_plan == {k: ranks * v for k, v in plan.categories["host"].items()}
     # every drive of the node: its ranks' swap files (Note [many drives] in _drives.py)
     assert sorted(plan.drives) == sorted(drives) and sorted(plan.drive_ranks) == sorted(drives)
     assert set(plan.drives.values()) == {plan.per_rank["nvme"] * ranks // len(drives)}

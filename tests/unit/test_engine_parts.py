@@ -51,7 +51,7 @@ class Parts:
     def __init__(self, model, tier=Tier.CPU, tmp_path=None, persistence=0, prefetch=None, max_live=10**9):
         self.counters, self.ledger, self.calls = Counters(), GatherLedger(1), Calls()
         self.gate = StepGate(0, self.counters.blocked)
-        specs, uses = plan_units(model, 1)
+        specs, uses = plan_units(model, 1, persistence_threshold=persistence)
         self.layout = Layout.assign(specs, ALIGN_ELEMS if tier is Tier.NVME else 1)
         self.swap = swap = SwapDir(str(tmp_path), 0) if tier is Tier.NVME else None  # removed when collected
         self.store = ParamStore(tier, torch.float32, self.layout.param_total, swap=swap,
@@ -61,7 +61,7 @@ class Parts:
         self.prefetcher = Prefetcher(pcfg.zero.prefetch, partition_params=True, calls=self.calls, ledger=self.ledger,
                                      counters=self.counters)
         ctx = UnitContext(world_size=1, rank=0, dtype=torch.float32, itemsize=4, partitioned=True,
-                          persistence_threshold=persistence, counters=self.counters, ledger=self.ledger, gathered=None,
+                          counters=self.counters, ledger=self.ledger, gathered=None,
                           param_store=self.store, param_source=ParamSource.OWN, step_gate=self.gate,
                           make_room=self.prefetcher.make_room,
                           on_unavailable=self.calls.on_unavailable)

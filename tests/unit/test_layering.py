@@ -41,7 +41,7 @@ LAYERS = {
                    "_checkpoint._train"],
     "apps": ["_apps.__init__", "_apps._train_data", "_apps._endurance", "_apps._disk_probe", "tiling", "export",
              "_apps._train_model", "_apps._train_cli", "_apps._train_loop", "_apps._train_summary", "train",
-             "_apps._runmodel", "_apps._estimate_model", "_apps._estimate_hardware", "_apps._estimator", "_apps._plan",
+             "_apps._estimate_model", "_apps._runmodel", "_apps._estimate_hardware", "_apps._plan", "_apps._estimator",
              "_apps._estimate_cli", "estimate", "testing", "check_model", "integrations", "__init__"],
 }
 LAYER_PACKAGES = {"_runtime", "_offload", "_zero", "_checkpoint", "_apps"}
