@@ -12,6 +12,7 @@ from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._telemetry import StepStats, fmt_bytes, fmt_count, fmt_rate, is_level, mean, render_table
 from .._runtime._topology import current as placed_share
+from ..config.validate import split_fractions
 from ._train_loop import Run
 
 
@@ -96,6 +97,14 @@ def drive_rows(per_rank: List[dict], elapsed: float) -> List[tuple]:
     return rows
 
 
+def _tier_words(section) -> str:
+    """An offload section's tier, with its split (Note [split tiers] in _offload/_split.py)."""
+    fr = split_fractions(section.split)
+    if fr is None:
+        return section.device
+    return section.device + " (split " + ", ".join(f"{t} {v:g}" for t, v in fr.items() if v) + ")"
+
+
 def summary_text(run: Run, per_rank: List[dict]) -> str:
     cfg, stats = run.cfg, run.stats
     losses = stats.column("loss")
@@ -105,8 +114,8 @@ def summary_text(run: Run, per_rank: List[dict]) -> str:
         ("model", run.spec.description),
         ("parameters", f"{fmt_count(run.n_params)} ({run.n_params:,})"),
         ("run", f"{len(losses)} steps, {comm.world_size()} rank(s), ZeRO stage {cfg.zero.stage}, "
-                f"{cfg.precision.dtype}, offload param={cfg.zero.offload_param.device} "
-                f"optimizer={cfg.zero.offload_optimizer.device}"),
+                f"{cfg.precision.dtype}, offload param={_tier_words(cfg.zero.offload_param)} "
+                f"optimizer={_tier_words(cfg.zero.offload_optimizer)}"),
         ("batch", f"{run.batches.global_batch} x {cfg.train.seq_len} tokens per step"),
         ("loss", f"{losses[0]:.4f} -> {losses[-1]:.4f} (mean of last {len(tail)}: {mean(tail):.4f})"),
         ("throughput", f"{stats.median('tokens_per_s'):.0f} tokens/s (median step {stats.median('step_s'):.3f} s)"),

@@ -335,8 +335,8 @@ class NvmeOptimizerStore:
 
     def state_bytes(self, source: ParamSource) -> dict:
         """Optimizer states and gradient shards held in memory the way the engine reports
-        them: none, the states being on NVMe."""
-        return {"optimizer": 0, "grads": 0}
+        them: a split's host share (Note [split tiers] in _split.py), the rest being on NVMe."""
+        return {"optimizer": 12 * self.host_upto, "grads": 4 * self.host_upto if self.grads.mem is None else 0}
 
     def nbytes(self) -> dict:
         return totals(self.plan(self.total, self.chunk, len(self.cache.sets) * self.chunk, self.grads.mem is not None,
