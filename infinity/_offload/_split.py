@@ -98,26 +98,16 @@ def plan_auto(build, cfg, opt_auto: bool, param_auto: bool, opt: tuple, param: t
     parameters before the optimizer states, whose host bytes (the preflight's memory model)
     fit the budget; every state on NVMe when none does."""
     limit = budget(cfg.zero.host_memory_limit, machine.host_available, machine.ranks_on_node)
-    grads = {}  # the gradients' tier is decided once per optimizer tier: gradients_in_host logs its choice
-
-    def placed(o: tuple, p: tuple):
-        if o[0] not in grads:
-            grads[o[0]] = build(o, p).grads_in_memory
-        return build(o, p, grads_in_memory=grads[o[0]])
-
+    grads: dict = {}  # the gradients' tier is decided once per optimizer tier: gradients_in_host logs its choice
     z = cfg.zero
     opts = list(choices(z.offload_optimizer.nvme_path is not None, steps)) if opt_auto else [opt]
     params = list(choices(z.offload_param.nvme_path is not None, steps)) if param_auto else [param]
-    tried = [(o, p) for p in params for o in opts]  # parameters in host memory first
-    chosen = None
-    for o, p in tried:
-        candidate = placed(o, p)
-        need = memory_plan(candidate, cfg)
+    for o, p in ((o, p) for p in params for o in opts):  # parameters in host memory first
+        chosen = build(o, p, grads_in_memory=grads.get(o[0]))
+        grads[o[0]] = chosen.grads_in_memory
+        need = memory_plan(chosen, cfg)
         if need["host"] + (0 if machine.accelerator else need["device"]) <= limit:  # no accelerator: the device is host
-            chosen = candidate
-            break
-    chosen = chosen or placed(*tried[-1])
-    need = memory_plan(chosen, cfg)
+            break  # else the last tried, every state on NVMe, stands
     logger.info("device auto: %s; host memory %.2f GiB of a budget of %.2f GiB (%s), NVMe %.2f GiB, device %.2f GiB",
                 chosen.describe(), need["host"] / 2**30, limit / 2**30,
                 "zero.host_memory_limit" if cfg.zero.host_memory_limit is not None else
