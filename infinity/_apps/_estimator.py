@@ -139,7 +139,7 @@ class PlacementEstimate:
     fits_host: bool
     fits_nvme: bool
     host_plan: dict = field(default_factory=dict)  # per node: host memory by category (the stores' plan)
-    plan: Optional[pl.Plan] = field(default=None, repr=False, compare=False)  # the engine's plan of the row
+    plan: Optional[pl.RankPlan] = field(default=None, repr=False, compare=False)  # the engine's plan of the row
 
     @property
     def fits(self) -> bool:
@@ -332,7 +332,7 @@ def _placements(model, params: int, trainable: int, terms: Terms, prec: Precisio
         return [_row(key, pl.plan_specs(specs, cfgs[key], node, params, trainable), terms, hw) for key in _GRID]
 
 
-def _row(key: tuple, plan: pl.Plan, terms: Terms, hw: Hardware) -> PlacementEstimate:
+def _row(key: tuple, plan: pl.RankPlan, terms: Terms, hw: Hardware) -> PlacementEstimate:
     """A row of the table from the engine's plan of it: the device's bytes per GPU (the plan's,
     with the activation terms), host memory and NVMe per node."""
     per_node, rank = hw.gpus_per_node, plan.per_rank

@@ -83,7 +83,7 @@ class Node:
 
 
 @dataclass
-class Plan:
+class RankPlan:
     """One rank's plan and the node's totals (Note [planned by the engine])."""
 
     params: int
@@ -178,7 +178,7 @@ def build_meta(model_config=None, shape: Optional[Shape] = None, arch: str = "gp
         return AutoModelForCausalLM.from_config(model_config)
 
 
-def plan_model(model: nn.Module, cfg, node: Node) -> Plan:
+def plan_model(model: nn.Module, cfg, node: Node) -> RankPlan:
     """Note [planned by the engine]: ``model`` (on the meta device, or anywhere: nothing of it
     is read but its parameters' shapes and flags) under ``cfg`` on ``node``."""
     return plan_specs(tiled_specs(model, cfg, node.world), cfg, node, sum(p.numel() for p in model.parameters()),
@@ -193,7 +193,7 @@ def tiled_specs(model: nn.Module, cfg, world: int) -> list:
     return unit_specs_of(model, cfg, world)[0]
 
 
-def plan_specs(specs, cfg, node: Node, params: int, trainable: int) -> Plan:
+def plan_specs(specs, cfg, node: Node, params: int, trainable: int) -> RankPlan:
     """The plan of a model's fetch units (``UnitSpec``s, ``unit_specs_of``) of ``params``
     parameters, ``trainable`` of them trained, under ``cfg`` on ``node``: what ``plan_model``
     reports and each row of the estimator's table (Note [the planned decoder] in _estimate_model.py)."""
@@ -214,7 +214,7 @@ def plan_specs(specs, cfg, node: Node, params: int, trainable: int) -> Plan:
     n, z = placement.layout.opt_total, cfg.zero.offload_optimizer
     chunk = chunk_elems(z.chunk_size, n)  # as the preflight's plan takes them (Note [host cache] in _nvme_optimizer_store.py)
     head = head_elems(z.host_cache, list(placement.layout.opt_ranges), chunk, n)
-    return Plan(
+    return RankPlan(
         params=params, trainable=trainable, node=node, stage=cfg.zero.stage,
         dtype=cfg.precision.dtype, units=len(specs), trainable_units=sum(s.trainable for s in specs),
         largest_unit=(name, numel), param_total=placement.layout.param_total, opt_total=placement.layout.opt_total,
@@ -270,7 +270,7 @@ def swap_files(placement: Placement, cfg) -> Dict[str, int]:
     return out
 
 
-def figures_of(plan: Plan) -> "rm.Figures":
+def figures_of(plan: RankPlan) -> "rm.Figures":
     """What the run model reads of a stage-3 plan (Note [run model] in _runmodel.py): its layout's
     figures and its stores' bytes, so that --step-time speaks of the plan the table shows."""
     placement = plan.placement
@@ -292,7 +292,7 @@ def tiling_keys(max_tile_params: int) -> dict:
     return keys
 
 
-def timed_plan(build, cfg, node: Node) -> Plan:
+def timed_plan(build, cfg, node: Node) -> RankPlan:
     """Build the model (``build()``) and plan it, timing both."""
     began = time.perf_counter()
     result = plan_model(build(), cfg, node)
@@ -307,7 +307,7 @@ SOURCES = {  # Note [parameters from the master] in _placement.py
     ParamSource.MASTER.value: "the parameter shards read from the master weights in memory",
     ParamSource.MASTER_FILE.value: "the trainable parameter shards read from master.swp"}
 
-def report(p: Plan) -> str:
+def report(p: RankPlan) -> str:
     node, t = p.node, p.per_rank
     hw = node.name or f"{node.nodes} node(s) x {node.ranks} rank(s)"
     lines = [
@@ -360,7 +360,7 @@ def report(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def placed(p: Plan) -> str:
+def placed(p: RankPlan) -> str:
     """Where a plan keeps the parameters and the optimizer states, in the config's words."""
     words = {"device": "none", "cpu": "cpu", "nvme": "nvme"}
     params = f"offload_param {words[p.tiers['params']]}" if p.stage == 3 else "parameters whole on the device"

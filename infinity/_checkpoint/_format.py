@@ -165,21 +165,21 @@ def resolve(directory: str, tag: Optional[str]) -> str:
         return os.path.join(directory, found[-1][1])
 
 
-def pieces(param: dict, world: int, base: int, new_chunk: int, new_rank: Optional[int], new_base: int,
+def pieces(param: dict, world: int, base: int, new_shard: int, new_rank: Optional[int], new_base: int,
            size: int) -> List[Tuple[int, int, int, int]]:
     """(source rank, source byte offset, destination byte offset, bytes) that fill a
-    parameter's new chunk ``new_rank`` (None: the whole parameter, from element 0) from a
+    parameter's new shard ``new_rank`` (None: the whole parameter, from element 0) from a
     checkpoint saved at ``world`` ranks, where the parameter starts at element ``base`` of
     every rank's file and at ``new_base`` of the destination; ``size`` bytes per element."""
-    numel, chunk = param["numel"], param["chunk"]
-    lo, hi = (0, numel) if new_rank is None else (new_rank * new_chunk, min(numel, (new_rank + 1) * new_chunk))
+    numel, shard = param["numel"], param["chunk"]  # the manifest's name for the elements of a rank's shard
+    lo, hi = (0, numel) if new_rank is None else (new_rank * new_shard, min(numel, (new_rank + 1) * new_shard))
     start = 0 if new_rank is None else lo
     out = []
-    for k in range(lo // chunk if chunk else 0, world):
-        a, b = max(lo, k * chunk), min(hi, (k + 1) * chunk)
+    for k in range(lo // shard if shard else 0, world):
+        a, b = max(lo, k * shard), min(hi, (k + 1) * shard)
         if a >= b:
             break
-        out.append((k, (base + a - k * chunk) * size, (new_base + a - start) * size, (b - a) * size))
+        out.append((k, (base + a - k * shard) * size, (new_base + a - start) * size, (b - a) * size))
     return out
 
 

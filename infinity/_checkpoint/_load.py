@@ -4,7 +4,7 @@ Every file a rank will read is verified (its kind, its size and CRC-32 against t
 before any state changes and before any byte of it is parsed, so a corrupt, incomplete or
 tampered checkpoint is refused, naming the file, and leaves the model and optimizer as they
 were; nothing in a checkpoint is code (Note [data, never code] in _files.py). Then each rank
-computes, per parameter, which saved ranks hold the elements of its own chunk (Note
+computes, per parameter, which saved ranks hold the elements of its own shard (Note
 [checkpoint layout] in _format.py) and copies them straight into its stores: into memory in
 place, into swap files through the bounded buffers of ``_io.Mover``.
 """
@@ -97,9 +97,9 @@ def _plan(engine, opt, reader: CheckpointReader) -> List[tuple]:
         for p, info in zip(unit.params, unit.infos):
             s = saved[info.name]
             if unit.trainable:
-                fp32 += pieces(s, world, s["opt_offset"], info.chunk, engine.rank, unit.opt_offset + info.shard_offset, 4)
+                fp32 += pieces(s, world, s["opt_offset"], info.shard_numel, engine.rank, unit.opt_offset + info.shard_offset, 4)
             if opt.param_store is not None:
-                params += pieces(s, world, s["param_offset"], info.chunk, engine.rank,
+                params += pieces(s, world, s["param_offset"], info.shard_numel, engine.rank,
                                  unit.param_offset + info.shard_offset, size)
             else:
                 whole.append((raw_data(p), pieces(s, world, s["param_offset"], 0, None, 0, size)))

@@ -47,7 +47,7 @@ def param_entries(engine, opt) -> List[dict]:
     out, index = [], 0
     for unit in engine.units:
         for info in unit.infos:
-            out.append({"name": info.name, "shape": list(info.shape), "numel": info.numel, "chunk": info.chunk,
+            out.append({"name": info.name, "shape": list(info.shape), "numel": info.numel, "chunk": info.shard_numel,
                         "trainable": unit.trainable, "param_offset": unit.param_offset + info.shard_offset,
                         "opt_offset": unit.opt_offset + info.shard_offset if unit.trainable else None,
                         "step": opt.steps.step_of(index), "group": group_of.get(index)})

@@ -32,7 +32,7 @@ import torch
 from .._runtime import _accelerator as acc
 
 
-class Held(enum.Enum):
+class RangeContents(enum.Enum):
     ZERO = "zero"
     STALE = "stale"  # consumed or dropped: the next gradient overwrites it
     IN_PLACE = "in place"  # copied in from the device, its norm taken there
@@ -45,7 +45,7 @@ class GradBuffer:
         self.lazy = lazy  # stage 1: the buffer exists only during the step
         self._host = host  # in host memory (the ``cpu`` tier), where gradients can land in place
         self._size: Dict[int, int] = {o: n for o, n in ranges if n}  # each unit's range: offset -> elements
-        self._held = dict.fromkeys(self._size, Held.ZERO)  # Note [stale gradient ranges]
+        self._contents = dict.fromkeys(self._size, RangeContents.ZERO)  # Note [stale gradient ranges]
         self._norms: Dict[int, torch.Tensor] = {}  # IN_PLACE ranges: offset -> the device norm
         self._untracked = False  # written outside the units' ranges since last zeroed whole
         self._lock = threading.Lock()  # the overlapped step marks ranges consumed while the backward writes others
@@ -62,15 +62,15 @@ class GradBuffer:
         buf = self.get()
         view = buf[offset : offset + shard_grad.numel()]
         with self._lock:
-            held = self._held.get(offset) if self._size.get(offset) == shard_grad.numel() else None
-            if held is not None:
-                self._held[offset] = Held.ADDED
+            contents = self._contents.get(offset) if self._size.get(offset) == shard_grad.numel() else None
+            if contents is not None:
+                self._contents[offset] = RangeContents.ADDED
                 self._norms.pop(offset, None)  # its norm is the host's from now on
-        if held is None:  # not a unit's range
+        if contents is None:  # not a unit's range
             self._zero_stale()
             self._untracked = True
             view.add_(shard_grad, alpha=scale)
-        elif held is Held.STALE:  # overwritten: 0 + scale * g
+        elif contents is RangeContents.STALE:  # overwritten: 0 + scale * g
             view.copy_(shard_grad)
             if scale != 1.0:
                 view.mul_(scale)
@@ -87,15 +87,15 @@ class GradBuffer:
         if not acc.is_pinned(buf):
             return None
         with self._lock:
-            if self._held[offset] not in (Held.ZERO, Held.STALE):
+            if self._contents[offset] not in (RangeContents.ZERO, RangeContents.STALE):
                 return None
-            self._held[offset] = Held.IN_PLACE
+            self._contents[offset] = RangeContents.IN_PLACE
         return buf[offset : offset + numel]
 
     def note_norm(self, offset: int, norm: torch.Tensor) -> None:
         """The device norm of what was copied into ``landing_slot(offset)``."""
         with self._lock:
-            if self._held.get(offset) is Held.IN_PLACE:
+            if self._contents.get(offset) is RangeContents.IN_PLACE:
                 self._norms[offset] = norm
 
     # ------------------------------------------------------------ reads
@@ -107,8 +107,8 @@ class GradBuffer:
         buf = self.get()
         self._zero_stale()
         with self._lock:
-            in_place = [o for o, h in self._held.items() if h is Held.IN_PLACE]
-            added = [o for o, h in self._held.items() if h is Held.ADDED]
+            in_place = [o for o, h in self._contents.items() if h is RangeContents.IN_PLACE]
+            added = [o for o, h in self._contents.items() if h is RangeContents.ADDED]
             norms = [self._norms.get(o) for o in in_place]
         if self._untracked or any(n is None for n in norms):
             return sq_and_finite(buf)
@@ -138,22 +138,22 @@ class GradBuffer:
         """Stage 1: the buffer goes until the next step's gradients."""
         self.tensor = None
         with self._lock:
-            self._held = dict.fromkeys(self._size, Held.ZERO)
+            self._contents = dict.fromkeys(self._size, RangeContents.ZERO)
             self._norms.clear()
         self._untracked = False
 
     def _mark_stale(self, start: float, end: float) -> None:
         with self._lock:
-            for offset, held in self._held.items():
-                if start <= offset < end and held is not Held.ZERO:
-                    self._held[offset] = Held.STALE
+            for offset, contents in self._contents.items():
+                if start <= offset < end and contents is not RangeContents.ZERO:
+                    self._contents[offset] = RangeContents.STALE
                     self._norms.pop(offset, None)
 
     def _zero_stale(self) -> None:
         with self._lock:
-            stale = [o for o, h in self._held.items() if h is Held.STALE]
+            stale = [o for o, h in self._contents.items() if h is RangeContents.STALE]
             for offset in stale:
-                self._held[offset] = Held.ZERO
+                self._contents[offset] = RangeContents.ZERO
         buf = self.tensor
         for offset in stale:
             if buf is not None:

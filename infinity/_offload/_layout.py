@@ -34,10 +34,10 @@ def padded(numel: int, world_size: int) -> int:
     return -(-numel // world_size) * world_size
 
 
-def chunk_rows(full: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Note [shard layout] in _unit.py: the (N, chunk) view of one parameter's values,
-    flattened and padded with zeros; row r is rank r's chunk. A fetch unit's shards and
-    gradients and Init's chunks are all cut by it."""
+def shard_rows(full: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Note [shard layout] in _unit.py: the (N, shard) view of one parameter's values,
+    flattened and padded with zeros; row r is rank r's shard of it. A fetch unit's shards and
+    gradients and Init's shards are all cut by it."""
     flat = full.reshape(-1)
     numel = flat.numel()
     pad = padded(numel, world_size) - numel
@@ -46,11 +46,11 @@ def chunk_rows(full: torch.Tensor, world_size: int) -> torch.Tensor:
     return flat.view(world_size, (numel + pad) // world_size)
 
 
-def chunk_range(numel: int, world_size: int, rank: int) -> Tuple[int, int]:
+def shard_range(numel: int, world_size: int, rank: int) -> Tuple[int, int]:
     """The elements [lo, hi) of a parameter of ``numel`` elements that lie in ``rank``'s
-    chunk of ``chunk_rows`` (the rest of the chunk, if any, is padding)."""
-    chunk = padded(numel, world_size) // world_size
-    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+    shard of ``shard_rows`` (the rest of the shard, if any, is padding)."""
+    shard = padded(numel, world_size) // world_size
+    return min(rank * shard, numel), min((rank + 1) * shard, numel)
 
 
 def round_up(n: int, m: int) -> int:

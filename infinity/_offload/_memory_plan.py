@@ -73,11 +73,11 @@ OPT_FILES = "optimizer_files"  # on NVMe
 
 TIERS = ("device", "host", "nvme")
 
-Plan = Dict[str, Dict[str, int]]  # tier -> category -> bytes
+MemoryPlan = Dict[str, Dict[str, int]]  # tier -> category -> bytes
 
 
-def merge(*plans: Plan) -> Plan:
-    out: Plan = {t: {} for t in TIERS}
+def merge(*plans: MemoryPlan) -> MemoryPlan:
+    out: MemoryPlan = {t: {} for t in TIERS}
     for p in plans:
         for tier, cats in p.items():
             for cat, n in cats.items():
@@ -86,7 +86,7 @@ def merge(*plans: Plan) -> Plan:
     return out
 
 
-def totals(plan: Plan) -> Dict[str, int]:
+def totals(plan: MemoryPlan) -> Dict[str, int]:
     """Bytes per tier."""
     return {t: sum(plan.get(t, {}).values()) for t in TIERS}
 
@@ -210,7 +210,7 @@ def _status_bytes(field: str) -> int:
         return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
 
 
-def host_account(plan: Optional[Plan] = None) -> dict:
+def host_account(plan: Optional[MemoryPlan] = None) -> dict:
     """Where this process's host memory is now, by category (Note [one memory model]): the
     engine's aligned buffers as mapped (the ledger: live and peak) and as resident now, the C heap in use and
     retained, the block cache's blocks in use and cached (Note [block cache] in host_alloc.cpp), and the rest of the

@@ -20,7 +20,7 @@ from .._runtime._tiers import Tier
 from ..errors import InsufficientResourcesError
 from ._drives import drive_paths, local_rank, node_bytes_per_drive, rank_drives
 from ._layout import Layout, ParamSource
-from ._memory_plan import GATHERED, OPT_FILES, PARAM_FILES, Plan, merge
+from ._memory_plan import GATHERED, OPT_FILES, PARAM_FILES, MemoryPlan, merge
 from ._nvme_optimizer_store import NvmeOptimizerStore
 from ._optimizer_store import MemoryOptimizerStore, chunk_elems, head_elems
 from ._param_store import ParamStore
@@ -76,7 +76,7 @@ GiB = float(1 << 30)
 def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsize: int, overlapped: bool,
                lazy_grad: bool, chunk: int, head: int, grads_in_memory: bool, staging_numel: int,
                staging_count: int, param_source: ParamSource, gathered_bytes: int, moments: str = "fp32",
-               param_cache: int = 0, opt_host_upto: int = 0, param_host_upto: int = 0) -> Plan:
+               param_cache: int = 0, opt_host_upto: int = 0, param_host_upto: int = 0) -> MemoryPlan:
     """The bytes of every store for a plan (Note [one memory model] in _memory_plan.py). ``param_tier`` is None
     when parameters stay whole (stages 1-2); ``gathered_bytes`` is the gathered recycler's
     capacity (0 with an accelerator, whose caching allocator reuses device memory). ``opt_host_upto``,

@@ -317,7 +317,7 @@ def wait_io(handle, what: str) -> None:
     """Wait for a handle's requests, at most its ``timeout`` (``aio.timeout``), else the
     engine's wait timeout (INFINITY_COMM_TIMEOUT seconds); a timeout raises TimeoutError
     naming ``what`` and the files still in flight."""
-    handle.wait(timeout=handle.timeout if handle.timeout is not None else comm.DEFAULT_TIMEOUT_S, what=what)
+    handle.wait(timeout=handle.timeout if handle.timeout is not None else comm.timeout_s(), what=what)
 
 
 def nbytes_of(numel: int, dtype: torch.dtype) -> int:

@@ -49,20 +49,27 @@ def _env_timeout() -> float:
 # the fallback for code without one); ``configure`` sets it per process when a config is
 # used (initialize, Init, the train job). It also bounds the process group that infinity
 # creates itself, so a sync collective on it cannot outwait it either.
-DEFAULT_TIMEOUT_S = _env_timeout()
-_TIMEOUT_SOURCE = "INFINITY_COMM_TIMEOUT"
+@dataclass
+class _Timeout:
+    """This process's timeout (Note [comm timeout]): read through ``timeout_s``, set by
+    ``configure``."""
+
+    seconds: float
+    source: str  # what set it, for the messages
+
+
+_TIMEOUT = _Timeout(_env_timeout(), "INFINITY_COMM_TIMEOUT")
 
 
 def configure(cfg) -> None:
     """Take ``comm.timeout`` from ``cfg`` when it sets one: Note [comm timeout]."""
-    global DEFAULT_TIMEOUT_S, _TIMEOUT_SOURCE
     value = getattr(getattr(cfg, "comm", None), "timeout", None)
     if value is not None:
-        DEFAULT_TIMEOUT_S, _TIMEOUT_SOURCE = float(value), "comm.timeout"
+        _TIMEOUT.seconds, _TIMEOUT.source = float(value), "comm.timeout"
 
 
 def timeout_s() -> float:
-    return DEFAULT_TIMEOUT_S
+    return _TIMEOUT.seconds
 
 
 # Note [one rank failing]: ranks pair their collectives by order alone. A rank whose backward
@@ -205,7 +212,7 @@ def agree_on_abort() -> bool:
         return False
     prefix = f"{_stop_key().replace('stopped', 'aborted')}/{_aborts}/"
     keys = [f"{prefix}{r}" for r in range(world_size())]
-    deadline = time.monotonic() + min(_AGREE_S, DEFAULT_TIMEOUT_S / 2)
+    deadline = time.monotonic() + min(_AGREE_S, _TIMEOUT.seconds / 2)
     try:
         store.set(keys[rank()], str(_issued))
         while not store.check(keys):
@@ -275,7 +282,7 @@ def ensure_initialized() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         backend = acc.comm_backend()
         acc.set_device()  # before the group: NCCL and the side streams on this rank's GPU, not GPU 0
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=_TIMEOUT.seconds),
                                 device_id=acc.comm_device_id())
         _created_group = True
         logger.info("initialized torch.distributed (%s), world size %d", backend, dist.get_world_size())
@@ -352,7 +359,7 @@ class CommHandle:
             self.work.wait()
             self.work = None
             return
-        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        timeout_s = _TIMEOUT.seconds if timeout_s is None else timeout_s
         start = time.monotonic()
         while True:  # in slices: Note [one rank failing]
             left = timeout_s - (time.monotonic() - start)
@@ -399,7 +406,7 @@ def _peer() -> str:
 
 
 def _timed_out(what: str, timeout_s: float, tail: str) -> str:
-    return _seen(f"rank {rank()}: {what} timed out after {timeout_s:g}s ({_TIMEOUT_SOURCE}); a peer is hung or far "
+    return _seen(f"rank {rank()}: {what} timed out after {timeout_s:g}s ({_TIMEOUT.source}); a peer is hung or far "
                  f"behind: {tail}")
 
 
@@ -434,7 +441,7 @@ def _run(what: str, launch) -> None:
     try:
         work = launch()
     except RuntimeError as e:  # gloo may fail at launch when the peer is already gone
-        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+        raise CommTimeout(failure_message(what, e, 0.0, _TIMEOUT.seconds)) from None
     CommHandle(work, what).wait()
 
 
@@ -485,7 +492,7 @@ def all_gather_into_tensor(out: torch.Tensor, shard: torch.Tensor, group=None, *
     try:
         work = _all_gather_single(out, shard, group=group, async_op=True)
     except RuntimeError as e:
-        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+        raise CommTimeout(failure_message(what, e, 0.0, _TIMEOUT.seconds)) from None
     return CommHandle(work, what, _nccl(out))
 
 
@@ -509,7 +516,7 @@ def reduce_scatter_tensor(out: torch.Tensor, full: torch.Tensor, group=None, *, 
     try:
         work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     except RuntimeError as e:
-        raise CommTimeout(failure_message(what, e, 0.0, DEFAULT_TIMEOUT_S)) from None
+        raise CommTimeout(failure_message(what, e, 0.0, _TIMEOUT.seconds)) from None
     return CommHandle(work, what, _nccl(out))
 
 
@@ -545,5 +552,5 @@ def all_gather_object(obj, group=None, *, what: str = "all-gather of objects") -
     try:
         dist.all_gather_object(out, obj, group=group)
     except RuntimeError as e:
-        raise CommTimeout(failure_message(what, e, time.monotonic() - start, DEFAULT_TIMEOUT_S)) from None
+        raise CommTimeout(failure_message(what, e, time.monotonic() - start, _TIMEOUT.seconds)) from None
     return out

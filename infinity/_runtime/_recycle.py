@@ -43,20 +43,20 @@ class Recycler:
         self.capacity = capacity
         self._allocate = allocate
         self._free: List[torch.Tensor] = []
-        self._held = 0
+        self._pooled = 0
         self._lock = threading.Lock()
         self.reused = 0  # requests served from returned tensors (for tests and telemetry)
 
     @property
-    def held_bytes(self) -> int:
-        return self._held
+    def pooled_bytes(self) -> int:
+        return self._pooled
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         with self._lock:
             for i, t in enumerate(self._free):
                 if t.numel() == numel and t.dtype == dtype and _unshared(t):
                     del self._free[i]
-                    self._held -= _nbytes(t)
+                    self._pooled -= _nbytes(t)
                     self.reused += 1
                     return t
         t = self._allocate(numel, dtype)
@@ -73,15 +73,15 @@ class Recycler:
         with self._lock:
             # Full: the newcomer goes, not the oldest. Uses come in the same order every step,
             # so what stays is what the next step asks for first (a unique size included).
-            if self._held + n <= self.capacity and not any(x is t for x in self._free):
+            if self._pooled + n <= self.capacity and not any(x is t for x in self._free):
                 self._free.append(t)
-                self._held += n
+                self._pooled += n
 
     def clear(self) -> None:
         """Drop every returned tensor (the engine closed): their memory goes with the last user."""
         with self._lock:
             self._free.clear()
-            self._held = 0
+            self._pooled = 0
 
     def release_idle(self) -> int:
         """Give the pages of the returned tensors nobody uses any more back to the kernel,

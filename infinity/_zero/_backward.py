@@ -28,14 +28,14 @@ as are those of a unit only some of whose parameters got one.
 Note [aborted backward]: a backward can end by an exception (an autograd Function or a hook
 that raises, out of memory, an interrupt), as a forward can (Note [aborted forward] in
 _engine.py). Autograd then drops the callback queued at its start (``_end``) without calling
-it, so nothing ends the backward: the phase stays BACKWARD, the modules HELD keep their units
+it, so nothing ends the backward: the phase stays BACKWARD, the modules AWAITING keep their units
 gathered, the reducer keeps its partial buckets and the sink its device->host copies in
 flight. The engine ends it at the next call made outside any backward while the phase is
 still BACKWARD (``aborted``: no autograd graph task runs on this thread, which tells it from
 a recomputation inside a live backward): the model's next forward, the optimizer's
 ``zero_grad`` and ``step``, and ``close``. ``abort`` then, launching no collective (another
 rank's backward may have ended otherwise):
-- ends the holds of the modules still HELD (their units are released) and resets every
+- ends the holds of the modules still AWAITING (their units are released) and resets every
   module's progress; frames a recomputation left behind are released (``Calls.abort_backward``,
   BACKWARD -> IDLE);
 - waits for the reduce-scatters in flight and drops them, the partial buckets and this
@@ -120,7 +120,7 @@ class BackwardHooks:
         self._counters = counters
         self._check_same_gathers = check_same_gathers  # Note [same gathers on every rank] in _same_gathers.py
         self._on_abort = on_abort  # the sink: Note [aborted backward]
-        self._held: Dict[ModuleState, None] = {}  # the modules HELD now, in the order backward reached them
+        self._awaiting: Dict[ModuleState, None] = {}  # the modules AWAITING now, in the order backward reached them
         self._tokens = itertools.count()  # one per module call whose input gradients a hold may wait for
         self._inputs_seen: Set[int] = set()  # tokens whose input gradients this backward has computed
 
@@ -150,11 +150,11 @@ class BackwardHooks:
         """Autograd reached an output of a call of ``state``'s module (``token``: the call)."""
         self._begin()
         calls = {token} if token is not None and token not in self._inputs_seen else set()
-        if state in self._held:
+        if state in self._awaiting:
             state.await_calls(calls)  # already held: a module called twice in forward
             return
         state.hold(calls)
-        self._held[state] = None
+        self._awaiting[state] = None
         self._prefetcher.on_module(state)
         if not state.waiting:
             self._end_hold(state)
@@ -188,13 +188,13 @@ class BackwardHooks:
     def _arrived(self, awaited) -> None:
         """A unit's gradients or a call's input gradients are in: end the holds that waited
         only for them."""
-        for state in [s for s in self._held if s.awaits(awaited)]:
+        for state in [s for s in self._awaiting if s.awaits(awaited)]:
             if state.arrived(awaited):
                 self._end_hold(state)
 
     def _end_hold(self, state: ModuleState) -> None:
         state.end_hold()  # a later pre-backward in this backward holds again: Note [used again in one backward]
-        del self._held[state]
+        del self._awaiting[state]
 
     def _end(self) -> None:
         if self._reducer is not None:
@@ -204,7 +204,7 @@ class BackwardHooks:
                     self._reducer.add(unit)
             with self._counters.blocked("reduce_scatter"):
                 self._reducer.finish()  # units without gradients join as zeros: Note [bucket plan] in _reduce.py
-        for state in list(self._held):
+        for state in list(self._awaiting):
             self._end_hold(state)
         for state in self._states:
             state.reset()
@@ -223,7 +223,7 @@ class BackwardHooks:
 
     def abort(self) -> None:
         """Note [aborted backward]: end a backward that ended by an exception."""
-        for state in list(self._held):
+        for state in list(self._awaiting):
             self._end_hold(state)
         for state in self._states:
             state.reset()

@@ -132,7 +132,7 @@ class Engine(ParameterEdits, EngineReport):
         self.calls = parts.calls  # Note [phases] in _phase.py
         self.counters = ctx.counters
         self.ledger = ctx.ledger
-        self.gathered = ctx.gathered
+        self.gathered_buffers = ctx.gathered_buffers
         self.gate = ctx.step_gate
         self.save_fence = SaveFence()  # Note [save fence] in _save_fence.py
         self.param_store = ctx.param_store
@@ -329,8 +329,8 @@ class Engine(ParameterEdits, EngineReport):
     def release_idle(self) -> None:
         """Note [released pages] in aio/_memory.py: recycled buffers nobody uses now give their
         pages back until they are taken again."""
-        if self.gathered is not None:
-            self.gathered.release_idle()
+        if self.gathered_buffers is not None:
+            self.gathered_buffers.release_idle()
         if self.param_store is not None:
             self.param_store.release_idle()
         self.opt_store.release_idle()
@@ -341,7 +341,7 @@ class Engine(ParameterEdits, EngineReport):
         """Gathered copies of persistent units are stale once the shards were updated."""
         self.prefetcher.release_held()
         for unit in self.units:
-            unit.refresh()
+            unit.reshard_stale()
 
     def close(self) -> None:
         """Remove hooks and this run's swap files (also when the step's error is re-raised:
@@ -374,13 +374,13 @@ class Engine(ParameterEdits, EngineReport):
         """``close``'s second half: Note [closed engines]."""
         self.prefetcher.release_held()
         for unit in self.units:
-            unit.refresh()  # gathered copies (persistent units) freed: their device bytes leave the budget
+            unit.reshard_stale()  # gathered copies (persistent units) freed: their device bytes leave the budget
         self.remove_hooks()
         for store in (self.opt_store, self.param_store):
             if store is not None:
                 store.close()  # Note [closing handles] in aio/_handle.py
-        if self.gathered is not None:
-            self.gathered.clear()
+        if self.gathered_buffers is not None:
+            self.gathered_buffers.clear()
         self.swap_dirs.remove()
         if self._block_cache_done is not None:
             self._block_cache_done()  # once: a finalizer runs at most once

@@ -54,8 +54,8 @@ class EngineReport:
         for store in stores:  # a MASTER parameter store's are its frozen shards' (the master's are the optimizer's)
             for tier, n in store.nbytes().items():
                 out[tier] += n
-        if self.gathered is not None:
-            out["device"] += self.gathered.capacity  # returned gathered buffers, kept for reuse
+        if self.gathered_buffers is not None:
+            out["device"] += self.gathered_buffers.capacity  # returned gathered buffers, kept for reuse
         return out
 
     def model_state_bytes(self) -> dict:

@@ -3,38 +3,38 @@
 
 Note [partitioned construction]: inside the context every ``nn.Module`` subclass's
 ``__init__`` is wrapped; when the outermost ``__init__`` of a module returns, each of its
-direct parameters is flattened, padded and cut into world-size chunks (Note [shard layout] in _unit.py);
-this rank's fp32 chunk goes to the Init store (memory, or a swap file on NVMe) and the
+direct parameters is flattened, padded and cut into world-size shards (Note [shard layout] in _unit.py);
+this rank's fp32 shard goes to the Init store (memory, or a swap file on NVMe) and the
 parameter keeps a placeholder. Later code that touches such a parameter (Hugging Face's
 ``post_init`` / ``_init_weights``, ``tie_weights``, ``torch.nn.init``), or a view of it, runs on
 the full tensor: it is materialized (all-gathered), the operation runs, and what it changed is
 re-partitioned (Note [touched placeholders] in _init_ops.py). So initialization takes effect
 exactly as without Init, and only the parameters of one operation are materialized at a time.
-``infinity.initialize`` then adopts the chunks as its shards, one unit at a time, and the Init
+``infinity.initialize`` then adopts them as its units' shards, one unit at a time, and the Init
 store is released.
 
 Parameters assigned to a module after its ``__init__`` (a loader's ``setattr``) are
 partitioned at once, through torch's global parameter-registration hook; with Hugging Face's
-``from_pretrained`` that is how each rank's chunks are streamed from the checkpoint files
-(Note [streamed load] in _pretrained.py). The Init store keeps each chunk in its parameter's
+``from_pretrained`` that is how each rank's shards are streamed from the checkpoint files
+(Note [streamed load] in _pretrained.py). The Init store keeps each shard in its parameter's
 dtype.
 
 Note [Init preflight]: the store is given its room when Init starts: free disk under
 ``nvme_path`` (after reclaiming what crashed runs left) or 80% of the available host memory,
-divided among the ranks on this node. Every new chunk is checked against it before it is
+divided among the ranks on this node. Every new shard is checked against it before it is
 stored, and refused with the numbers and the knob to change, naming the parameter. A model
 built on the meta device (``from_pretrained``) is checked whole, before the first byte of the
-checkpoint is read: the sum of its unloaded parameters' chunks. A Hugging Face model built from
+checkpoint is read: the sum of its unloaded parameters' shards. A Hugging Face model built from
 its config is checked whole before its first parameter is allocated, for everything
 ``initialize`` will then allocate as well (its optimizer states and gradients on their tiers):
 ``_check_whole_model`` builds it on the meta device once and runs the engine's own preflight on
 that copy's placement (``_unit_plan.placement_of``).
 
-Note [chunks left in the checkpoint]: on the NVMe tier a chunk loaded from a checkpoint is not
+Note [shards left in the checkpoint]: on the NVMe tier a shard loaded from a checkpoint is not
 copied into ``init.swp``: the store records where it is (file, element range, the file's size,
 modification time and inode) and ``initialize`` reads it from there straight into the
 optimizer's and the parameter store's files. The checkpoint's bytes are read once, by the rank
-that keeps them, and nothing is written twice. A chunk that is changed before ``initialize``
+that keeps them, and nothing is written twice. A shard that is changed before ``initialize``
 (an in-place ``torch.nn.init``, an assignment) gets a slot of its own; a checkpoint file that
 changed in between is refused by name instead of being read.
 """
@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .._offload._drives import NvmePath, local_rank, rank_drives
-from .._offload._layout import chunk_range, chunk_rows, padded
+from .._offload._layout import padded, shard_range, shard_rows
 from .._offload._preflight import free_disk, preflight
 from .._offload._swap import SwapDir, _make_nvme_path, new_aio
 from .._runtime import _accelerator as acc
@@ -80,21 +80,21 @@ from ._unit_plan import placement_of
 
 
 class InitStore:
-    """This rank's chunks of Init-partitioned parameters, in each parameter's dtype: in memory or
-    in one swap file. Each chunk is checked against the room this rank has on its tier before
+    """This rank's shards of Init-partitioned parameters, in each parameter's dtype: in memory or
+    in one swap file. Each shard is checked against the room this rank has on its tier before
     it is stored (Note [Init preflight])."""
 
     def __init__(self, tier: Tier, nvme_path: Optional[NvmePath], aio_cfg, rank: int):
         tier = self.tier = Tier.of(tier)
         self._mem: Dict[int, torch.Tensor] = {}
         self._offsets: Dict[int, int] = {}
-        self._sizes: Dict[int, int] = {}  # slot bytes per chunk stored here
+        self._sizes: Dict[int, int] = {}  # slot bytes per shard stored here
         self._end = 0
         self.used = 0
         self._in_flight = 0
         self._files: Dict[int, tuple] = {}
         self._names: Dict[int, str] = {}  # NVMe: slot offset -> parameter name, for error messages
-        self.swap = None  # NVMe: made by the first chunk written (loaded chunks stay in the checkpoint)
+        self.swap = None  # NVMe: made by the first shard written (loaded shards stay in the checkpoint)
         if tier is Tier.NVME and nvme_path:  # one drive, by the rank rule whatever the layout
             # (Note [many drives] in _drives.py): init.swp lives only until initialize
             nvme_path = rank_drives(nvme_path, "per_rank", local_rank())[0]
@@ -116,19 +116,19 @@ class InitStore:
                 f"{self.room / GiB:.2f} GiB available ({comm.ranks_here()} rank(s) on this node share it); "
                 f"{self.advice[self.tier]}")
 
-    def new_chunk(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer for a chunk that ``put`` stores without a copy: mapped memory, and on NVMe the
+    def new_shard(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for a shard that ``put`` stores without a copy: mapped memory, and on NVMe the
         whole aligned slot, so the write is one O_DIRECT request."""
         return aligned_empty(self.slot_bytes(numel, dtype), torch.uint8)[: numel * dtype.itemsize].view(dtype)
 
-    def put(self, key: int, chunk: torch.Tensor, name: str, copy: bool = True) -> None:
-        """Store ``chunk`` (``copy=False``: hand it over, e.g. from ``new_chunk``). Writes to NVMe
+    def put(self, key: int, shard: torch.Tensor, name: str, copy: bool = True) -> None:
+        """Store ``shard`` (``copy=False``: hand it over, e.g. from ``new_shard``). Writes to NVMe
         are asynchronous, at most ``_WRITES_IN_FLIGHT`` bytes at a time; ``get`` waits for them."""
-        if chunk.device.type != "cpu":  # values made on the device (an init run on a gathered parameter)
-            chunk, copy = acc.to_host(chunk), False  # the store's chunks live in host memory or on NVMe
-        nbytes = self.slot_bytes(chunk.numel(), chunk.dtype)
+        if shard.device.type != "cpu":  # values made on the device (an init run on a gathered parameter)
+            shard, copy = acc.to_host(shard), False  # the store's shards live in host memory or on NVMe
+        nbytes = self.slot_bytes(shard.numel(), shard.dtype)
         self._files.pop(key, None)  # new values: no longer the checkpoint's
-        if nbytes > self._sizes.get(key, 0):  # a new chunk, or one grown by an assignment of .data
+        if nbytes > self._sizes.get(key, 0):  # a new shard, or one grown by an assignment of .data
             grown = nbytes - self._sizes.get(key, 0) if self.tier is not Tier.NVME else nbytes  # NVMe: a new slot
             self.check_room(grown, f"parameter {name}")
             self.used += grown
@@ -137,12 +137,12 @@ class InitStore:
                 self._offsets[key] = self._end
                 self._end += nbytes
         if self.tier is not Tier.NVME:
-            self._mem[key] = chunk.clone() if copy and chunk.data_ptr() else chunk
+            self._mem[key] = shard.clone() if copy and shard.data_ptr() else shard
             return
-        slot = _whole_slot(chunk, nbytes)
+        slot = _whole_slot(shard, nbytes)
         if slot is None or copy:
-            fresh = self.new_chunk(chunk.numel(), chunk.dtype)
-            fresh.copy_(chunk.reshape(-1))
+            fresh = self.new_shard(shard.numel(), shard.dtype)
+            fresh.copy_(shard.reshape(-1))
             slot = _whole_slot(fresh, nbytes)
         if self._in_flight + nbytes > _WRITES_IN_FLIGHT:
             self.settle()
@@ -163,7 +163,7 @@ class InitStore:
             def describe(offset: int) -> str:
                 starts = sorted(self._names)
                 i = bisect.bisect_right(starts, offset) - 1
-                return f"this rank's chunk of parameter {self._names[starts[i]]}" if i >= 0 else ""
+                return f"this rank's shard of parameter {self._names[starts[i]]}" if i >= 0 else ""
 
             sums.describe, sums.when = describe, lambda: "while building the model under infinity.Init"
 
@@ -174,8 +174,8 @@ class InitStore:
             self._in_flight = 0
 
     def refer(self, key: int, pending: PendingTensor, lo: int, hi: int, numel: int) -> None:
-        """Keep a chunk where it already is: elements ``[lo, hi)`` of a checkpoint tensor, padded
-        to ``numel`` (Note [chunks left in the checkpoint])."""
+        """Keep a shard where it already is: elements ``[lo, hi)`` of a checkpoint tensor, padded
+        to ``numel`` (Note [shards left in the checkpoint])."""
         self._files[key] = (pending, lo, hi, numel, _stamp(pending.source.path))
 
     def get(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -187,7 +187,7 @@ class InitStore:
                     f"{pending.source.path} changed after it was loaded under infinity.Init (size or modification "
                     f"time differ); the partitions still read from it: call infinity.initialize before changing "
                     f"or removing the checkpoint")
-            return pending.read_chunk(lo, hi, aligned_empty(numel, dtype))
+            return pending.read_shard(lo, hi, aligned_empty(numel, dtype))
         if self.tier is not Tier.NVME:
             return self._mem[key]
         self.settle()
@@ -212,11 +212,11 @@ def _stamp(path: str):
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def _whole_slot(chunk: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
-    """The ``nbytes`` bytes of a page-aligned buffer that starts with ``chunk``, or None."""
-    storage = chunk.untyped_storage()
-    start = chunk.storage_offset() * chunk.element_size()
-    if not chunk.is_contiguous() or chunk.data_ptr() % 4096 or storage.nbytes() - start < nbytes:
+def _whole_slot(shard: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
+    """The ``nbytes`` bytes of a page-aligned buffer that starts with ``shard``, or None."""
+    storage = shard.untyped_storage()
+    start = shard.storage_offset() * shard.element_size()
+    if not shard.is_contiguous() or shard.data_ptr() % 4096 or storage.nbytes() - start < nbytes:
         return None
     return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
 
@@ -235,7 +235,7 @@ def room_for(tier: Tier, nvme_path: Optional[str]):
         if not nvme_path:
             raise UsageError("Init(offload='nvme') needs nvme_path: pass nvme_path= or set zero.offload_param.nvme_path "
                              "to a directory on a fast local disk")
-        # checked as the engine makes it (Note [swap directories] in _swap.py), made only by the first chunk
+        # checked as the engine makes it (Note [swap directories] in _swap.py), made only by the first shard
         # written: a refusal for its room leaves no empty directory behind
         disk = _make_nvme_path(nvme_path, create=False)
         return free_disk(disk) // comm.ranks_here(), f"disk under {nvme_path}"
@@ -257,7 +257,7 @@ class InitUnit:
 
     A parameter built on the meta device (``from_pretrained`` builds that way) has no values
     until the loader assigns them; its unit is *unloaded*: it materializes as a meta tensor,
-    and ``chunk`` refuses."""
+    and ``shard`` refuses."""
 
     def __init__(self, init: "Init", param: nn.Parameter, name: str, dtype: torch.dtype, shape: torch.Size):
         self.init = init
@@ -282,23 +282,23 @@ class InitUnit:
         return self.init.on_unavailable(func, args, kwargs, infos)
 
     @property
-    def chunk_bytes(self) -> int:
-        return self.init.store.slot_bytes(self.info.chunk, self.dtype)
+    def shard_bytes(self) -> int:
+        return self.init.store.slot_bytes(self.info.shard_numel, self.dtype)
 
-    def chunk(self) -> torch.Tensor:
+    def shard(self) -> torch.Tensor:
         if not self.loaded:
             raise UsageError(
                 f"parameter {self.info.name!r} {tuple(self.info.shape)} was built on the meta device under "
                 f"infinity.Init and never given values (it is not in the checkpoint and nothing initialized it); "
                 f"load or initialize it before infinity.initialize")
-        return self.init.store.get(self.index, self.info.chunk, self.dtype)
+        return self.init.store.get(self.index, self.info.shard_numel, self.dtype)
 
     def materialize(self) -> torch.Tensor:
-        """All-gather the chunks into the full tensor (in the parameter's dtype)."""
+        """All-gather the shards into the full tensor (in the parameter's dtype)."""
         if not self.loaded:
             return torch.empty(self.info.shape, dtype=self.dtype, device="meta")
         wire = torch.float32 if self.dtype in _EXACT_IN_FP32 else self.dtype  # fp64 and integers: exact as they are
-        mine = self.chunk().to(wire)
+        mine = self.shard().to(wire)
         full = torch.empty(self.info.padded_numel, dtype=wire, device=acc.device())
         comm.all_gather_into_tensor(full, acc.to_device(mine), async_op=False, what=f"Init gather of {self.info.name}")
         return full[: self.info.numel].view(self.info.shape).to(self.dtype)
@@ -306,7 +306,7 @@ class InitUnit:
     def store_full(self, full: torch.Tensor) -> None:
         if full.is_meta:
             return  # still without values (Note [streamed load] in _pretrained.py)
-        rows = chunk_rows(full.detach().to(self.dtype), self.world_size)
+        rows = shard_rows(full.detach().to(self.dtype), self.world_size)
         self.init.store.put(self.index, rows[self.init.rank].contiguous(), self.info.name)
         self.loaded = True
 
@@ -326,14 +326,14 @@ class InitUnit:
         set_data(self.params[0], self.placeholder())
 
     def load(self, pending) -> None:
-        """This rank's chunk, read from the checkpoint file (Note [streamed load] in _pretrained.py)."""
-        chunk, store = self.info.chunk, self.init.store
-        lo, hi = chunk_range(self.info.numel, self.world_size, self.init.rank)
+        """This rank's shard, read from the checkpoint file (Note [streamed load] in _pretrained.py)."""
+        numel, store = self.info.shard_numel, self.init.store
+        lo, hi = shard_range(self.info.numel, self.world_size, self.init.rank)
         self.loaded = True
-        if store.tier is Tier.NVME:  # Note [chunks left in the checkpoint]
-            store.refer(self.index, pending, lo, hi, chunk)
+        if store.tier is Tier.NVME:  # Note [shards left in the checkpoint]
+            store.refer(self.index, pending, lo, hi, numel)
             return
-        mine = pending.read_chunk(lo, hi, store.new_chunk(chunk, self.dtype))  # mapped memory: no heap left behind
+        mine = pending.read_shard(lo, hi, store.new_shard(numel, self.dtype))  # mapped memory: no heap left behind
         store.put(self.index, mine, self.info.name, copy=False)
 
     def placeholder(self) -> torch.Tensor:
@@ -537,10 +537,10 @@ class Init:
         return None
 
     def _adopt_pending(self, module: nn.Module, name: str, pending: PendingTensor) -> nn.Parameter:
-        """A parameter whose values are read from the checkpoint, this rank's chunk only."""
-        if not self._checked_load and self.store.tier is not Tier.NVME:  # NVMe: Note [chunks left in the checkpoint]
+        """A parameter whose values are read from the checkpoint, this rank's shard only."""
+        if not self._checked_load and self.store.tier is not Tier.NVME:  # NVMe: Note [shards left in the checkpoint]
             self._checked_load = True
-            need = sum(u.chunk_bytes for u in self.units if not u.loaded)
+            need = sum(u.shard_bytes for u in self.units if not u.loaded)
             self.store.check_room(need, f"loading the checkpoint ({len(self.units)} parameters)")
         param = nn.Parameter(torch.empty(0, dtype=pending.dtype, device=acc.device()), pending.requires_grad)
         param.__dict__.update({k: v for k, v in pending.__dict__.items() if k not in ("source", "reader", "_is_param")})

@@ -2,12 +2,12 @@
 the full tensors, and what it changed is partitioned again.
 
 Note [touched placeholders]: a parameter partitioned by Init is a placeholder (Note
-[partitioned parameter] in _param.py) whose values are this rank's chunk in the Init store.
+[partitioned parameter] in _param.py) whose values are this rank's shard in the Init store.
 Initialization code (Hugging Face's ``_init_weights``, ``post_init``, ``tie_weights``,
 ``resize_token_embeddings``, ``torch.nn.init``, a user's ``__init__``) touches it as if it were
 whole, and each touch must have exactly the effect it has without Init. So every operator that
 reaches a placeholder (``run_on_full``):
-- materializes it: the chunks are all-gathered into a temporary full tensor (``InitUnit.materialize``);
+- materializes it: the shards are all-gathered into a temporary full tensor (``InitUnit.materialize``);
 - runs on the full tensors, with each view of a parameter replayed on them;
 - partitions again every full tensor the operator changed. "Changed" is read from the tensor's
   version counter, which every in-place write bumps, through any view, ``out=`` and

@@ -171,7 +171,7 @@ def _build_engine(model: nn.Module, cfg):
         ctx = UnitContext(
             world_size=world, rank=rank, dtype=dtype, itemsize=placement.itemsize,
             partitioned=policy.partition_params,
-            counters=counters, ledger=ledger, gathered=recycler, param_store=param_store,
+            counters=counters, ledger=ledger, gathered_buffers=recycler, param_store=param_store,
             param_source=placement.param_source,
             step_gate=gate, make_room=prefetcher.make_room, on_unavailable=calls.on_unavailable)
         layout = placement.layout

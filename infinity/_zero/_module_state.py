@@ -4,20 +4,20 @@ Note [backward progress]: each module with units is in one ``BackwardProgress`` 
 moved only by the transitions below (as FSDP2 moves a parameter group's ``TrainingState``
 from its own pre- and post-backward), each of which raises when called in another state:
 
-    NOT_REACHED --hold--> HELD --end_hold--> DONE --reset--> NOT_REACHED
-                                              |
-                                              +--hold--> HELD (reached again in one backward)
+    NOT_REACHED --hold--> AWAITING --end_hold--> DONE --reset--> NOT_REACHED
+                                                  |
+                                                  +--hold--> AWAITING (reached again in one backward)
 
 - ``hold``: autograd reached one of the module's outputs (pre-backward). Its units are
   acquired for ``Hold.BACKWARD`` and the hold waits for each unit whose gradients are not all
   in and for the input gradients of its calls (Note [hold until the input gradients] in
   _backward.py). From DONE, the units' gradient counters start again where they had ended
   (Note [used again in one backward] in _backward.py).
-- ``await_calls``: HELD, and reached again through another call of the same forward (a
+- ``await_calls``: AWAITING, and reached again through another call of the same forward (a
   module called twice): the hold waits for that call's input gradients too.
-- ``arrived``: HELD; something the hold waited for is in. True when it waits for nothing more,
+- ``arrived``: AWAITING; something the hold waited for is in. True when it waits for nothing more,
   and the caller ends the hold.
-- ``end_hold``: HELD -> DONE; the units are released.
+- ``end_hold``: AWAITING -> DONE; the units are released.
 - ``reset``: the end of backward, after every hold ended: NOT_REACHED for the next one.
 
 Forward progress is not part of this state: it is per call, a frame on the stack of ``Calls``
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 class BackwardProgress(enum.Enum):
     NOT_REACHED = "not reached"  # backward has not come to the module (or no backward runs)
-    HELD = "held"  # its units are held until what the hold waits for has arrived
+    AWAITING = "awaiting"  # its units are held until what the hold waits for has arrived
     DONE = "done"  # its hold ended in this backward
 
 
@@ -55,7 +55,7 @@ class ModuleState:
     name: str
     units: List["FetchUnit"] = field(default_factory=list)
     progress: BackwardProgress = BackwardProgress.NOT_REACHED
-    _awaited: Set[object] = field(default_factory=set)  # HELD: the units and call tokens the hold waits for
+    _awaited: Set[object] = field(default_factory=set)  # AWAITING: the units and call tokens the hold waits for
 
     def __repr__(self) -> str:
         return f"ModuleState({self.name or '<root>'}, {self.progress.name})"
@@ -74,10 +74,10 @@ class ModuleState:
             raise InvariantError(f"{transition}: {self!r} is {self.progress.name}, expected {progress.name}")
 
     def hold(self, calls: Set[int]) -> None:
-        """NOT_REACHED or DONE -> HELD: hold the units until their gradients and the input
+        """NOT_REACHED or DONE -> AWAITING: hold the units until their gradients and the input
         gradients of ``calls`` (tokens) are in."""
-        if self.progress is BackwardProgress.HELD:
-            raise InvariantError(f"hold: {self!r} is HELD already; a module reached again while held waits for the "
+        if self.progress is BackwardProgress.AWAITING:
+            raise InvariantError(f"hold: {self!r} is AWAITING already; a module reached again while held waits for the "
                                  f"new call (await_calls)")
         again = self.progress is BackwardProgress.DONE
         awaited: Set[object] = set(calls)
@@ -87,15 +87,15 @@ class ModuleState:
                 unit.expect_grads_again()
             if unit.grads_pending:
                 awaited.add(unit)
-        self.progress, self._awaited = BackwardProgress.HELD, awaited
+        self.progress, self._awaited = BackwardProgress.AWAITING, awaited
 
     def await_calls(self, calls: Set[int]) -> None:
-        self._expect(BackwardProgress.HELD, "await_calls")
+        self._expect(BackwardProgress.AWAITING, "await_calls")
         self._awaited |= calls
 
     @property
     def waiting(self) -> bool:
-        """HELD and something the hold waits for has not arrived."""
+        """AWAITING and something the hold waits for has not arrived."""
         return bool(self._awaited)
 
     def awaits(self, awaited: object) -> bool:
@@ -103,19 +103,19 @@ class ModuleState:
 
     def arrived(self, awaited: object) -> bool:
         """``awaited`` (a unit or a call's token) is in; True when the hold waits for nothing more."""
-        self._expect(BackwardProgress.HELD, "arrived")
+        self._expect(BackwardProgress.AWAITING, "arrived")
         self._awaited.discard(awaited)
         return not self._awaited
 
     def end_hold(self) -> None:
-        """HELD -> DONE: release the units."""
-        self._expect(BackwardProgress.HELD, "end_hold")
+        """AWAITING -> DONE: release the units."""
+        self._expect(BackwardProgress.AWAITING, "end_hold")
         for unit in self.units:
             unit.release(Hold.BACKWARD)
         self.progress, self._awaited = BackwardProgress.DONE, set()
 
     def reset(self) -> None:
         """NOT_REACHED or DONE -> NOT_REACHED, at the end of backward."""
-        if self.progress is BackwardProgress.HELD:
-            raise InvariantError(f"reset: {self!r} is still HELD at the end of backward")
+        if self.progress is BackwardProgress.AWAITING:
+            raise InvariantError(f"reset: {self!r} is still AWAITING at the end of backward")
         self.progress = BackwardProgress.NOT_REACHED

@@ -77,11 +77,11 @@ class ParamInfo:
     shape: torch.Size  # the full shape
     numel: int  # elements of the full tensor
     padded_numel: int  # numel rounded up to a multiple of the world size
-    shard_offset: int  # where this parameter's chunk starts in its unit's shard
+    shard_offset: int  # where this parameter's shard starts in its unit's shard
     unit: ParamOwner  # the unit that owns the storage: a FetchUnit or an InitUnit
 
     @property
-    def chunk(self) -> int:
+    def shard_numel(self) -> int:
         """Elements of this parameter held by each rank."""
         return self.padded_numel // self.unit.world_size
 

@@ -47,7 +47,7 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Plan:
+class UpdatePlan:
     """The runs of one step, in flat order, and where each starts (for ``runs_in``)."""
 
     runs: List[Run]
@@ -56,8 +56,8 @@ class Plan:
     def __post_init__(self):
         object.__setattr__(self, "starts", [r.lo for r in self.runs])
 
-    def with_hyper(self, **extra) -> "Plan":
-        return Plan([Run(r.lo, r.hi, dict(r.hyper, **extra)) for r in self.runs])
+    def with_hyper(self, **extra) -> "UpdatePlan":
+        return UpdatePlan([Run(r.lo, r.hi, dict(r.hyper, **extra)) for r in self.runs])
 
 
 def resolve_groups(named: Sequence[tuple], param_groups: Optional[Iterable[dict]]) -> List[dict]:
@@ -106,7 +106,7 @@ def slots_of(units, groups: List[dict]) -> List[Slot]:
             g = group_of.get(id(p))
             if g is not None and p.requires_grad:
                 lo = unit.opt_offset + info.shard_offset
-                slots.append(Slot(lo, lo + info.chunk, index, g))
+                slots.append(Slot(lo, lo + info.shard_numel, index, g))
             index += 1
     return slots
 
@@ -120,7 +120,7 @@ class StepCounts:
         self.counts = torch.zeros(len(slots), dtype=torch.int64)  # steps taken, per slot
         self._slot_of = {slot.index: k for k, slot in enumerate(slots)}
 
-    def advance(self, got_grad: torch.Tensor, groups: List[dict], adamw: bool) -> Plan:
+    def advance(self, got_grad: torch.Tensor, groups: List[dict], adamw: bool) -> UpdatePlan:
         """Count a step for the slots whose parameter got a gradient (``got_grad``: a flag
         per parameter, > 0 where any rank had one) and return the update plan."""
         runs: List[Run] = []
@@ -133,7 +133,7 @@ class StepCounts:
                 runs[-1] = Run(runs[-1].lo, slot.hi, hyper)
             else:
                 runs.append(Run(slot.lo, slot.hi, hyper))
-        return Plan(runs)
+        return UpdatePlan(runs)
 
     def step_of(self, index: int) -> int:
         """Steps taken by the parameter at ``index`` (0 if it never had a gradient)."""
@@ -146,7 +146,7 @@ def hyper_of(group: dict, step: int, adamw: bool) -> dict:
                 eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), adamw=adamw)
 
 
-def runs_in(plan: Plan, lo: int, hi: int):
+def runs_in(plan: UpdatePlan, lo: int, hi: int):
     """(start, end, hyper) of the parts of the plan inside [lo, hi)."""
     runs = plan.runs
     i = max(0, bisect.bisect_right(plan.starts, lo) - 1)

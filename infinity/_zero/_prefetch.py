@@ -32,7 +32,7 @@ Prefetching never makes a parameter AVAILABLE early to a
 computation: modules still acquire their units, which waits for what is in flight.
 
 The prefetcher decides how far ahead and how much; the unit moves itself: it asks each unit to
-``prefetch`` to a stage (and to ``keep`` what is used again, to ``abandon`` what was not used),
+``prefetch`` to a stage (and to ``keep`` what is used again, to ``cancel_prefetch`` what was not used),
 and never reads or sets a unit's state.
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ class Prefetcher:
         """Note [aborted forward] in _engine.py: the forward raised; its pass ends without
         recording what it saw as the trace, and nothing stays held for a backward."""
         self._release_kept()
-        self._abandon_unused()
+        self._cancel_unused()
         self._pass = None
         self.release_held()
 
@@ -171,7 +171,7 @@ class Prefetcher:
         if p.seen and (p.trace is None or p.seen != p.trace):
             self.traces[p.phase] = list(p.seen)
         self._release_kept()
-        self._abandon_unused()
+        self._cancel_unused()
 
     # ------------------------------------------------------------ per module
 
@@ -192,7 +192,7 @@ class Prefetcher:
             p.diverged = True
             self._counters.divergences += 1
             self._release_kept()
-            self._abandon_unused()
+            self._cancel_unused()
             if p.phase is Phase.BACKWARD:
                 self.release_held()  # backward went another way: do not keep them through it
             return
@@ -253,8 +253,8 @@ class Prefetcher:
                     in_flight += unit.shard_numel
                     self._prefetched.append(unit)
 
-    def _abandon_unused(self) -> None:
+    def _cancel_unused(self) -> None:
         for unit in self._prefetched:
             if not unit.refs:
-                unit.abandon()
+                unit.cancel_prefetch()
         self._prefetched = []

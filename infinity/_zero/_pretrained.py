@@ -12,11 +12,11 @@ change what that costs, and nothing else in Hugging Face's loader:
   operation (a weight converter that splits or concatenates) reads the whole tensor first,
   so a conversion is still exact;
 - the assignment reaches ``Init`` through torch's global parameter-registration hook; a
-  pending value becomes a partitioned parameter whose chunk (this rank's element range,
+  pending value becomes a partitioned parameter whose shard (this rank's element range,
   Note [shard layout] in _unit.py) is read from the file - and only that range - cast to the
   parameter's dtype and put in the Init store.
-So each rank reads about 1/world of the checkpoint, and the host holds one chunk at a time.
-Reads go through ``infinity.aio`` on the 4 KiB-aligned range that covers the chunk (O_DIRECT);
+So each rank reads about 1/world of the checkpoint, and the host holds one shard at a time.
+Reads go through ``infinity.aio`` on the 4 KiB-aligned range that covers the shard (O_DIRECT);
 the few bytes of an unaligned end of file are read buffered.
 """
 from __future__ import annotations
@@ -173,9 +173,9 @@ class PendingTensor(torch.Tensor):
         hi = self.source.numel if hi is None else hi
         return self.reader.read(self.source, lo, hi, aligned_empty(hi - lo, self.dtype) if out is None else out)
 
-    def read_chunk(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
-        """A rank's chunk (Note [shard layout] in _unit.py): elements ``[lo, hi)`` into ``out``, the rest of
-        ``out`` (the padding of the last chunk) zero."""
+    def read_shard(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """A rank's shard (Note [shard layout] in _unit.py): elements ``[lo, hi)`` into ``out``, the rest of
+        ``out`` (the padding of the last shard) zero."""
         self.values(lo, hi, out=out)
         out[hi - lo:].zero_()
         return out

@@ -193,10 +193,10 @@ class StepGate:
             if not block and self._state is GateState.OPEN:
                 return self._upto >= end
             with self._blocked("optimizer_io"), self._waiter():
-                ok = self._cond.wait_for(lambda: self._upto >= end, timeout=comm.DEFAULT_TIMEOUT_S)
+                ok = self._cond.wait_for(lambda: self._upto >= end, timeout=comm.timeout_s())
             self._raise_failure()
             if not ok:
-                raise WaitTimeout(f"rank {self._rank}: waited {comm.DEFAULT_TIMEOUT_S:.0f}s for the optimizer step to "
+                raise WaitTimeout(f"rank {self._rank}: waited {comm.timeout_s():.0f}s for the optimizer step to "
                                   f"update {what or 'a parameter shard'}")
         return True
 
@@ -223,7 +223,7 @@ class StepGate:
                 self._thread.join()
             except BaseException as interrupt:  # a signal's exception: Note [interrupted step]
                 self.stop(f"{type(interrupt).__name__} while rank {self._rank} waited for it")
-                self._thread.join(timeout=comm.DEFAULT_TIMEOUT_S)  # one chunk, its I/O drained
+                self._thread.join(timeout=comm.timeout_s())  # one chunk, its I/O drained
                 raise
         self._thread = None
 

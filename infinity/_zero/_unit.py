@@ -1,13 +1,13 @@
 """A fetch unit: the parameters owned directly by one submodule, gathered and released together.
 
 Note [shard layout]: bandwidth-centric partitioning (paper 002 §6.1). Every parameter is
-flattened, padded to a multiple of the world size N and split into N equal chunks; rank r
-holds chunk r of every parameter of the unit, concatenated in parameter order, as the unit's
+flattened, padded to a multiple of the world size N and split into N equal shards; rank r
+holds shard r of every parameter of the unit, concatenated in parameter order, as the unit's
 *shard* (``shard_numel`` elements). An all-gather of the shards yields an (N, shard_numel)
-buffer whose column block [offset, offset + chunk) holds one parameter, rank-major; copying
+buffer whose column block [offset, offset + shard) holds one parameter, rank-major; copying
 that block out (a view when N == 1) rebuilds the full parameter. The reduce-scatter of
 gradients uses the same layout in reverse, so rank r receives exactly the gradient of its
-chunks. The parameter store holds every unit's shard at ``FetchUnit.param_offset``; the
+shards. The parameter store holds every unit's shard at ``FetchUnit.param_offset``; the
 optimizer's fp32 master weights, moments and gradient shards of a trainable unit use the
 same shard layout at ``FetchUnit.opt_offset`` (a frozen unit has none: Note [frozen
 parameters] in _layout.py).
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 import torch
 from torch import nn
 
-from .._offload._layout import ParamSource, chunk_rows, padded
+from .._offload._layout import ParamSource, padded, shard_rows
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._telemetry_counters import span
@@ -53,7 +53,7 @@ class UnitContext:
     partitioned: bool  # stage 3: parameters live as shards between uses
     counters: "Counters"
     ledger: GatherLedger["FetchUnit"]
-    gathered: Optional["Recycler"]  # recycled gathered buffers (CPU-only runs)
+    gathered_buffers: Optional["Recycler"]  # gathered buffers recycled (CPU-only runs)
     param_store: Optional["ParamStore"]  # stage 3's shards
     param_source: ParamSource  # Note [parameters from the master] in _placement.py: from the master, nothing to write
     step_gate: "StepGate"  # Note [step gate] in _step_gate.py: has the step updated this range yet
@@ -120,7 +120,7 @@ class FetchUnit:
             register(p, info)
             self.params.append(p)
             self.infos.append(info)
-            offset += info.chunk
+            offset += info.shard_numel
         self.shard_numel = offset
         self.trainable = spec.trainable  # the engine never mixes the two in a unit
         self._persistent = spec.persistent  # Note [persistent parameters] in _unit_plan.py
@@ -203,13 +203,13 @@ class FetchUnit:
     # ------------------------------------------------------------ shard <-> full
 
     def local_shard(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard, from the full parameters or from chunks made by infinity.Init."""
+        """This rank's shard, from the full parameters or from shards made by infinity.Init."""
         if not any(self._init_units):
             return self.shard_of([raw_data(p) for p in self.params], dtype)
         out = aligned_empty(self.shard_numel, dtype)  # mapped, not heap: a build shard by shard leaves no heap behind
         for info, p, iu in zip(self.infos, self.params, self._init_units):
-            src = iu.chunk() if iu is not None else chunk_rows(raw_data(p), self.world_size)[self.rank]
-            out[info.shard_offset : info.shard_offset + info.chunk].copy_(src)
+            src = iu.shard() if iu is not None else shard_rows(raw_data(p), self.world_size)[self.rank]
+            out[info.shard_offset : info.shard_offset + info.shard_numel].copy_(src)
         return out
 
     def materialize_init_params(self) -> None:
@@ -231,7 +231,7 @@ class FetchUnit:
         out = torch.empty(self.shard_numel, dtype=dtype, device=where) if out is None else out
         with torch.no_grad():
             for info, t in zip(self.infos, tensors):
-                out[info.shard_offset : info.shard_offset + info.chunk].copy_(chunk_rows(t, self.world_size)[self.rank])
+                out[info.shard_offset : info.shard_offset + info.shard_numel].copy_(shard_rows(t, self.world_size)[self.rank])
         return out
 
     @property
@@ -247,7 +247,7 @@ class FetchUnit:
             raise InvariantError(f"partition: {self!r} is not partitioned (stages 1-2 keep parameters whole)")
         if not (self.trainable and self.ctx.param_source.from_master):
             self.store.write(self.param_offset, self.local_shard(self.dtype))
-        self._drop_full()
+        self._to_placeholders()
 
     def shard(self) -> torch.Tensor:
         """This rank's compute-dtype shard where it is resident (device or cpu tier)."""
@@ -256,12 +256,20 @@ class FetchUnit:
     def _placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=acc.device())
 
-    def _drop_full(self) -> None:
+    def _to_placeholders(self) -> None:
         for p in self.params:
             set_data(p, self._placeholder())
         self._state = ParamState.RELEASED
 
     # ------------------------------------------------------------ fetch / release
+    # Note [unit verbs]: a unit's verbs come in pairs, FSDP2's names for the gather:
+    #   acquire(why) / release(why)     a hold (Note [hold ledger] in _ledger.py); acquire
+    #                                   unshards if needed, the last release reshards
+    #   prefetch(to) / cancel_prefetch  part of the way toward a gather, ahead of use, or undone
+    #   unshard / wait_for_unshard      the all-gather launched / landed (GATHERING, AVAILABLE)
+    #   reshard                         AVAILABLE -> RELEASED, unheld: the full tensors dropped
+    # ``partition`` is the first RELEASED (the shard written to its store); ``reshard_stale``
+    # reshards what the step made stale.
 
     @property
     def refs(self) -> int:
@@ -292,8 +300,8 @@ class FetchUnit:
         try:
             if self._state is not ParamState.GATHERING:
                 self.ctx.make_room(self)
-                self.start_gather()
-            self.wait_gather()
+                self.unshard()
+            self.wait_for_unshard()
         except BaseException:
             self.ctx.ledger.drop(self, why)
             raise
@@ -316,28 +324,32 @@ class FetchUnit:
         """Drop the hold for ``why``; free the full tensors when it was the last (unless persistent)."""
         left = self.ctx.ledger.drop(self, why)
         if left == 0 and self.partitioned and self._state is ParamState.AVAILABLE and not self.persistent:
-            self._free_full()
+            self.reshard()
 
-    def _free_full(self) -> None:
-        """AVAILABLE -> RELEASED: drop the full tensors and give their buffer back."""
+    def reshard(self) -> None:
+        """AVAILABLE -> RELEASED, unheld: drop the full tensors and give their buffer back."""
+        self._expect(ParamState.AVAILABLE, "reshard")
+        if self.refs or not self.partitioned:
+            raise InvariantError(f"reshard: {self!r} is " + (f"still held for {self.ctx.ledger.describe(self)}"
+                                                              if self.refs else "not partitioned"))
         gathered, self._gathered = self._gathered, None
-        self._drop_full()
+        self._to_placeholders()
         if gathered is not None:
             if gathered.recycled is not None:  # reused once nothing else (say, autograd) still holds a view of it
-                self.ctx.gathered.give(gathered.recycled)
+                self.ctx.gathered_buffers.give(gathered.recycled)
             self.ctx.ledger.budget.release(gathered.charged)
             self.ctx.ledger.freed(self)
 
-    def abandon(self) -> None:
+    def cancel_prefetch(self) -> None:
         """Undo a prefetch nobody used, from whatever stage it reached: back to RELEASED,
         buffers returned (refs must be 0); a persistent unit stays gathered, as after any use."""
         if self.refs:
-            raise InvariantError(f"abandon: {self!r} is still held for {self.ctx.ledger.describe(self)}")
+            raise InvariantError(f"cancel_prefetch: {self!r} is still held for {self.ctx.ledger.describe(self)}")
         if self._state is ParamState.GATHERING:
-            self.wait_gather()  # collectives stay matched across ranks
+            self.wait_for_unshard()  # collectives stay matched across ranks
         if self._state is ParamState.AVAILABLE:
             if self.partitioned and not self.persistent:
-                self._free_full()
+                self.reshard()
             return
         if self._state is ParamState.HOST:  # no copy to the device, which may not fit (out of memory)
             staging, self._staging = self._staging, None
@@ -345,13 +357,13 @@ class FetchUnit:
                 staging = staging.landed(self.store.finish_read(staging.read, what=self._what()))
             staging.give_back_unused(self.store)
             if staging.recycled is not None:  # read straight into a gathered buffer
-                self.ctx.gathered.give(staging.recycled)
+                self.ctx.gathered_buffers.give(staging.recycled)
             self._state = ParamState.RELEASED
             return
         if self._state is ParamState.DEVICE:
             staging = self._drop_staging()
             if staging.recycled is not None:  # read straight into a gathered buffer
-                self.ctx.gathered.give(staging.recycled)
+                self.ctx.gathered_buffers.give(staging.recycled)
             self._state = ParamState.RELEASED
 
     # ------------------------------------------------------------ prefetch (Note [trace and prefetch] in _prefetch.py)
@@ -363,7 +375,7 @@ class FetchUnit:
         handed-off shard staged); DEVICE, its copy to the device started; GATHERING, its
         all-gather launched. A released unit starts its read only with ``read`` on and its
         shard within ``room`` elements (None: any size). Without ``block`` a transition
-        that would wait is not taken. ``abandon`` undoes what this did."""
+        that would wait is not taken. ``cancel_prefetch`` undoes what this did."""
         if not self.partitioned or _STEP[self._state] >= _STEP[to]:
             return Prefetched.ALREADY
         if self._state is ParamState.RELEASED and (not read or room is not None and self.shard_numel > room):
@@ -374,7 +386,7 @@ class FetchUnit:
             elif self._state is ParamState.HOST:
                 moved = self.stage_to_device(block=block)
             else:
-                self.start_gather()
+                self.unshard()
                 moved = True
             if not moved:
                 return Prefetched.SHORT
@@ -427,7 +439,7 @@ class FetchUnit:
             read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
         if read is None:
             if into is not None:
-                self.ctx.gathered.give(into)
+                self.ctx.gathered_buffers.give(into)
             return None
         self.ctx.counters.bytes["nvme_read"] += nbytes
         return Staging.pool_read(read) if into is None else Staging.direct_read(read, into)
@@ -436,9 +448,9 @@ class FetchUnit:
         """One rank without an accelerator: the gathered parameters would be a copy of the
         shard as read, so the read goes straight into a recycled gathered buffer (the
         parameters become views of it) instead of a staging buffer; None elsewhere."""
-        if self.world_size != 1 or self.ctx.gathered is None:
+        if self.world_size != 1 or self.ctx.gathered_buffers is None:
             return None
-        return self.ctx.gathered.take(self.full_numel, self.dtype)
+        return self.ctx.gathered_buffers.take(self.full_numel, self.dtype)
 
     def stage_to_device(self, *, block: bool = True) -> bool:
         """HOST -> DEVICE: once the shard's read has landed (waiting for it when ``block``),
@@ -452,7 +464,7 @@ class FetchUnit:
                 return False
             with self.ctx.counters.blocked("nvme_read"):
                 staging = staging.landed(self.store.finish_read(staging.read, what=self._what()))
-            self._staging = staging  # landed: a failure below leaves the buffer where abandon finds it
+            self._staging = staging  # landed: a failure below leaves the buffer where cancel_prefetch finds it
         src = staging.host_shard(self.shard_numel)
         if src is None:
             src = self.shard()
@@ -477,13 +489,13 @@ class FetchUnit:
         return f"the shard of {self.module_name or '<root>'} ({len(self.params)} params, first " \
                f"{self.infos[0].name}) on rank {self.rank}"
 
-    def start_gather(self) -> None:
+    def unshard(self) -> None:
         """RELEASED/HOST/DEVICE -> GATHERING: launch the all-gather of this unit's shards."""
         if self._state is ParamState.RELEASED:
             self.stage_to_host()
         if self._state is ParamState.HOST:
             self.stage_to_device()
-        self._expect(ParamState.DEVICE, "start_gather")
+        self._expect(ParamState.DEVICE, "unshard")
         st = self._staging
         on = st.device
         shard = acc.finish_copy_to_device(on.shard, on.h2d)
@@ -496,8 +508,8 @@ class FetchUnit:
         try:  # the budget first, then the memory; either out of memory leaves the unit as it was (DEVICE)
             if in_place:
                 gathered.out = shard
-            elif self.ctx.gathered is not None:  # a buffer to give back to the recycler when freed
-                gathered.out = gathered.recycled = self.ctx.gathered.take(self.full_numel, self.dtype)
+            elif self.ctx.gathered_buffers is not None:  # a buffer to give back to the recycler when freed
+                gathered.out = gathered.recycled = self.ctx.gathered_buffers.take(self.full_numel, self.dtype)
             else:  # CUDA: the caching allocator reuses the memory
                 gathered.out = torch.empty(self.full_numel, dtype=self.dtype, device=acc.device())
         except BaseException:
@@ -512,24 +524,25 @@ class FetchUnit:
         self._gathered = gathered
         self._state = ParamState.GATHERING
 
-    def wait_gather(self) -> None:
+    def wait_for_unshard(self) -> None:
         """GATHERING -> AVAILABLE: wait, then point every parameter at its full tensor."""
-        self._expect(ParamState.GATHERING, "wait_gather")
+        self._expect(ParamState.GATHERING, "wait_for_unshard")
         gathered = self._gathered
         with self.ctx.counters.blocked("all_gather"):
             gathered.handle.wait()
         rows = gathered.out.view(self.world_size, self.shard_numel)
         for p, info in zip(self.params, self.infos):
-            block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
+            block = rows[:, info.shard_offset : info.shard_offset + info.shard_numel]
             set_data(p, block.reshape(-1)[: info.numel].view(info.shape))
         gathered.out = gathered.handle = None
         self._drop_staging()  # the shard was read by the all-gather: its staging buffer is free again
         self._state = ParamState.AVAILABLE
 
-    def refresh(self) -> None:
-        """After the optimizer step: a persistent unit's gathered copy is stale; drop it."""
+    def reshard_stale(self) -> None:
+        """After the optimizer step: a gathered copy nobody holds (a persistent unit's) is
+        stale; reshard it."""
         if self._state is ParamState.AVAILABLE and self.partitioned and not self.refs:
-            self._free_full()
+            self.reshard()
 
     # ------------------------------------------------------------ gradients
 
@@ -537,11 +550,11 @@ class FetchUnit:
         """Copy the full gradients into an (N, shard_numel) block (zeros where absent)."""
         with torch.no_grad():
             for p, info in zip(self.params, self.infos):
-                block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
+                block = rows[:, info.shard_offset : info.shard_offset + info.shard_numel]
                 if p.grad is None:
                     block.zero_()
                 else:
-                    block.copy_(chunk_rows(p.grad, self.world_size))
+                    block.copy_(shard_rows(p.grad, self.world_size))
 
     def own_shard_grad(self) -> Optional[torch.Tensor]:
         """On one rank, a unit of one unpadded fp32 parameter: its gradient, flat, is already
@@ -561,7 +574,7 @@ class FetchUnit:
         """Stage 1/2: copy gathered (N, shard_numel) values into the whole parameters."""
         with torch.no_grad():
             for p, info in zip(self.params, self.infos):
-                block = rows[:, info.shard_offset : info.shard_offset + info.chunk]
+                block = rows[:, info.shard_offset : info.shard_offset + info.shard_numel]
                 raw_data(p).copy_(block.reshape(-1)[: info.numel].view(info.shape))
 
 

@@ -47,7 +47,7 @@ from ..optim import adam_step
 from ..optim._native import lib as native_adam_library
 from ._grad_sink import Received
 from ._loss_scale import LossScaler
-from ._param_groups import Plan, StepCounts, check_group_hyper, gaps, named_parameters, runs_in, slots_of
+from ._param_groups import StepCounts, UpdatePlan, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._step_gate import StepGate, StepStopped
 
 if TYPE_CHECKING:
@@ -363,13 +363,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if bool(torch.isfinite(shard).all()):
                 continue
             for info in unit.infos:
-                if not bool(torch.isfinite(shard[info.shard_offset : info.shard_offset + info.chunk]).all()):
+                if not bool(torch.isfinite(shard[info.shard_offset : info.shard_offset + info.shard_numel]).all()):
                     return info.name
         return None
 
     # ------------------------------------------------------------ overlapped step
 
-    def _launch_step(self, plan: Plan, undo: "_StepUndo") -> None:
+    def _launch_step(self, plan: UpdatePlan, undo: "_StepUndo") -> None:
         """Note [overlapped step]: at stage 3 with the optimizer states off the device, the
         update runs on a background thread, chunk by chunk in flat (= unit, = forward) order,
         while the next forward and backward run (``zero.offload_optimizer.overlap_step``;
@@ -393,7 +393,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.store.update_head(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
         self.gate.run_in_background(lambda: self._run_tail(plan), changed=lambda e: self._step_failed(e, undo))
 
-    def _run_tail(self, plan: Plan) -> None:
+    def _run_tail(self, plan: UpdatePlan) -> None:
         # With an accelerator the device computes the next forward and the host's cores are
         # free: the update takes all of them. On the CPU alone, one thread for the math while
         # the next forward computes on the other cores; every thread while the forward waits
@@ -413,7 +413,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Join an in-flight overlapped step; re-raise its error, if any."""
         self.gate.join()
 
-    def _update_chunk(self, chunk: Chunk, plan: Plan, out_flat: Optional[torch.Tensor],
+    def _update_chunk(self, chunk: Chunk, plan: UpdatePlan, out_flat: Optional[torch.Tensor],
                       publish: bool = False) -> None:
         """Adam on the parts of one chunk the plan covers (Note [update plan] in _param_groups.py); the chunk's
         fresh compute-dtype values go where they belong (fused into Adam's pass where the
@@ -421,7 +421,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with span("infinity::update_chunk"):
             self._update_chunk_in_range(chunk, plan, out_flat, publish)
 
-    def _update_chunk_in_range(self, chunk: Chunk, plan: Plan, out_flat: Optional[torch.Tensor],
+    def _update_chunk_in_range(self, chunk: Chunk, plan: UpdatePlan, out_flat: Optional[torch.Tensor],
                                publish: bool) -> None:
         self._chunks_begun += 1  # the states change from here on: Note [failed step] in _step_gate.py
         began = time.perf_counter()
@@ -544,7 +544,7 @@ _NO_STATE_DICT = (
     "`python -m infinity.export CHECKPOINT OUT_DIR`.")
 
 
-def _threads_of(plan: Plan, native: bool) -> int:
+def _threads_of(plan: UpdatePlan, native: bool) -> int:
     """Threads the update of ``plan`` runs on: the native Adam's (its default, the rank's share:
     Note [rank placement] in _topology.py), else torch's."""
     asked = plan.runs[0].hyper.get("num_threads") if native and plan.runs else None

@@ -60,8 +60,8 @@ def test_plan_equals_the_bytes_the_stores_map(tmp_path, param, optim, dtype, gra
     # persistent units' and the prefetch window's (at most depth + 2 of the largest unit).
     units = opt.engine.units
     window = (3 + 2) * max(u.full_nbytes for u in units) + sum(u.full_nbytes for u in units if u.persistent)
-    assert need["categories"]["device"][GATHERED] == opt.engine.gathered.capacity
-    assert measured.get(GATHERED, 0) <= opt.engine.gathered.capacity + window
+    assert need["categories"]["device"][GATHERED] == opt.engine.gathered_buffers.capacity
+    assert measured.get(GATHERED, 0) <= opt.engine.gathered_buffers.capacity + window
     # One rank without an accelerator reads shards straight into gathered buffers: no staging pool.
     assert measured.get("param_staging", 0) == host.get("param_staging", 0) == 0
     assert sum(opt.engine.tier_bytes().values()) == need["device"] + need["host"] + sum(need["nvme"].values())

@@ -212,11 +212,11 @@ def test_io_wait_timeout_names_the_shard_and_rank(tmp_path, monkeypatch):
     # bf16: fp32 parameters would be read from the master weights in memory (Note [parameters from the master] in _placement.py)
     cfg = _config(3, "nvme", "none", str(tmp_path), "bf16")
     model, opt = infinity.initialize(torch.nn.Linear(4096, 4096), cfg)
-    monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 1e-6)
+    monkeypatch.setattr(_comm._TIMEOUT, "seconds", 1e-6)
     # the bias is below persistence_threshold: a unit of its own (Note [persistent parameters] in _unit_plan.py)
     with pytest.raises(TimeoutError, match=r"the shard of <root> \(1 params, first weight\) on rank 0"):
         model(torch.randn(2, 4096, dtype=torch.bfloat16))
-    monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 600.0)
+    monkeypatch.setattr(_comm._TIMEOUT, "seconds", 600.0)
     opt.engine.close()
 
 

@@ -159,7 +159,7 @@ def _run(fault: str, stage: int) -> dict:
     return json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])  # the other stage: the hung peer's
 def test_a_dead_peer_is_named_within_seconds(stage):
     report = _run("die", stage)
     assert report["error"] == "CommTimeout", report
@@ -171,7 +171,7 @@ def test_a_dead_peer_is_named_within_seconds(stage):
         assert report["next"].startswith("JobStopped") and "rank 1 died" in report["next"], report
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # stage 2: the dead peer's
 def test_a_hung_peer_ends_at_the_configured_timeout(stage):
     report = _run("hang", stage)
     assert report["error"] == "CommTimeout", report
@@ -184,12 +184,12 @@ def test_the_config_key_wins_over_the_variable(monkeypatch):
     from infinity._runtime import _comm
     from infinity.config import Config
 
-    monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 600.0)  # restored after the test: the setting is per process
-    monkeypatch.setattr(_comm, "_TIMEOUT_SOURCE", "INFINITY_COMM_TIMEOUT")
+    monkeypatch.setattr(_comm._TIMEOUT, "seconds", 600.0)  # restored after the test: the setting is per process
+    monkeypatch.setattr(_comm._TIMEOUT, "source", "INFINITY_COMM_TIMEOUT")
     _comm.configure(Config())  # no key: the variable's value stays
     assert _comm.timeout_s() == 600.0
     _comm.configure(Config.from_dict({"comm": {"timeout": 7}}))
-    assert _comm.timeout_s() == 7.0 and _comm._TIMEOUT_SOURCE == "comm.timeout"
+    assert _comm.timeout_s() == 7.0 and _comm._TIMEOUT.source == "comm.timeout"
     monkeypatch.setenv("INFINITY_COMM_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="INFINITY_COMM_TIMEOUT='soon'"):
         _comm._env_timeout()
@@ -220,7 +220,7 @@ def _backward_job(stage: int, who: str, where: str = "backward", *, interrupted:
     return reports
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # ~22 s each
 def test_one_rank_failing_in_backward_stops_both(stage):
     rank0, rank1 = reports = _backward_job(stage, "one")
     for events in reports:

@@ -178,7 +178,7 @@ def test_load_of_a_1gb_model_on_nvme_keeps_host_memory_bounded(tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     # initialize reads each chunk from the checkpoint once, for the fp32 master weights: in fp32 they
     # are the compute-dtype shards too (Note [parameters from the master] in _placement.py; other dtypes
-    # read it again for the shard: Note [chunks left in the checkpoint] in _init_context.py); nothing else reads it.
+    # read it again for the shard: Note [shards left in the checkpoint] in _init_context.py); nothing else reads it.
     assert info["bytes"] > 0.95e9 and r["read"] == info["bytes"]
     # Stated bound: the loader's fixed overhead (256 MiB), plus a few copies of the largest tensor
     # (read buffer, cast, shard), plus what the preflight planned for host memory - not the model.

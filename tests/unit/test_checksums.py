@@ -242,7 +242,7 @@ def test_corrupt_init_store_is_caught_by_initialize(tmp_path):
         model = gpt2()
     path = _init_swap(tmp_path)
     corrupt(path, 2 * BLOCK + 9, "random")
-    with pytest.raises(CorruptionError, match=r"init\.swp' at byte offset 8192 .*chunk of parameter "):
+    with pytest.raises(CorruptionError, match=r"init\.swp' at byte offset 8192 .*shard of parameter "):
         infinity.initialize(model, cfg)
 
 

@@ -61,7 +61,7 @@ class Parts:
         self.prefetcher = Prefetcher(pcfg.zero.prefetch, partition_params=True, calls=self.calls, ledger=self.ledger,
                                      counters=self.counters)
         ctx = UnitContext(world_size=1, rank=0, dtype=torch.float32, itemsize=4, partitioned=True,
-                          counters=self.counters, ledger=self.ledger, gathered=None,
+                          counters=self.counters, ledger=self.ledger, gathered_buffers=None,
                           param_store=self.store, param_source=ParamSource.OWN, step_gate=self.gate,
                           make_room=self.prefetcher.make_room,
                           on_unavailable=self.calls.on_unavailable)
@@ -123,8 +123,8 @@ def test_release_without_acquire_and_wrong_transitions_raise():
     with pytest.raises(InvariantError, match="stage_to_device: .* is RELEASED, expected HOST"):
         unit.stage_to_device()
     unit.acquire(Hold.CALL)
-    with pytest.raises(InvariantError, match="abandon: .* is still held for its module's call"):
-        unit.abandon()
+    with pytest.raises(InvariantError, match="cancel_prefetch: .* is still held for its module's call"):
+        unit.cancel_prefetch()
     unit.release(Hold.CALL)
 
 
@@ -159,7 +159,7 @@ def test_references_nest_and_persistent_units_stay_gathered():
     assert unit.state is ParamState.AVAILABLE and unit.refs == 1
     unit.release(Hold.CALL)
     assert unit.persistent and unit.state is ParamState.AVAILABLE  # below persistence_threshold
-    unit.refresh()  # what the step does: the gathered copy is stale
+    unit.reshard_stale()  # what the step does: the gathered copy is stale
     assert unit.state is ParamState.RELEASED
 
 
@@ -174,13 +174,13 @@ def test_step_gate_holds_a_fetch_until_the_step_published_its_range():
     parts.gate.fail(RuntimeError("step failed on its thread"))
     with pytest.raises(RuntimeError, match="step failed"):
         second.stage_to_host()
-    first.abandon()
+    first.cancel_prefetch()
 
 
 def test_step_gate_times_out_with_the_unit_named(monkeypatch):
     from infinity._runtime import _comm
 
-    monkeypatch.setattr(_comm, "DEFAULT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(_comm._TIMEOUT, "seconds", 0.2)
     parts = Parts(Chain(1))
     parts.gate.open()
     with pytest.raises(WaitTimeout, match="update the shard of layers.0"):
@@ -194,7 +194,7 @@ def test_abandon_returns_the_staging_buffer(tmp_path):
     unit = parts.units[0]
     assert unit.stage_to_host()
     assert pool.free == free - 1
-    unit.abandon()
+    unit.cancel_prefetch()
     assert unit.state is ParamState.RELEASED and pool.free == free
 
 
@@ -383,20 +383,20 @@ def test_a_unit_counts_the_gradients_it_waits_for():
 
 
 def test_backward_progress_moves_only_through_its_transitions():
-    """Note [backward progress] in _module_state.py: NOT_REACHED -> HELD -> DONE -> (HELD again) -> NOT_REACHED."""
+    """Note [backward progress] in _module_state.py: NOT_REACHED -> AWAITING -> DONE -> (AWAITING again) -> NOT_REACHED."""
     parts = Parts(Chain(1))
     state, unit = parts.states[0], parts.units[0]
     assert state.progress is BackwardProgress.NOT_REACHED
     for wrong in (lambda: state.arrived(unit), state.end_hold, lambda: state.await_calls({1})):
-        with pytest.raises(InvariantError, match="is NOT_REACHED, expected HELD"):
+        with pytest.raises(InvariantError, match="is NOT_REACHED, expected AWAITING"):
             wrong()
     unit.expect_grads()
     state.hold({7})
-    assert state.progress is BackwardProgress.HELD and unit.state is ParamState.AVAILABLE
+    assert state.progress is BackwardProgress.AWAITING and unit.state is ParamState.AVAILABLE
     assert parts.ledger.holds(unit, Hold.BACKWARD) and state.awaits(unit) and state.awaits(7)
-    with pytest.raises(InvariantError, match="is HELD already"):
+    with pytest.raises(InvariantError, match="is AWAITING already"):
         state.hold(set())
-    with pytest.raises(InvariantError, match="still HELD at the end of backward"):
+    with pytest.raises(InvariantError, match="still AWAITING at the end of backward"):
         state.reset()
     state.await_calls({8})  # the module's second call of the forward
     unit.grad_arrived(), unit.grad_arrived()
@@ -404,10 +404,10 @@ def test_backward_progress_moves_only_through_its_transitions():
     assert state.arrived(8)  # nothing left to wait for
     state.end_hold()
     assert state.progress is BackwardProgress.DONE and unit.state is ParamState.RELEASED and unit.refs == 0
-    with pytest.raises(InvariantError, match="is DONE, expected HELD"):
+    with pytest.raises(InvariantError, match="is DONE, expected AWAITING"):
         state.end_hold()
     state.hold(set())  # reached again in one backward: its unit waits for another accumulation
-    assert state.progress is BackwardProgress.HELD and unit.grads_pending == 2 and state.waiting
+    assert state.progress is BackwardProgress.AWAITING and unit.grads_pending == 2 and state.waiting
     state.end_hold()
     state.reset()
     assert state.progress is BackwardProgress.NOT_REACHED
@@ -475,7 +475,7 @@ def test_backward_holds_each_module_until_its_gradients_are_in_then_reduces_them
     assert len(seen) == 6  # a weight and a bias per layer
     for pending, progress, unit_state in seen:
         if pending:
-            assert progress is BackwardProgress.HELD and unit_state is ParamState.AVAILABLE
+            assert progress is BackwardProgress.AWAITING and unit_state is ParamState.AVAILABLE
         else:  # its last gradient: reduced, the hold ended, the unit released
             assert progress is BackwardProgress.DONE and unit_state is ParamState.RELEASED
     assert hooked.got == {f"layers.{i}": [1] for i in range(3)}  # each unit handed over once
@@ -503,14 +503,14 @@ def test_a_frozen_module_is_held_until_its_input_gradients_are_in():
     out.sum().backward()
     assert at_input == [BackwardProgress.DONE]
     assert frozen_seen in ([(BackwardProgress.NOT_REACHED, ParamState.RELEASED)],
-                           [(BackwardProgress.HELD, ParamState.AVAILABLE)])
+                           [(BackwardProgress.AWAITING, ParamState.AVAILABLE)])
     assert sorted(hooked.got) == ["layers.0", "layers.2"]
     assert all(u.state is ParamState.RELEASED and u.refs == 0 for u in parts.units)
 
 
 def test_a_module_called_twice_is_held_once_until_its_gradients_are_in():
     """Backward reaches the second call's output, then the first call's while the module is
-    HELD: that call joins the hold, which ends once, when the unit's gradients are in (they
+    AWAITING: that call joins the hold, which ends once, when the unit's gradients are in (they
     are accumulated once, after both uses)."""
     hooked = Hooked(Chain(2))
     state, unit = hooked.parts.states[0], hooked.parts.units[0]
@@ -521,7 +521,7 @@ def test_a_module_called_twice_is_held_once_until_its_gradients_are_in():
     hooked.parts.calls.begin_forward()
     x = torch.randn(2, 16, requires_grad=True)
     hooked.call(state, hooked.call(state, x)).sum().backward()
-    held = (BackwardProgress.HELD, True, "its module's backward")
+    held = (BackwardProgress.AWAITING, True, "its module's backward")
     assert seen == [held, held]
     assert hooked.got == {"layers.0": [1], "layers.1": [1]}  # layer 1 unused: zeros at the end of backward
     assert state.progress is BackwardProgress.NOT_REACHED and unit.refs == 0 and x.grad is not None

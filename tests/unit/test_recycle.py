@@ -52,14 +52,14 @@ def test_size_dtype_and_capacity():
     for t in bufs:
         r.give(t)
     del bufs, t
-    assert r.held_bytes == 3 * 4000
+    assert r.pooled_bytes == 3 * 4000
     r.take(1000, torch.bfloat16)  # another dtype is never handed out
     r.take(999, torch.float32)  # nor another size
     assert r.reused == 0
     got = r.take(1000, torch.float32)
     assert r.reused == 1 and any(got is k for k in kept)
     r.give(torch.empty(1000))  # not from take: ignored
-    assert r.held_bytes == 2 * 4000
+    assert r.pooled_bytes == 2 * 4000
 
 
 @pytest.mark.parametrize("optim", ["nvme", "cpu"])
@@ -84,7 +84,7 @@ def test_engine_reuses_handoff_and_gathered_buffers(tmp_path, optim):
     got = train_losses(model, opt, "gpt2", 5)
     opt.wait_step()
     assert opt.param_store._outputs.reused > 0
-    assert opt.engine.gathered.reused > 0
+    assert opt.engine.gathered_buffers.reused > 0
     assert opt.param_store.bytes_read > 0 and opt.param_store.pool._made == 0
     opt.engine.close()
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
