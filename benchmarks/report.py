@@ -459,8 +459,8 @@ def benchmarks_page(runs: List[Run]) -> tuple:
     peers_lines, peers_figs = peers_section(runs)
     profile_lines, profile_figs = profile_section(runs)
     others = ["## Every benchmark", "", "Each runs from the repository root as `python -m benchmarks.<name>` "
-              "(`--smoke`: seconds on a CPU, which the test suite runs), its contenders measured in the same run "
-              "and the ratios printed; a benchmark's records, once in benchmarks/records, get a section here.", ""]
+              "(`--smoke`: seconds on a CPU, which the tests run, most under `-m slow`), its contenders measured in the "
+              "same run and the ratios printed; a benchmark's records, once in benchmarks/records, get a section here.", ""]
     others += benchmark_list() + [""] + other_sections(runs)
     cells = merged_cells(runs)
     runs_lines = ["## The runs", "", "One section per records file: what ran, on which machine, and what else "

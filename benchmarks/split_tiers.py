@@ -81,7 +81,7 @@ def measure(spec: dict) -> dict:
     run = _run_of(spec, shape, params, *placement)
     opt.engine.close()
     extra = {m: round(statistics.median(r[k] for r in rows) / 2**20, 1) for k, m in zip(COUNTERS, MIB)}
-    extra.update(_model_step(run, spec["scratch"], statistics.median(times)))
+    extra.update(_model_step(run, spec["scratch"], statistics.median(times), spec["smoke"]))
     return _harness.sample(times, losses=losses[spec["warmup"]:], params=params,
                            tokens_per_step=spec["micro_batch"] * spec["seq_len"], dtype="fp32", extra=extra)
 
@@ -100,11 +100,12 @@ def _run_of(spec: dict, shape, params: int, store, param_store):
                if param_store is not None else 0.0)
 
 
-def _model_step(run, scratch: str, measured: float) -> dict:
+def _model_step(run, scratch: str, measured: float, smoke: bool) -> dict:
     """The run model's step for ``run`` with this machine's rates, measured now, and its error."""
     from infinity.testing import Rates, step_time
 
-    predicted = step_time(run, Rates.measure(scratch, run))["predicted"]
+    rates = Rates.measure(scratch, run, probe_bytes=(8 if smoke else 256) << 20)
+    predicted = step_time(run, rates)["predicted"]
     return {"predicted_s": round(predicted, 3), "model_error": round(predicted / measured - 1, 3)}
 
 
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     records = _harness.run_cells(BENCH, "benchmarks.split_tiers", cells, lambda cell, scratch: {
         "contender": cell.contender, "layers": args.layers, "hidden": args.hidden, "steps": args.steps,
         "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "chunk": args.chunk,
-        "scratch": scratch, "big": args.big}, args, dtype="fp32")
+        "scratch": scratch, "big": args.big, "smoke": args.smoke}, args, dtype="fp32")
     for name, share in saved(records).items():
         print(f"{name} saves {share:.0%} of what all-nvme costs over all-cpu (target: at least 40% for split-50)")
     pairs = (("auto", "all-nvme"),) if args.big else PAIRS

@@ -94,11 +94,12 @@ class Rates:
     pcie: float = float("inf")
 
     @classmethod
-    def measure(cls, nvme_path: Optional[str], run: Optional["Run"] = None) -> "Rates":
+    def measure(cls, nvme_path: Optional[str], run: Optional["Run"] = None, probe_bytes: int = 256 << 20) -> "Rates":
         """This machine, now (Note [run model]): the FLOP rate of one transformer block's
         forward and backward and of the LM head with its loss at the run's shapes, the native
-        Adam over 8M elements, O_DIRECT reads and writes of 256 MiB under ``nvme_path``, and
-        the share of a disk read that overlaps a matmul loop."""
+        Adam over 8M elements, O_DIRECT reads and writes of ``probe_bytes`` under
+        ``nvme_path``, and the share of a disk read that overlaps a matmul loop (a smoke run
+        probes a few MiB: its figures are checked for shape, not value)."""
         run = run or Run(params=0, layers=1, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
         flops = compute_rate(run)
         adam = adam_rate(out_dtype=torch.float32 if run.dtype == "fp32" else torch.bfloat16)
@@ -106,9 +107,9 @@ class Rates:
         read = write = float("inf")
         overlap = 1.0
         if nvme_path:
-            bw = probe_disk(nvme_path, AioConfig(), 256 << 20)
+            bw = probe_disk(nvme_path, AioConfig(), probe_bytes)
             read, write = bw["read"], bw["write"]
-            overlap = io_overlap(nvme_path, read, write)
+            overlap = io_overlap(nvme_path, read, write, probe_bytes)
         return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam, overlap=overlap, pcie=pcie)
 
 

@@ -28,6 +28,12 @@ def run_smoke(module: str, tmp_path: Path, *more: str) -> tuple:
     return printed, [json.loads(line) for line in out.read_text().splitlines()]
 
 
+# Note [smokes behind slow]: a smoke is a child process per cell (each ~8 s of imports on 2 cores) and
+# most benchmarks have four to six cells, so every smoke together was a third of the suite. The
+# default run keeps the smokes of a few seconds; the rest, as long runs, are opt-in (-m slow):
+#   pytest -m slow tests/integration/test_benchmarks_smoke.py tests/integration/test_step_profile_smoke.py
+# which a change to benchmarks/ runs before it lands (CONTRIBUTING.md).
+@pytest.mark.slow
 def test_peers_smoke(tmp_path):
     printed, records = run_smoke("benchmarks.peers", tmp_path)
     assert printed == records  # --out holds what stdout printed
@@ -67,9 +73,12 @@ SMOKE = {
     "load": (("--only", "load"), ("from_pretrained", "aio-read")),
     "param_bytes": ((), None),  # its reference is another checkout (--baseline)
     "prefetch": (("--only", "plain,infinity-nvme"), ("infinity-nvme", "plain")),
-    "split_tiers": ((), ("split-50", "all-nvme")),
+    "split_tiers": (("--only", "all-cpu,split-50,all-nvme"), ("split-50", "all-nvme")),
     "tiling": ((), ("factor-4", "factor-1")),
 }
+
+SLOW = {"checkpoint", "compressed_states", "fetch_units", "host_memory", "large_model", "load", "param_bytes", "prefetch",
+        "split_tiers", "tiling"}  # Note [smokes behind slow]: 15-40 s each on 2 cores
 
 
 def test_every_benchmark_has_a_smoke_test():
@@ -77,7 +86,7 @@ def test_every_benchmark_has_a_smoke_test():
     assert modules == set(SMOKE)  # peers above, step_profile in test_step_profile_smoke.py
 
 
-@pytest.mark.parametrize("name", sorted(SMOKE))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(SMOKE)])
 def test_benchmark_smoke(name, tmp_path):
     more, ratio = SMOKE[name]
     printed, records = run_smoke(f"benchmarks.{name}", tmp_path, *more)

@@ -151,7 +151,8 @@ def test_save_on_signal_needs_an_output_dir(tmp_path):
     assert proc.returncode == 2 and "--save-on-signal saves a checkpoint under --output-dir" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),  # SIGINT: test_interrupts
+                                      (signal.SIGTERM, 143)])
 def test_a_signal_without_save_on_signal_stops_at_once(tmp_path, sig, code):
     cfg = write_config(tmp_path / "tiny.json", tiny_config(steps=10000, log_every=1))
     out, nvme = str(tmp_path / "run"), tmp_path / "nvme"

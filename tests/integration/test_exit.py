@@ -52,7 +52,7 @@ def test_torch_distributed_nn_keeps_no_group_after_initialize():
     assert _comm.release_captured_groups() == 0
 
 
-@pytest.mark.parametrize("stage,who", [(2, "infinity"), (3, "user")])
+@pytest.mark.parametrize("stage,who", [pytest.param(2, "infinity", marks=pytest.mark.slow), (3, "user")])
 def test_no_gloo_thread_outlives_the_group(stage, who):
     for code, report, err in run_job(stage, who):
         assert code == 0, f"a rank exited with {code}:\n{err}"

@@ -68,9 +68,9 @@ def whole(tmp_path_factory):
     return _report(out)
 
 
-@pytest.mark.parametrize("phase,ending,resume", [("forward", "plain", True), ("backward", "close", False),
-                                                 ("step", "plain", True), ("step", "close", False),
-                                                 ("update", "close", False)])
+@pytest.mark.parametrize("phase,ending,resume", [  # by default both endings and a resume (backward: test_peer_failure)
+    ("forward", "plain", True), pytest.param("backward", "close", False, marks=pytest.mark.slow),
+    pytest.param("step", "plain", True, marks=pytest.mark.slow), ("step", "close", False), ("update", "close", False)])
 def test_sigint_ends_the_process_cleanly_and_the_next_run_resumes(phase, ending, resume, whole, tmp_path):
     code, out, err = _run("interrupted", phase, tmp_path, ending, signal_at=True)
     assert f"READY {phase}" in out, err[-3000:]

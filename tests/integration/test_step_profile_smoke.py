@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import _harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # Note [smokes behind slow] in test_benchmarks_smoke.py
 def test_the_step_profile_smoke_run_records_every_part(tmp_path):
     out = tmp_path / "profile.jsonl"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--smoke", "--out", str(out),
