@@ -160,6 +160,7 @@ class ParamStore:
         self._copying: List[tuple] = []  # (event, host shard) a copy to the device may still read: Note [buffers under a copy]
         self._lock_copies = threading.Lock()  # the forward gives shards back while the step's thread takes outputs
         self.bytes_read = 0
+        self.cache_elems = cache_elems if tier is Tier.NVME else 0  # Note [parameter cache]: backward's re-reads
         self.own_from = master.total if master is not None else 0  # below: the master's elements
         # Note [split tiers] in _split.py: the first ``host_upto`` elements (whole units) in host memory only,
         # params.swp from there on
@@ -188,7 +189,6 @@ class ParamStore:
             self._span_starts = [a for a, _ in self._spans]
             self._filling: dict = {}  # span start -> [its output tensor, elements written so far, any changed]
             self._outputs = Recycler(self._handoff_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
-            self.cache_elems = cache_elems  # Note [parameter cache]
             self._cache: dict = {}  # unit offset -> its shard in host memory
             self._cached = 0  # elements in _cache
         elif self.source is ParamSource.MASTER:  # the trainable units' shards; the frozen ones' apart, after them
@@ -523,7 +523,7 @@ class ParamStore:
         pool = self.pool or HostPool(0, 0, self.dtype, "")
         return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
                                 self.update_chunk, self.source,
-                                cache=getattr(self, "cache_elems", 0), frozen=self.total - self.own_from,
+                                cache=self.cache_elems, frozen=self.total - self.own_from,
                                 host_upto=self.host_upto))
 
     def close(self) -> None:

@@ -110,6 +110,7 @@ def test_sigterm_to_one_rank_of_two_saves_and_stops_both(tmp_path):
     assert sorted(_steps(out)) == list(range(1, _latest(out) + 1))
 
 
+@pytest.mark.slow  # ~18 s: the flagless stop of one rank is test_a_signal_without_save_on_signal_stops_at_once's
 def test_sigterm_to_one_rank_of_two_without_the_flag_stops_both(tmp_path):
     """Without ``--save-on-signal`` the signalled rank stops at once (exit 143); the other one
     learns it from the collective it waits in (the peer interrupted or gone) and exits 1 with a

@@ -143,7 +143,7 @@ def uninterrupted_job(tmp_path_factory):
     return root / "run"
 
 
-@pytest.mark.parametrize("save_async", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("save_async", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["blocking", "async"])
 def test_save_kill_resume_continues_exactly(tmp_path, save_async, uninterrupted_job):
     steps = STEPS
     expected = _step_losses(str(uninterrupted_job / "losses.json"))

@@ -271,6 +271,7 @@ def test_one_rank_failing_in_forward_stops_both():
     assert "rank 1's forward ended by an exception" in first["message"], first
 
 
+@pytest.mark.slow  # ~40 s: the recovery is the backward's test above; a forward failure's stop, the one before
 def test_every_rank_failing_in_forward_at_the_same_point_recovers_on_both():
     """Both ranks' forward of step 2 raises at the same point (out of memory at one batch size):
     each recovers, and steps 3 and 4 are those of the job that skipped batch 2, bit for bit."""
