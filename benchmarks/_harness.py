@@ -65,6 +65,12 @@ from . import _flags
 GiB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_CELL_SECONDS = 15.0  # a cell that would get less is skipped (not in --smoke)
+
+
+def disk_probe_bytes(smoke: bool) -> int:
+    """Bytes the run model's disk probe moves (``Rates.measure``): a smoke's figures are checked
+    for shape, not value, so a few MiB do."""
+    return (8 if smoke else 256) << 20
 _NUMBER = (int, float, type(None))
 RESULT_FIELDS = {
     "bench": str, "kind": str, "contender": str, "size": str, "status": str, "step_s": _NUMBER,

@@ -14,7 +14,7 @@ each split's ``saved``: the share of what all-NVMe costs over all-cpu it saves, 
 ``--big``: a model whose states are about 1.5x this machine's host memory, ``auto`` (both sections
 ``device: auto``, Note [planned split] in infinity/_offload/_split.py) against ``all-nvme``.
 
-    python -m benchmarks.split_tiers [--steps 3] [--layers 4] [--hidden 1536] [--big] [--smoke]
+    python -m benchmarks.split_tiers [--steps 3] [--layers 4] [--hidden 1536] [--only all-cpu,split-50] [--big] [--smoke]
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _model_step(run, scratch: str, measured: float, smoke: bool) -> dict:
     """The run model's step for ``run`` with this machine's rates, measured now, and its error."""
     from infinity.testing import Rates, step_time
 
-    rates = Rates.measure(scratch, run, probe_bytes=(8 if smoke else 256) << 20)
+    rates = Rates.measure(scratch, run, probe_bytes=_harness.disk_probe_bytes(smoke))
     predicted = step_time(run, rates)["predicted"]
     return {"predicted_s": round(predicted, 3), "model_error": round(predicted / measured - 1, 3)}
 
@@ -119,7 +119,7 @@ def saved(records: list) -> dict:
 
 
 def main(argv=None) -> int:
-    p = _flags.parser(__doc__, steps=3, warmup=1, seq_len=32, micro_batch=1, timeout=1800.0)
+    p = _flags.parser(__doc__, steps=3, warmup=1, seq_len=32, micro_batch=1, timeout=1800.0, only=",".join(SMALL))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--chunk", type=int, default=1 << 22, help="zero.offload_optimizer.chunk_size")
@@ -129,7 +129,11 @@ def main(argv=None) -> int:
         args.layers, args.hidden, args.steps, args.seq_len, args.chunk = 1, 64, 1, 16, 4096
     elif args.big:
         args.layers, args.hidden = _big_shape()
-    cells = [Cell(name, f"{args.layers}x{args.hidden}") for name in (BIG if args.big else SMALL)]
+    unknown = [n for n in _flags.parse_list(args.only) if n not in SMALL]
+    if unknown:
+        p.error(f"--only: unknown contender(s) {', '.join(unknown)}; choose from {', '.join(SMALL)}")
+    names = BIG if args.big else _flags.parse_list(args.only)
+    cells = [Cell(name, f"{args.layers}x{args.hidden}") for name in names]
     records = _harness.run_cells(BENCH, "benchmarks.split_tiers", cells, lambda cell, scratch: {
         "contender": cell.contender, "layers": args.layers, "hidden": args.hidden, "steps": args.steps,
         "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "chunk": args.chunk,

@@ -170,7 +170,8 @@ def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
     run = Run(params=params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
               micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], dtype=spec["dtype"], param_tier=spec["offload"],
               optimizer_tier=spec["offload"], device_is_host=not torch.cuda.is_available())
-    rates = Rates.measure(spec["scratch"] if spec["offload"] == "nvme" else None, run)
+    rates = Rates.measure(spec["scratch"] if spec["offload"] == "nvme" else None, run,
+                          probe_bytes=_harness.disk_probe_bytes(spec["smoke"]))
     st = step_time(run, rates)
     step = st["predicted"]
     if not overlapped and not run.device_is_host:  # the update inside step(): the terms add
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
     dtype = "bf16" if torch.cuda.is_available() and not args.smoke else "fp32"
     of = {f"infinity-{offload}-{variant}": (offload, variant) for _, offload, variant in cells}
     spec = {"dtype": dtype, "steps": args.steps, "warmup": args.warmup, "seq_len": args.seq_len,
-            "micro_batch": args.micro_batch}
+            "micro_batch": args.micro_batch, "smoke": args.smoke}
     records = _harness.run_cells(BENCH, "benchmarks.step_profile", [Cell(f"infinity-{o}-{v}", size) for size, o, v in cells],
                                  lambda cell, scratch: dict(spec, size=cell.size, offload=of[cell.contender][0],
                                                       variant=of[cell.contender][1], scratch=scratch), args, dtype=dtype)

@@ -98,8 +98,7 @@ class Rates:
         """This machine, now (Note [run model]): the FLOP rate of one transformer block's
         forward and backward and of the LM head with its loss at the run's shapes, the native
         Adam over 8M elements, O_DIRECT reads and writes of ``probe_bytes`` under
-        ``nvme_path``, and the share of a disk read that overlaps a matmul loop (a smoke run
-        probes a few MiB: its figures are checked for shape, not value)."""
+        ``nvme_path``, and the share of a disk read that overlaps a matmul loop."""
         run = run or Run(params=0, layers=1, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
         flops = compute_rate(run)
         adam = adam_rate(out_dtype=torch.float32 if run.dtype == "fp32" else torch.bfloat16)
