@@ -1,7 +1,7 @@
 """NVMe bytes per step of the parameter tier, this checkout against another, in one run.
 
 The other checkout is, say, the commit before Note [parameters from the master] in _placement.py
-and Note [parameter cache] in _param_store.py. GPT-2 (GPT2Config's 768 wide, ``--layers`` deep:
+and Note [parameter cache] in _nvme_param_store.py. GPT-2 (GPT2Config's 768 wide, ``--layers`` deep:
 124M at 12) in fp32, one rank, parameters on NVMe with the optimizer states on NVMe (size
 ``optim-nvme``) or in host memory (``optim-cpu``), 1 x 16 tokens; contenders ``this`` and, with
 ``--baseline DIR``, ``baseline`` (infinity imported from DIR), each in a process of its own,

@@ -96,7 +96,7 @@ def _run_of(spec: dict, shape, params: int, store, param_store):
     return Run(params=params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
                micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], param_tier=tier(param_store),
                optimizer_tier=tier(store), opt_host_fraction=store.memory_elems / store.total if tier(store) == "nvme"
-               else 0.0, param_host_fraction=getattr(param_store, "host_upto", 0) / max(param_store.total, 1)
+               else 0.0, param_host_fraction=param_store.host_upto / max(param_store.total, 1)
                if param_store is not None else 0.0)
 
 

@@ -373,7 +373,7 @@ def activation_bytes(run: Run) -> int:
 
 
 def _param_cache(run: Run, total: int) -> int:
-    """Elements of the automatic parameter cache (Note [parameter cache] in _param_store.py)."""
+    """Elements of the automatic parameter cache (Note [parameter cache] in _nvme_param_store.py)."""
     if run.figures is not None:
         return run.figures.param_cache
     if run.param_tier != "nvme" or _param_source(run) is ParamSource.MASTER:

@@ -74,8 +74,8 @@ def snapshot(engine, opt, tmp: str, extra, cloner: Cloner, mover: Mover, *, stag
 def staged_bytes(engine, opt) -> int:
     """Bytes an asynchronous save copies into host memory at the call (``_staged``,
     ``_params_flat``): every state that is not in a swap file."""
-    params = itemsize(engine.dtype) * (opt.layout.param_total if opt.param_store is None or
-                                       opt.param_store.flat is not None else opt.param_store.host_upto)
+    params = itemsize(engine.dtype) * (opt.layout.param_total if opt.param_store is None else
+                                       opt.param_store.memory_elems)
     states = len(STATE_ARRAYS) * 4 * opt.store.memory_elems
     return params + states
 

@@ -3,7 +3,7 @@
 Note [one memory model]: the bytes a placement needs follow from the layout (flat sizes of
 the optimizer and parameter spaces, the largest unit) and the config (tiers, chunk, host
 cache, staging buffers). Each store states them for a plan, before anything is allocated,
-as ``{tier: {category: bytes}}`` (``ParamStore.plan``, ``MemoryOptimizerStore.plan``,
+as ``{tier: {category: bytes}}`` (``MemoryParamStore.plan``, ``NvmeParamStore.plan``, ``MemoryOptimizerStore.plan``,
 ``NvmeOptimizerStore.plan`` in _nvme_optimizer_store.py); ``store_plan`` (in _preflight.py) adds the engine's own recycled
 gathered buffers. Everything that speaks of those bytes reads that one function: the
 preflight (``_preflight.plan``) with the run's real layout, ``Engine.tier_bytes`` and the
@@ -14,7 +14,7 @@ bytes the stores really mapped (Note [host memory ledger] in aio/_memory.py).
 Categories of host memory (the names the ledger and the plan share):
   param_shards      compute-dtype parameter shards on the cpu tier
   param_staging     the NVMe parameter tier's staging pool (filled on first need)
-  param_handoff     the step's fresh parameter output kept for the next forward (Note [hand-off] in _param_store.py)
+  param_handoff     the step's fresh parameter output kept for the next forward (Note [hand-off] in _nvme_param_store.py)
   optimizer_states  fp32 master weights and Adam moments in host memory
   gradients         fp32 gradient shards in host memory (accumulating, sealed, spare)
   optimizer_buffers the optimizer swapper's buffer sets (Note [optimizer swapper] in _nvme_optimizer_store.py)
@@ -62,7 +62,7 @@ from ..aio._memory import ledger
 PARAM_SHARDS = "param_shards"
 PARAM_STAGING = "param_staging"
 PARAM_HANDOFF = "param_handoff"
-PARAM_CACHE = "param_cache"  # Note [parameter cache] in _param_store.py
+PARAM_CACHE = "param_cache"  # Note [parameter cache] in _nvme_param_store.py
 OPT_STATES = "optimizer_states"
 GRADIENTS = "gradients"
 OPT_BUFFERS = "optimizer_buffers"

@@ -1,210 +1,115 @@
-"""The compute-dtype parameter shards of stage 3 on their tier, and the pool that stages NVMe reads.
+"""The compute-dtype parameter shards of stage 3 on their tier.
 
-``ParamStore`` holds this rank's shards flat, unit after unit at ``unit.param_offset`` (Note
-[shard layout] in _unit.py, Note [frozen parameters] in _layout.py): device memory (``none``),
-host memory (``cpu``) or a swap file (``nvme``), read into ``HostPool`` buffers when fetched.
-The optimizer's fused low-precision output for a chunk of its flat space lands here piece by
-piece, one shift per unit, without another pass (Note [hand-off]).
+Flat, unit after unit at ``unit.param_offset`` (Note [shard layout] in _unit.py, Note [frozen
+parameters] in _layout.py). ``MemoryParamStore`` holds them in device or host memory
+(``none``/``cpu``); the NVMe tier is ``NvmeParamStore`` in _nvme_param_store.py. Both take the
+optimizer's fused low-precision output piece by piece (``step_outputs``), so the step writes
+each shard once, without another pass.
 """
 
 from __future__ import annotations
 
-import bisect
-import functools
-import threading
-from typing import List, Optional
+from typing import List, Optional, Protocol
 
 import torch
 
 from .._runtime import _accelerator as acc
-from .._runtime._recycle import Recycler
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
-from ..aio._checksum import checksummed, sums_of
-from ..aio._handle import close_handles
-from ..errors import InfinityError, InvariantError, UsageError
-from ._layout import ALIGN_ELEMS, ParamSource, round_up
-from ._memory_plan import PARAM_CACHE, PARAM_FILES, PARAM_HANDOFF, PARAM_SHARDS, PARAM_STAGING, totals
-from ._ordered_writes import WRITE_HANDLES, MasterFile, OrderedWrites
-from ._swap import Swap, nbytes_of, new_aio, wait_io
-
-HANDOFF_BUFFERS = 2  # staging buffers' worth of the step's fresh parameter output kept in memory (Note [hand-off])
+from ..errors import InvariantError
+from ._host_pool import ShardsUnderCopy
+from ._layout import ParamSource
+from ._memory_plan import PARAM_SHARDS, totals
+from ._nvme_param_store import NvmeParamStore
 
 
+class ParamStore(Protocol):
+    """Note [parameter store protocol]: what the units, the optimizer step, the parameter
+    edits and the checkpoints ask of stage 3's shards, in memory (``MemoryParamStore``) or on
+    NVMe (``NvmeParamStore``). Offsets and lengths are elements of this rank's flat parameter
+    space (``unit.param_offset``). A fetch from NVMe asks the NVMe store for more (its host
+    share, cache, hand-off and reads: ``FetchUnit._stage_from_nvme``); every other reader asks
+    only this, and ``tier`` (``Tier.resident``) where it must tell the two apart."""
 
-class PoolExhausted(InfinityError, RuntimeError):
-    pass
-
-
-class HostPool:
-    """A fixed set of equal, aligned host buffers reused for every staged transfer.
-
-    Note [buffers under a copy]: a buffer that a host->device copy may still be reading comes
-    back with the copy's event (``put(buf, after=event)``) and is handed out again only once the
-    event has happened; the CPU waits for it only when a ``get`` finds no other buffer. A DMA
-    holds no reference, so nothing but the event can tell that the buffer is still in use."""
-
-    def __init__(self, numel: int, count: int, dtype: torch.dtype, what: str, category: str = "other"):
-        self.numel, self.count, self.dtype, self.what = numel, count, dtype, what
-        self.category = category  # Note [host memory ledger] in aio/_memory.py
-        self._free: List[torch.Tensor] = []
-        self._copying: List[tuple] = []  # (event, buffer) returned while a copy may read it, oldest first
-        self._made = 0  # buffers are allocated on first need (a one-rank CPU run reads elsewhere)
-        self._cond = threading.Condition()
+    tier: Tier  # where the shards live: the device, host memory or NVMe
+    dtype: torch.dtype
+    total: int
+    source: ParamSource  # Note [parameters from the master] in _placement.py
+    own_from: int  # below: the master's elements (MASTER, MASTER_FILE) or a split's host share
+    host_upto: int  # a split's host share (Note [split tiers] in _split.py); 0 on a resident tier
+    cache_elems: int  # Note [parameter cache] in _nvme_param_store.py; 0 on a resident tier
+    bytes_read: int
 
     @property
-    def nbytes(self) -> int:
-        return self.count * nbytes_of(self.numel, self.dtype)
-
-    def get(self, numel: int, timeout: float = 600.0, *, block: bool = True) -> Optional[torch.Tensor]:
-        if numel > self.numel:
-            raise PoolExhausted(f"{self.what}: a request of {numel} elements exceeds the buffer size {self.numel}; "
-                                f"set the buffer size to at least {numel} (or leave it unset to size it automatically)")
-        with self._cond:
-            self._settle(wait=False)
-            if not self._free and self._made < self.count:
-                self._made += 1
-                return aligned_empty(self.numel, self.dtype, what=self.category)
-            if not self._free and self._copying and block:
-                self._settle(wait=True)  # the oldest copy: the only CPU wait on a staging buffer
-            if not block and not self._free:
-                return None
-            if not self._cond.wait_for(lambda: self._free, timeout):
-                raise PoolExhausted(f"{self.what}: all {self.count} buffers stayed in use for {timeout:.0f}s")
-            return self._free.pop()
-
-    def put(self, buf: torch.Tensor, after=None) -> None:
-        """Give ``buf`` back; ``after``: the event of a copy that may still read it (Note
-        [buffers under a copy])."""
-        with self._cond:
-            if after is None or after.query():
-                self._free.append(buf)
-                self._cond.notify()
-            else:
-                self._copying.append((after, buf))
-
-    def _settle(self, wait: bool) -> None:
-        """Buffers whose copies have landed become free; ``wait``: the oldest at least."""
-        if wait and self._copying:
-            self._copying[0][0].synchronize()
-        landed = [buf for event, buf in self._copying if event.query()]
-        self._copying = [(e, b) for e, b in self._copying if not any(b is x for x in landed)]
-        self._free.extend(landed)
-
-    def clear(self) -> None:
-        """Drop the returned buffers (the engine closed); a later ``get`` makes them again."""
-        with self._cond:
-            self._settle(wait=False)
-            for event, _ in self._copying:
-                event.synchronize()  # nothing is unmapped under a copy
-            self._settle(wait=False)
-            self._made -= len(self._free)
-            self._free.clear()
+    def bytes_written(self) -> int: ...  # to this store's own file
 
     @property
-    def free(self) -> int:
-        """Buffers a ``get`` would return now without waiting (made or not yet made)."""
-        with self._cond:
-            self._settle(wait=False)
-            return len(self._free) + self.count - self._made
+    def itemsize(self) -> int: ...
+
+    @property
+    def own_path(self) -> Optional[str]: ...  # params.swp, where there is one
+
+    @property
+    def memory_elems(self) -> int: ...  # the first elements held in memory (all, or a split's host share)
+
+    def resident_tensors(self) -> List[torch.Tensor]: ...  # the memory tensors holding every shard
+
+    def write(self, offset: int, values: torch.Tensor, *, keep: bool = False) -> None: ...
+
+    def read(self, offset: int, numel: int) -> torch.Tensor: ...  # a copy, once its writes landed
+
+    def flush(self, offset: int = 0, numel: Optional[int] = None, *, block: bool = True) -> bool: ...
+
+    # Note [buffers under a copy] in _host_pool.py: host views a copy to the device may still read
+    def keep_until_copied(self, shard: torch.Tensor, event) -> None: ...
+
+    def wait_copies(self) -> None: ...
+
+    # the optimizer step's fresh values: where to put them, and that they are there
+    def step_outputs(self, offset: int, numel: int) -> List[tuple]: ...
+
+    def step_outputs_done(self, offset: int, numel: int, changed: bool = True) -> int: ...
+
+    # memory: what sits idle through the activation peak (Note [released pages] in aio/_memory.py)
+    def release_idle(self) -> None: ...
+
+    # checkpoints, accounting, shutdown (Note [checkpoint layout] in _checkpoint/_format.py)
+    def checkpoint_parts(self) -> List[tuple]: ...
+
+    def own_part(self) -> Optional[tuple]: ...
+
+    def checkpoint_loaded(self) -> None: ...
+
+    def checksums(self) -> dict: ...
+
+    def nbytes(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
+class MemoryParamStore:
+    """Stage 3's shards as flat tensors in device or host memory. Under MASTER (``alias``, the
+    optimizer's fp32 master tensor: Note [parameters from the master] in _placement.py) the
+    trainable units' shards are the master itself and the frozen units' follow in a tensor of
+    their own. The step writes its fresh values in place (``step_outputs`` are views)."""
 
-class ParamStore:
-    """Compute-dtype parameter shards of stage 3 on their tier.
+    host_upto = 0
+    cache_elems = 0
 
-    Note [hand-off]: on the NVMe tier, the shards the optimizer step has just written
-    also stay in host memory, up to HANDOFF_BUFFERS staging buffers' worth, oldest dropped
-    first. The next forward fetches units in the order the step produces them, so most
-    fetches take their shard from there (``take_handoff``: a view) instead of an NVMe read that
-    would compete with the step's own I/O, and without a staging buffer. The step puts its
-    fresh values straight into one tensor per unit (``step_outputs``), whatever its
-    chunking, and writes and keeps each once complete (``step_outputs_done``): so no fetch
-    assembles a unit from two pieces, and a unit is published as soon as it is complete
-    (merging small units would delay the first fetches). A fetch drops the unit it used up
-    (not needed again before the next step); any other write over a range drops what was
-    kept. The unit tensors come back through a Recycler (Note [recycled host memory] in
-    _recycle.py).
-
-    Note [parameter cache]: backward fetches every unit again, in reverse order, and without
-    a cache each is an NVMe read of the shard forward just read. So a fetch also keeps a copy
-    of its shard in host memory (``remember``), whole units first come first kept, up to
-    ``cache_elems`` elements (``zero.offload_param.max_in_cpu``, DeepSpeed's knob and unit:
-    elements; per rank); a fetch takes its shard from there first (``cached``: a view, no
-    read). Entries are never stale: a write over a cached shard (the step's fresh output,
-    a checkpoint load, an edit) updates it in place, under the same lock, before the step
-    publishes the range (the step gate orders every fetch after that), so the next forward
-    is served from it too, and nothing on the disk is read again while the cache covers the
-    model. In-place updates are safe for the same reason as the step's in-place master
-    update: no fetch holds a unit's shard while the step rewrites it. The cache's memory is
-    its own ledger category (``param_cache``), allocated as it fills and never more than
-    the cap.
-    """
-
-    def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, swap: Optional[Swap] = None, aio_cfg=None,
-                 alias: Optional[torch.Tensor] = None, max_unit: int = 0, buffer_size: Optional[int] = None,
-                 buffer_count: Optional[int] = None, slots: Optional[List[tuple]] = None, direct_reads: bool = False,
-                 update_chunk: int = 0, master: Optional[MasterFile] = None, cache_elems: int = 0,
-                 host_upto: int = 0):
+    def __init__(self, tier: Tier, dtype: torch.dtype, total: int, *, alias: Optional[torch.Tensor] = None):
         tier = Tier.of(tier)
-        # Note [parameters from the master] in _placement.py: ``alias`` is the master tensor (MASTER), ``master``
-        # is master.swp shared with the NVMe optimizer store (MASTER_FILE)
-        self.source = ParamSource.MASTER if alias is not None else \
-            ParamSource.MASTER_FILE if master is not None else ParamSource.OWN
-        self.update_chunk = update_chunk  # elements the step updates at a time (its outputs fill per chunk)
-        # reads land in the caller's buffers: the pool stays empty (Note [one memory model] in _memory_plan.py)
-        self.direct_reads = direct_reads
+        if not tier.resident:
+            raise InvariantError(f"MemoryParamStore holds the device or host tier, not {tier}: use NvmeParamStore")
         self.tier, self.dtype, self.total = tier, dtype, total
-        self.flat: Optional[torch.Tensor] = None
-        self.pool: Optional[HostPool] = None
-        self._copying: List[tuple] = []  # (event, host shard) a copy to the device may still read: Note [buffers under a copy]
-        self._lock_copies = threading.Lock()  # the forward gives shards back while the step's thread takes outputs
+        self.source = ParamSource.MASTER if alias is not None else ParamSource.OWN
         self.bytes_read = 0
-        self.cache_elems = cache_elems if tier is Tier.NVME else 0  # Note [parameter cache]: backward's re-reads
-        self.own_from = master.total if master is not None else 0  # below: the master's elements
-        # Note [split tiers] in _split.py: the first ``host_upto`` elements (whole units) in host memory only,
-        # params.swp from there on
-        self.host_upto, self._host = self._host_share(host_upto if tier is Tier.NVME else 0, master)
-        self._own: Optional[OrderedWrites] = None  # params.swp's writes, where it exists
-        self._frozen: Optional[torch.Tensor] = None  # under MASTER in memory: the frozen units' shards
-        if tier is Tier.NVME:
-            self._files = self._swap_files(swap, aio_cfg, master)
-            self.path = self._files[0][1].path
-            size = buffer_size or max_unit
-            if size < max_unit:
-                raise UsageError(f"zero.offload_param.buffer_size={buffer_size} is smaller than the largest fetch "
-                                 f"unit's shard ({max_unit} elements); set it to at least {max_unit} or leave it unset")
-            count = buffer_count or 2
-            if count < 2:
-                raise UsageError(f"zero.offload_param.buffer_count={buffer_count}: at least 2 staging buffers are "
-                                 f"needed (one being gathered, one being read); leave it unset to size it automatically")
-            self.pool = HostPool(max(size, 1), count, dtype, "parameter staging pool", PARAM_STAGING)
-            self._readers = [new_aio(aio_cfg) for _ in range(count)]  # one per buffer: reads complete independently
-            self._all_readers = list(self._readers)  # a reader is out of the list while its read is pending
-            self._handoff: List[tuple] = []  # (offset, tensor) written by the step, oldest first (Note [hand-off])
-            self._handoff_cap = HANDOFF_BUFFERS * nbytes_of(self.pool.numel, dtype)
-            self._lock = threading.Lock()  # the step's thread writes while the forward reads
-            # each trainable unit's slot (Note [frozen parameters] in _layout.py)
-            self._spans = [(a, a + n) for a, n in slots or []]
-            self._span_starts = [a for a, _ in self._spans]
-            self._filling: dict = {}  # span start -> [its output tensor, elements written so far, any changed]
-            self._outputs = Recycler(self._handoff_cap, functools.partial(aligned_empty, what=PARAM_HANDOFF))
-            self._cache: dict = {}  # unit offset -> its shard in host memory
-            self._cached = 0  # elements in _cache
-        elif self.source is ParamSource.MASTER:  # the trainable units' shards; the frozen ones' apart, after them
+        self._under_copy = ShardsUnderCopy()
+        self._frozen: Optional[torch.Tensor] = None  # under MASTER: the frozen units' shards
+        if alias is not None:
             self.flat, self.own_from = alias, alias.numel()
             self._frozen = self._memory(total - self.own_from) if total > self.own_from else None
         else:
-            self.flat = self._memory(total)
-
-    def _host_share(self, host_upto: int, master: Optional[MasterFile]) -> tuple:
-        """(elements, tensor) of the split's host share (Note [split tiers] in _split.py); params.swp follows it."""
-        if not host_upto:
-            return 0, None
-        if master is not None:
-            raise InvariantError("a split parameter tier keeps its shards out of master.swp")
-        self.own_from = host_upto
-        return host_upto, aligned_empty(host_upto, self.dtype, what=PARAM_SHARDS)
+            self.flat, self.own_from = self._memory(total), 0
 
     def _memory(self, numel: int) -> torch.Tensor:
         if self.tier is Tier.CPU:
@@ -213,369 +118,97 @@ class ParamStore:
 
     def _tensor_at(self, offset: int) -> tuple:
         """The memory tensor holding element ``offset``, and its offset there: under MASTER the
-        master tensor, or the frozen units' own after it (Note [parameters from the master] in
-        _placement.py)."""
+        master tensor, or the frozen units' own after it."""
         if self._frozen is not None and offset >= self.own_from:
             return self._frozen, offset - self.own_from
         return self.flat, offset
 
-    def resident_tensors(self) -> List[torch.Tensor]:
-        """The memory tensors that hold the shards (none on NVMe)."""
-        return [t for t in (self.flat, self._frozen) if t is not None]
-
-    def _swap_files(self, swap: Swap, aio_cfg, master: Optional[MasterFile]) -> List[tuple]:
-        """(first element, its ordered writes) of each file the shards are in (Note [write
-        ordering] in _ordered_writes.py): under MASTER_FILE master.swp holds the trainable
-        units (the first ``master.total`` elements: Note [frozen parameters] in _layout.py), the
-        step handing its master values to this tier; params.swp holds the rest, if any (every
-        unit where the store keeps its own; the frozen ones under MASTER_FILE: Note
-        [parameters from the master] in _placement.py)."""
-        files = [] if master is None else [(0, master.writes)]
-        if self.total > self.own_from:
-            nbytes = nbytes_of(self.total - self.own_from, self.dtype)
-            path = checksummed(swap.file("params.swp", nbytes), nbytes,
-                               aio_cfg.checksums)  # Note [swap checksums] in aio/_checksum.py
-            self._own = OrderedWrites(path, nbytes_of(1, self.dtype), aio_cfg, swap.rank)
-            files.append((self.own_from, self._own))
-        return files
-
-    def _file_at(self, offset: int) -> tuple:
-        """The ordered writes of the file holding element ``offset``, and its offset there."""
-        start, writes = self._files[-1] if offset >= self._files[-1][0] else self._files[0]
-        return writes, offset - start
-
-    @property
-    def own_path(self) -> Optional[str]:
-        """params.swp: the shards this store keeps in a file of its own, from element
-        ``own_from`` on; None where there is none (Note [parameters from the master] in _placement.py)."""
-        return None if self._own is None else self._own.path
-
-    @property
-    def resident(self) -> bool:
-        return self.flat is not None
-
-    @property
-    def bytes_written(self) -> int:
-        """Bytes this store wrote to its own file (master.swp's count as the optimizer's:
-        Note [parameters from the master] in _placement.py)."""
-        return 0 if self._own is None else self._own.bytes_written
+    bytes_written = 0
+    own_path = None
 
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def memory_elems(self) -> int:
+        return self.total
+
+    def resident_tensors(self) -> List[torch.Tensor]:
+        return [t for t in (self.flat, self._frozen) if t is not None]
+
     def view(self, offset: int, numel: int) -> torch.Tensor:
         flat, at = self._tensor_at(offset)
         return flat[at : at + numel]
 
-    def host_share(self, offset: int, numel: int) -> Optional[torch.Tensor]:
-        """The shard at ``offset`` as a view of the split's host share (Note [split tiers] in
-        _split.py), or None where it is in params.swp."""
-        if self._host is None or offset + numel > self.host_upto:
-            return None
-        return self._host[offset : offset + numel]
-
     def write(self, offset: int, values: torch.Tensor, *, keep: bool = False) -> None:
-        """Store ``values`` (any float dtype; cast here) at ``offset``; async on NVMe. With
-        ``keep`` (the optimizer step's fresh output, never modified afterwards) the values
-        also stay in memory for the next fetch (Note [hand-off])."""
-        if self.flat is not None:
-            self.view(offset, values.numel()).copy_(values)
-            return
-        if values.dtype != self.dtype:
-            values = values.to(self.dtype)
-        if offset < self.host_upto:  # Note [split tiers] in _split.py: whole units, never on the disk
-            n = min(values.numel(), self.host_upto - offset)
-            self._host[offset : offset + n].copy_(values[:n])
-            if n == values.numel():
-                return
-            offset, values = offset + n, values[n:]
-        end = offset + values.numel()
-        writes, at = self._file_at(offset)
-        writes.write(at, values)  # Note [write ordering] in _ordered_writes.py
-        with self._lock:
-            self._handoff = [(o, t) for o, t in self._handoff if o + t.numel() <= offset or o >= end]
-            cached = self._update_cache(offset, values)
-            if keep and not cached and values.numel() * values.element_size() <= self._handoff_cap:
-                self._handoff.append((offset, values))
-                while sum(t.numel() for _, t in self._handoff) * values.element_size() > self._handoff_cap:
-                    self._handoff.pop(0)
-
-    def _spans_in(self, offset: int, end: int):
-        """The unit spans [a, b) overlapping [offset, end)."""
-        i = bisect.bisect_right(self._span_starts, offset) - 1
-        while i < len(self._spans) and self._spans[i][0] < end:
-            yield self._spans[i]
-            i += 1
-
-    def keep_until_copied(self, shard: torch.Tensor, event) -> None:
-        """A fetch is done with ``shard`` (a view of host memory: a hand-off, the cache, the
-        resident store) but its copy to the device may still read it: the view is kept, so the
-        memory is not recycled, until the copy's event; ``wait_copies`` before rewriting in
-        place (Note [buffers under a copy])."""
-        with self._lock_copies:
-            self._copying = [(e, t) for e, t in self._copying if not e.query()]
-            if not event.query():
-                self._copying.append((event, shard))
-
-    def wait_copies(self) -> None:
-        """Before the step rewrites host shards in place: every copy still reading one has landed."""
-        with self._lock_copies:
-            copying, self._copying = self._copying, []
-        for event, _ in copying:
-            event.synchronize()
-
-    def step_outputs(self, offset: int, numel: int) -> List[tuple]:
-        """(start, view) pieces covering [offset, offset + numel): where the optimizer step
-        puts its fresh values of that range, slices of one output tensor per unit (Note
-        [hand-off]). Report them with ``step_outputs_done`` once written."""
-        with self._lock_copies:  # views whose copies landed let their tensors be recycled
-            self._copying = [(e, t) for e, t in self._copying if not e.query()]
-        out, end = [], offset + numel
-        for a, b in self._spans_in(offset, end):
-            if a not in self._filling:
-                self._filling[a] = [self._outputs.take(b - a, self.dtype), 0, False]
-            lo, hi = max(a, offset), min(b, end)
-            out.append((lo, self._filling[a][0][lo - a : hi - a]))
-        return out
-
-    def step_outputs_done(self, offset: int, numel: int, changed: bool = True) -> int:
-        """The values of [offset, offset + numel) are in their ``step_outputs`` views
-        (``changed``: the step changed some of them): write and keep every unit now complete,
-        unless the step changed none of it, whose shard already holds these values (Note
-        [unchanged ranges are not written] in _swap_pipeline.py). Returns the offset
-        below which every range the step has produced is written (a unit still filling is
-        not, nor anything after it)."""
-        end = upto = offset + numel
-        for a, b in self._spans_in(offset, end):
-            fill = self._filling[a]
-            fill[1] += min(b, end) - max(a, offset)
-            fill[2] = fill[2] or changed
-            if fill[1] == b - a:
-                del self._filling[a]
-                if fill[2]:
-                    self.write(a, fill[0][:], keep=True)  # a view: the write and the kept entry count as users
-                self._outputs.give(fill[0])  # reused once they and every fetch's view let go
-            else:
-                upto = min(upto, a)
-        return upto
-
-    def _update_cache(self, offset: int, values: torch.Tensor) -> bool:
-        """Note [parameter cache]: a write covering a cached shard (the step writes a unit's
-        slot, padding included) updates it; one covering part of it drops it (caller holds
-        the lock). True when the cache holds the unit starting at ``offset``, now updated: the
-        next fetch is served from it, so keeping the write for it too (Note [hand-off]) would
-        hold the same values twice."""
-        end = offset + values.numel()
-        for o in [o for o, t in self._cache.items() if o < end and o + t.numel() > offset]:
-            t = self._cache[o]
-            if offset <= o and o + t.numel() <= end:
-                t.copy_(values[o - offset : o - offset + t.numel()])
-            else:
-                self._cached -= self._cache.pop(o).numel()
-        return offset in self._cache
-
-    def cached(self, offset: int, numel: int) -> Optional[torch.Tensor]:
-        """The shard at ``offset`` from the parameter cache, if it holds it (Note [parameter cache])."""
-        if not self.cache_elems:
-            return None
-        with self._lock:
-            t = self._cache.get(offset)
-        return t if t is not None and t.numel() == numel else None
-
-    def remember(self, offset: int, shard: torch.Tensor) -> None:
-        """Keep a copy of a fetched shard in the parameter cache while it has room (Note
-        [parameter cache]); a full cache keeps what it has."""
-        n = shard.numel()
-        with self._lock:
-            if offset in self._cache or self._cached + n > self.cache_elems:
-                return
-            self._cached += n
-        t = aligned_empty(n, self.dtype, what=PARAM_CACHE, hugepage=n * self.itemsize >= 2 << 20)
-        t.copy_(shard)
-        with self._lock:
-            self._cache[offset] = t
-
-    def release_idle(self) -> None:
-        """The step's returned output tensors give their pages back until it takes them again
-        (Note [released pages] in aio/_memory.py)."""
-        if self.flat is None:
-            self._outputs.release_idle()
-
-    def take_handoff(self, offset: int, numel: int) -> Optional[torch.Tensor]:
-        """[offset, offset + numel) as a view of the step's kept output, if a kept unit
-        tensor holds it all. A fetch of that unit (the range starts where the tensor does)
-        uses it up, so it is dropped (Note [hand-off])."""
-        end = offset + numel
-        with self._lock:
-            for i, (o, t) in enumerate(self._handoff):
-                if o <= offset and end <= o + t.numel():
-                    if o == offset:
-                        del self._handoff[i]
-                    return t[offset - o : end - o]
-        return None
-
-    def flush(self, offset: int = 0, numel: Optional[int] = None, *, block: bool = True) -> bool:
-        """Wait for every write so far (over [offset, offset + numel) only, if given). Without
-        ``block``, False instead of waiting while one is still in flight."""
-        if self.flat is None:
-            return self._writes_landed(offset, self.total - offset if numel is None else numel, block=block)
-        return True
-
-    def checkpoint_parts(self) -> List[tuple]:
-        """(source, elements) that make up the shards for a checkpoint (Note [checkpoint
-        layout] in _checkpoint/_format.py), in order: each memory tensor, or each swap file once
-        every write to it has landed (with frozen units under MASTER the master tensor, then
-        theirs; under MASTER_FILE master.swp, then params.swp: Note [parameters from the
-        master] in _placement.py)."""
-        if self.flat is not None:
-            return [(self.flat, self.own_from or self.total)] + ([(self._frozen, self.total - self.own_from)]
-                                                                  if self._frozen is not None else [])
-        self.flush()
-        bounds = [start for start, _ in self._files[1:]] + [self.total]
-        host = [(self._host, self.host_upto)] if self._host is not None else []  # Note [split tiers] in _split.py
-        return host + [(w.path, stop - start) for (start, w), stop in zip(self._files, bounds)]
-
-    def own_part(self) -> Optional[tuple]:
-        """(destination, first element) of the shards this store keeps itself, which a
-        checkpoint load rewrites; None where the master weights hold them all (Note
-        [parameters from the master] in _placement.py)."""
-        if self.flat is not None:
-            if self.source is ParamSource.MASTER:
-                return None if self._frozen is None else (self._frozen, self.own_from)
-            return self.flat, 0
-        if self._own is None and self._host is None:
-            return None
-        self.flush()
-        if self._host is not None:  # the split's host share, then params.swp (Note [split tiers] in _split.py)
-            rest = [(self._own.path, self.total - self.host_upto)] if self._own is not None else []
-            return [(self._host, self.host_upto)] + rest, 0
-        return self._own.path, self.own_from
-
-    def checkpoint_loaded(self) -> None:
-        """A checkpoint rewrote the shards: what the step handed off is stale (Note [hand-off]),
-        and so are the units a failed step left filling (Note [failed step] in _step_gate.py)."""
-        if self.flat is None:
-            with self._lock:
-                self._handoff = []
-                self._cache, self._cached = {}, 0
-            filling, self._filling = self._filling, {}
-            for fill in filling.values():
-                self._outputs.give(fill[0])
-
-    def _writes_landed(self, offset: int, numel: int, *, block: bool) -> bool:
-        end = offset + numel  # Note [write ordering] in _ordered_writes.py
-        for i, (start, writes) in enumerate(self._files):
-            stop = self._files[i + 1][0] if i + 1 < len(self._files) else self.total
-            lo, hi = max(offset, start), min(end, stop)
-            if lo < hi and not writes.landed(lo - start, hi - lo, block=block):
-                return False
-        return True
-
-    def start_read(self, offset: int, numel: int, *, block: bool = True, into: Optional[torch.Tensor] = None):
-        """Submit NVMe -> a pool buffer (or ``into``, aligned host memory of the caller's);
-        None when ``block`` is off and the range's writes are still landing or no buffer is
-        free. ``finish_read`` returns the buffer; the caller gives a pool buffer back with
-        ``pool.put``."""
-        if not self._writes_landed(offset, numel, block=block):
-            return None
-        buf = self.pool.get(numel, block=block) if into is None else into
-        if buf is None:
-            return None
-        reader = self._readers.pop()
-        writes, at = self._file_at(offset)
-        reader.pread(buf[:numel], writes.path, at * self.itemsize)
-        self.bytes_read += numel * self.itemsize
-        return buf, reader, into is None
+        """Store ``values`` (any float dtype; cast by the copy) at ``offset``."""
+        self.view(offset, values.numel()).copy_(values)
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
-        """A copy of [offset, offset + numel), once every write to it has landed."""
-        if self.flat is not None:
-            return self.view(offset, numel).clone()
-        host = self.host_share(offset, numel)
-        if host is not None:
-            return host.clone()
-        pending = self.start_read(offset, numel)
-        buf = self.finish_read(pending, f"reading back parameter shards at element {offset}")
-        out = buf[:numel].clone()
-        if pending[2]:
-            self.pool.put(buf)
-        return out
+        return self.view(offset, numel).clone()
 
-    @staticmethod
-    def read_done(pending) -> bool:
-        """The read has landed (``finish_read`` will not block)."""
-        return pending[1].in_flight() == 0
+    def flush(self, offset: int = 0, numel: Optional[int] = None, *, block: bool = True) -> bool:
+        return True  # nothing in flight
 
-    def finish_read(self, pending, what: str = "") -> torch.Tensor:
-        buf, reader, pooled = pending
-        try:
-            wait_io(reader, what or "a parameter shard read")
-        except Exception:
-            if pooled:
-                self.pool.put(buf)
-            raise
-        finally:
-            self._readers.append(reader)
-        return buf
+    def keep_until_copied(self, shard: torch.Tensor, event) -> None:
+        """A fetch is done with ``shard`` (a view of this store) but its copy to the device may
+        still read it: ``wait_copies`` before the step rewrites it in place (Note [buffers
+        under a copy] in _host_pool.py)."""
+        self._under_copy.keep(shard, event)
 
-    def nbytes(self) -> dict:
-        pool = self.pool or HostPool(0, 0, self.dtype, "")
-        return totals(self.plan(self.tier, self.total, self.itemsize, pool.numel, 0 if self.direct_reads else pool.count,
-                                self.update_chunk, self.source,
-                                cache=self.cache_elems, frozen=self.total - self.own_from,
-                                host_upto=self.host_upto))
+    def wait_copies(self) -> None:
+        self._under_copy.wait()
 
-    def close(self) -> None:
-        """Close the I/O handles (Note [closing handles] in aio/_handle.py)."""
-        if self.tier is Tier.NVME:
-            for _, writes in self._files:
-                writes.close()
-            close_handles(self._all_readers)
-            # Note [closed engines] in _engine.py: the cache, hand-off and staging memory goes now
-            self._cache, self._cached = {}, 0
-            self._host = None
-            self._handoff = []
-            self._filling = {}
-            self._outputs.clear()
-            self.pool.clear()
+    def step_outputs(self, offset: int, numel: int) -> List[tuple]:
+        """The step writes [offset, offset + numel) in place."""
+        return [(offset, self.view(offset, numel))]
+
+    def step_outputs_done(self, offset: int, numel: int, changed: bool = True) -> int:
+        return offset + numel  # written where it lives: nothing still filling
+
+    def release_idle(self) -> None:
+        pass  # the shards are the state itself
+
+    def checkpoint_parts(self) -> List[tuple]:
+        """(tensor, elements) in order: the flat tensor (under MASTER the master tensor, then
+        the frozen units' own)."""
+        frozen = [(self._frozen, self.total - self.own_from)] if self._frozen is not None else []
+        return [(self.flat, self.own_from or self.total)] + frozen
+
+    def own_part(self) -> Optional[tuple]:
+        """(destination, first element) of the shards this store keeps itself; None where the
+        master tensor holds them all."""
+        if self.source is ParamSource.MASTER:
+            return None if self._frozen is None else (self._frozen, self.own_from)
+        return self.flat, 0
+
+    def checkpoint_loaded(self) -> None:
+        pass  # nothing derived from the shards is kept
 
     def checksums(self) -> dict:
-        """The block sums of the swap file by its name (Note [swap checksums] in aio/_checksum.py)."""
-        sums = sums_of(self.own_path) if self.own_path else None  # master.swp's sums are the optimizer's
-        return {"params": sums} if sums else {}
+        return {}
+
+    def nbytes(self) -> dict:
+        return totals(self.plan(self.tier, self.total, self.itemsize, self.source, frozen=self.total - self.own_from))
+
+    def close(self) -> None:
+        pass
 
     @staticmethod
-    def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0,
-             source: ParamSource = ParamSource.OWN, cache: int = 0, frozen: int = 0, host_upto: int = 0) -> dict:
-        """Bytes for a plan (Note [one memory model] in _memory_plan.py): the shards on their tier;
-        on NVMe also the staging pool, and the step's output tensors (``handoff_bound``).
-        ``source`` MASTER_FILE: the trainable shards are the optimizer's master.swp, and only
-        the ``frozen`` elements after them have a file of their own; MASTER: they are the
-        master tensor, and only the ``frozen`` elements are this store's, on the master's
-        ``tier`` (Note [parameters from the master] in _placement.py); ``cache``: elements of the parameter cache (Note
-        [parameter cache]); ``host_upto``: the split's host share, shards in host memory with
-        no file behind them (Note [split tiers] in _split.py)."""
-        own = total * itemsize
-        if source is ParamSource.MASTER:  # the master's bytes are the optimizer's; the frozen units' are here
-            return {tier.memory: {PARAM_SHARDS: frozen * itemsize}}
-        if tier is Tier.NVME:
-            files = frozen * itemsize if source is ParamSource.MASTER_FILE else own - host_upto * itemsize
-            return {"nvme": {PARAM_FILES: files}, "host": {PARAM_SHARDS: host_upto * itemsize,
-                                                           PARAM_CACHE: min(cache, total - host_upto) * itemsize,
-                                                           PARAM_STAGING: buffer_count * buffer_numel * itemsize,
-                                                           PARAM_HANDOFF: handoff_bound(total, buffer_numel, chunk) * itemsize}}
-        return {tier.memory: {PARAM_SHARDS: own}}
+    def plan(tier: Tier, total: int, itemsize: int, source: ParamSource = ParamSource.OWN, frozen: int = 0) -> dict:
+        """Bytes for a plan (Note [one memory model] in _memory_plan.py): the shards on their
+        tier; under MASTER only the ``frozen`` elements are this store's, on the master's
+        ``tier`` (the master's bytes are the optimizer's)."""
+        own = frozen if source is ParamSource.MASTER else total
+        return {tier.memory: {PARAM_SHARDS: own * itemsize}}
 
 
-def handoff_bound(total: int, buffer_numel: int, chunk: int) -> int:
-    """Elements of the step's output tensors alive at once (Note [hand-off]): those the
-    recycler holds, kept ones among them (HANDOFF_BUFFERS buffers' worth), those written and
-    not yet collected (WRITE_HANDLES units: ``OrderedWrites._reap``), those filling (the units of one
-    update chunk, and one unit at each end), and as many again as a forward may still read
-    after taking them. A cap, not a typical figure: a model whose units are all small holds
-    about its whole parameter space of them (``total``), a large one less."""
-    slot = round_up(buffer_numel, ALIGN_ELEMS)  # an output tensor spans a unit's slot, padding included
-    return (2 * HANDOFF_BUFFERS + WRITE_HANDLES + 2) * slot + chunk
-
-
+def plan(tier: Tier, total: int, itemsize: int, buffer_numel: int, buffer_count: int, chunk: int = 0,
+         source: ParamSource = ParamSource.OWN, cache: int = 0, frozen: int = 0, host_upto: int = 0) -> dict:
+    """The bytes of the store that will hold ``total`` shard elements on ``tier`` (under MASTER,
+    the master's tier): ``NvmeParamStore.plan`` or ``MemoryParamStore.plan``."""
+    if tier is Tier.NVME and source is not ParamSource.MASTER:
+        return NvmeParamStore.plan(total, itemsize, buffer_numel, buffer_count, chunk, source, cache=cache,
+                                   frozen=frozen, host_upto=host_upto)
+    return MemoryParamStore.plan(tier, total, itemsize, source, frozen)

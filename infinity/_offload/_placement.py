@@ -53,7 +53,7 @@ class Placement:
     gate has published its range, and an NVMe parameter tier would only write 4 bytes per
     parameter per step that nobody needs. MASTER_FILE: with both on NVMe the parameter store reads and
     writes the trainable units' shards in ``master.swp``: the step hands its fresh master
-    values to the parameter store (Note [hand-off] in _param_store.py), which writes them, so
+    values to the parameter store (Note [hand-off] in _nvme_param_store.py), which writes them, so
     the optimizer store writes only the moments, and Note [write ordering] in
     _ordered_writes.py orders a fetch's read after the master write of its range exactly as
     it did for ``params.swp``. Frozen units have no master weights: under MASTER_FILE their
@@ -77,7 +77,7 @@ class Placement:
     overlap: bool  # Note [overlapped step] in _zero_optimizer.py
     grads_in_memory: bool  # Note [gradients in host memory] in _nvme_optimizer_store.py
     param_source: ParamSource  # where the parameter shards are kept (Note [parameters from the master])
-    param_cache_elems: int  # Note [parameter cache] in _param_store.py
+    param_cache_elems: int  # Note [parameter cache] in _nvme_param_store.py
     gathered_reuse_bytes: int  # recycled gathered buffers (Note [recycled host memory] in _recycle.py)
     direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
     opt_host_upto: int = 0  # an NVMe optimizer tier's host share: Note [split tiers] in _split.py
@@ -186,7 +186,7 @@ PARAM_CACHE_SHARE = 8  # the automatic parameter cache takes at most 1/8 of the 
 def param_cache_elems(choice, total: int, itemsize: int, available: Optional[int] = None,
                       ranks: Optional[int] = None) -> int:
     """Elements of the parameter cache (``zero.offload_param.max_in_cpu``; Note [parameter
-    cache] in _param_store.py): the cap given, or automatically what fits in an eighth of the
+    cache] in _nvme_param_store.py): the cap given, or automatically what fits in an eighth of the
     host memory available (now, unless given) shared by the ranks on the node (this node's,
     unless given); never more than the shards."""
     if choice is None:

@@ -18,12 +18,12 @@ from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from ..errors import InsufficientResourcesError
+from . import _param_store
 from ._drives import drive_paths, local_rank, node_bytes_per_drive, rank_drives
 from ._layout import Layout, ParamSource
 from ._memory_plan import GATHERED, OPT_FILES, PARAM_FILES, MemoryPlan, merge
 from ._nvme_optimizer_store import NvmeOptimizerStore
 from ._optimizer_store import MemoryOptimizerStore, chunk_elems, head_elems
-from ._param_store import ParamStore
 from ._swap import reclaim_stale, stale_elsewhere
 
 
@@ -87,9 +87,9 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
     else:
         plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
     if param_tier is not None:  # under MASTER the frozen units' shards only: Note [parameters from the master] in _placement.py
-        plans.append(ParamStore.plan(opt_tier if param_source is ParamSource.MASTER else param_tier, param_total,
+        plans.append(_param_store.plan(opt_tier if param_source is ParamSource.MASTER else param_tier, param_total,
                                      itemsize, staging_numel, staging_count, chunk, param_source,
-                                     cache=param_cache,  # Note [parameter cache] in _param_store.py
+                                     cache=param_cache,  # Note [parameter cache] in _nvme_param_store.py
                                      frozen=param_total - opt_total, host_upto=param_host_upto))
         plans.append({"device": {GATHERED: gathered_bytes}})
     return merge(*plans)

@@ -1,7 +1,7 @@
 """Host tensors handed back after use and handed out again, instead of fresh allocations.
 
 Note [recycled host memory]: on a CPU-only run the engine allocates the same sizes over and
-over: each step's fresh parameter shards (Note [hand-off] in _param_store.py) and the gathered
+over: each step's fresh parameter shards (Note [hand-off] in _nvme_param_store.py) and the gathered
 parameters of every fetch. A fresh allocation of that size is a new mapping, so each use
 pays a page fault per page and an unmap on free; that cost on the critical path was larger
 than the copies into the memory. A ``Recycler`` keeps a bounded number of returned tensors

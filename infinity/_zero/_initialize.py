@@ -33,9 +33,10 @@ from .._offload._memory_plan import (
     use_block_cache,
 )
 from .._offload._nvme_optimizer_store import NvmeOptimizerStore
+from .._offload._nvme_param_store import NvmeParamStore
 from .._offload._optimizer_store import MemoryOptimizerStore, OptimizerStore, chunk_elems
 from .._offload._ordered_writes import MasterFile
-from .._offload._param_store import ParamStore
+from .._offload._param_store import MemoryParamStore, ParamStore
 from .._offload._placement import PARAM_CACHE_SHARE, Placement
 from .._offload._preflight import preflight, staging_buffers
 from .._offload._swap import SwapDirs
@@ -254,7 +255,7 @@ def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store: Opti
     z = cfg.zero
     source = placement.param_source  # Note [parameters from the master] in _placement.py
     master_tensor = source is ParamSource.MASTER
-    if placement.param_tier is Tier.NVME and not master_tensor:  # Note [parameter cache] in _param_store.py
+    if placement.param_tier is Tier.NVME and not master_tensor:  # Note [parameter cache] in _nvme_param_store.py
         cache, total = placement.param_cache_elems, placement.layout.param_total
         logger.info("parameter cache: %d of %d shard elements (%.0f MiB, %s) stay in host memory for backward's "
                     "re-reads", cache, total, cache * placement.itemsize / 2**20,
@@ -263,15 +264,16 @@ def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store: Opti
     if placement.param_tier is Tier.NVME and source.from_master:
         logger.info("fp32 parameters on NVMe are read from the master weights (%s): no params.swp, no parameter "
                     "writes in the step", "host memory" if master_tensor else "master.swp")
-    tier = placement.opt_tier if master_tensor else placement.param_tier
-    return ParamStore(tier, placement.dtype, placement.layout.param_total,
-                      swap=swap_dirs.under(z.offload_param.nvme_path) if tier is Tier.NVME else None,
-                      aio_cfg=cfg.aio, alias=opt_store.master_view() if master_tensor else None, master=master,
-                      cache_elems=placement.param_cache_elems, host_upto=placement.param_host_upto,
-                      max_unit=placement.layout.max_shard, direct_reads=placement.direct_reads,
-                      update_chunk=chunk_elems(z.offload_optimizer.chunk_size, placement.layout.opt_total),
-                      buffer_size=z.offload_param.buffer_size, buffer_count=staging_buffers(z),
-                      slots=placement.layout.param_slots())
+    if master_tensor or placement.param_tier.resident:  # Note [parameter store protocol] in _param_store.py
+        return MemoryParamStore(placement.opt_tier if master_tensor else placement.param_tier, placement.dtype,
+                                placement.layout.param_total, alias=opt_store.master_view() if master_tensor else None)
+    return NvmeParamStore(placement.dtype, placement.layout.param_total, swap=swap_dirs.under(z.offload_param.nvme_path),
+                          aio_cfg=cfg.aio, master=master, cache_elems=placement.param_cache_elems,
+                          host_upto=placement.param_host_upto, max_unit=placement.layout.max_shard,
+                          direct_reads=placement.direct_reads,
+                          update_chunk=chunk_elems(z.offload_optimizer.chunk_size, placement.layout.opt_total),
+                          buffer_size=z.offload_param.buffer_size, buffer_count=staging_buffers(z),
+                          slots=placement.layout.param_slots())
 
 
 def _loss_scaler(p) -> LossScaler:

@@ -35,7 +35,7 @@ class ParameterEdits:
         if unit.trainable:
             self.opt_store.load_master(unit.opt_offset, unit.shard_of(full, torch.float32))
         # MASTER_FILE too: the parameter store's cache and hand-off take the new values (Note [parameter cache] in
-        # _param_store.py); only a trainable unit's shard in the master tensor itself has nothing to write
+        # _nvme_param_store.py); only a trainable unit's shard in the master tensor itself has nothing to write
         master = self.placement.param_source is ParamSource.MASTER
         if self.policy.partition_params and not (unit.trainable and master):
             self.param_store.write(unit.param_offset, unit.shard_of(full, self.dtype))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from .._offload._nvme_param_store import NvmeParamStore
 from ..errors import InvariantError
 
 if TYPE_CHECKING:
@@ -18,8 +19,8 @@ class Source(enum.Enum):
     """Where a staged shard's bytes come from: the kind of a ``Staging``."""
 
     RESIDENT = "resident"  # the parameter store's own tensor (device or cpu tier): nothing to read
-    CACHED = "cached"  # the parameter cache's copy (Note [parameter cache] in _param_store.py)
-    HANDED_OFF = "handed_off"  # the shard the step handed off (Note [hand-off] in _param_store.py)
+    CACHED = "cached"  # the parameter cache's copy (Note [parameter cache] in _nvme_param_store.py)
+    HANDED_OFF = "handed_off"  # the shard the step handed off (Note [hand-off] in _nvme_param_store.py)
     POOL_READ = "pool_read"  # NVMe: read into a buffer of the store's staging pool, given back after the copy
     DIRECT_READ = "direct_read"  # NVMe, one rank, no accelerator: read straight into a recycled gathered buffer
 
@@ -147,19 +148,21 @@ class Staging:
         if self.in_flight or self.device is not None:
             raise InvariantError("give_back_unused: a staging whose read is in flight or whose copy started")
         if self.kind is Source.POOL_READ:
-            if store.pool is None or self.host is None:
-                raise InvariantError("give_back_unused: a POOL_READ staging without its buffer, or a store without a pool")
-            store.pool.put(self.host)
+            self._to_pool(store)
+
+    def _to_pool(self, store: "ParamStore", after=None) -> None:
+        """A POOL_READ's buffer goes back to the NVMe store's staging pool (``after``: the copy's event)."""
+        if not isinstance(store, NvmeParamStore) or self.host is None:
+            raise InvariantError(f"a POOL_READ staging without its buffer, or a {type(store).__name__} (no pool)")
+        store.pool.put(self.host, after=after)
 
     def give_back(self, store: "ParamStore") -> None:
         """The device shard was consumed (gathered, or abandoned): its host source goes back
         with the copy's event, reused only once the copy has landed (Note [buffers under a
-        copy] in _param_store.py); no CPU wait here. A pool buffer returns to the store's
+        copy] in _offload/_host_pool.py); no CPU wait here. A pool buffer returns to the store's
         pool; any other host tensor a copy read is kept alive until the copy is done."""
         on = self._on("give_back")
         if self.kind is Source.POOL_READ:
-            if store.pool is None or self.host is None:
-                raise InvariantError("give_back: a POOL_READ staging without its buffer, or a store without a pool")
-            store.pool.put(self.host, after=on.h2d)
+            self._to_pool(store, after=on.h2d)
         elif on.source is not None:  # copied
             store.keep_until_copied(on.source, on.h2d)

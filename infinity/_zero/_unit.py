@@ -410,7 +410,7 @@ class FetchUnit:
         if self.trainable and not self.ctx.step_gate.wait(self.opt_offset + self.shard_numel, block=block,
                                                           what=self._what()):
             return False  # a frozen unit's shard is never rewritten
-        staging = Staging.resident() if self.store.resident else self._stage_from_nvme(block)
+        staging = Staging.resident() if self.store.tier.resident else self._stage_from_nvme(block)
         if staging is None:
             return False
         self._staging = staging
@@ -425,11 +425,11 @@ class FetchUnit:
         if host is not None:
             self.ctx.counters.bytes["param_host"] += nbytes
             return Staging.cached(host)
-        cached = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache] in _param_store.py
+        cached = self.store.cached(self.param_offset, self.shard_numel)  # Note [parameter cache] in _nvme_param_store.py
         if cached is not None:
             self.ctx.counters.bytes["param_cache"] += nbytes
             return Staging.cached(cached)
-        handoff = self.store.take_handoff(self.param_offset, self.shard_numel)  # Note [hand-off] in _param_store.py
+        handoff = self.store.take_handoff(self.param_offset, self.shard_numel)  # Note [hand-off] in _nvme_param_store.py
         if handoff is not None:
             self.ctx.counters.bytes["param_handoff"] += nbytes
             return Staging.handed_off(handoff)
@@ -469,7 +469,7 @@ class FetchUnit:
         if src is None:
             src = self.shard()
         if staging.to_cache:
-            self.store.remember(self.param_offset, src)  # Note [parameter cache] in _param_store.py
+            self.store.remember(self.param_offset, src)  # Note [parameter cache] in _nvme_param_store.py
         with span("infinity::copy_to_device"):
             staging = staging.on_device(*acc.start_copy_to_device(src), src)
         if staging.device.copied:

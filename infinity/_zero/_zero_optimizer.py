@@ -451,13 +451,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         chunk.changed = [(lo, hi) for lo, hi, _ in runs_in(plan, chunk.offset, end)]  # Note [unchanged ranges are
         # not written] in _swap_pipeline.py
         upto = chunk.offset + n
-        if ps is not None and not ps.resident:  # NVMe: write (async) and hand off what is complete
+        if ps is not None:  # on NVMe, each unit complete is written (async) and handed off (Note [hand-off] in
+            # _nvme_param_store.py)
             upto = self._outputs_done(chunk.offset, end, chunk.changed)
         if chunk.grad_read is not None:  # before the next backward may add to it
             chunk.grad_read()  # Note [one gradient buffer] in _optimizer_store.py
         self.ops.counters.note_update(time.perf_counter() - began, n, _threads_of(plan, self._adam is not None),
                                       threading.current_thread() is not threading.main_thread())
-        if publish:  # its parameter writes may still be in flight: ParamStore.start_read waits for them
+        if publish:  # its parameter writes may still be in flight: NvmeParamStore.start_read waits for them
             self.gate.publish(upto)
 
     def _stage3_params(self) -> "ParamStore":
@@ -492,10 +493,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return []
         out = []
         for a, b, p in self.layout.param_pieces(offset, offset + n):  # Note [frozen parameters] in _layout.py
-            if ps.resident:
-                out.append((a, ps.view(p, b - a)))
-            else:
-                out += [(a + (start - p), view) for start, view in ps.step_outputs(p, b - a)]
+            out += [(a + (start - p), view) for start, view in ps.step_outputs(p, b - a)]
         return out
 
     def _finish_step(self) -> None:

@@ -130,9 +130,9 @@ def test_backward_overlaps_the_running_step(tmp_path, monkeypatch, handoff, opti
     the hand-off every fetch reads shards the step published before their writes landed.
     With the optimizer states in host memory the step overlaps too (its parameter writes)."""
     if not handoff:
-        import infinity._offload._param_store as stores
+        import infinity._offload._nvme_param_store as stores
 
-        monkeypatch.setattr(stores.ParamStore, "take_handoff", lambda self, offset, numel: None)
+        monkeypatch.setattr(stores.NvmeParamStore, "take_handoff", lambda self, offset, numel: None)
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
     got = _train_tail_heavy(_config(3, "nvme", optim, str(tmp_path), gradient_accumulation_steps=2), monkeypatch)
     assert any(got[2]), "no gradient arrived while the previous step was running: the test lost its point"
@@ -170,7 +170,8 @@ def test_injected_io_failure_raises(tmp_path, dtype, swap_file):
     from infinity.aio import AioError
 
     cfg = _config(3, "nvme", "nvme", str(tmp_path), dtype)
-    cfg["zero"]["offload_param"]["max_in_cpu"] = 0  # every fetch reads the file (no Note [parameter cache] in _param_store.py)
+    # every fetch reads the file (Note [parameter cache] in _nvme_param_store.py)
+    cfg["zero"]["offload_param"]["max_in_cpu"] = 0
     model, opt = infinity.initialize(build("stack"), cfg)
     x = torch.randn(4, 32, dtype=opt.engine.dtype)
     loss = model(x)
@@ -222,11 +223,11 @@ def test_io_wait_timeout_names_the_shard_and_rank(tmp_path, monkeypatch):
 
 def test_fresh_shards_are_handed_off_to_the_next_forward(tmp_path):
     """The shards the overlapped step just wrote serve the next forward from memory (Note
-    [hand-off] in _param_store.py); what is fetched is still exactly the updated values."""
+    [hand-off] in _nvme_param_store.py); what is fetched is still exactly the updated values."""
     ref = _train_tail_heavy(_config(3, "none", "none", str(tmp_path), gradient_accumulation_steps=2))
     cfg = _config(3, "nvme", "nvme", str(tmp_path), gradient_accumulation_steps=2)
     cfg["zero"]["offload_optimizer"]["chunk_size"] = 2048  # several chunks per unit
-    # else the parameter cache serves first (Note [parameter cache] in _param_store.py)
+    # else the parameter cache serves first (Note [parameter cache] in _nvme_param_store.py)
     cfg["zero"]["offload_param"]["max_in_cpu"] = 0
     torch.manual_seed(0)
     model, opt = infinity.initialize(_TailHeavy(), cfg)
@@ -250,13 +251,14 @@ def test_param_reads_wait_for_their_own_writes(tmp_path):
     """Note [write ordering] in _ordered_writes.py: writes rotate over several handles; a read right after the
     writes returns exactly what was written, whichever handle carried it, and a prefetch
     (non-blocking) read of a range still being written is refused instead of reading it."""
-    from infinity._offload._param_store import WRITE_HANDLES, ParamStore
+    from infinity._offload._nvme_param_store import NvmeParamStore
+    from infinity._offload._ordered_writes import WRITE_HANDLES
     from infinity._offload._swap import SwapDir
 
     n, count = 1 << 16, 3 * WRITE_HANDLES
     swap = SwapDir(str(tmp_path), 0)  # the directory lives as long as this object
-    store = ParamStore("nvme", torch.float32, n * count, swap=swap,
-                       aio_cfg=infinity.Config().aio, max_unit=n, buffer_count=2)
+    store = NvmeParamStore(torch.float32, n * count, swap=swap,
+                           aio_cfg=infinity.Config().aio, max_unit=n, buffer_count=2)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         values = [torch.randn(n, generator=g) for _ in range(count)]

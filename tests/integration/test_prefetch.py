@@ -19,7 +19,7 @@ from _models import Stack, build, train_losses
 from torch import nn
 
 import infinity
-import infinity._offload._param_store as stores
+import infinity._offload._nvme_param_store as stores
 from infinity.testing import run_ranks
 
 STEPS = 4
@@ -271,7 +271,7 @@ def _tied_fetches(tmp_path, prefetch, max_live=None):
 
     def counting(unit, **kw):
         ok = real(unit, **kw)
-        if ok and not unit.store.resident:
+        if ok and not unit.store.tier.resident:
             fetched.append(unit.module_name)
         return ok
 
@@ -328,13 +328,13 @@ def test_tied_embedding_kept_until_its_last_use(tmp_path):
 
 def test_slow_nvme_reads_same_result(tmp_path, monkeypatch):
     fast = _train_deep(_config(3, "nvme", "nvme", str(tmp_path), persist=0))
-    real = stores.ParamStore.finish_read
+    real = stores.NvmeParamStore.finish_read
 
     def slow_finish_read(self, pending, **kwargs):
         time.sleep(0.02)
         return real(self, pending, **kwargs)
 
-    monkeypatch.setattr(stores.ParamStore, "finish_read", slow_finish_read)
+    monkeypatch.setattr(stores.NvmeParamStore, "finish_read", slow_finish_read)
     losses, tels, _, _ = _train_deep(_config(3, "nvme", "nvme", str(tmp_path), persist=0))
     assert losses == fast[0]
     assert all(t["stall_s"]["nvme_read"] > 0.02 for t in tels)

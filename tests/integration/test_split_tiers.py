@@ -46,7 +46,7 @@ def _train(cfg, kind="gpt2"):
     out = {"losses": losses, "params": params,
            "opt_written": getattr(store, "bytes_written", 0), "opt_read": getattr(store, "bytes_read", 0),
            "opt_total": store.total, "opt_host": store.memory_elems,
-           "param_host": getattr(opt.param_store, "host_upto", 0)}
+           "param_host": opt.param_store.host_upto if opt.param_store is not None else 0}
     opt.engine.close()
     return out
 

@@ -113,9 +113,9 @@ def _slow_copies(direction: str, seconds: float):
 
 def test_a_staging_buffer_under_a_copy_is_not_handed_out_again(device):
     """Finding 6: a staging buffer given back while its copy to the device may still read it is
-    reused only after the copy's event (Note [buffers under a copy] in _param_store.py); the CPU waits only when
+    reused only after the copy's event (Note [buffers under a copy] in _host_pool.py); the CPU waits only when
     no other buffer is free, and the copy delivers the values it was given."""
-    from infinity._offload._param_store import HostPool
+    from infinity._offload._host_pool import HostPool
 
     with _slow_copies("h2d", 0.3):
         pool = HostPool(4096, 2, torch.float32, "test pool")
@@ -138,14 +138,14 @@ def test_a_handed_off_shard_under_a_copy_is_not_recycled(device, tmp_path):
     store until its copy's event, so the recycler cannot give its memory to the next step's
     outputs while the copy reads it; ``wait_copies`` holds the step until every copy landed."""
     import infinity
-    from infinity._offload._param_store import ParamStore
+    from infinity._offload._nvme_param_store import NvmeParamStore
     from infinity._offload._swap import SwapDir
 
     with _slow_copies("h2d", 0.3):
         n = 4096
         swap = SwapDir(str(tmp_path), 0)  # the directory lives as long as this object
-        store = ParamStore("nvme", torch.float32, 2 * n, swap=swap,
-                           aio_cfg=infinity.Config().aio, max_unit=n, buffer_count=2, slots=[(0, n), (n, n)])
+        store = NvmeParamStore(torch.float32, 2 * n, swap=swap,
+                               aio_cfg=infinity.Config().aio, max_unit=n, buffer_count=2, slots=[(0, n), (n, n)])
         [(_, out)] = store.step_outputs(0, n)
         out.fill_(3.0)
         store.step_outputs_done(0, n)  # written, kept for hand-off, given back to the recycler

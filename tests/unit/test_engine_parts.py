@@ -12,7 +12,8 @@ from torch.autograd.graph import register_multi_grad_hook
 
 import infinity
 from infinity._offload._layout import ALIGN_ELEMS, Layout, ParamSource
-from infinity._offload._param_store import ParamStore
+from infinity._offload._nvme_param_store import NvmeParamStore
+from infinity._offload._param_store import MemoryParamStore
 from infinity._offload._swap import SwapDir
 from infinity._runtime._telemetry_counters import Counters
 from infinity._runtime._tiers import Tier
@@ -54,9 +55,12 @@ class Parts:
         specs, uses = plan_units(model, 1, persistence_threshold=persistence)
         self.layout = Layout.assign(specs, ALIGN_ELEMS if tier is Tier.NVME else 1)
         self.swap = swap = SwapDir(str(tmp_path), 0) if tier is Tier.NVME else None  # removed when collected
-        self.store = ParamStore(tier, torch.float32, self.layout.param_total, swap=swap,
-                                aio_cfg=infinity.Config.from_dict({}).aio, max_unit=self.layout.max_shard,
-                                buffer_count=5, slots=self.layout.param_slots())
+        if tier is Tier.NVME:
+            self.store = NvmeParamStore(torch.float32, self.layout.param_total, swap=swap,
+                                        aio_cfg=infinity.Config.from_dict({}).aio, max_unit=self.layout.max_shard,
+                                        buffer_count=5, slots=self.layout.param_slots())
+        else:
+            self.store = MemoryParamStore(tier, torch.float32, self.layout.param_total)
         pcfg = infinity.Config.from_dict({"zero": {"prefetch": {"max_live_parameters": max_live, **(prefetch or {})}}})
         self.prefetcher = Prefetcher(pcfg.zero.prefetch, partition_params=True, calls=self.calls, ledger=self.ledger,
                                      counters=self.counters)

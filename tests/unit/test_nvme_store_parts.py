@@ -16,12 +16,11 @@ from infinity._offload._grad_shards import GradShards, GradStats
 from infinity._offload._head_cache import HeadCache, HeadState
 from infinity._offload._moment_staging import MomentStaging
 from infinity._offload._nvme_optimizer_store import NvmeOptimizerStore
+from infinity._offload._nvme_param_store import NvmeParamStore
 from infinity._offload._optimizer_files import OptimizerFiles
 from infinity._offload._ordered_writes import MasterFile
-from infinity._offload._param_store import ParamStore
 from infinity._offload._swap import SwapDir, new_aio
 from infinity._offload._swap_pipeline import SwapPipeline, TailState
-from infinity._runtime._tiers import Tier
 from infinity.errors import InvariantError
 
 CHUNK = 4096
@@ -237,7 +236,7 @@ def test_both_stores_share_one_master_file_built_before_them(swap):
     ranges = [(0, TOTAL)]
     master = MasterFile(swap, TOTAL, AIO)
     opt = NvmeOptimizerStore(TOTAL, ranges, swap, AIO, CHUNK, accumulation_steps=1, host_cache=0, master=master)
-    params = ParamStore(Tier.NVME, torch.float32, TOTAL, swap=swap, aio_cfg=AIO, max_unit=TOTAL, master=master)
+    params = NvmeParamStore(torch.float32, TOTAL, swap=swap, aio_cfg=AIO, max_unit=TOTAL, master=master)
     assert params.path == opt.paths["master"] == master.path
     values = torch.randn(TOTAL)
     params.write(0, values)  # the step's hand-off, written by the parameter store

@@ -85,12 +85,12 @@ def test_the_parameter_store_reads_what_was_last_written_over_it(tmp_path):
     """Note [write ordering] in _ordered_writes.py (ParamStore on NVMe, no engine): writes rotate over several handles
     and land in any order, yet a read of a range waits for every write overlapping it, so it
     always returns the newest values; each byte written and read is counted once."""
-    from infinity._offload._param_store import ParamStore
+    from infinity._offload._nvme_param_store import NvmeParamStore
 
     total, unit = 8 * 1024, 1024
     swap = SwapDir(str(tmp_path), 0)  # the directory lives as long as this object
-    store = ParamStore(Tier.NVME, torch.float32, total, swap=swap,
-                       aio_cfg=infinity.Config.from_dict({}).aio, max_unit=2 * unit, buffer_count=3)
+    store = NvmeParamStore(torch.float32, total, swap=swap,
+                           aio_cfg=infinity.Config.from_dict({}).aio, max_unit=2 * unit, buffer_count=3)
     g = torch.Generator().manual_seed(0)
     truth = torch.zeros(total)
     for rnd in range(40):

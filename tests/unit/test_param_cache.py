@@ -1,4 +1,4 @@
-"""The parameter cache (Note [parameter cache] in infinity/_offload/_param_store.py): shards fetched from
+"""The parameter cache (Note [parameter cache] in infinity/_offload/_nvme_param_store.py): shards fetched from
 NVMe stay in host memory up to ``zero.offload_param.max_in_cpu`` elements and serve backward's
 re-reads (and, updated in place by the step, the next forward's reads). Training is exact
 against plain ``torch.optim.AdamW``; the NVMe bytes read per step are counted; the cache's

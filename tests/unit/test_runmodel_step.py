@@ -42,7 +42,7 @@ def test_with_an_accelerator_the_disk_hides_under_the_rest_of_the_step():
     assert st["predicted"] == max(rest, st["nvme_read"] + st["nvme_write"])
     shard = math.ceil(10**12 / 16)
     # parameters (2 B) re-read by backward past the parameter cache (an eighth of the node's host
-    # memory, Note [parameter cache] in _param_store.py), master weights and moments (12 B) past the host cache,
+    # memory, Note [parameter cache] in _nvme_param_store.py), master weights and moments (12 B) past the host cache,
     # gradients (4 B: 1.5 TB of host memory cannot hold them) read back by the step
     cached = int(1.5e12) // 8 // 16 // 2
     assert st["nvme_bytes"]["read"] == pytest.approx(18 * shard - 2 * cached, rel=0.001)
