@@ -57,7 +57,7 @@ on, and the job stops on every rank (Note [one rank failing] in _comm.py).
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple, cast
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -66,6 +66,7 @@ from ..errors import InvariantError
 from ._ledger import Hold
 from ._module_state import ModuleState
 from ._param import info_of
+from ._seams import Action, CheckSameGathers
 
 if TYPE_CHECKING:
     from .._runtime._telemetry_counters import Counters
@@ -110,7 +111,7 @@ class BackwardHooks:
 
     def __init__(self, units: List["FetchUnit"], states: List[ModuleState], *, calls: "Calls",
                  prefetcher: "Prefetcher", reducer: Optional["GradReducer"], ledger: "GatherLedger[FetchUnit]",
-                 counters: "Counters", check_same_gathers: Callable[[str], None], on_abort: Callable[[], None] = lambda: None):
+                 counters: "Counters", check_same_gathers: CheckSameGathers, on_abort: Action = lambda: None):
         self._units = units
         self._states = states
         self._calls = calls  # Note [phases] in _phase.py: the first hook of a backward begins it

@@ -26,7 +26,7 @@ produces gradients far from the planned order holds more buckets open, each with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,7 @@ from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._telemetry_counters import span
 from ..errors import InvariantError
+from ._seams import AccumulateShard, Action, NoteUnit
 from ._unit import FetchUnit
 
 
@@ -74,8 +75,9 @@ class GradReducer:
     """Reduce-scatters unit gradients into ``accumulate(unit, shard_grad)``."""
 
     def __init__(self, units: List[FetchUnit], world_size: int, bucket_elems: int,
-                 accumulate: Callable[[FetchUnit, torch.Tensor], None], *, drop_full_grads: bool, max_inflight: int = 2,
-                 consumers_done: Callable[[], None] = lambda: None, on_add: Callable[[FetchUnit], None] = lambda u: None):
+                 accumulate: AccumulateShard, *, drop_full_grads: bool, max_inflight: int = 2,
+                 consumers_done: Action = lambda: None, on_add: NoteUnit = lambda u: None):  # Note [injected
+        # operations] in _seams.py
         self.world_size = world_size
         self.bucket_elems = max(1, bucket_elems)
         self.accumulate = accumulate

@@ -58,7 +58,7 @@ import contextlib
 import enum
 import math
 import threading
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Protocol
 
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
@@ -75,8 +75,16 @@ class GateState(enum.Enum):
     FAILED = "failed"  # a step failed after it changed a state: Note [failed step]
 
 
+class TimeStall(Protocol):
+    """A context manager that counts the time it is held as stall time of ``stage`` in the
+    telemetry. Provider: ``Counters.blocked`` (_runtime/_telemetry_counters.py); Note
+    [injected operations] in _seams.py."""
+
+    def __call__(self, stage: str) -> ContextManager: ...
+
+
 class StepGate:
-    def __init__(self, rank: int, blocked: Callable[[str], ContextManager]):
+    def __init__(self, rank: int, blocked: TimeStall):
         self._rank = rank
         self._blocked = blocked  # counters.blocked: the time a wait stalls is telemetry's optimizer_io
         self._cond = threading.Condition()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol
 
 import torch
 from torch import nn
@@ -40,6 +40,21 @@ if TYPE_CHECKING:
     from ._step_gate import StepGate
 
 
+class MakeRoom(Protocol):
+    """Release kept units before ``incoming`` is gathered, the one needed last first, until the
+    device budget holds it. Provider: ``Prefetcher.make_room`` (_prefetch.py). Note [injected
+    operations] in _seams.py."""
+
+    def __call__(self, incoming: "FetchUnit") -> None: ...
+
+
+class FetchOnDemand(Protocol):
+    """A released parameter reached operator ``func``: fetch what ``infos`` describe and run it.
+    Provider: ``Calls.on_unavailable`` (Note [phases] in _phase.py)."""
+
+    def __call__(self, func, args, kwargs, infos: List[Any]) -> Any: ...
+
+
 @dataclass(frozen=True)
 class UnitContext:
     """The services a fetch unit uses, built before the units by ``initialize`` (the
@@ -57,9 +72,9 @@ class UnitContext:
     param_store: Optional["ParamStore"]  # stage 3's shards
     param_source: ParamSource  # Note [parameters from the master] in _placement.py: from the master, nothing to write
     step_gate: "StepGate"  # Note [step gate] in _step_gate.py: has the step updated this range yet
-    make_room: Callable[["FetchUnit"], None]  # the prefetcher releases kept units before a gather
-    on_unavailable: Callable[..., Any]  # Calls.on_unavailable: a released parameter touched inside a module call is
-    # fetched on demand (a callable, so the unit never names the call stack: Note [phases] in _phase.py)
+    make_room: MakeRoom  # the prefetcher releases kept units before a gather (Note [injected operations] in _seams.py)
+    on_unavailable: FetchOnDemand  # a released parameter touched inside a module call is fetched on demand (an
+    # operation, so the unit never names the call stack: Note [phases] in _phase.py)
 
 
 @dataclass(eq=False)

@@ -28,7 +28,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
@@ -48,6 +48,7 @@ from ..optim._native import lib as native_adam_library
 from ._grad_sink import Received
 from ._loss_scale import LossScaler
 from ._param_groups import StepCounts, UpdatePlan, check_group_hyper, gaps, named_parameters, runs_in, slots_of
+from ._seams import Action
 from ._step_gate import StepGate, StepStopped
 
 if TYPE_CHECKING:
@@ -112,10 +113,11 @@ class EngineOps:
     param_store: Optional["ParamStore"]
     scaler: Optional[LossScaler]  # fp16's
     counters: "Counters"
-    wait_for_saves: Callable[[], None]  # an asynchronous save still copying swap files (Note [save fence] in _save_fence.py)
-    reduce_rest: Callable[[], None]  # stage 1: every gradient reduced now (stages 2-3 did it in backward)
-    after_step: Callable[[], None]  # the parameters changed: persistent units' gathered copies are stale
-    end_aborted_backward: Callable[[], None]  # Note [aborted backward] in _backward.py
+    # Note [injected operations] in _seams.py: each one's provider is named at ``Action``
+    wait_for_saves: Action  # an asynchronous save still copying swap files (Note [save fence] in _save_fence.py)
+    reduce_rest: Action  # stage 1: every gradient reduced now (stages 2-3 did it in backward)
+    after_step: Action  # the parameters changed: persistent units' gathered copies are stale
+    end_aborted_backward: Action  # Note [aborted backward] in _backward.py
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

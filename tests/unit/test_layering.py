@@ -31,7 +31,7 @@ LAYERS = {
                 "_offload._split", "_offload._placement"],
     "zero": ["_zero.__init__", "_zero._unit_plan", "_zero._ledger", "_zero._param", "_zero._function_params",
              "_zero._module_state", "_zero._phase", "_zero._pretrained", "_zero._init_ops", "_zero._init_context",
-             "_zero._staging", "_zero._unit",
+             "_zero._staging", "_zero._unit", "_zero._seams",
              "_zero._step_gate", "_zero._prefetch", "_zero._reduce", "_zero._same_gathers", "_zero._backward",
              "_zero._loss_scale", "_zero._param_groups", "_zero._grad_sink", "_zero._zero_optimizer", "_zero._tiling",
              "_zero._activation_offload", "_zero._swap_labels", "_zero._param_edits",
