@@ -7,11 +7,12 @@ import json
 import os
 import tempfile
 import time
+import types
 from typing import Any, Dict, List, Optional
 
 from .._offload._drives import configured_drives
 from ..config import Config, _looks_like_deepspeed, _read_file
-from ._train_model import PRESETS, TrainError
+from ._train_model import PRESETS, TrainError, model_config
 
 EXIT_BAD_INPUT = 2
 EXIT_SIGINT = 130  # 128 + SIGINT, as shells report it; SIGTERM exits 143 (Note [preemption] in _checkpoint/_train.py)
@@ -94,10 +95,15 @@ def _model_arg(text: str):
 def _base_config(args: argparse.Namespace) -> Config:
     """The ``--config`` file or the embedded default, with ``--dtype`` in place before the
     config is built: ``precision.dtype: auto`` is resolved (and its choice logged) only where
-    it is in effect."""
+    it is in effect. A DeepSpeed config's hidden-size "auto" values (``reduce_bucket_size``,
+    ``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``) come from the
+    model the run trains, as transformers' integration resolves them."""
     data = _read_file(args.config) if args.config else default_config()
     if _looks_like_deepspeed(data):
-        return Config.from_deepspeed(data, strict=args.strict)
+        spec = _model_arg(args.model) if args.model is not None else Config().train.model
+        shape = model_config(spec)  # read only: the model is built once the config is known
+        return Config.from_deepspeed(data, strict=args.strict,
+                                     model=types.SimpleNamespace(config=shape) if shape is not None else None)
     precision = data.get("precision", {})
     if args.dtype is not None and isinstance(precision, dict):
         data = {**data, "precision": {**precision, "dtype": args.dtype}}

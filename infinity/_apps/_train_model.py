@@ -178,23 +178,37 @@ _FLAG_ADVICE = {
 }
 
 
+def model_config(spec_value):
+    """The Hugging Face config of a model spec (a preset, a dict with model_type, a directory
+    with config.json), read without building the model; None where it cannot be read
+    (``build_model`` then says why)."""
+    from transformers import AutoConfig, GPT2Config  # optional (the hf extra) and slow to import
+
+    try:
+        if isinstance(spec_value, dict):
+            fields = dict(spec_value)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        if spec_value in PRESETS:
+            return GPT2Config(**PRESETS[spec_value])
+        return AutoConfig.from_pretrained(spec_value, local_files_only=True)
+    except Exception:  # noqa: BLE001 - whatever it is, build_model names it
+        return None
+
+
 def _fresh_param_sizes(spec_value) -> Optional[List[int]]:
     """The parameter sizes of a model built from scratch (a preset, a dict, a directory without
     weights), counted on the meta device; None when it is loaded from weights (the loader
     checks those before reading: Note [Init preflight] in _init_context.py) or cannot be built (the
     build reports why)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config  # optional (the hf extra) and slow to import
+    from transformers import AutoModelForCausalLM  # optional (the hf extra) and slow to import
 
     try:
-        if isinstance(spec_value, dict):
-            fields = dict(spec_value)
-            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        elif spec_value in PRESETS:
-            config = GPT2Config(**PRESETS[spec_value])
-        elif any(f.endswith(".safetensors") for f in os.listdir(spec_value)):
+        if not isinstance(spec_value, dict) and spec_value not in PRESETS and \
+                any(f.endswith(".safetensors") for f in os.listdir(spec_value)):
             return None
-        else:
-            config = AutoConfig.from_pretrained(spec_value, local_files_only=True)
+        config = model_config(spec_value)
+        if config is None:
+            return None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         return [p.numel() for p in model.parameters()]

@@ -131,6 +131,27 @@ def test_train_cli_strict_refuses_tuning_keys(tmp_path):
     assert "zero_optimization.stage3_max_reuse_distance" in done.stderr and "strict" in done.stderr
 
 
+def test_train_cli_resolves_hidden_size_autos_from_its_model(tmp_path):
+    """A DeepSpeed config's hidden-size "auto" values in ``infinity.train`` come from the model
+    the run trains (hidden 256 for gpt2-tiny; a directory's config.json), as transformers'
+    integration resolves them, not from infinity's defaults."""
+    from transformers import GPT2Config
+
+    from infinity._apps._train_cli import parse_args, resolve_config
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                    "stage3_prefetch_bucket_size": "auto",
+                                                    "stage3_param_persistence_threshold": "auto"}}))
+    cfg = resolve_config(parse_args(["--config", str(ds), "--model", "gpt2-tiny"]))
+    assert (cfg.zero.reduce_bucket_size, cfg.zero.prefetch.bucket_size) == (256 * 256, int(0.9 * 256 * 256))
+    assert cfg.zero.prefetch.persistence_threshold == 10 * 256
+    model_dir = tmp_path / "model"
+    GPT2Config(n_embd=96, n_layer=1, n_head=2).save_pretrained(model_dir)
+    cfg = resolve_config(parse_args(["--config", str(ds), "--model", str(model_dir)]))
+    assert cfg.zero.reduce_bucket_size == 96 * 96
+
+
 EXAMPLE_RUNS = {"ds_zero3_nvme_auto.json": [], "ds_zero3_bf16_cpu_auto.json": [],
                 "accelerate_zero2_fp16.json": ["--fp16", "--gradient-accumulation-steps", "1"]}
 
