@@ -165,13 +165,13 @@ def _build_engine(model: nn.Module, cfg):
         ledger: GatherLedger[FetchUnit] = GatherLedger(world, cfg.device_memory_limit)  # this engine's device budget
         gate = StepGate(rank, counters.blocked)
         calls = Calls()  # Note [phases] in _phase.py
-        prefetcher = Prefetcher(cfg.zero.prefetch, partition_params=policy.partition_params, calls=calls,
+        prefetcher = Prefetcher(cfg.zero.prefetch, policy=policy, calls=calls,
                                 ledger=ledger, counters=counters)
         recycler = Recycler(placement.gathered_reuse_bytes, functools.partial(aligned_empty, what=GATHERED)) \
             if policy.partition_params and not acc.has_accelerator() else None  # Note [recycled host memory] in _recycle.py
         ctx = UnitContext(
             world_size=world, rank=rank, dtype=dtype, itemsize=placement.itemsize,
-            partitioned=policy.partition_params,
+            policy=policy,
             counters=counters, ledger=ledger, gathered_buffers=recycler, param_store=param_store,
             param_source=placement.param_source,
             step_gate=gate, make_room=prefetcher.make_room, on_unavailable=calls.on_unavailable)
@@ -202,7 +202,7 @@ def _engine_ops(engine: Engine) -> EngineOps:
     reducer, fence = engine.reducer, engine.save_fence
     return EngineOps(
         units=engine.units, dtype=engine.dtype, rank=engine.rank, world_size=engine.world_size,
-        partition_params=engine.policy.partition_params, placement=engine.placement, store=engine.opt_store,
+        policy=engine.policy, placement=engine.placement, store=engine.opt_store,
         param_store=engine.param_store, scaler=engine.scaler, counters=engine.counters,
         wait_for_saves=lambda: fence.wait_writes(comm.timeout_s()),
         reduce_rest=(lambda: None) if engine.policy.reduce_in_backward else reducer.reduce_all,

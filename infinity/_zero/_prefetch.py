@@ -46,6 +46,7 @@ from ._ledger import Hold
 from ._param import ParamState
 from ._phase import Phase
 from ._unit import Prefetched
+from ._unit_plan import StagePolicy
 
 if TYPE_CHECKING:
     from .._runtime._telemetry_counters import Counters
@@ -78,12 +79,12 @@ def _next_uses(trace: list) -> list:
 
 
 class Prefetcher:
-    def __init__(self, cfg, *, partition_params: bool, calls: "Calls", ledger: "GatherLedger[FetchUnit]",
+    def __init__(self, cfg, *, policy: StagePolicy, calls: "Calls", ledger: "GatherLedger[FetchUnit]",
                  counters: "Counters"):
         self._calls = calls  # the engine's phase (Note [phases] in _phase.py): forward or backward, read at begin()
         self._ledger = ledger  # gathered elements alive now, against max_live_parameters
         self._counters = counters
-        self.enabled = cfg.enabled and partition_params
+        self.enabled = cfg.enabled and policy.partition_params  # stages 1-2 fetch nothing
         self.depth = cfg.depth
         self.device_depth = cfg.device_depth
         self.gather_depth = cfg.gather_depth

@@ -31,7 +31,7 @@ from ._init_context import InitUnit
 from ._ledger import GatherLedger, Hold
 from ._param import ParamInfo, ParamState, info_of, make_plain, raw_data, register, set_data
 from ._staging import Staging
-from ._unit_plan import UnitSpec
+from ._unit_plan import StagePolicy, UnitSpec
 
 if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
@@ -65,7 +65,7 @@ class UnitContext:
     rank: int
     dtype: torch.dtype  # the compute dtype of the gathered parameters
     itemsize: int
-    partitioned: bool  # stage 3: parameters live as shards between uses
+    policy: StagePolicy  # what the stage partitions: at stage 3 parameters live as shards between uses
     counters: "Counters"
     ledger: GatherLedger["FetchUnit"]
     gathered_buffers: Optional["Recycler"]  # gathered buffers recycled (CPU-only runs)
@@ -118,7 +118,7 @@ class FetchUnit:
         self.module_name = spec.module_name
         self.world_size = ctx.world_size
         self.rank = ctx.rank
-        self.partitioned = ctx.partitioned
+        self.partitioned = ctx.policy.partition_params
         self.params: List[nn.Parameter] = []
         self.infos: List[ParamInfo] = []
         offset = 0

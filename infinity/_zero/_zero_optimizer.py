@@ -50,6 +50,7 @@ from ._loss_scale import LossScaler
 from ._param_groups import StepCounts, UpdatePlan, check_group_hyper, gaps, named_parameters, runs_in, slots_of
 from ._seams import Action
 from ._step_gate import StepGate, StepStopped
+from ._unit_plan import StagePolicy
 
 if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
@@ -107,7 +108,7 @@ class EngineOps:
     dtype: torch.dtype  # the compute dtype
     rank: int
     world_size: int
-    partition_params: bool  # stage 3: the step writes the parameter store; else it gathers whole parameters
+    policy: StagePolicy  # at stage 3 the step writes the parameter store; at stages 1-2 it gathers whole parameters
     placement: Placement
     store: OptimizerStore
     param_store: Optional["ParamStore"]
@@ -317,7 +318,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Stages 1-2: where the updated compute-dtype shards go before they are all-gathered
         into the whole parameters: where Adam runs (host memory for a native CPU Adam), or the
         master weights themselves in fp32 in memory. None at stage 3."""
-        if self.ops.partition_params:
+        if self.ops.policy.partition_params:
             return None
         dtype = self.ops.dtype
         master = self.store.master_view()

@@ -27,7 +27,7 @@ from infinity._zero._reduce import GradReducer, plan_buckets
 from infinity._zero._same_gathers import check_same_gathers
 from infinity._zero._step_gate import StepGate
 from infinity._zero._unit import FetchUnit, UnitContext
-from infinity._zero._unit_plan import plan_units
+from infinity._zero._unit_plan import StagePolicy, plan_units
 from infinity.errors import InvariantError, WaitTimeout
 
 
@@ -62,9 +62,9 @@ class Parts:
         else:
             self.store = MemoryParamStore(tier, torch.float32, self.layout.param_total)
         pcfg = infinity.Config.from_dict({"zero": {"prefetch": {"max_live_parameters": max_live, **(prefetch or {})}}})
-        self.prefetcher = Prefetcher(pcfg.zero.prefetch, partition_params=True, calls=self.calls, ledger=self.ledger,
+        self.prefetcher = Prefetcher(pcfg.zero.prefetch, policy=StagePolicy.of(3), calls=self.calls, ledger=self.ledger,
                                      counters=self.counters)
-        ctx = UnitContext(world_size=1, rank=0, dtype=torch.float32, itemsize=4, partitioned=True,
+        ctx = UnitContext(world_size=1, rank=0, dtype=torch.float32, itemsize=4, policy=StagePolicy.of(3),
                           counters=self.counters, ledger=self.ledger, gathered_buffers=None,
                           param_store=self.store, param_source=ParamSource.OWN, step_gate=self.gate,
                           make_room=self.prefetcher.make_room,
