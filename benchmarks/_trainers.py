@@ -36,6 +36,19 @@ from typing import Optional
 LR, WEIGHT_DECAY, CLIP = 1e-4, 0.01, 1.0
 
 
+def set_clip(clip: float) -> None:
+    """Every trainer of this process clips at ``clip`` (0: none) instead of CLIP (a benchmark's --clip)."""
+    global CLIP
+    CLIP = float(clip)
+
+
+def _clip(params) -> None:
+    import torch
+
+    if CLIP > 0:
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+
+
 def _loss(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
@@ -95,7 +108,7 @@ class PlainTrainer(Trainer):
             for p, m in zip(self.params, self.masters):
                 m.grad = p.grad.float()
                 p.grad = None
-        torch.nn.utils.clip_grad_norm_(self.masters, CLIP)
+        _clip(self.masters)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.masters is not self.params:
@@ -113,10 +126,10 @@ def merged(base: dict, more: dict) -> dict:
 
 
 def infinity_config(tier: str, dtype: str, nvme_path: Optional[str] = None, *, optimizer_tier: Optional[str] = None,
-                    clip: Optional[float] = CLIP, optimizer: Optional[dict] = None, **more) -> dict:
+                    clip: Optional[float] = -1.0, optimizer: Optional[dict] = None, **more) -> dict:
     """ZeRO-3, parameters on ``tier`` and optimizer states on ``optimizer_tier`` (cpu, nvme or
     none; by default ``tier``), the common AdamW (``optimizer`` instead where a benchmark's
-    figures need its own) and clipping (``clip`` None: the config's default); ``more`` is merged
+    figures need its own) and clipping (``clip`` None: the config's default; negative: CLIP); ``more`` is merged
     over the result (``zero={"prefetch": {...}}``, ``device_memory_limit=...``)."""
     def offload(device: str) -> dict:
         return {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
@@ -125,7 +138,7 @@ def infinity_config(tier: str, dtype: str, nvme_path: Optional[str] = None, *, o
     cfg = {"zero": {"stage": 3, "offload_param": offload(tier), "offload_optimizer": offload(optimizer_tier or tier)},
            "precision": {"dtype": dtype}, "optimizer": optimizer or common}
     if clip is not None:
-        cfg["gradient_clipping"] = clip
+        cfg["gradient_clipping"] = CLIP if clip < 0 else clip
     return merged(cfg, more)
 
 
@@ -227,9 +240,8 @@ class Fsdp2Trainer(Trainer):
         return loss.detach()
 
     def update(self) -> None:
-        import torch
 
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        _clip(self.model.parameters())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 

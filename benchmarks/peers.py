@@ -57,9 +57,11 @@ from . import _flags, _harness, _models, _trainers
 from ._harness import Cell
 
 BENCH = "peers"
-CONTENDERS = ("plain", "infinity-none", "infinity-cpu", "infinity-nvme", "deepspeed-cpu", "deepspeed-nvme",
-              "deepspeed-nvme-swapped", "fsdp2-cpu")
-VS_DEEPSPEED = (("infinity-cpu", "deepspeed-cpu"), ("infinity-nvme", "deepspeed-nvme"),
+CONTENDERS = ("plain", "infinity-none", "infinity-cpu", "infinity-cpu-serial", "infinity-nvme", "deepspeed-cpu",
+              "deepspeed-nvme", "deepspeed-nvme-swapped", "fsdp2-cpu")
+# infinity-cpu-serial: every state in host memory with the speculative update off (Note [speculative update] in
+# infinity/_zero/_speculative_update.py): each unit is updated after backward, as before it
+VS_DEEPSPEED = (("infinity-cpu", "infinity-cpu-serial"), ("infinity-cpu", "deepspeed-cpu"), ("infinity-nvme", "deepspeed-nvme"),
                 ("infinity-nvme", "deepspeed-nvme-swapped"), ("fsdp2-cpu", "deepspeed-cpu"))
 PAIRS = tuple((name, "plain") for name in CONTENDERS if name != "plain") + VS_DEEPSPEED  # every ratio it records
 DEEPSPEED = "0.19.8"  # what --deepspeed-venv installs: works with torch 2.13's CPU build
@@ -82,7 +84,9 @@ def make_trainer(spec: dict, model):
     if kind.startswith("infinity-"):
         import infinity
 
-        return _trainers.InfinityTrainer(model, _trainers.infinity_config(tier, dtype, spec["scratch"])), infinity.device()
+        serial = {"zero": {"offload_optimizer": {"speculate": "off"}}} if kind.endswith("-serial") else {}
+        cfg = _trainers.infinity_config(tier, dtype, spec["scratch"], **serial)
+        return _trainers.InfinityTrainer(model, cfg), infinity.device()
     if kind.startswith("deepspeed-"):
         cfg = _trainers.deepspeed_config(tier, dtype, spec["micro_batch"], spec["scratch"], pin=cuda)
         if kind == "deepspeed-nvme-swapped":
@@ -117,6 +121,7 @@ def measure(spec: dict) -> dict:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    _trainers.set_clip(spec.get("clip", _trainers.CLIP))
     start = time.perf_counter()
     model = _models.gpt2(spec["size"], seed=0)
     params = _models.param_count(model)
@@ -236,6 +241,9 @@ def main() -> None:
     p.add_argument("--deepspeed-venv", metavar="DIR",
                    help="run the DeepSpeed contenders in this virtual environment, DeepSpeed installed there first")
     p.add_argument("--threads", type=int, default=0, help="torch threads in each contender (0: torch's default)")
+    p.add_argument("--clip", type=float, default=_trainers.CLIP,
+                   help="every contender clips the gradient norm at this (0: none; the speculative update's guess "
+                        "holds only where a step does not clip)")
     args = _harness.parse(p, measure)
     import torch
 
@@ -248,7 +256,7 @@ def main() -> None:
     dtype = args.dtype if args.dtype != "auto" else "bf16" if cuda and not args.smoke else "fp32"
     cells = plan(_flags.parse_list(args.only), sizes, args.smoke, cuda, args.deepspeed_venv)
     spec = {"dtype": dtype, "steps": args.steps, "warmup": args.warmup, "micro_batch": args.micro_batch,
-            "seq_len": args.seq_len, "threads": args.threads}
+            "seq_len": args.seq_len, "threads": args.threads, "clip": args.clip}
     deepspeed_python = sys.executable
     if args.deepspeed_venv and any(c.contender.startswith("deepspeed-") and c.skip is None for c in cells):
         deepspeed_python = ensure_deepspeed(os.path.expanduser(args.deepspeed_venv))

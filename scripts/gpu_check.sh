@@ -21,13 +21,19 @@
 # GPU_CHECK_BUDGET: seconds for the whole check (default 525: it fits 9 minutes);
 # GPU_CHECK_DISK: where temp files for the disk measurements go (default /var/tmp);
 # GPU_CHECK_PHASES: a comma-separated list to run only those phases (the set-up ones always run:
-# wheels, deepspeed, build).
+# wheels, deepspeed, build); GPU_CHECK_PEERS_S: seconds for the peers phase (default 255);
+# GPU_CHECK_TAIL_S: seconds the profile phase leaves for the phases after it (default 100);
+# GPU_CHECK_CLIP: the gradient norm every peers contender clips at (default 0: none, since the
+# speculative update's guess stands only where a step does not clip, and GPT-2 from random
+# weights on random tokens clips every step at 1.0; Note [speculative update] in
+# infinity/_zero/_speculative_update.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "${1:?usage: bash scripts/gpu_check.sh OUTDIR}" && cd "$1" && pwd)
 : > "$OUT/results.jsonl"
 : > "$OUT/log.txt"
 export GPU_CHECK_DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET:-525} ))
+PEERS_S=${GPU_CHECK_PEERS_S:-255} TAIL_S=${GPU_CHECK_TAIL_S:-100} CLIP=${GPU_CHECK_CLIP:-0}
 PY=${PYTHON:-python3}
 export GPU_CHECK_DISK=${GPU_CHECK_DISK:-/var/tmp}
 [ -d "$GPU_CHECK_DISK" ] || GPU_CHECK_DISK=${TMPDIR:-/tmp}
@@ -148,13 +154,13 @@ phase env 30 -- "$PY" scripts/gpu_check/env_info.py
 # 1.5B last, if time allows. The benchmark's own budget ends before the phase's limit.
 if [ "$cuda" = 1 ]; then
   left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 15 ))
-  peers=(--sizes 124m,1.5b --budget $(( left < 255 ? left : 255 )) --timeout 150
-         --only plain,infinity-cpu,deepspeed-cpu,infinity-nvme@124m,deepspeed-nvme@124m,fsdp2-cpu@1.5b)
+  peers=(--sizes 124m,1.5b --budget $(( left < PEERS_S ? left : PEERS_S )) --timeout 150 --clip "$CLIP"
+         --only plain,infinity-cpu,infinity-cpu-serial@1.5b,deepspeed-cpu,infinity-nvme@124m,deepspeed-nvme@124m,fsdp2-cpu@1.5b)
   [ -n "$ds_ops" ] && peers+=(--deepspeed-ops-ready "$OUT/deepspeed_ops.rc")
 else
   peers=(--smoke)
 fi
-phase peers 270 -- "$PY" -m benchmarks.peers "${peers[@]}" --nvme-path "$GPU_CHECK_DISK"
+phase peers $(( PEERS_S + 15 )) -- "$PY" -m benchmarks.peers "${peers[@]}" --nvme-path "$GPU_CHECK_DISK"
 if [ -n "$ds_ops" ]; then  # the build's own record: its time, and its output in the log
   wait "$ds_ops"
   phase deepspeed_ops 30 -- bash -c 'cat "$1"; exit "$(cat "$2")"' _ "$OUT/deepspeed_ops.log" "$OUT/deepspeed_ops.rc"
@@ -168,7 +174,7 @@ tests matrix 150 tests/integration/test_device_matrix.py
 # memory, its parts, the telemetry's bytes and waits, the GPU's idle time, and the run model's
 # prediction from rates measured there; the prefetcher off beside on at 124M on NVMe.
 if [ "$cuda" = 1 ]; then
-  left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 100 ))  # leaves the ordering, oom and train phases their time
+  left=$(( GPU_CHECK_DEADLINE - $(date +%s) - TAIL_S ))  # leaves the ordering, oom and train phases their time
   profile=(--only 1.5b/cpu/overlap,124m/nvme/prefetch,124m/nvme/no-prefetch,1.5b/cpu/no-prefetch
            --budget $(( left < 150 ? left : 150 )) --timeout 70)
 else

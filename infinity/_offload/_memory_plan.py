@@ -17,6 +17,8 @@ Categories of host memory (the names the ledger and the plan share):
   param_handoff     the step's fresh parameter output kept for the next forward (Note [hand-off] in _nvme_param_store.py)
   optimizer_states  fp32 master weights and Adam moments in host memory
   gradients         fp32 gradient shards in host memory (accumulating, sealed, spare)
+  undo_log          what a speculative update overwrote, kept until the step validates it (Note [speculative
+                    update] in _zero/_speculative_update.py)
   optimizer_buffers the optimizer swapper's buffer sets (Note [optimizer swapper] in _nvme_optimizer_store.py)
   optimizer_cache   the swapper's host cache of the first chunks (Note [host cache] in _nvme_optimizer_store.py)
   gathered          gathered parameters returned for reuse on a CPU-only run (Note [recycled host memory] in _recycle.py)
@@ -65,6 +67,7 @@ PARAM_HANDOFF = "param_handoff"
 PARAM_CACHE = "param_cache"  # Note [parameter cache] in _nvme_param_store.py
 OPT_STATES = "optimizer_states"
 GRADIENTS = "gradients"
+UNDO_LOG = "undo_log"  # Note [speculative update] in _zero/_speculative_update.py
 OPT_BUFFERS = "optimizer_buffers"
 OPT_HOST_CACHE = "optimizer_cache"
 GATHERED = "gathered"

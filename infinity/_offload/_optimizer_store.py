@@ -18,7 +18,8 @@ from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ._grad_buffer import GradBuffer, sq_and_finite  # noqa: F401 - sq_and_finite: the stores' one norm
 from ._layout import ALIGN_ELEMS, ParamSource, round_up
-from ._memory_plan import GRADIENTS, OPT_STATES, totals
+from ._memory_plan import GRADIENTS, OPT_STATES, UNDO_LOG, totals
+from ._undo_log import UndoLog, undo_log_bytes
 
 # Elements per optimizer swap chunk by default: 3 buffer sets x 4 fp32 arrays x 16 MiB =
 # 192 MiB of host memory, and the overlapped step publishes its first units early.
@@ -135,7 +136,8 @@ class MemoryOptimizerStore:
     leaves the pieces an update has yet to read alone (the update consumes them)."""
 
     def __init__(self, tier: Tier, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
-                 ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None):
+                 ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None,
+                 undo_dtype: Optional[torch.dtype] = None):
         tier = Tier.of(tier)
         self._alloc = (lambda what=OPT_STATES: zeros_host(total, what)) if tier is Tier.CPU else (
             lambda what=None: torch.zeros(total, dtype=torch.float32, device=acc.device()))
@@ -152,6 +154,10 @@ class MemoryOptimizerStore:
         self._read_upto = 0  # an overlapped update has read and zeroed the gradients below this offset
         self.exp_avg = self._alloc()
         self.exp_avg_sq = self._alloc()
+        # Note [speculative update] in _zero/_speculative_update.py: the pieces from this offset on were updated
+        # while backward ran, the update walks those below it; the undo log keeps what such an update overwrote
+        self.speculated_from = total
+        self.undo_log = UndoLog(total, undo_dtype) if undo_dtype is not None else None
 
     @property
     def grad(self) -> Optional[torch.Tensor]:
@@ -198,9 +204,25 @@ class MemoryOptimizerStore:
     def update_tail(self, fn: Callable[[Chunk], None]) -> None:
         self._walk(fn, self.head, self.total)
         self._sealed = None
+        self.speculated_from = self.total
+
+    def speculated(self, ready_from: int) -> None:
+        """The pieces from ``ready_from`` on were updated while backward ran and stand: their
+        gradients are read, and the update walks the pieces below (Note [speculative update]
+        in _zero/_speculative_update.py)."""
+        self.speculated_from = ready_from
+        self.grads.consumed(ready_from, self.total)
+
+    def piece(self, start: int, end: int) -> Chunk:
+        """The chunk of one piece [start, end) over the accumulating gradients, which a
+        speculative update reads before the step seals them (Note [speculative update] in
+        _zero/_speculative_update.py); nothing marks them read."""
+        sl = slice(start, end)
+        return Chunk(start, self.master[sl], self.grads.get()[sl], self.exp_avg[sl], self.exp_avg_sq[sl])
 
     def _walk(self, fn: Callable[[Chunk], None], lo: int, hi: int) -> None:
         g = self._sealed
+        hi = min(hi, self.speculated_from)
         for start, end in self.pieces:
             if lo <= start < hi:
                 sl = slice(start, end)
@@ -213,6 +235,7 @@ class MemoryOptimizerStore:
 
     def abandon_update(self) -> None:
         self._sealed = None
+        self.speculated_from = self.total
         self.zero_grads()
 
     def zero_grads(self) -> None:
@@ -263,14 +286,17 @@ class MemoryOptimizerStore:
         return {"optimizer": 2 * n + (0 if source is ParamSource.MASTER else n), "grads": self.grad_bytes()}
 
     def nbytes(self) -> dict:
-        return totals(self.plan(self.tier, self.total, self.overlapped, self.lazy_grad))
+        undo = self.undo_log.itemsize if self.undo_log is not None else 0
+        return totals(self.plan(self.tier, self.total, self.overlapped, self.lazy_grad, undo))
 
     @staticmethod
-    def plan(tier: Tier, total: int, overlapped: bool, lazy_grad: bool = False) -> dict:
+    def plan(tier: Tier, total: int, overlapped: bool, lazy_grad: bool = False, undo_itemsize: int = 0) -> dict:
         """Bytes for a plan (Note [one memory model] in _memory_plan.py): master weights, moments
-        and one gradient buffer, overlapped or not (Note [one gradient buffer]). (Stage 1's
-        lazy gradient exists during the step only, but then whole.)"""
-        return {tier.memory: {OPT_STATES: 3 * 4 * total, GRADIENTS: 4 * total}}
+        and one gradient buffer, overlapped or not (Note [one gradient buffer]), and a
+        speculative update's undo log (``undo_itemsize``: the outputs' bytes per element; 0:
+        none). (Stage 1's lazy gradient exists during the step only, but then whole.)"""
+        undo = undo_log_bytes(total, undo_itemsize) if undo_itemsize else 0
+        return {tier.memory: {OPT_STATES: 3 * 4 * total, GRADIENTS: 4 * total, UNDO_LOG: undo}}
 
 
 

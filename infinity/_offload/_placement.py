@@ -19,6 +19,7 @@ from .._runtime._tiers import Tier
 from ._layout import ALIGN_ELEMS, Layout, ParamSource, states_in_host
 from ._optimizer_store import chunk_elems
 from ._split import host_fraction, opt_host_upto, param_host_upto, plan_auto
+from ._undo_log import undo_log_bytes
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 
@@ -82,6 +83,7 @@ class Placement:
     direct_reads: bool  # one rank, no accelerator: shards are read straight into gathered buffers, no staging
     opt_host_upto: int = 0  # an NVMe optimizer tier's host share: Note [split tiers] in _split.py
     param_host_upto: int = 0  # an NVMe parameter tier's host share, whole units
+    speculate: bool = False  # Note [speculative update] in _zero/_speculative_update.py
 
     @classmethod
     def of(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int,
@@ -132,8 +134,10 @@ class Placement:
         cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total - param_upto, itemsize,
                                   *((machine.host_available, machine.ranks_on_node) if machine else ())) \
             if param_tier is Tier.NVME and source is not ParamSource.MASTER else 0
+        speculate = speculate_update(z.offload_optimizer.speculate, overlap, opt_tier, param_tier, accelerator,
+                                     undo_log_bytes(layout.opt_total, itemsize), machine)
         return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, source, cache,
-                   reuse, direct, opt_upto, param_upto)
+                   reuse, direct, opt_upto, param_upto, speculate)
 
     @property
     def itemsize(self) -> int:
@@ -164,6 +168,26 @@ def overlap_step(choice: str, partition_params: bool, opt_tier: Tier, param_tier
     io_bound = opt_tier is Tier.NVME or (param_tier is Tier.NVME and states_in_host)
     accelerator = acc.has_accelerator() if accelerator is None else accelerator
     return can and (io_bound or (accelerator and opt_tier is not Tier.DEVICE))
+
+
+def speculate_update(choice: str, overlap: bool, opt_tier: Tier, param_tier: Tier, accelerator: bool,
+                     undo_bytes: int, machine: Optional[Machine] = None) -> bool:
+    """Whether each unit is updated while backward goes on (``zero.offload_optimizer.speculate``;
+    Note [speculative update] in _zero/_speculative_update.py). Only the overlapped step with
+    every state in host memory can: the undo log covers the memory stores alone. ``auto``: with
+    an accelerator (the host's cores are idle while the device runs backward), when the undo
+    logs of the node's ranks take at most a quarter of the available host memory."""
+    can = overlap and opt_tier is Tier.CPU and param_tier is not Tier.NVME
+    if choice != "auto" or not can:
+        return can and choice == "on"
+    if not accelerator:
+        return False
+    machine = machine or Machine.here()
+    fits = undo_bytes * machine.ranks_on_node <= machine.host_available // 4
+    logger.info("zero.offload_optimizer.speculate auto: %s (the undo log takes %.2f GiB per rank, %.2f GiB of host "
+                "memory available; on when the node's take at most a quarter)", "on" if fits else "off",
+                undo_bytes / 2**30, machine.host_available / 2**30)
+    return fits
 
 
 def gradients_in_host(choice: str, total: int, machine: Optional[Machine] = None) -> bool:

@@ -55,6 +55,9 @@ class Placed(Protocol):
     def param_cache_elems(self) -> int: ...
 
     @property
+    def speculate(self) -> bool: ...
+
+    @property
     def gathered_reuse_bytes(self) -> int: ...
 
     @property
@@ -76,7 +79,8 @@ GiB = float(1 << 30)
 def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsize: int, overlapped: bool,
                lazy_grad: bool, chunk: int, head: int, grads_in_memory: bool, staging_numel: int,
                staging_count: int, param_source: ParamSource, gathered_bytes: int, moments: str = "fp32",
-               param_cache: int = 0, opt_host_upto: int = 0, param_host_upto: int = 0) -> MemoryPlan:
+               param_cache: int = 0, opt_host_upto: int = 0, param_host_upto: int = 0, undo_itemsize: int = 0
+               ) -> MemoryPlan:
     """The bytes of every store for a plan (Note [one memory model] in _memory_plan.py). ``param_tier`` is None
     when parameters stay whole (stages 1-2); ``gathered_bytes`` is the gathered recycler's
     capacity (0 with an accelerator, whose caching allocator reuses device memory). ``opt_host_upto``,
@@ -85,7 +89,7 @@ def store_plan(*, opt_tier, param_tier, opt_total: int, param_total: int, itemsi
         plans = [NvmeOptimizerStore.plan(opt_total, chunk, max(head, opt_host_upto), grads_in_memory, moments,
                                          opt_host_upto)]
     else:
-        plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad)]
+        plans = [MemoryOptimizerStore.plan(opt_tier, opt_total, overlapped, lazy_grad, undo_itemsize)]
     if param_tier is not None:  # under MASTER the frozen units' shards only: Note [parameters from the master] in _placement.py
         plans.append(_param_store.plan(opt_tier if param_source is ParamSource.MASTER else param_tier, param_total,
                                      itemsize, staging_numel, staging_count, chunk, param_source,
@@ -112,7 +116,8 @@ def plan(placement: Placed, cfg) -> dict:
         staging_count=0 if placement.direct_reads else staging_buffers(z),
         param_source=placement.param_source, gathered_bytes=placement.gathered_reuse_bytes,
         moments=z.offload_optimizer.moments, param_cache=placement.param_cache_elems,
-        opt_host_upto=placement.opt_host_upto, param_host_upto=placement.param_host_upto)
+        opt_host_upto=placement.opt_host_upto, param_host_upto=placement.param_host_upto,
+        undo_itemsize=placement.itemsize if placement.speculate else 0)
     need: dict = {"device": sum(cats["device"].values()), "host": sum(cats["host"].values()), "nvme": {},
                   "categories": cats}
     for path, nbytes in _nvme_files(cfg, cats):

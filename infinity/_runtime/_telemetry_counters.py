@@ -38,6 +38,9 @@ class Counters:
         self.divergences = 0
         self.update = {"seconds": 0.0, "elements": 0, "peak_threads": 0, "background_seconds": 0.0}
         self.step_call: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per part
+        # pieces updated while backward ran, and of those the ones that stood (Note [speculative update] in
+        # _zero/_speculative_update.py)
+        self.speculation = {"speculated": 0, "committed": 0}
 
     def step_part(self, part: str):
         """Time of one part of the optimizer's ``step()`` call on the caller's thread."""
@@ -69,6 +72,7 @@ class Counters:
             "trace_divergences": self.divergences,
             "update": dict(self.update),
             "step_call_s": dict(self.step_call),
+            "speculation": dict(self.speculation),
         }
 
 

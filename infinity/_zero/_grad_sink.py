@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional, Protocol
 
 import torch
 
@@ -52,6 +52,7 @@ class GradSink:
         self._unit_first = _first_param_index(units)
         self.got_grad = torch.zeros(sum(len(u.params) for u in units), dtype=torch.float64)
         self.received = Received.WHOLE
+        self.on_landed: Landed = _nobody  # Note [speculative update] in _speculative_update.py
 
     def note(self, unit: "FetchUnit") -> None:
         """The reducer takes ``unit``'s gradients: flag the parameters that have one."""
@@ -70,6 +71,7 @@ class GradSink:
                 _, event = acc.start_copy_to_host(src, out=slot)
                 self._counters.bytes["grad_landed_in_place"] += src.numel() * src.element_size()
                 self._landing.append((unit, None, event, 1.0))
+                self.on_landed(unit, event)
                 self._land(wait=False)
                 return
             host, event = acc.start_copy_to_host(shard_grad)
@@ -79,6 +81,7 @@ class GradSink:
             return
         with self._counters.blocked("grad_offload"):
             self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
+        self.on_landed(unit, None)
 
     def _land(self, wait: bool, every: bool = False) -> None:
         """Add the landed copies to the store, oldest first (one copied in place has nothing
@@ -91,6 +94,7 @@ class GradSink:
                     with span("infinity::grad_landing"):
                         self._store.accumulate(unit.opt_offset, host, scale)
                     self._staged -= 1
+                    self.on_landed(unit, None)
             wait = every or (wait and host is None)
 
     def flush(self) -> None:
@@ -125,6 +129,18 @@ class GradSink:
         if self._landing:
             acc.stream_waits(self._landing[-1][2])
         self._store.wait_grad_writes()
+
+
+class Landed(Protocol):
+    """Told each time a unit's gradients are in the store (``event``: a copy straight into its
+    range, still in flight). Provider: ``SpeculativeUpdate.landed``; Note [injected
+    operations] in _seams.py."""
+
+    def __call__(self, unit: "FetchUnit", event: Optional[object]) -> None: ...
+
+
+def _nobody(unit: "FetchUnit", event: Optional[object]) -> None:
+    pass
 
 
 def _first_param_index(units) -> List[int]:

@@ -91,6 +91,9 @@ def initialize(model: nn.Module, config=None, param_groups=None) -> Tuple[nn.Mod
     engine, sink, gate = _build_engine(model, cfg)
     try:
         optimizer = ZeroOptimizer(engine, _engine_ops(engine), cfg, groups, sink=sink, gate=gate)
+        if optimizer.speculation is not None:  # Note [speculative update] in _speculative_update.py
+            sink.on_landed = optimizer.speculation.landed
+            gate.attach_speculation(optimizer.speculation)
         label_swap_files(optimizer)  # what corrupt bytes would have held (Note [swap checksums] in aio/_checksum.py)
     except BaseException:
         forget_engine(model)  # refused (bad groups): the model may be passed again
@@ -246,7 +249,8 @@ def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: Sta
                                   release_cache=z.host_allocator == "release", phased=z.offload_optimizer.swap_io == "phased",
                                   master=master, host_upto=placement.opt_host_upto)
     return MemoryOptimizerStore(placement.opt_tier, total, lazy_grad=not policy.reduce_in_backward,
-                                overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size)
+                                overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size,
+                                undo_dtype=placement.dtype if placement.speculate else None)
 
 
 def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store: OptimizerStore,

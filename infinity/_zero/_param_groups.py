@@ -123,12 +123,20 @@ class StepCounts:
     def advance(self, got_grad: torch.Tensor, groups: List[dict], adamw: bool) -> UpdatePlan:
         """Count a step for the slots whose parameter got a gradient (``got_grad``: a flag
         per parameter, > 0 where any rank had one) and return the update plan."""
+        plan = self.peek(got_grad, groups, adamw)
+        for k, slot in enumerate(self.slots):
+            if got_grad[slot.index] > 0 and slot.hi > slot.lo:
+                self.counts[k] += 1
+        return plan
+
+    def peek(self, got_grad: torch.Tensor, groups: List[dict], adamw: bool) -> UpdatePlan:
+        """The plan ``advance`` would return, counting nothing (Note [speculative update] in
+        _speculative_update.py)."""
         runs: List[Run] = []
         for k, slot in enumerate(self.slots):
             if got_grad[slot.index] <= 0 or slot.hi == slot.lo:
                 continue
-            self.counts[k] += 1
-            hyper = hyper_of(groups[slot.group], int(self.counts[k]), adamw)
+            hyper = hyper_of(groups[slot.group], int(self.counts[k]) + 1, adamw)
             if runs and runs[-1].hi == slot.lo and runs[-1].hyper == hyper:
                 runs[-1] = Run(runs[-1].lo, slot.hi, hyper)
             else:
@@ -167,6 +175,32 @@ def gaps(lo: int, hi: int, covered) -> List[tuple]:
     if pos < hi:
         out.append((pos, hi))
     return out
+
+
+def pieces(lo: int, hi: int, targets: list):
+    """(start, end, view) of the parts of [lo, hi) that the ``(start, view)`` targets cover."""
+    for start, view in targets:
+        a, b = max(lo, start), min(hi, start + view.numel())
+        if a < b:
+            yield a, b, view[a - start : b - start]
+
+
+def first_nonfinite(flat: Optional[torch.Tensor], units) -> Optional[str]:
+    """The first parameter whose gradient shard in ``flat`` (this rank's, in memory) holds
+    inf/NaN; None when there is none or the gradients are not in memory (streamed from NVMe:
+    the error names the step, not the parameter). Only on the error path: one more pass."""
+    if flat is None:
+        return None
+    for unit in units:
+        if not unit.trainable:
+            continue
+        shard = flat[unit.opt_offset : unit.opt_offset + unit.shard_numel]
+        if bool(torch.isfinite(shard).all()):
+            continue
+        for info in unit.infos:
+            if not bool(torch.isfinite(shard[info.shard_offset : info.shard_offset + info.shard_numel]).all()):
+                return info.name
+    return None
 
 
 def named_parameters(units) -> List[tuple]:

@@ -7,7 +7,9 @@ waits for a save) takes the one operation it needs, typed here. Each Protocol's 
 its provider in the running engine, so a reader resolves a call without reading
 _initialize.py; a test passes any callable of the same shape (a lambda, a recorder). The two a
 fetch unit takes (``MakeRoom``, ``FetchOnDemand``) are in _unit.py, which this module follows,
-and the step gate's (``TimeStall``) in _step_gate.py, which the unit imports.
+the step gate's (``TimeStall``, ``Speculation``) in _step_gate.py, which the unit imports, the
+sink's (``Landed``) in _grad_sink.py, and the speculative update's (``UpdatePiece``,
+``OutputViews``) in _speculative_update.py.
 """
 
 from __future__ import annotations

@@ -83,6 +83,15 @@ class TimeStall(Protocol):
     def __call__(self, stage: str) -> ContextManager: ...
 
 
+class Speculation(Protocol):
+    """What the gate asks of a speculative update (``SpeculativeUpdate`` in
+    _speculative_update.py; Note [injected operations] in _seams.py)."""
+
+    def abandon(self) -> None: ...  # put back whatever it updated; no more this step
+
+    def before_fetch(self, start: float) -> None: ...  # a unit at ``start`` is about to be read
+
+
 class StepGate:
     def __init__(self, rank: int, blocked: TimeStall):
         self._rank = rank
@@ -90,6 +99,8 @@ class StepGate:
         self._cond = threading.Condition()
         self._state = GateState.SETTLED
         self._upto = math.inf  # offsets below this hold the latest step's values
+        self._ready_from = math.inf  # and those from this one on: Note [speculative update] in _speculative_update.py
+        self._speculation: Optional[Speculation] = None  # Note [speculative update] in _speculative_update.py
         self._error: Optional[BaseException] = None  # a failure the main thread has not seen yet
         self._failure: Optional[BaseException] = None  # FAILED: what ended the step
         self._thread: Optional[threading.Thread] = None
@@ -99,11 +110,13 @@ class StepGate:
 
     # ------------------------------------------------------------ the step's side
 
-    def open(self) -> None:
-        """A step begins: nothing of the flat space is updated yet."""
+    def open(self, ready_from: float = math.inf) -> None:
+        """A step begins: nothing of the flat space is updated yet, but what lies from
+        ``ready_from`` on (updated while backward ran: Note [speculative update] in
+        _speculative_update.py)."""
         with self._cond:
             self._expect(GateState.SETTLED, "open")
-            self._state, self._upto = GateState.OPEN, 0
+            self._state, self._upto, self._ready_from = GateState.OPEN, 0, ready_from
 
     def publish(self, upto: float) -> None:  # math.inf: every offset
         with self._cond:
@@ -115,6 +128,7 @@ class StepGate:
         with self._cond:
             if self._state is GateState.OPEN:
                 self._state = GateState.SETTLED
+            self._ready_from = math.inf
         self.publish(math.inf)
 
     def fail(self, error: BaseException, *, changed: bool = True, raised: bool = False) -> None:
@@ -192,25 +206,50 @@ class StepGate:
             with self._cond:
                 self._waiting -= 1
 
-    def wait(self, end: int, *, block: bool = True, what: str = "") -> bool:
-        """True once the flat range below ``end`` holds this step's values; False when
+    def wait(self, end: int, *, start: float = -1, block: bool = True, what: str = "") -> bool:
+        """True once the flat range [start, end) holds this step's values; False when
         ``block`` is off and it does not yet. Raises a failed step's error (Note [failed step])."""
-        if self._upto >= end and self._state is not GateState.FAILED and self._error is None:
+        def ready() -> bool:
+            return self._upto >= end or start >= self._ready_from
+
+        if self._speculation is not None:
+            self._speculation.before_fetch(start)
+
+        if ready() and self._state is not GateState.FAILED and self._error is None:
             return True
         with self._cond:
             if not block and self._state is GateState.OPEN:
-                return self._upto >= end
+                return ready()
             with self._blocked("optimizer_io"), self._waiter():
-                ok = self._cond.wait_for(lambda: self._upto >= end, timeout=comm.timeout_s())
+                ok = self._cond.wait_for(ready, timeout=comm.timeout_s())
             self._raise_failure()
             if not ok:
                 raise WaitTimeout(f"rank {self._rank}: waited {comm.timeout_s():.0f}s for the optimizer step to "
                                   f"update {what or 'a parameter shard'}")
         return True
 
+    def attach_speculation(self, speculation: "Speculation") -> None:
+        """Whoever waits for the whole step (a save, an edit, a load, close) first has a
+        speculative update put back, and so does a fetch of a range it may have updated: the
+        states hold the latest step's values, not this backward's guess (Note [speculative
+        update] in _speculative_update.py)."""
+        self._speculation = speculation
+
+    def _abandon_speculation(self) -> None:
+        if self._speculation is not None:
+            self._speculation.abandon()
+
+    def wait_settled(self, timeout: float) -> bool:
+        """On another thread than the step's: True once no step is in flight, False on a
+        timeout or after a failed step (Note [speculative update] in _speculative_update.py)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._state is not GateState.OPEN, timeout=timeout)
+            return self._state is GateState.SETTLED and self._error is None
+
     def join(self) -> None:
         """Wait for the whole step in flight (if any); raise a failed step's error, or refuse
         after one that changed a state (Note [failed step])."""
+        self._abandon_speculation()
         self._join_thread()
         with self._cond:
             self._raise_failure()
@@ -218,6 +257,7 @@ class StepGate:
     def settle(self) -> Optional[BaseException]:
         """Wait for the whole step in flight (if any); the error of a failed one that nobody
         saw yet, returned, not raised (``close``, a checkpoint load)."""
+        self._abandon_speculation()
         self._join_thread()
         with self._cond:
             error, self._error = self._error, None

@@ -422,8 +422,8 @@ class FetchUnit:
         """RELEASED -> HOST: submit the read of the shard from NVMe into a pool buffer
         (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
         self._expect(ParamState.RELEASED, "stage_to_host")
-        if self.trainable and not self.ctx.step_gate.wait(self.opt_offset + self.shard_numel, block=block,
-                                                          what=self._what()):
+        if self.trainable and not self.ctx.step_gate.wait(self.opt_offset + self.shard_numel, start=self.opt_offset,
+                                                          block=block, what=self._what()):
             return False  # a frozen unit's shard is never rewritten
         staging = Staging.resident() if self.store.tier.resident else self._stage_from_nvme(block)
         if staging is None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 import torch
 
 from .._offload._layout import ParamSource
-from .._offload._optimizer_store import Chunk, OptimizerStore
+from .._offload._optimizer_store import Chunk, MemoryOptimizerStore, OptimizerStore
 from .._offload._placement import Placement
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
@@ -47,10 +47,22 @@ from ..optim import adam_step
 from ..optim._native import lib as native_adam_library
 from ._grad_sink import Received
 from ._loss_scale import LossScaler
-from ._param_groups import StepCounts, UpdatePlan, check_group_hyper, gaps, named_parameters, runs_in, slots_of
+from ._param_groups import (
+    StepCounts,
+    UpdatePlan,
+    check_group_hyper,
+    first_nonfinite,
+    gaps,
+    named_parameters,
+    pieces,
+    runs_in,
+    slots_of,
+)
 from ._seams import Action
+from ._speculative_update import Speculated, SpeculativeUpdate
 from ._step_gate import StepGate, StepStopped
 from ._unit_plan import StagePolicy
+from ._whole_params import gather_into_whole_params
 
 if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
@@ -166,6 +178,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.nonfinite_skipped = 0  # steps skipped for inf/NaN under precision.on_nonfinite: skip
         self._loss_ok: Optional[torch.Tensor] = None  # all losses noted since the last step were finite
         self._chunks_begun = 0  # chunks of this step whose update began (Note [failed step] in _step_gate.py)
+        self._got_last: Optional[torch.Tensor] = None  # which parameters got a gradient last step, on any rank
+        self.speculation = SpeculativeUpdate(  # Note [speculative update] in _speculative_update.py
+            self.store, ops.units, cfg.gradient_accumulation_steps, update=self._speculate_chunk,
+            outputs=lambda offset, n: self._step_targets(offset, n, None), plan=self._speculative_plan,
+            gate=gate, counters=ops.counters) if placement.speculate and isinstance(self.store, MemoryOptimizerStore) else None
 
     @property
     def grad_scale(self) -> float:
@@ -190,17 +207,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        self._ready()
+        spec = None
+        if self.speculation is not None:  # Note [speculative update] in _speculative_update.py
+            self.sink.flush()  # every gradient of this step landed, and counted, before the guess is taken
+            spec = self.speculation.take(learn=True)
+        try:
+            self._ready()
+        except BaseException:
+            if spec is not None:
+                spec.put_back()
+            raise
         undo = _StepUndo(self.steps.counts.clone(), self._step, self.scaler.state_dict() if self.scaler else None)
         self._chunks_begun = 0
         try:
-            self._update(loss, undo)
+            self._update(loss, undo, spec)
         except BaseException as e:  # Note [failed step] in _step_gate.py
+            if spec is not None:
+                spec.put_back()  # unless it was committed: then its pieces count as begun
             self.gate.fail(e, changed=self._step_failed(e, undo), raised=True)
             raise
         return loss
 
-    def _update(self, loss, undo: "_StepUndo") -> None:
+    def _update(self, loss, undo: "_StepUndo", spec: Optional[Speculated] = None) -> None:
         part = self.ops.counters.step_part
         self._gradients_in()
         self._calls += 1
@@ -208,8 +236,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.note_loss(loss)
         with part("norm"):
             stats, finite, bad_loss = self._global_stats()
+        self._got_last = stats[3:].clone()
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0  # the scale these gradients carry
         if self._nonfinite(stats, finite, bad_loss):
+            if spec is not None:
+                spec.put_back()
             self.skipped = True
             self._finish_step()
             return
@@ -219,11 +250,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         plan = self.steps.advance(stats[3:], self.param_groups, self.adamw)  # Note [update plan] in _param_groups.py
         if coef != 1.0:  # Adam multiplies each gradient as it reads it: no pass of its own over them
             plan = plan.with_hyper(grad_scale=coef)
+        ready_from = math.inf
+        if spec is not None and self.overlap and spec.stands(plan):
+            ready_from = spec.ready_from
+            committed = spec.commit()
+            self._chunks_begun += committed  # the states changed: Note [failed step] in _step_gate.py
+            self.ops.counters.speculation["committed"] += committed
+        elif spec is not None:
+            spec.put_back()
         out_flat = self._whole_params_out()
         self.store.seal_grads()
         if self.overlap:
             with part("launch"):
-                self._launch_step(plan, undo)
+                self._launch_step(plan, undo, ready_from)
             return
         with part("update"):
             self.store.update(lambda chunk: self._update_chunk(chunk, plan, out_flat))
@@ -231,7 +270,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.param_store.flush()
             self.ops.after_step()
         elif out_flat is not None:  # stages 1-2: the whole parameters take the fresh values
-            gather_into_whole_params(self.ops, out_flat, self.cfg.zero.reduce_bucket_size)
+            gather_into_whole_params(self.ops.units, self.ops.world_size, self.ops.dtype, out_flat,
+                                     self.cfg.zero.reduce_bucket_size)
         self._finish_step()
 
     def _ready(self) -> None:
@@ -340,7 +380,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         or gradient: raise, or skip the step (the caller leaves parameters and states as they
         are) with a warning and a count."""
         what = " and ".join(w for w, bad in (("the loss", loss_bad), ("the gradients", any_grad_bad)) if bad)
-        where = self._nonfinite_parameter() if grads_bad else None
+        where = first_nonfinite(self.store.grads_flat(), self.ops.units) if grads_bad else None
         at = (f"; first in this rank's shard of {where}" if where else
               "; in another rank's gradient shard" if any_grad_bad and not grads_bad else "")
         rank = self.ops.rank
@@ -353,26 +393,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         logger.warning("rank %d: step %d skipped: inf or NaN in %s%s (%d skipped so far; "
                        "precision.on_nonfinite: skip)", rank, self._calls, what, at, self.nonfinite_skipped)
 
-    def _nonfinite_parameter(self) -> Optional[str]:
-        """The first parameter whose gradient shard on this rank holds inf/NaN, when the
-        gradients are in memory (only on this error path: one more pass over them)."""
-        flat = self.store.grads_flat()
-        if flat is None:
-            return None  # streamed from NVMe: the step's number is named, not the parameter
-        for unit in self.ops.units:
-            if not unit.trainable:
-                continue
-            shard = flat[unit.opt_offset : unit.opt_offset + unit.shard_numel]
-            if bool(torch.isfinite(shard).all()):
-                continue
-            for info in unit.infos:
-                if not bool(torch.isfinite(shard[info.shard_offset : info.shard_offset + info.shard_numel]).all()):
-                    return info.name
-        return None
-
     # ------------------------------------------------------------ overlapped step
 
-    def _launch_step(self, plan: UpdatePlan, undo: "_StepUndo") -> None:
+    def _launch_step(self, plan: UpdatePlan, undo: "_StepUndo", ready_from: float = math.inf) -> None:
         """Note [overlapped step]: at stage 3 with the optimizer states off the device, the
         update runs on a background thread, chunk by chunk in flat (= unit, = forward) order,
         while the next forward and backward run (``zero.offload_optimizer.overlap_step``;
@@ -390,7 +413,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         weights and close wait for the whole step (``wait_step``). Time the main thread
         spends waiting on the step is telemetry's ``optimizer_io`` stall."""
         self.ops.after_step()  # persistent units' gathered copies are about to be stale
-        self.gate.open()
+        self.gate.open(ready_from)  # Note [speculative update] in _speculative_update.py: those are updated
         # The cached head (Note [host cache] in _nvme_optimizer_store.py) is what the next forward needs first:
         # update it here, on every core, from memory; the background thread streams the rest.
         self.store.update_head(lambda chunk: self._update_chunk(chunk, plan, None, publish=True))
@@ -422,11 +445,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fresh compute-dtype values go where they belong (fused into Adam's pass where the
         native Adam can write them). A profiler range (Note [profiler ranges] in _telemetry_counters.py)."""
         with span("infinity::update_chunk"):
+            self._chunks_begun += 1  # the states change from here on: Note [failed step] in _step_gate.py
             self._update_chunk_in_range(chunk, plan, out_flat, publish)
 
+    def _speculate_chunk(self, chunk: Chunk, plan: UpdatePlan) -> None:
+        """One piece of a speculative update (Note [speculative update] in _speculative_update.py):
+        the same Adam calls as the step's, on the speculation's thread, with its undo log kept."""
+        with span("infinity::speculative_update_chunk"):
+            self._update_chunk_in_range(chunk, plan, None, publish=False, speculative=True)
+
+    def _speculative_plan(self) -> Optional[UpdatePlan]:
+        """The plan the step will have if nothing clips and every parameter that got a gradient
+        last step (all, before the first) gets one now. None under ``speculate: auto`` when the
+        last step clipped (or came first, with clipping on) or met inf/NaN: the guess would
+        likely be put back, which costs a copy of every piece it updated (Note [speculative
+        update] in _speculative_update.py)."""
+        clip, adaptive = self.cfg.gradient_clipping, self.cfg.zero.offload_optimizer.speculate == "auto"
+        if adaptive and (self.skipped or (clip > 0 and (self.last_grad_norm is None or self.last_grad_norm >= clip))):
+            return None  # speculate: on guesses every step
+        got = self._got_last if self._got_last is not None else torch.ones(self.steps.num_params)
+        plan = self.steps.peek(got, self.param_groups, self.adamw)
+        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        return plan.with_hyper(grad_scale=inv_scale) if inv_scale != 1.0 else plan
+
     def _update_chunk_in_range(self, chunk: Chunk, plan: UpdatePlan, out_flat: Optional[torch.Tensor],
-                               publish: bool) -> None:
-        self._chunks_begun += 1  # the states change from here on: Note [failed step] in _step_gate.py
+                               publish: bool, speculative: bool = False) -> None:
         began = time.perf_counter()
         n = chunk.master.numel()
         end = chunk.offset + n
@@ -443,19 +486,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             elif not fused:
                 self._adam(*args, **hyper)
             else:  # one native call per target piece, each writing its own output
-                for a, b, out in _pieces(lo, hi, targets):
+                for a, b, out in pieces(lo, hi, targets):
                     s = slice(a - chunk.offset, b - chunk.offset)
                     self._adam(chunk.master[s], chunk.grad[s], chunk.exp_avg[s], chunk.exp_avg_sq[s], params_out=out,
                                **hyper)
                 done.append((lo, hi))
         for lo, hi in gaps(chunk.offset, end, done):  # what Adam did not write
-            for a, b, out in _pieces(lo, hi, targets):
+            for a, b, out in pieces(lo, hi, targets):
                 out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])
         chunk.changed = [(lo, hi) for lo, hi, _ in runs_in(plan, chunk.offset, end)]  # Note [unchanged ranges are
         # not written] in _swap_pipeline.py
         upto = chunk.offset + n
-        if ps is not None:  # on NVMe, each unit complete is written (async) and handed off (Note [hand-off] in
-            # _nvme_param_store.py)
+        if ps is not None and not speculative:  # on NVMe, each unit complete is written (async) and handed off
+            # (Note [hand-off] in _nvme_param_store.py)
             upto = self._outputs_done(chunk.offset, end, chunk.changed)
         if chunk.grad_read is not None:  # before the next backward may add to it
             chunk.grad_read()  # Note [one gradient buffer] in _optimizer_store.py
@@ -507,6 +550,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         store's, ``.grad``, copies still landing, which parameters got one, the losses noted;
         a backward that raised is ended first (Note [aborted backward] in _backward.py)."""
         self.ops.end_aborted_backward()
+        if self.speculation is not None:  # its guess read the gradients dropped: Note [speculative update] in
+            # _speculative_update.py
+            self.speculation.abandon()
+            self.speculation.take()  # and the next gradients are the next step's
         self.sink.discard()
         self.store.zero_grads()  # the accumulating gradients; an overlapped step reads sealed ones
         for unit in self.ops.units:
@@ -535,9 +582,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.store.state_bytes(self.placement.param_source)
 
 
-
-
-
 _NO_STATE_DICT = (
     "infinity's optimizer keeps its states (fp32 master weights, Adam moments, step counts) sharded across ranks and "
     "tiers, which a torch state_dict cannot hold; save and resume them with infinity.save_checkpoint(dir, model, "
@@ -550,31 +594,3 @@ def _threads_of(plan: UpdatePlan, native: bool) -> int:
     Note [rank placement] in _topology.py), else torch's."""
     asked = plan.runs[0].hyper.get("num_threads") if native and plan.runs else None
     return asked or (default_threads() if native else torch.get_num_threads())
-
-
-def _pieces(lo: int, hi: int, targets: list):
-    """(start, end, view) of the parts of [lo, hi) that the ``(start, view)`` targets cover."""
-    for start, view in targets:
-        a, b = max(lo, start), min(hi, start + view.numel())
-        if a < b:
-            yield a, b, view[a - start : b - start]
-
-
-def gather_into_whole_params(ops: EngineOps, flat: torch.Tensor, bucket_elems: int) -> None:
-    """Stages 1-2: all-gather the updated shards in buckets and copy into the whole params."""
-    world, dtype = ops.world_size, ops.dtype
-    group, cols = [], 0
-    for unit in [u for u in ops.units if u.trainable] + [None]:  # frozen units keep their values
-        if unit is not None:
-            group.append(unit)
-            cols += unit.shard_numel
-        if group and (unit is None or cols * world >= bucket_elems):
-            first, last = group[0], group[-1]
-            span = flat[first.opt_offset : last.opt_offset + last.shard_numel].to(acc.device(), dtype)
-            full = torch.empty(world * span.numel(), dtype=dtype, device=acc.device())
-            comm.all_gather_into_tensor(full, span, async_op=False, what="all-gather of updated parameters")
-            rows = full.view(world, span.numel())
-            for u in group:
-                start = u.opt_offset - first.opt_offset
-                u.load_full_into_params(rows[:, start : start + u.shard_numel])
-            group, cols = [], 0

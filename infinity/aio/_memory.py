@@ -88,7 +88,7 @@ ledger = HostLedger()
 class _Mapping:
     """Owns one mapping from ``infinity_aio_alloc``; unmapped when the last tensor goes."""
 
-    def __init__(self, nbytes: int, hugepage: bool, what: str = "other"):
+    def __init__(self, nbytes: int, hugepage: bool, what: str = "other", pin: bool = True):
         huge = ffi.new("int32_t *")
         ptr = lib.infinity_aio_alloc(nbytes, 1 if hugepage else 0, huge)
         if ptr == ffi.NULL:
@@ -96,7 +96,7 @@ class _Mapping:
         self.nbytes, self.hugepage, self.huge = nbytes, hugepage, bool(huge[0])
         address = int(ffi.cast("uintptr_t", ptr))
         try:
-            pinned = acc.host_register(address, nbytes)  # page-locked for asynchronous device copies
+            pinned = acc.host_register(address, nbytes) if pin else False  # page-locked for asynchronous device copies
         except BaseException:
             lib.infinity_aio_free(ptr, nbytes, 1 if hugepage else 0)
             raise
@@ -113,11 +113,11 @@ class _Mapping:
 
 
 def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: bool = True,
-                  what: str = "other") -> torch.Tensor:
+                  what: str = "other", pin: bool = True) -> torch.Tensor:
     """A flat uninitialized CPU tensor on memory ready for O_DIRECT.
 
     2 MiB-aligned and advised for transparent huge pages (``hugepage=True``), else 4 KiB
-    aligned. With an accelerator the mapping is pinned (``_accelerator.host_register``:
+    aligned. With an accelerator the mapping is pinned unless ``pin`` is off (``_accelerator.host_register``:
     cudaHostRegister on CUDA), so its size is what was asked for and it goes back to the
     system when its last tensor goes.
     ``what`` names the memory's category in the ledger (Note [host memory ledger]).
@@ -131,7 +131,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
     nbytes = numel * itemsize
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    mapping = _Mapping(nbytes, hugepage, what)
+    mapping = _Mapping(nbytes, hugepage, what, pin)
     if hugepage and not _HUGE_WARNED and (not mapping.huge or _thp_mode() == "never"):
         _HUGE_WARNED.append(True)
         logger.info("aligned_empty: transparent huge pages are off (%s); using 4 KiB pages, "

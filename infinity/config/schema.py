@@ -146,6 +146,13 @@ class OptimizerOffloadConfig:
         "order the next forward needs them, while that forward runs; auto: on with an accelerator (whose compute then "
         "overlaps the host's update) or an NVMe tier (the update is bound by its I/O), off on a CPU-only run with the "
         "states in host memory (the forward needs the cores); off: the update finishes inside step()")
+    # Note [speculative update] in _zero/_speculative_update.py
+    speculate: Literal["auto", "on", "off"] = _opt(
+        "auto", "cpu, with overlap_step: update each unit while backward goes on, as soon as its gradients have "
+        "landed, speculating that the step will not clip (nor meet inf/NaN); the values it overwrites are kept "
+        "(14-16 bytes per parameter of host memory) and put back exactly when it does; auto: on with an "
+        "accelerator when every state is in host memory and the kept values take at most a quarter of the "
+        "available host memory, and then each step unless the last one clipped or met inf/NaN; on: every step")
 
     _cross_check = _check_optimizer_offload_section
 
