@@ -34,7 +34,10 @@ def _cell(cells: dict, contender: str, size: str) -> str:
 def block(entries: list, machine: str) -> str:
     """The headline's lines between the markers."""
     cells = {e.key: e for e in entries}
-    lines = [START, "", f"GPT-2 on {machine};", "bf16 compute with fp32 master weights, AdamW, clipping 1.0, "
+    ours = cells.get(("infinity-cpu", "1.5b")) or cells.get(("infinity-cpu", "124m"))
+    clip = (ours.record.get("extra") or {}).get("clip", 1.0) if ours is not None else 1.0  # older records: 1.0
+    clipping = f"clipping {clip:g}" if clip > 0 else "no clipping"
+    lines = [START, "", f"GPT-2 on {machine};", f"bf16 compute with fp32 master weights, AdamW, {clipping}, "
              "8 x 1024 tokens a step,", "each contender in its own process (`python -m benchmarks.peers`), median step:", "",
              "| contender | GPT-2 124M | GPT-2 1.5B (48 x 1600) |", "| --- | --- | --- |"]
     for contender, words in ROWS:

@@ -2,8 +2,9 @@
 
 Every contender trains the same GPT-2 (``_models.gpt2``, the same weights) on the same random
 batches (8 x 1024 tokens by default) the same way (``_trainers``: bf16 compute with fp32 master
-weights, AdamW lr 1e-4 and weight decay 0.01, clipping at 1.0), each in a process of its own
-(``_harness``), at each size of ``--sizes`` (124m: 12 x 768; 1.5b: GPT-2 XL, 48 x 1600):
+weights, AdamW lr 1e-4 and weight decay 0.01, clipping at ``--clip``, 1.0 by default, which each record's
+``extra`` names), each in a process of its own (``_harness``), at each size of ``--sizes`` (124m: 12 x 768;
+1.5b: GPT-2 XL, 48 x 1600):
 
   plain                   the whole model on the GPU, torch's fused AdamW on fp32 masters
   infinity-none           infinity ZeRO-3, nothing offloaded
@@ -130,7 +131,8 @@ def measure(spec: dict) -> dict:
     count = spec["warmup"] + spec["steps"]
     batches = [b.to(device) for b in _models.batches(spec["size"], spec["micro_batch"], spec["seq_len"], count)]
     setup_peaks = _harness.peaks()
-    extra = {"setup_s": round(time.perf_counter() - start, 2), "gpu_setup_peak_gib": _harness.gib(setup_peaks["gpu"]),
+    extra = {"clip": _trainers.CLIP, "setup_s": round(time.perf_counter() - start, 2),
+             "gpu_setup_peak_gib": _harness.gib(setup_peaks["gpu"]),
              "host_setup_peak_gib": _harness.gib(setup_peaks["host"]),
              "host_peak_since": "setup" if _harness.reset_peaks() else "start"}
     telemetry = trainer.telemetry if isinstance(trainer, _trainers.InfinityTrainer) else None
