@@ -14,8 +14,10 @@ time from torch.profiler. The variants: the overlapped step on and off
 Cells are size/offload/variant, each in a process of its own (benchmarks/_harness.py); a
 cell's record is contender ``infinity-<offload>-<variant>`` at its size, ``step_s`` the whole
 step and ``extra`` the rest: the parts (``forward_s``, ``backward_s``, ``step_call_s``, medians),
-``variant``, ``offload``, the telemetry's figures, and the run model's prediction for the same
-run from rates measured in the child (``predicted_step_s``). Each phase is timed between device
+``variant``, ``offload``, the telemetry's figures, the engine's profiler ranges in one profiled
+step summed by kind (``trace_ranges_s``, and its waits by stage, ``trace_wait_s``; ``--trace DIR``
+writes that step's Chrome trace, each range named after its unit), and the run model's
+prediction for the same run from rates measured in the child (``predicted_step_s``). Each phase is timed between device
 synchronizations, which serialise the GPU at the phase edges; the step time of record is
 benchmarks.peers's, without them. ``gpu_busy_s``: the union of the GPU's kernel intervals in
 one profiled step, ``gpu_idle_s`` the rest of that step's wall time.
@@ -26,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 from benchmarks import _flags, _harness, _models
 from benchmarks._harness import Cell
@@ -49,20 +52,29 @@ def variant_config(offload: str, nvme_path: str, variant: str, dtype: str = "bf1
                                                             "prefetch": {"enabled": v["prefetch"]}})
 
 
-def _gpu_busy(step) -> dict:
-    """Run ``step`` under torch.profiler: the union of the GPU's kernel intervals and of its
-    copies', in seconds, beside the step's wall time."""
+def _profiled_step(step, trace: Optional[str] = None) -> dict:
+    """Run ``step`` under torch.profiler, every thread recorded (the update's too: Note [profiler
+    ranges] in infinity/_runtime/_telemetry_counters.py): the engine's ranges summed by kind
+    (``trace_ranges_s``, ``trace_wait_s`` by stage: the telemetry's stalls as the trace saw them)
+    and, with CUDA, the union of the GPU's kernel intervals and of its copies', beside the step's
+    wall time. ``trace``: the Chrome trace written there too."""
     import torch
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
-    if not torch.cuda.is_available():
-        return {}
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         sync()
         start = time.perf_counter()
         step()
         sync()
         wall = time.perf_counter() - start
+    if trace:
+        prof.export_chrome_trace(trace)
+    out = {"profiled_step_s": round(wall, 4), **trace_table(prof.events())}
+    if not cuda:
+        return out
     kernels, copies = [], []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -70,8 +82,24 @@ def _gpu_busy(step) -> dict:
         span = (e.time_range.start, e.time_range.end)
         (copies if e.name.startswith(("Memcpy", "Memset")) else kernels).append(span)
     busy = _union(kernels) / 1e6
-    return {"profiled_step_s": round(wall, 4), "gpu_busy_s": round(busy, 4), "gpu_idle_s": round(wall - busy, 4),
+    return {**out, "gpu_busy_s": round(busy, 4), "gpu_idle_s": round(wall - busy, 4),
             "gpu_copy_s": round(_union(copies) / 1e6, 4)}
+
+
+def trace_table(events) -> dict:
+    """The engine's ranges in a profiler's events summed by kind, in seconds (their unit names
+    dropped: ``range_kind``); the waits apart, by stage."""
+    from infinity.testing import range_kind
+
+    ranges: dict = {}
+    for e in events:
+        if e.name.startswith("infinity::") and e.device_type == e.device_type.CPU:
+            kind = range_kind(e.name)
+            ranges[kind] = ranges.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e6
+    waits = {k[len("infinity::wait:"):]: round(v, 4) for k, v in ranges.items() if k.startswith("infinity::wait:")}
+    return {"trace_ranges_s": {k[len("infinity::"):]: round(v, 4) for k, v in sorted(ranges.items())
+                               if not k.startswith("infinity::wait:")},
+            "trace_wait_s": dict(sorted(waits.items()))}
 
 
 def _union(spans) -> float:
@@ -141,7 +169,9 @@ def measure(spec: dict) -> dict:
         one(ids, i >= spec["warmup"])
         if i >= spec["warmup"]:
             telemetry.append(engine.telemetry(reset=True))
-    gpu = _gpu_busy(lambda: one(batches[-1], False))
+    trace = os.path.join(spec["trace"], f"{spec['size']}-{spec['offload']}-{spec['variant']}.json") \
+        if spec.get("trace") else None
+    gpu = _profiled_step(lambda: one(batches[-1], False), trace)
     opt.wait_step()
     engine.close()
     extra = {"variant": spec["variant"], "offload": spec["offload"],
@@ -193,6 +223,8 @@ EXTRA = ("predicted_step_s", "forward_s", "backward_s", "step_call_s", "update_s
 def main(argv=None) -> int:
     p = _flags.parser(__doc__, steps=3, warmup=2, seq_len=1024, micro_batch=8,
                       only="1.5b/cpu/overlap,1.5b/cpu/no-overlap", budget=3600.0, timeout=240.0)
+    p.add_argument("--trace", metavar="DIR", help="write each cell's profiled step as a Chrome trace "
+                   "(DIR/<size>-<offload>-<variant>.json): the engine's ranges named after their units")
     args = _harness.parse(p, measure, argv)
     cells = [tuple(c.split("/")) for c in _flags.parse_list(args.only)]  # size/offload/variant
     for cell in cells:
@@ -209,7 +241,10 @@ def main(argv=None) -> int:
     dtype = "bf16" if torch.cuda.is_available() and not args.smoke else "fp32"
     of = {f"infinity-{offload}-{variant}": (offload, variant) for _, offload, variant in cells}
     spec = {"dtype": dtype, "steps": args.steps, "warmup": args.warmup, "seq_len": args.seq_len,
-            "micro_batch": args.micro_batch, "smoke": args.smoke}
+            "micro_batch": args.micro_batch, "smoke": args.smoke,
+            "trace": os.path.abspath(args.trace) if args.trace else None}
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     records = _harness.run_cells(BENCH, "benchmarks.step_profile", [Cell(f"infinity-{o}-{v}", size) for size, o, v in cells],
                                  lambda cell, scratch: dict(spec, size=cell.size, offload=of[cell.contender][0],
                                                       variant=of[cell.contender][1], scratch=scratch), args, dtype=dtype)

@@ -23,6 +23,7 @@ And what the benchmarks in ``scripts/`` read or drive below the public API, each
   off between steps, to compare it with glibc's allocator.
 - ``is_parameter_like``: which saved tensors activation offload leaves where they are.
 - ``collective_calls``: how many of each collective this process has issued.
+- ``range_kind``: an engine profiler range's kind, its unit's name dropped (the step profile's trace table).
 - ``parse_bytes``: a size as the config reads one ("24GB", "512MiB", bytes).
 - ``checksummed``, ``crc32c_hardware``, ``native_aio``: the swap files' block sums, whether CRC32C
   runs in hardware here, and the aio library's cffi module (``ffi``, ``lib``), for the checksum bench.
@@ -63,6 +64,7 @@ from ._runtime._accelerator import cap_memory as cap_device_memory  # noqa: F401
 from ._runtime._accelerator import max_memory_allocated as device_memory_peak  # noqa: F401
 from ._runtime._accelerator import memory_allocated as device_memory_allocated  # noqa: F401
 from ._runtime._accelerator import reset_peak_memory_stats as reset_device_memory_peak  # noqa: F401
+from ._runtime._telemetry_counters import range_kind  # noqa: F401
 from ._zero._activation_offload import _is_parameter_like as is_parameter_like  # noqa: F401
 from ._zero._pretrained import _DTYPES
 from .aio import _native as native_aio  # noqa: F401

@@ -2,13 +2,18 @@
 hit rate, trace divergences. ``Engine.telemetry()`` hands them out and starts afresh.
 
 Note [profiler ranges]: under ``torch.profiler`` the engine's work shows as named ranges, as
-FSDP2's does, so that a stall in a trace is attributed to what the step waited for: each
-transfer the engine issues (``infinity::read``, the NVMe read of a unit's shard submitted;
-``infinity::copy_to_device``; ``infinity::all_gather``; ``infinity::reduce_scatter``;
-``infinity::grad_landing``, landed gradients added into the optimizer's store;
-``infinity::update_chunk``, Adam over one chunk of the flat space) and each wait on the critical
-path (``infinity::wait:<stage>``, the stages of ``Counters.STAGES``: the same blocks whose
-seconds the telemetry's ``stall_s`` counts; ``optimizer_io`` is the step gate's). ``span``
+FSDP2's does, so that a stall in a trace is attributed to what the step waited for and to which
+unit: each transfer the engine issues (``infinity::read``, the NVMe read of a unit's shard
+submitted; ``infinity::copy_to_device``; ``infinity::all_gather``; ``infinity::reduce_scatter``,
+named after the bucket's first units; ``infinity::copy_to_host``, a gradient shard's copy to the
+host; ``infinity::grad_landing``, landed gradients added into the optimizer's store;
+``infinity::update_chunk`` and ``infinity::speculative_update_chunk``, Adam over one chunk of the
+flat space, named after the chunk's first unit) and each wait on the critical path
+(``infinity::wait:<stage>``, the stages of ``Counters.STAGES``: the same blocks whose seconds
+the telemetry's ``stall_s`` counts; ``optimizer_io`` is the step gate's), each followed by
+``:<unit>``, the unit's module name (``<root>`` for the root's), where it concerns one unit
+(``range_kind`` drops it). ``benchmarks.step_profile --trace DIR`` writes one step's trace and
+sums its ranges by kind. ``span``
 opens a range only while a profiler records (a test of one flag otherwise), so the ranges cost
 the step nothing when nobody looks. The overlapped update runs on the step's own thread, which
 torch's profiler records only when asked for every thread:
@@ -55,10 +60,11 @@ class Counters:
         if background:
             self.update["background_seconds"] += seconds
 
-    def blocked(self, stage: str):
-        """Time spent waiting on ``stage`` on the critical path (a profiler range too: Note [profiler ranges])."""
+    def blocked(self, stage: str, unit: str = ""):
+        """Time spent waiting on ``stage`` on the critical path, for ``unit`` where one is named (a
+        profiler range too: Note [profiler ranges])."""
         if _torch_profiler._is_profiler_enabled:
-            return _blocked(self.stall, stage)
+            return _blocked(self.stall, stage, unit)
         return _seconds_into(self.stall, stage)  # the hot path when nobody profiles: no range to open
 
     def snapshot(self) -> dict:
@@ -76,16 +82,27 @@ class Counters:
         }
 
 
-def span(name: str):
-    """A profiler range named ``name`` while a profiler records, else nothing (Note [profiler ranges])."""
+def span(name: str, unit: str = ""):
+    """A profiler range named ``name`` (``name:unit`` for a unit's) while a profiler records, else
+    nothing (Note [profiler ranges]); the name is built only then."""
     # torch's flag for any profiler of the process, not the calling thread's: the overlapped step's thread is
     # recorded only by a profiler of all threads, and its own thread-local state says off even then
-    return record_function(name) if _torch_profiler._is_profiler_enabled else contextlib.nullcontext()
+    if not _torch_profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    return record_function(f"{name}:{unit}" if unit else name)
+
+
+def range_kind(name: str) -> str:
+    """The kind of an engine range, its unit left out: ``infinity::all_gather:transformer.h.0`` is
+    ``infinity::all_gather``, ``infinity::wait:nvme_read:transformer.h.0`` ``infinity::wait:nvme_read``."""
+    parts = name[len("infinity::"):].split(":")
+    return "infinity::" + ":".join(parts[:2] if parts[0] == "wait" else parts[:1])
 
 
 @contextlib.contextmanager
-def _blocked(totals, stage: str):
-    with record_function(f"infinity::wait:{stage}"), _seconds_into(totals, stage):
+def _blocked(totals, stage: str, unit: str = ""):
+    with record_function(f"infinity::wait:{stage}:{unit}" if unit else f"infinity::wait:{stage}"), \
+            _seconds_into(totals, stage):
         yield
 
 

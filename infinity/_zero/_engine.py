@@ -9,10 +9,10 @@ differs between ZeRO stages is one small frozen policy (``StagePolicy``), not ch
 through the code.
 
 Note [hook protocol]: the hooks at stage 3.
-- pre-forward of module M: acquire (gather) the units M uses: the one it owns and the units
-  owning external parameters it touches; post-forward: release them and, when autograd
-  will come back through M, hook M's outputs so its units are re-acquired before M's
-  backward (pre-backward).
+- pre-forward of a hooked module M (Note [hooks per unit] in _module_state.py): acquire
+  (gather) the units M uses, its own and those owning external parameters it touches;
+  post-forward: release them and, when autograd will come back through M, hook M's outputs
+  so its units are re-acquired before M's backward (pre-backward).
 - a parameter used while RELEASED inside a managed forward is gathered on demand, held until
   the running module's post-forward, and recorded as an external dependency of that
   module, so later iterations (and its backward) fetch it up front.
@@ -50,7 +50,7 @@ import functools
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -66,7 +66,7 @@ from ._backward import BackwardHooks
 from ._engine_report import EngineReport
 from ._ledger import Hold
 from ._loss_scale import scale_outputs
-from ._module_state import ModuleState
+from ._module_state import ModuleState, hooked_modules
 from ._param import info_of, make_partitioned, raw_data, set_data
 from ._param_edits import ParameterEdits
 from ._phase import Calls, Frame, Phase, tensors_in
@@ -155,6 +155,7 @@ class Engine(ParameterEdits, EngineReport):
             counters=self.counters, check_same_gathers=self.check_same_gathers,
             on_abort=parts.sink.backward_aborted)
         self._handles: list = []
+        self._hooked: Set[nn.Module] = set()  # the modules with forward hooks
         self._forward_failed = False  # Note [aborted forward]: the other ranks not asked yet
         self._telemetry_totals: dict = {}  # running totals at the last telemetry() call
         for module, params in list(_pending_external.items()):
@@ -180,6 +181,9 @@ class Engine(ParameterEdits, EngineReport):
         if module not in self.states:
             raise EngineError(f"register_external_parameter: {type(module).__name__} is not a submodule of this model")
         self.states[module].add_unit(info.unit)
+        if self._handles and module not in self._hooked:  # Note [hooks per unit] in _module_state.py
+            self._hooked.add(module)
+            self._hook(module)
 
     def cast_and_partition(self) -> None:
         """Cast parameters to the compute dtype; in stage 3 keep only this rank's shards.
@@ -224,11 +228,10 @@ class Engine(ParameterEdits, EngineReport):
     def install_hooks(self) -> None:
         if self.policy.partition_params:
             _function_params.install()  # Note [parameters read by autograd Functions] in _function_params.py
-            for module in self.states:
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-                # always_call: Note [aborted forward]
-                self._handles.append(module.register_forward_hook(self._post_forward, with_kwargs=True,
-                                                                  always_call=True))
+            per_module = self.cfg.zero.fetch_units.hooks == "module"  # Note [hooks per unit] in _module_state.py
+            self._hooked = set(self.states) if per_module else hooked_modules(self.model, self.states)
+            for module in [m for m in self.states if m in self._hooked]:
+                self._hook(module)
         elif self.dtype == torch.float16:
             self._handles.append(self.model.register_forward_pre_hook(self._pre_forward_root))
             self._handles.append(self.model.register_forward_hook(self._post_forward_root))
@@ -239,6 +242,10 @@ class Engine(ParameterEdits, EngineReport):
                         self._handles.append(p.register_post_accumulate_grad_hook(_held_weakly(self.backward.grad_accumulated)))
         if self.activation_offload is not None:
             self._handles.extend(self.activation_offload.install(self.model))
+
+    def _hook(self, module: nn.Module) -> None:  # always_call: Note [aborted forward]
+        self._handles += [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                          module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)]
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -68,18 +68,20 @@ class GradSink:
             if slot is not None:  # Note [gradients landed in place] in _grad_buffer.py
                 src = shard_grad if self.grad_scale == 1.0 else shard_grad * self.grad_scale
                 self._store.note_norm(unit.opt_offset, torch.linalg.vector_norm(src))
-                _, event = acc.start_copy_to_host(src, out=slot)
+                with span("infinity::copy_to_host", unit.label):
+                    _, event = acc.start_copy_to_host(src, out=slot)
                 self._counters.bytes["grad_landed_in_place"] += src.numel() * src.element_size()
                 self._landing.append((unit, None, event, 1.0))
                 self.on_landed(unit, event)
                 self._land(wait=False)
                 return
-            host, event = acc.start_copy_to_host(shard_grad)
+            with span("infinity::copy_to_host", unit.label):
+                host, event = acc.start_copy_to_host(shard_grad)
             self._landing.append((unit, host, event, self.grad_scale))
             self._staged += 1
             self._land(wait=self._staged > GRADS_IN_FLIGHT)
             return
-        with self._counters.blocked("grad_offload"):
+        with self._counters.blocked("grad_offload", unit.label):
             self._store.accumulate(unit.opt_offset, shard_grad, self.grad_scale)
         self.on_landed(unit, None)
 
@@ -88,10 +90,10 @@ class GradSink:
         to add); ``wait``: up to the oldest staged copy at least, ``every``: all of them."""
         while self._landing and (wait or self._landing[0][2].query()):
             unit, host, event, scale = self._landing.popleft()
-            with self._counters.blocked("grad_offload"):
+            with self._counters.blocked("grad_offload", unit.label):
                 acc.wait_copy_to_host(event)
                 if host is not None:
-                    with span("infinity::grad_landing"):
+                    with span("infinity::grad_landing", unit.label):
                         self._store.accumulate(unit.opt_offset, host, scale)
                     self._staged -= 1
                     self.on_landed(unit, None)

@@ -20,6 +20,21 @@ from its own pre- and post-backward), each of which raises when called in anothe
 - ``end_hold``: AWAITING -> DONE; the units are released.
 - ``reset``: the end of backward, after every hold ended: NOT_REACHED for the next one.
 
+Note [hooks per unit]: at stage 3 the forward hooks acquire a module's units, enter the trace
+and, on the way out, hang a multi-grad hook on its outputs for backward. Inside a block every
+submodule uses the block's units, which the block's own hooks already hold from its
+pre-forward to its post-forward, and in backward from the first gradient of its outputs until
+all its units' gradients and its inputs' gradients are in: the submodules' hooks would only
+count references to held units again, a host cost per module (about 150 modules for GPT-2's
+17 units) that FSDP2 avoids by hooking each parameter group once. With ``zero.fetch_units.hooks:
+unit`` (the default) a module gets hooks only where its ancestors' hooks do not already hold
+every unit it uses (``hooked_modules``): the root, each block, each module outside blocks that
+owns a unit (an embedding, a final norm, a head tied to the embedding's unit), and any module
+reached under two names (it may run outside the ancestor that holds its units). A unit learned
+in a forward (a parameter read outside its module: Note [phases] in _phase.py) joins the
+nearest hooked frame's state, and ``register_external_parameter`` hooks its module. ``hooks:
+module`` hooks every module, as before: the trace per module.
+
 Forward progress is not part of this state: it is per call, a frame on the stack of ``Calls``
 (a module may run twice in one forward, and again inside backward where activation
 checkpointing recomputes it), and the phase of the iteration is the engine's (``Calls.phase``,
@@ -29,7 +44,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 from torch import nn
 
@@ -38,6 +53,31 @@ from ._ledger import Hold
 
 if TYPE_CHECKING:
     from ._unit import FetchUnit
+
+
+def hooked_modules(model: nn.Module, states: Dict[nn.Module, "ModuleState"]) -> Set[nn.Module]:
+    """The modules whose forward hooks stage 3 installs (Note [hooks per unit]): the root, every
+    module reached under two names, and every module using a unit its nearest hooked ancestor does
+    not use."""
+    count: Dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        count[id(m)] = count.get(id(m), 0) + 1
+    by_name = {s.name: m for m, s in states.items()}
+    hooked: Set[nn.Module] = set()
+    for module, state in states.items():  # named_modules order: every ancestor decided before its descendants
+        ancestor = _nearest_hooked(state.name, by_name, hooked)
+        if ancestor is None or count.get(id(module), 1) > 1 or not set(state.units) <= set(states[ancestor].units):
+            hooked.add(module)
+    return hooked
+
+
+def _nearest_hooked(name: str, by_name: Dict[str, nn.Module], hooked: Set[nn.Module]) -> Optional[nn.Module]:
+    while name:
+        name = name.rsplit(".", 1)[0] if "." in name else ""
+        module = by_name.get(name)
+        if module is not None and module in hooked:
+            return module
+    return None
 
 
 class BackwardProgress(enum.Enum):

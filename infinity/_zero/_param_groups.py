@@ -203,6 +203,20 @@ def first_nonfinite(flat: Optional[torch.Tensor], units) -> Optional[str]:
     return None
 
 
+def unit_labels(units) -> tuple:
+    """(offsets, labels) of the units with an optimizer range, in flat order (``label_at``)."""
+    pairs = sorted((u.opt_offset, u.label) for u in units if u.trainable and u.shard_numel)
+    return [o for o, _ in pairs], [name for _, name in pairs]
+
+
+def label_at(labels: tuple, offset: int) -> str:
+    """The unit whose optimizer range holds ``offset``: a chunk's first, named in its profiler
+    range (Note [profiler ranges] in _telemetry_counters.py)."""
+    offsets, names = labels
+    i = bisect.bisect_right(offsets, offset) - 1
+    return names[i] if i >= 0 else ""
+
+
 def named_parameters(units) -> List[tuple]:
     """(qualified name, parameter) of every managed parameter, in unit order."""
     return [(info.name, p) for unit in units for p, info in zip(unit.params, unit.infos)]

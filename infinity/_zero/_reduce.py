@@ -174,7 +174,7 @@ class GradReducer:
         out = full.view(-1) if self.world_size == 1 else torch.empty(bucket.cols, dtype=torch.float32,
                                                                        device=acc.device())
         names = ", ".join(u.module_name or "<root>" for u, _ in bucket.units[:3])
-        with span("infinity::reduce_scatter"):
+        with span("infinity::reduce_scatter", names):
             handle = comm.reduce_scatter_tensor(out, full.view(-1), async_op=True,
                                                 what=f"reduce-scatter of gradients of [{names}...]")
         self._inflight.append(_InFlight(handle, out, bucket, full))

@@ -80,7 +80,7 @@ class TimeStall(Protocol):
     telemetry. Provider: ``Counters.blocked`` (_runtime/_telemetry_counters.py); Note
     [injected operations] in _seams.py."""
 
-    def __call__(self, stage: str) -> ContextManager: ...
+    def __call__(self, stage: str, unit: str = "") -> ContextManager: ...
 
 
 class Speculation(Protocol):
@@ -206,7 +206,7 @@ class StepGate:
             with self._cond:
                 self._waiting -= 1
 
-    def wait(self, end: int, *, start: float = -1, block: bool = True, what: str = "") -> bool:
+    def wait(self, end: int, *, start: float = -1, block: bool = True, what: str = "", unit: str = "") -> bool:
         """True once the flat range [start, end) holds this step's values; False when
         ``block`` is off and it does not yet. Raises a failed step's error (Note [failed step])."""
         def ready() -> bool:
@@ -220,7 +220,7 @@ class StepGate:
         with self._cond:
             if not block and self._state is GateState.OPEN:
                 return ready()
-            with self._blocked("optimizer_io"), self._waiter():
+            with self._blocked("optimizer_io", unit), self._waiter():
                 ok = self._cond.wait_for(ready, timeout=comm.timeout_s())
             self._raise_failure()
             if not ok:

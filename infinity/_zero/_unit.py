@@ -423,7 +423,7 @@ class FetchUnit:
         (resident tiers have nothing to read). False when ``block`` is off and no buffer is free."""
         self._expect(ParamState.RELEASED, "stage_to_host")
         if self.trainable and not self.ctx.step_gate.wait(self.opt_offset + self.shard_numel, start=self.opt_offset,
-                                                          block=block, what=self._what()):
+                                                          block=block, what=self._what(), unit=self.label):
             return False  # a frozen unit's shard is never rewritten
         staging = Staging.resident() if self.store.tier.resident else self._stage_from_nvme(block)
         if staging is None:
@@ -449,8 +449,8 @@ class FetchUnit:
             self.ctx.counters.bytes["param_handoff"] += nbytes
             return Staging.handed_off(handoff)
         into = self._direct_read_buffer()
-        with span("infinity::read"), self.ctx.counters.blocked("nvme_read"):  # waits for the range's writes, a
-            # free buffer
+        with span("infinity::read", self.label), self.ctx.counters.blocked("nvme_read", self.label):  # waits for
+            # the range's writes, a free buffer
             read = self.store.start_read(self.param_offset, self.shard_numel, block=block, into=into)
         if read is None:
             if into is not None:
@@ -477,7 +477,7 @@ class FetchUnit:
         if staging.in_flight:
             if not block and not self.store.read_done(staging.read):
                 return False
-            with self.ctx.counters.blocked("nvme_read"):
+            with self.ctx.counters.blocked("nvme_read", self.label):
                 staging = staging.landed(self.store.finish_read(staging.read, what=self._what()))
             self._staging = staging  # landed: a failure below leaves the buffer where cancel_prefetch finds it
         src = staging.host_shard(self.shard_numel)
@@ -485,7 +485,7 @@ class FetchUnit:
             src = self.shard()
         if staging.to_cache:
             self.store.remember(self.param_offset, src)  # Note [parameter cache] in _nvme_param_store.py
-        with span("infinity::copy_to_device"):
+        with span("infinity::copy_to_device", self.label):
             staging = staging.on_device(*acc.start_copy_to_device(src), src)
         if staging.device.copied:
             self.ctx.counters.bytes["host_to_device"] += src.numel() * src.element_size()
@@ -499,6 +499,8 @@ class FetchUnit:
         staging, self._staging = self._staging, None
         staging.give_back(self.store)
         return staging
+
+    label = property(lambda self: self.module_name or "<root>", doc="its name in profiler ranges: its module's")
 
     def _what(self) -> str:
         return f"the shard of {self.module_name or '<root>'} ({len(self.params)} params, first " \
@@ -532,7 +534,7 @@ class FetchUnit:
             raise
         self.ctx.ledger.gathered(self)
         self.ctx.counters.bytes["all_gather"] += nbytes
-        with span("infinity::all_gather"):
+        with span("infinity::all_gather", self.label):
             gathered.handle = comm.all_gather_into_tensor(
                 gathered.out, shard, async_op=True,
                 what=f"all-gather of {self.module_name or '<root>'} ({len(self.params)} params, first {self.infos[0].name})")
@@ -543,7 +545,7 @@ class FetchUnit:
         """GATHERING -> AVAILABLE: wait, then point every parameter at its full tensor."""
         self._expect(ParamState.GATHERING, "wait_for_unshard")
         gathered = self._gathered
-        with self.ctx.counters.blocked("all_gather"):
+        with self.ctx.counters.blocked("all_gather", self.label):
             gathered.handle.wait()
         rows = gathered.out.view(self.world_size, self.shard_numel)
         for p, info in zip(self.params, self.infos):

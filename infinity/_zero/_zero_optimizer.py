@@ -53,10 +53,12 @@ from ._param_groups import (
     check_group_hyper,
     first_nonfinite,
     gaps,
+    label_at,
     named_parameters,
     pieces,
     runs_in,
     slots_of,
+    unit_labels,
 )
 from ._seams import Action
 from ._speculative_update import Speculated, SpeculativeUpdate
@@ -178,6 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.nonfinite_skipped = 0  # steps skipped for inf/NaN under precision.on_nonfinite: skip
         self._loss_ok: Optional[torch.Tensor] = None  # all losses noted since the last step were finite
         self._chunks_begun = 0  # chunks of this step whose update began (Note [failed step] in _step_gate.py)
+        self._labels = unit_labels(ops.units)  # a chunk's first unit, for its profiler range
         self._got_last: Optional[torch.Tensor] = None  # which parameters got a gradient last step, on any rank
         self.speculation = SpeculativeUpdate(  # Note [speculative update] in _speculative_update.py
             self.store, ops.units, cfg.gradient_accumulation_steps, update=self._speculate_chunk,
@@ -444,14 +447,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Adam on the parts of one chunk the plan covers (Note [update plan] in _param_groups.py); the chunk's
         fresh compute-dtype values go where they belong (fused into Adam's pass where the
         native Adam can write them). A profiler range (Note [profiler ranges] in _telemetry_counters.py)."""
-        with span("infinity::update_chunk"):
+        with span("infinity::update_chunk", label_at(self._labels, chunk.offset)):
             self._chunks_begun += 1  # the states change from here on: Note [failed step] in _step_gate.py
             self._update_chunk_in_range(chunk, plan, out_flat, publish)
 
     def _speculate_chunk(self, chunk: Chunk, plan: UpdatePlan) -> None:
         """One piece of a speculative update (Note [speculative update] in _speculative_update.py):
         the same Adam calls as the step's, on the speculation's thread, with its undo log kept."""
-        with span("infinity::speculative_update_chunk"):
+        with span("infinity::speculative_update_chunk", label_at(self._labels, chunk.offset)):
             self._update_chunk_in_range(chunk, plan, None, publish=False, speculative=True)
 
     def _speculative_plan(self) -> Optional[UpdatePlan]:

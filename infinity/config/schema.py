@@ -184,6 +184,11 @@ class FetchUnitsConfig:
         "`classes`) holding every parameter inside it, plus one per module outside blocks; module: one unit per module "
         "that owns parameters")
     classes: Tuple[str, ...] = _opt((), "block: names of module classes that also form one unit each (e.g. GPT2Block)")
+    # Note [hooks per unit] in _zero/_module_state.py
+    hooks: Literal["unit", "module"] = _opt(
+        "unit", "stage 3: unit = forward hooks only on the modules whose units their ancestors do not already hold (a "
+        "block, an embedding, the root), the modules inside running in that hold, as FSDP2 hooks a group once; "
+        "module = on every module (the trace per module)")
 
 
 @dataclass(frozen=True)

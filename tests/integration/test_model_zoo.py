@@ -34,6 +34,11 @@ STEPS, LR, WEIGHT_DECAY, TOL = 3, 1e-3, 0.01, 1e-6
 # into steps of lr in a direction set by the order of a sum, not by the model; 1e-6 keeps those
 # steps below the tolerance and changes nothing measurable for real gradients (1e-3 and more).
 EPS = 1e-6
+# Even so, the key bias's noise is the order of a sum, which differs with the threads a reduction
+# runs on: CLIP's vision k_proj.bias ended 0.97e-6 from plain AdamW in one process and 1.22e-6 in
+# another on an AMD EPYC with avx512_bf16, every other parameter within 1.2e-7. Those biases carry
+# no signal to compare; they are held to the bound of what noise can move them (a step of lr each).
+NOISE_ONLY = ("k_proj.bias",)
 NAMES = [a.name for a in ZOO]
 CHECKPOINTED = ("llama", "gemma2", "opt", "bert", "t5", "whisper", "mixtral", "llava")  # checkpointing, by default
 TWO_RANKS = ("opt", "gemma2", "bert", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")  # two ranks, by default
@@ -164,7 +169,8 @@ def _assert_trains_like_plain(name: str, checkpointing: bool, got: tuple) -> Non
     assert losses == pytest.approx(want_losses, abs=TOL, rel=TOL)
     assert params.keys() == want_params.keys()
     far = {n: float((params[n] - want_params[n]).abs().max()) for n in want_params
-           if not torch.allclose(params[n], want_params[n], atol=TOL, rtol=TOL)}
+           if not torch.allclose(params[n], want_params[n], atol=LR * STEPS if n.endswith(NOISE_ONLY) else TOL,
+                                 rtol=TOL)}
     assert not far, f"final parameters further than {TOL} from plain AdamW: {far}"
 
 

@@ -12,7 +12,7 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 import infinity
-from infinity._runtime._telemetry_counters import span
+from infinity._runtime._telemetry_counters import range_kind, span
 
 
 def _step(model, opt, ids):
@@ -35,12 +35,30 @@ def test_a_stage3_nvme_step_names_its_transfers_and_waits(tmp_path):
     with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
         _step(model, opt, data[1])
     tele = infinity.telemetry(model)
-    counts = collections.Counter(e.name for e in prof.events() if e.name.startswith("infinity::"))
+    names = [e.name for e in prof.events() if e.name.startswith("infinity::")]
+    counts = collections.Counter(range_kind(n) for n in names)
     for name in ("infinity::read", "infinity::copy_to_device", "infinity::all_gather", "infinity::reduce_scatter",
                  "infinity::update_chunk", "infinity::wait:nvme_read", "infinity::wait:optimizer_io"):
         assert counts[name] > 0, (name, dict(counts))
-    assert set(n.split(":", 3)[-1] for n in counts if n.startswith("infinity::wait:")) <= set(tele["stall_s"])
+    assert set(k.split(":", 3)[-1] for k in counts if k.startswith("infinity::wait:")) <= set(tele["stall_s"])
     assert counts["infinity::wait:nvme_read"] >= counts["infinity::read"]  # each submission's own wait, and landings'
+    # named after the unit: every unit is gathered for forward, each range saying which; reads, copies and update
+    # chunks name units too (some shards come from the step's hand-off instead of a read)
+    labels = {u.label for u in opt.ops.units}
+
+    def units_of(kind: str) -> set:
+        return {n[len(kind) + 1:] for n in names if range_kind(n) == kind}
+
+    assert units_of("infinity::all_gather") == labels
+    for kind in ("infinity::read", "infinity::copy_to_device", "infinity::update_chunk", "infinity::wait:nvme_read"):
+        assert units_of(kind) and units_of(kind) <= labels | {""}, (kind, units_of(kind), labels)
+
+
+def test_range_kinds_drop_the_unit():
+    assert range_kind("infinity::all_gather:transformer.h.0") == "infinity::all_gather"
+    assert range_kind("infinity::wait:nvme_read:<root>") == "infinity::wait:nvme_read"
+    assert range_kind("infinity::wait:optimizer_io") == "infinity::wait:optimizer_io"
+    assert range_kind("infinity::reduce_scatter:lm_head, transformer.ln_f") == "infinity::reduce_scatter"
 
 
 def test_no_range_without_a_profiler():

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_the_step_profile_smoke_run_records_every_part(tmp_path):
     out = tmp_path / "profile.jsonl"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--smoke", "--out", str(out),
-                           "--nvme-path", str(tmp_path), "--only", "1.5b/cpu/overlap,124m/nvme/no-prefetch"],
+                           "--nvme-path", str(tmp_path), "--only", "1.5b/cpu/overlap,124m/nvme/no-prefetch",
+                           "--trace", str(tmp_path / "traces")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -31,4 +32,10 @@ def test_the_step_profile_smoke_run_records_every_part(tmp_path):
         assert x["update_s"] > 0 and x["update_threads"] >= 1
         assert x["predicted_step_s"] > 0 and "adam" in x["run_model_terms_s"]
         assert r["first_loss"] == records[0]["first_loss"]  # the same model and first batch
+        # the profiled step's engine ranges, summed by kind (Note [profiler ranges] in _telemetry_counters.py), and
+        # its trace written
+        assert x["trace_ranges_s"]["all_gather"] > 0 and x["trace_ranges_s"]["update_chunk"] > 0, x
+        assert set(x["trace_wait_s"]) <= set(x["stall_s"])
+        trace = json.loads((tmp_path / "traces" / f"tiny-{x['offload']}-{x['variant']}.json").read_text())
+        assert any(e.get("name", "").startswith("infinity::all_gather:") for e in trace["traceEvents"])
     assert records[1]["extra"]["gb_per_step"]["grad_offload"] > 0

@@ -60,7 +60,8 @@ def test_stale_page_and_plots_are_named(generated, tmp_path):
                         f"{report.PREFIX}gone.png: no figure of the page"]
 
 
-MAIN = "h200-2026-12-04-gpu-check.jsonl"  # the run with the most peers cells ok: the head-to-head's (Note [merged cells])
+# the run with the most peers cells ok: the head-to-head's (Note [merged cells] in report.py)
+MAIN = "h200-2026-12-04-gpu-check.jsonl"
 
 
 def test_head_to_head_figures_are_the_records(generated):

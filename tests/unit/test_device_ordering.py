@@ -181,7 +181,7 @@ def test_a_gradient_bucket_is_rewritten_only_after_its_copy_to_the_host(device, 
     with _slow_copies("d2h", 0.2):
         n = 4096
         store = MemoryOptimizerStore(Tier.CPU, n, ranges=[(0, n)] if in_place else None)
-        unit = SimpleNamespace(opt_offset=0, index=0, params=[])
+        unit = SimpleNamespace(opt_offset=0, index=0, params=[], label="unit")
         counters = Counters()
         sink = GradSink(store, [unit], 1.0, counters)
         bucket = torch.full((n,), 2.0, device=device)

@@ -15,7 +15,7 @@ from infinity.errors import EngineError
 
 
 def gate() -> StepGate:
-    return StepGate(0, lambda stage: contextlib.nullcontext())
+    return StepGate(0, lambda stage, unit="": contextlib.nullcontext())
 
 
 def test_a_step_that_changed_nothing_is_raised_once_then_settled():
