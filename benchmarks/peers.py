@@ -58,11 +58,13 @@ from . import _flags, _harness, _models, _trainers
 from ._harness import Cell
 
 BENCH = "peers"
-CONTENDERS = ("plain", "infinity-none", "infinity-cpu", "infinity-cpu-serial", "infinity-nvme", "deepspeed-cpu",
-              "deepspeed-nvme", "deepspeed-nvme-swapped", "fsdp2-cpu")
-# infinity-cpu-serial: every state in host memory with the speculative update off (Note [speculative update] in
-# infinity/_zero/_speculative_update.py): each unit is updated after backward, as before it
-VS_DEEPSPEED = (("infinity-cpu", "infinity-cpu-serial"), ("infinity-cpu", "deepspeed-cpu"), ("infinity-nvme", "deepspeed-nvme"),
+CONTENDERS = ("plain", "infinity-none", "infinity-cpu", "infinity-cpu-speculative", "infinity-cpu-serial",
+              "infinity-nvme", "deepspeed-cpu", "deepspeed-nvme", "deepspeed-nvme-swapped", "fsdp2-cpu")
+# infinity-cpu-speculative: every state in host memory with the speculative update on (Note [speculative update] in
+# infinity/_zero/_speculative_update.py); infinity-cpu-serial: with it off, as infinity-cpu is now by default (on
+# 2026-12-04 the default speculated and this cell was the one without)
+VS_DEEPSPEED = (("infinity-cpu-speculative", "infinity-cpu"), ("infinity-cpu", "infinity-cpu-serial"),
+                ("infinity-cpu", "deepspeed-cpu"), ("infinity-nvme", "deepspeed-nvme"),
                 ("infinity-nvme", "deepspeed-nvme-swapped"), ("fsdp2-cpu", "deepspeed-cpu"))
 PAIRS = tuple((name, "plain") for name in CONTENDERS if name != "plain") + VS_DEEPSPEED  # every ratio it records
 DEEPSPEED = "0.19.8"  # what --deepspeed-venv installs: works with torch 2.13's CPU build
@@ -85,8 +87,9 @@ def make_trainer(spec: dict, model):
     if kind.startswith("infinity-"):
         import infinity
 
-        serial = {"zero": {"offload_optimizer": {"speculate": "off"}}} if kind.endswith("-serial") else {}
-        cfg = _trainers.infinity_config(tier, dtype, spec["scratch"], **serial)
+        speculate = {"-serial": "off", "-speculative": "on"}.get(kind[len(f"infinity-{tier}"):])
+        more = {"zero": {"offload_optimizer": {"speculate": speculate}}} if speculate else {}
+        cfg = _trainers.infinity_config(tier, dtype, spec["scratch"], **more)
         return _trainers.InfinityTrainer(model, cfg), infinity.device()
     if kind.startswith("deepspeed-"):
         cfg = _trainers.deepspeed_config(tier, dtype, spec["micro_batch"], spec["scratch"], pin=cuda)

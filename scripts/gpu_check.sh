@@ -24,9 +24,9 @@
 # wheels, deepspeed, build); GPU_CHECK_PEERS_S: seconds for the peers phase (default 255);
 # GPU_CHECK_TAIL_S: seconds the profile phase leaves for the phases after it (default 100);
 # GPU_CHECK_CLIP: the gradient norm every peers contender clips at (default 0: none, since the
-# speculative update's guess stands only where a step does not clip, and GPT-2 from random
-# weights on random tokens clips every step at 1.0; Note [speculative update] in
-# infinity/_zero/_speculative_update.py).
+# speculative update's guess, whose cell infinity-cpu-speculative runs beside infinity-cpu at
+# 1.5B, stands only where a step does not clip, and GPT-2 from random weights on random tokens
+# clips every step at 1.0; Note [speculative update] in infinity/_zero/_speculative_update.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "${1:?usage: bash scripts/gpu_check.sh OUTDIR}" && cd "$1" && pwd)
@@ -155,7 +155,7 @@ phase env 30 -- "$PY" scripts/gpu_check/env_info.py
 if [ "$cuda" = 1 ]; then
   left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 15 ))
   peers=(--sizes 124m,1.5b --budget $(( left < PEERS_S ? left : PEERS_S )) --timeout 150 --clip "$CLIP"
-         --only plain,infinity-cpu,infinity-cpu-serial@1.5b,deepspeed-cpu,infinity-nvme@124m,deepspeed-nvme@124m,fsdp2-cpu@1.5b)
+         --only plain,infinity-cpu,infinity-cpu-speculative@1.5b,deepspeed-cpu,infinity-nvme@124m,deepspeed-nvme@124m,fsdp2-cpu@1.5b)
   [ -n "$ds_ops" ] && peers+=(--deepspeed-ops-ready "$OUT/deepspeed_ops.rc")
 else
   peers=(--smoke)

@@ -19,7 +19,6 @@ from .._runtime._tiers import Tier
 from ._layout import ALIGN_ELEMS, Layout, ParamSource, states_in_host
 from ._optimizer_store import chunk_elems
 from ._split import host_fraction, opt_host_upto, param_host_upto, plan_auto
-from ._undo_log import undo_log_bytes
 
 GATHERED_REUSE = 2  # the largest unit's full size, times this: gathered buffers kept for reuse on CPU-only runs
 
@@ -134,8 +133,7 @@ class Placement:
         cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total - param_upto, itemsize,
                                   *((machine.host_available, machine.ranks_on_node) if machine else ())) \
             if param_tier is Tier.NVME and source is not ParamSource.MASTER else 0
-        speculate = speculate_update(z.offload_optimizer.speculate, overlap, opt_tier, param_tier, accelerator,
-                                     undo_log_bytes(layout.opt_total, itemsize), machine)
+        speculate = speculate_update(z.offload_optimizer.speculate, overlap, opt_tier, param_tier)
         return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, source, cache,
                    reuse, direct, opt_upto, param_upto, speculate)
 
@@ -170,24 +168,20 @@ def overlap_step(choice: str, partition_params: bool, opt_tier: Tier, param_tier
     return can and (io_bound or (accelerator and opt_tier is not Tier.DEVICE))
 
 
-def speculate_update(choice: str, overlap: bool, opt_tier: Tier, param_tier: Tier, accelerator: bool,
-                     undo_bytes: int, machine: Optional[Machine] = None) -> bool:
+def speculate_update(choice: str, overlap: bool, opt_tier: Tier, param_tier: Tier) -> bool:
     """Whether each unit is updated while backward goes on (``zero.offload_optimizer.speculate``;
     Note [speculative update] in _zero/_speculative_update.py). Only the overlapped step with
-    every state in host memory can: the undo log covers the memory stores alone. ``auto``: with
-    an accelerator (the host's cores are idle while the device runs backward), when the undo
-    logs of the node's ranks take at most a quarter of the available host memory."""
-    can = overlap and opt_tier is Tier.CPU and param_tier is not Tier.NVME
-    if choice != "auto" or not can:
-        return can and choice == "on"
-    if not accelerator:
+    every state in host memory can: the undo log covers the memory stores alone. Off unless
+    asked for (on, always); the preflight then counts the undo log with everything else."""
+    if choice == "off":
         return False
-    machine = machine or Machine.here()
-    fits = undo_bytes * machine.ranks_on_node <= machine.host_available // 4
-    logger.info("zero.offload_optimizer.speculate auto: %s (the undo log takes %.2f GiB per rank, %.2f GiB of host "
-                "memory available; on when the node's take at most a quarter)", "on" if fits else "off",
-                undo_bytes / 2**30, machine.host_available / 2**30)
-    return fits
+    can = overlap and opt_tier is Tier.CPU and param_tier is not Tier.NVME
+    if not can:
+        logger.warning("zero.offload_optimizer.speculate: %s has no effect here: it needs the overlapped step with "
+                       "the optimizer states and parameters in host memory (the step is %soverlapped, the optimizer on "
+                       "%s, the parameters on %s); set overlap_step: on, or speculate: off", choice,
+                       "" if overlap else "not ", opt_tier.value, param_tier.value)
+    return can
 
 
 def gradients_in_host(choice: str, total: int, machine: Optional[Machine] = None) -> bool:

@@ -2,7 +2,14 @@
 
 Note [speculative update]: with every state in host memory and an accelerator, the host's
 cores are idle while the device runs backward, and the overlapped step (Note [overlapped step]
-in _zero_optimizer.py) hides the update behind the next forward alone. A unit's update needs
+in _zero_optimizer.py) hides the update behind the next forward alone. Opt-in
+(``zero.offload_optimizer.speculate: on`` or ``always``): on one H200 (2026-12-04, GPT-2 1.5B,
+every state on cpu, unclipped) the update was already bound by host memory bandwidth (0.37 s at
+4.1 G elements/s on 16 cores, about 30 bytes an element), and the undo copies below add about
+as many bytes again, so the longer update ate what the overlap with backward (0.18 s) saved:
+0.71 s a step speculating, 0.83 s (spread 0.58-1.06) without in the same run, 0.59 s without in
+the profile phase. Writing the new states to a second set instead (Adam reading one set and
+writing the other, committed by flipping which is current) would add no bytes. A unit's update needs
 its own gradients and the step's coefficient (unscaling times clipping by the global norm),
 and that coefficient is known only once every gradient is in. So the update speculates:
 from the moment a piece of the flat space (whole units: ``MemoryOptimizerStore.pieces``) has

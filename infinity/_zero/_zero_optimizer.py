@@ -459,13 +459,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _speculative_plan(self) -> Optional[UpdatePlan]:
         """The plan the step will have if nothing clips and every parameter that got a gradient
-        last step (all, before the first) gets one now. None under ``speculate: auto`` when the
+        last step (all, before the first) gets one now. None under ``speculate: on`` when the
         last step clipped (or came first, with clipping on) or met inf/NaN: the guess would
         likely be put back, which costs a copy of every piece it updated (Note [speculative
         update] in _speculative_update.py)."""
-        clip, adaptive = self.cfg.gradient_clipping, self.cfg.zero.offload_optimizer.speculate == "auto"
+        clip, adaptive = self.cfg.gradient_clipping, self.cfg.zero.offload_optimizer.speculate == "on"
         if adaptive and (self.skipped or (clip > 0 and (self.last_grad_norm is None or self.last_grad_norm >= clip))):
-            return None  # speculate: on guesses every step
+            return None  # speculate: always guesses every step
         got = self._got_last if self._got_last is not None else torch.ones(self.steps.num_params)
         plan = self.steps.peek(got, self.param_groups, self.adamw)
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0

@@ -147,12 +147,12 @@ class OptimizerOffloadConfig:
         "overlaps the host's update) or an NVMe tier (the update is bound by its I/O), off on a CPU-only run with the "
         "states in host memory (the forward needs the cores); off: the update finishes inside step()")
     # Note [speculative update] in _zero/_speculative_update.py
-    speculate: Literal["auto", "on", "off"] = _opt(
-        "auto", "cpu, with overlap_step: update each unit while backward goes on, as soon as its gradients have "
+    speculate: Literal["off", "on", "always"] = _opt(
+        "off", "cpu, with overlap_step: update each unit while backward goes on, as soon as its gradients have "
         "landed, speculating that the step will not clip (nor meet inf/NaN); the values it overwrites are kept "
-        "(14-16 bytes per parameter of host memory) and put back exactly when it does; auto: on with an "
-        "accelerator when every state is in host memory and the kept values take at most a quarter of the "
-        "available host memory, and then each step unless the last one clipped or met inf/NaN; on: every step")
+        "(14-16 bytes per parameter of host memory, in the preflight's plan) and put back exactly when it does; "
+        "on: each step unless the last one clipped or met inf/NaN; always: every step; off until a GPU run shows "
+        "it faster (its undo copies add to an update bound by host memory bandwidth)")
 
     _cross_check = _check_optimizer_offload_section
 

@@ -225,11 +225,11 @@ def _check_optimizer_offload_section(offload: Any, prefix: str) -> list:
         return [(f"{prefix}.moments", f"{offload.moments} applies to nvme only (compressed moments shrink the swap "
                  f"files; {prefix}.device is {offload.device}, where the moments stay fp32); set {prefix}.moments "
                  f"to fp32 or {prefix}.device to nvme")]
-    if offload.speculate == "on" and (offload.device != "cpu" or offload.overlap_step == "off"):
-        return [(f"{prefix}.speculate", f"on needs the optimizer states in host memory and the overlapped step "
-                 f"({prefix}.device is {offload.device}, {prefix}.overlap_step {offload.overlap_step}: Note "
+    if offload.speculate != "off" and (offload.device != "cpu" or offload.overlap_step == "off"):
+        return [(f"{prefix}.speculate", f"{offload.speculate} needs the optimizer states in host memory and the "
+                 f"overlapped step ({prefix}.device is {offload.device}, {prefix}.overlap_step {offload.overlap_step}: Note "
                  f"[speculative update] in _zero/_speculative_update.py); set {prefix}.device to cpu and "
-                 f"overlap_step to auto or on, or speculate to auto")]
+                 f"overlap_step to auto or on, or speculate to off")]
     if offload.overlap_step == "on" and offload.device == "none":  # Note [overlapped step] in _zero_optimizer.py
         return [(f"{prefix}.overlap_step", f"on needs the optimizer states off the device ({prefix}.device is none: "
                  f"the update runs on the device, in step()); set {prefix}.device to cpu or nvme, or overlap_step to "

@@ -115,19 +115,19 @@ def test_a_guess_that_holds_stands_bit_for_bit(dtype):
     """No clipping configured, then a clip that never binds: every speculated piece stands."""
     off = _train("off", dtype=dtype)
     for clip in (0.0, 1e6):
-        on = _train("on", clip=clip, dtype=dtype)
+        on = _train("always", clip=clip, dtype=dtype)
         _assert_same_states(on, off)
         assert on["speculated"] > 0 and on["committed"] == on["speculated"], on
 
 
 def test_clipping_puts_the_guess_back_and_the_step_is_redone_exactly():
-    off, on = _train("off", clip=1e-3), _train("on", clip=1e-3)  # every step clips
+    off, on = _train("off", clip=1e-3), _train("always", clip=1e-3)  # every step clips
     _assert_same_states(on, off)
     assert on["speculated"] > 0 and on["committed"] == 0, on
 
 
 def test_a_nonfinite_gradient_puts_the_guess_back_and_the_step_is_skipped():
-    off, on = _train("off", nan_step=2), _train("on", nan_step=2)
+    off, on = _train("off", nan_step=2), _train("always", nan_step=2)
     assert on["skipped"] == 1
     _assert_same_states(on, off)
     assert on["speculated"] > on["committed"] > 0, on  # the other steps' stood
@@ -137,27 +137,27 @@ def test_micro_batches_and_a_dropped_backward_stay_exact():
     """Two micro-batches per step as configured; then twice as many as configured (the guess
     is invalid at the first unit's second gradient, and the window learned for the next
     step); then a backward dropped by zero_grad after the speculation ran on it."""
-    off, on = _train("off", accumulation=2), _train("on", accumulation=2)
+    off, on = _train("off", accumulation=2), _train("always", accumulation=2)
     _assert_same_states(on, off)
     assert on["committed"] > 0, on
-    off, on = _train("off", backwards=2), _train("on", backwards=2)
+    off, on = _train("off", backwards=2), _train("always", backwards=2)
     _assert_same_states(on, off)
     assert on["committed"] > 0, on  # from the second step on, two micro-batches are expected
-    off, on = _train("off", discard_step=1), _train("on", discard_step=1)
+    off, on = _train("off", discard_step=1), _train("always", discard_step=1)
     _assert_same_states(on, off)
 
 
-def test_auto_does_not_guess_after_a_step_that_clipped():
-    """speculate: auto skips the guess after a step that clipped (every step here) and after the
+def test_on_does_not_guess_after_a_step_that_clipped():
+    """speculate: on skips the guess after a step that clipped (every step here) and after the
     first step with clipping on; with no clipping it guesses from the first step on."""
-    clipped, free = _train("auto", clip=1e-3), _train("auto")
+    clipped, free = _train("on", clip=1e-3), _train("on")
     assert clipped["speculated"] == 0, clipped
     assert free["speculated"] > 0 and free["committed"] == free["speculated"], free
     _assert_same_states(clipped, _train("off", clip=1e-3))
 
 
 def _both_at_two_ranks(clip: float) -> dict:
-    on, off = _train("on", clip=clip, dtype="bf16"), _train("off", clip=clip, dtype="bf16")
+    on, off = _train("always", clip=clip, dtype="bf16"), _train("off", clip=clip, dtype="bf16")
     _assert_same_states(on, off)
     return {"speculated": on["speculated"], "committed": on["committed"]}
 
@@ -174,7 +174,7 @@ def test_the_update_runs_during_backward():
     while the device computes backward of step N (speculative chunks counted with device
     operators running meanwhile), so a step takes about max(forward + backward, update) plus
     the tail rather than backward + max(forward, update). Timings printed, not asserted."""
-    on = _train("on", delay=3e-4, update_s=0.5)  # longer than a forward: the overlapped step alone cannot hide it
+    on = _train("always", delay=3e-4, update_s=0.5)  # longer than a forward: the overlapped step alone cannot hide it
     off = _train("off", delay=3e-4, update_s=0.5)
     print(f"\nstep seconds, speculative: {on['seconds'][1:]}; after backward: {off['seconds'][1:]}")
     speculative = [busy for spec, busy in on["chunks"] if spec]
@@ -184,20 +184,20 @@ def test_the_update_runs_during_backward():
     assert on["committed"] == on["speculated"] == len(speculative)
 
 
-def test_the_undo_log_is_in_the_plan_and_auto_needs_an_accelerator(monkeypatch):
+def test_the_undo_log_is_in_the_plan_and_only_memory_stores_speculate():
     from infinity._offload._placement import speculate_update
     from infinity._runtime._tiers import Tier
 
-    assert speculate_update("on", True, Tier.CPU, Tier.CPU, False, 1 << 30)
-    assert not speculate_update("auto", True, Tier.CPU, Tier.CPU, False, 1 << 30)  # CPU alone: backward needs the cores
-    assert not speculate_update("on", True, Tier.NVME, Tier.CPU, True, 1 << 30)  # no undo log on NVMe
-    assert not speculate_update("on", True, Tier.CPU, Tier.NVME, True, 1 << 30)
-    assert not speculate_update("on", False, Tier.CPU, Tier.CPU, True, 1 << 30)
+    assert speculate_update("on", True, Tier.CPU, Tier.CPU) and speculate_update("always", True, Tier.CPU, Tier.DEVICE)
+    assert not speculate_update("off", True, Tier.CPU, Tier.CPU)  # the default
+    assert not speculate_update("on", True, Tier.NVME, Tier.CPU)  # no undo log on NVMe
+    assert not speculate_update("on", True, Tier.CPU, Tier.NVME)
+    assert not speculate_update("on", False, Tier.CPU, Tier.CPU)  # not overlapped: the update is inside step()
     with pytest.raises(Exception, match="speculate"):
         infinity.Config.from_dict({"zero": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp",
                                                                               "speculate": "on"}}})
     with acc.using("emulated"):
-        model, opt = infinity.initialize(gpt2(layers=2, hidden=32), config=_config("on"))
+        model, opt = infinity.initialize(gpt2(layers=2, hidden=32), config=_config("always"))
         try:
             plan = opt.engine.memory_plan["categories"]["host"]
             assert plan["undo_log"] == 16 * opt.total  # fp32 states and fp32 outputs
