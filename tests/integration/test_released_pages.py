@@ -148,7 +148,7 @@ def test_idle_buffers_hold_no_pages_through_the_peak_and_training_is_exact(tmp_p
 def test_step_gate_knows_when_it_is_waited_on():
     from infinity._zero._step_gate import StepGate
 
-    gate = StepGate(0, lambda stage: _null())
+    gate = StepGate(0, lambda stage, unit="": _null())
     gate.open()
     assert not gate.waited_on
     t = threading.Thread(target=lambda: gate.wait(10))
