@@ -16,7 +16,8 @@
 # allocated bytes before and after), train (one torchrun rank of infinity.train), primitives
 # (benchmarks/device_primitives.py, last: what time is left). Writes OUTDIR/results.jsonl (one JSON object a
 # line, each with its "phase"), OUTDIR/log.txt (everything the phases printed) and
-# OUTDIR/summary.txt (the table printed at the end). Without CUDA the tests are skipped (or run
+# OUTDIR/summary.txt (the table printed at the end), OUTDIR/traces.tar.gz (the profile phase's
+# traces of one step each). Without CUDA the tests are skipped (or run
 # on GPU_CHECK_ACCELERATOR, e.g. emulated) and the benchmarks run at their smoke sizes.
 # GPU_CHECK_BUDGET: seconds for the whole check (default 525: it fits 9 minutes);
 # GPU_CHECK_DISK: where temp files for the disk measurements go (default /var/tmp);
@@ -180,7 +181,12 @@ if [ "$cuda" = 1 ]; then
 else
   profile=(--smoke --only 1.5b/cpu/overlap,124m/nvme/no-prefetch)
 fi
-phase profile 160 -- "$PY" -m benchmarks.step_profile "${profile[@]}" --nvme-path "$GPU_CHECK_DISK"
+# Each cell's profiled step as a Chrome trace, the engine's ranges named after their units (Note
+# [profiler ranges] in infinity/_runtime/_telemetry_counters.py), packed into OUTDIR/traces.tar.gz
+# (one file: what comes back from the GPU machine is counted in files).
+phase profile 160 -- "$PY" -m benchmarks.step_profile "${profile[@]}" --nvme-path "$GPU_CHECK_DISK" \
+  --trace "$OUT/traces"
+[ -d "$OUT/traces" ] && tar -C "$OUT" -czf "$OUT/traces.tar.gz" traces && rm -rf "$OUT/traces"
 tests ordering 40 tests/unit/test_device_ordering.py
 # A real out-of-memory error in backward (GPT-2 124M, the device capped between the big batch's
 # forward and backward peaks), recovered: zero_grad, the allocated bytes back, smaller batches on.
