@@ -64,9 +64,10 @@ from .._offload._preflight import staging_buffers, store_plan
 from .._offload._split import opt_host_upto
 from .._runtime import _accelerator as acc
 from .._runtime._tiers import Tier
-from .._zero._zero_optimizer import _native_adam, torch_adam_step
+from .._zero._zero_optimizer import _native_adam
 from ..aio import aligned_empty
 from ..config import AioConfig, Config
+from ..optim._functional import torch_adam_step
 from ._disk_probe import probe_disk
 from ._estimate_model import _format_count
 

@@ -43,6 +43,8 @@ class Chunk:
     changed: Optional[List[Tuple[int, int]]] = None
     grad_read: Optional[Callable[[], None]] = None  # the update is done reading ``grad``, before it publishes
     # the chunk (Note [one gradient buffer])
+    sources: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # the states before the step, when
+    # master / exp_avg / exp_avg_sq are the second set's that it writes (Note [second state set])
 
 
 class OptimizerStore(Protocol):
@@ -117,6 +119,17 @@ def zeros_host(n: int, what: str) -> torch.Tensor:
     # would make every page resident
 
 
+# Note [second state set]: with a speculative update (Note [speculative update] in
+# _zero/_speculative_update.py) and parameters of their own (not read from the master), the store
+# holds a second set of master weights and moments. Every piece of a step is updated out of
+# place, Adam reading the current set (``Chunk.sources``) and writing the second one, the
+# pieces nobody updates (no gradient, padding) copied across, and when the whole flat space is
+# written (the end of ``update_tail``) the two sets trade places. A guess that does not stand
+# then leaves the states as they were without a copy: only the compute-dtype outputs, written in
+# place for the next forward, wait in the undo log. The second set's bytes are the undo log's
+# states (12 per element), and the update moves no more bytes than in place.
+
+
 class MemoryOptimizerStore:
     """Master weights, moments and gradient shards as flat tensors in memory (the gradients
     a ``GradBuffer``: Note [gradients landed in place] in _grad_buffer.py).
@@ -137,7 +150,7 @@ class MemoryOptimizerStore:
 
     def __init__(self, tier: Tier, total: int, *, lazy_grad: bool = False, overlapped: bool = False,
                  ranges: Optional[List[tuple]] = None, chunk: Optional[int] = None,
-                 undo_dtype: Optional[torch.dtype] = None):
+                 undo_dtype: Optional[torch.dtype] = None, second_set: bool = False):
         tier = Tier.of(tier)
         self._alloc = (lambda what=OPT_STATES: zeros_host(total, what)) if tier is Tier.CPU else (
             lambda what=None: torch.zeros(total, dtype=torch.float32, device=acc.device()))
@@ -157,7 +170,9 @@ class MemoryOptimizerStore:
         # Note [speculative update] in _zero/_speculative_update.py: the pieces from this offset on were updated
         # while backward ran, the update walks those below it; the undo log keeps what such an update overwrote
         self.speculated_from = total
-        self.undo_log = UndoLog(total, undo_dtype) if undo_dtype is not None else None
+        self.second_set = second_set and undo_dtype is not None  # Note [second state set]
+        self._next = tuple(self._alloc(UNDO_LOG) for _ in range(3)) if self.second_set else None
+        self.undo_log = UndoLog(total, undo_dtype, states=not self.second_set) if undo_dtype is not None else None
 
     @property
     def grad(self) -> Optional[torch.Tensor]:
@@ -205,6 +220,10 @@ class MemoryOptimizerStore:
         self._walk(fn, self.head, self.total)
         self._sealed = None
         self.speculated_from = self.total
+        if self._next is not None:  # every piece written to the second set: it holds the states now
+            now = (self.master, self.exp_avg, self.exp_avg_sq)
+            self.master, self.exp_avg, self.exp_avg_sq = self._next
+            self._next = now
 
     def speculated(self, ready_from: int) -> None:
         """The pieces from ``ready_from`` on were updated while backward ran and stand: their
@@ -213,21 +232,26 @@ class MemoryOptimizerStore:
         self.speculated_from = ready_from
         self.grads.consumed(ready_from, self.total)
 
-    def piece(self, start: int, end: int) -> Chunk:
-        """The chunk of one piece [start, end) over the accumulating gradients, which a
-        speculative update reads before the step seals them (Note [speculative update] in
-        _zero/_speculative_update.py); nothing marks them read."""
+    def piece(self, start: int, end: int, grads: Optional[torch.Tensor] = None,
+              grad_read: Optional[Callable[[], None]] = None) -> Chunk:
+        """The chunk of one piece [start, end): over ``grads`` (the accumulating ones by default,
+        which a speculative update reads before the step seals them and marks nothing read:
+        Note [speculative update] in _zero/_speculative_update.py), writing the second set
+        where there is one (Note [second state set])."""
         sl = slice(start, end)
-        return Chunk(start, self.master[sl], self.grads.get()[sl], self.exp_avg[sl], self.exp_avg_sq[sl])
+        g = (self.grads.get() if grads is None else grads)[sl]
+        states = (self.master[sl], self.exp_avg[sl], self.exp_avg_sq[sl])
+        if self._next is None:
+            return Chunk(start, states[0], g, states[1], states[2], grad_read=grad_read)
+        m, a, b = (t[sl] for t in self._next)
+        return Chunk(start, m, g, a, b, grad_read=grad_read, sources=states)
 
     def _walk(self, fn: Callable[[Chunk], None], lo: int, hi: int) -> None:
         g = self._sealed
         hi = min(hi, self.speculated_from)
         for start, end in self.pieces:
             if lo <= start < hi:
-                sl = slice(start, end)
-                fn(Chunk(start, self.master[sl], g[sl], self.exp_avg[sl], self.exp_avg_sq[sl],
-                         grad_read=functools.partial(self._grad_read, start, end)))
+                fn(self.piece(start, end, g, grad_read=functools.partial(self._grad_read, start, end)))
 
     def _grad_read(self, start: int, end: int) -> None:
         self.grads.consumed(start, end)
@@ -235,7 +259,7 @@ class MemoryOptimizerStore:
 
     def abandon_update(self) -> None:
         self._sealed = None
-        self.speculated_from = self.total
+        self.speculated_from = self.total  # a second set half written is scratch: the states did not move
         self.zero_grads()
 
     def zero_grads(self) -> None:

@@ -22,11 +22,14 @@ def undo_log_bytes(total: int, itemsize: int) -> int:
 
 
 class UndoLog:
-    def __init__(self, total: int, dtype: torch.dtype):
+    """``states`` off: the store writes a second set instead (Note [second state set] in
+    _optimizer_store.py) and only the outputs are kept here."""
+
+    def __init__(self, total: int, dtype: torch.dtype, states: bool = True):
         def alloc(d: torch.dtype) -> torch.Tensor:
             return aligned_empty(total, d, what=UNDO_LOG, pin=False)
 
-        self._states = [alloc(torch.float32) for _ in range(3)]  # master, exp_avg, exp_avg_sq
+        self._states = [alloc(torch.float32) for _ in range(3)] if states else []  # master, exp_avg, exp_avg_sq
         self._outputs = alloc(dtype)
 
     def keep(self, offset: int, states: List[torch.Tensor], outputs: List[Tuple[int, torch.Tensor]]) -> None:
@@ -36,6 +39,10 @@ class UndoLog:
             log[offset : offset + t.numel()].copy_(t)
         for start, view in outputs:
             self._outputs[start : start + view.numel()].copy_(view)
+
+    @property
+    def keeps_states(self) -> bool:
+        return bool(self._states)
 
     def put_back(self, offset: int, states: List[torch.Tensor], outputs: List[Tuple[int, torch.Tensor]]) -> None:
         """The inverse of ``keep``: the piece holds what it held before the update."""

@@ -45,7 +45,7 @@ class Counters:
         self.step_call: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per part
         # pieces updated while backward ran, and of those the ones that stood (Note [speculative update] in
         # _zero/_speculative_update.py)
-        self.speculation = {"speculated": 0, "committed": 0}
+        self.speculation = {"speculated": 0, "committed": 0, "kept_bytes": 0}
 
     def step_part(self, part: str):
         """Time of one part of the optimizer's ``step()`` call on the caller's thread."""

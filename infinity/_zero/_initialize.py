@@ -250,7 +250,9 @@ def _optimizer_store(placement: Placement, cfg, swap_dirs: SwapDirs, policy: Sta
                                   master=master, host_upto=placement.opt_host_upto)
     return MemoryOptimizerStore(placement.opt_tier, total, lazy_grad=not policy.reduce_in_backward,
                                 overlapped=placement.overlap, ranges=ranges, chunk=z.offload_optimizer.chunk_size,
-                                undo_dtype=placement.dtype if placement.speculate else None)
+                                undo_dtype=placement.dtype if placement.speculate else None,
+                                # Note [second state set] in _optimizer_store.py: not where the parameters are the master
+                                second_set=placement.param_source is not ParamSource.MASTER)
 
 
 def _param_store(placement: Placement, cfg, swap_dirs: SwapDirs, opt_store: OptimizerStore,

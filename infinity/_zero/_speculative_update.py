@@ -8,8 +8,10 @@ every state on cpu, unclipped) the update was already bound by host memory bandw
 4.1 G elements/s on 16 cores, about 30 bytes an element), and the undo copies below add about
 as many bytes again, so the longer update ate what the overlap with backward (0.18 s) saved:
 0.71 s a step speculating, 0.83 s (spread 0.58-1.06) without in the same run, 0.59 s without in
-the profile phase. Writing the new states to a second set instead (Adam reading one set and
-writing the other, committed by flipping which is current) would add no bytes. A unit's update needs
+the profile phase. Since then, where the parameters have shards of their own (bf16, fp16), the
+states go to a second set instead (Note [second state set] in _offload/_optimizer_store.py:
+Adam reads one set and writes the other, no copy), and only the compute-dtype outputs are
+copied aside (2 bytes an element); not yet measured on a GPU. A unit's update needs
 its own gradients and the step's coefficient (unscaling times clipping by the global norm),
 and that coefficient is known only once every gradient is in. So the update speculates:
 from the moment a piece of the flat space (whole units: ``MemoryOptimizerStore.pieces``) has
@@ -25,11 +27,15 @@ step updates only the pieces below them, and the step gate says the speculated o
 (``StepGate.open(ready_from)``). If any fails, everything speculated is put back and the step
 runs as if nothing had been speculated.
 
-Where each state is written before the step commits: the master weights, both moments and
-the compute-dtype values the next forward reads (the parameter store's shards) are updated in
-place, after their previous values were copied to the undo log (``UndoLog``, host memory of
-its own, in the plan as ``undo_log``: 12 bytes per element for the fp32 states plus the
-compute dtype's), piece by piece. The gradients are only read, never marked consumed before
+Where each state is written before the step commits: the compute-dtype values the next forward
+reads (the parameter store's shards) are updated in place, after their previous values were
+copied to the undo log (``UndoLog``, host memory of its own, in the plan as ``undo_log``); the
+master weights and both moments go to the store's second set (Note [second state set] in
+_offload/_optimizer_store.py), or,
+where the fp32 parameters are the master itself (read by the next forward in place), are
+updated in place after a copy to the undo log too: 12 bytes per element for the fp32 states
+plus the compute dtype's in the plan either way, piece by piece. ``kept_bytes`` in the
+telemetry counts what was copied aside. The gradients are only read, never marked consumed before
 the commit, so a step redone after a put-back reads them as they were. Nothing else reads the
 speculated values before the commit: the next forward waits for the gate, which a step opens
 only after the check; a unit's range is speculated only after its last gradient of the step
@@ -239,7 +245,10 @@ class SpeculativeUpdate:
     def _update_piece(self, i: int, plan: UpdatePlan) -> None:
         start, end = self._pieces[i]
         chunk = self._store.piece(start, end)
-        self._log.keep(start, [chunk.master, chunk.exp_avg, chunk.exp_avg_sq], self._outputs(start, end - start))
+        outputs = self._outputs(start, end - start)
+        self._log.keep(start, [chunk.master, chunk.exp_avg, chunk.exp_avg_sq], outputs)
+        self._counts_of["kept_bytes"] += (12 * (end - start) if self._log.keeps_states else 0) + sum(
+            v.numel() * v.element_size() for _, v in outputs)  # copied aside: the speculation's extra traffic
         with self._cond:
             self._done.append((start, end))  # from here on it is put back, even if the update raises
         self._update(chunk, plan)

@@ -44,6 +44,7 @@ from .._runtime._topology import default_threads
 from ..aio import AioError, aligned_empty
 from ..errors import EngineError, InvariantError, NativeLibraryMissing, NonFiniteError, NotSupportedError, UsageError
 from ..optim import adam_step
+from ..optim._functional import torch_adam_step
 from ..optim._native import lib as native_adam_library
 from ._grad_sink import Received
 from ._loss_scale import LossScaler
@@ -82,23 +83,6 @@ def _native_adam():
         logger.warning("native CPU Adam unavailable (%s); using torch's Adam math", e)
         return None
     return adam_step
-
-
-def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw, grad_scale=1.0):
-    """torch.optim.Adam/AdamW's single-tensor math, elementwise identical, on the gradient
-    times ``grad_scale`` (scaled in place: the step consumes its gradients)."""
-    beta1, beta2 = betas
-    if grad_scale != 1.0:
-        grad.mul_(grad_scale)
-    if adamw:
-        param.mul_(1 - lr * weight_decay)
-    elif weight_decay:
-        grad = grad.add(param, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = lr / (1 - beta1**step)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 @dataclass(frozen=True)
@@ -185,7 +169,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.speculation = SpeculativeUpdate(  # Note [speculative update] in _speculative_update.py
             self.store, ops.units, cfg.gradient_accumulation_steps, update=self._speculate_chunk,
             outputs=lambda offset, n: self._step_targets(offset, n, None), plan=self._speculative_plan,
-            gate=gate, counters=ops.counters) if placement.speculate and isinstance(self.store, MemoryOptimizerStore) else None
+            gate=gate, counters=ops.counters) if placement.speculate and isinstance(self.store, MemoryOptimizerStore) \
+            and self._adam is not None else None  # the torch math scales the gradients in place: no guess to redo
 
     @property
     def grad_scale(self) -> float:
@@ -481,19 +466,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fused = (self._adam is not None and self.ops.dtype != torch.float32 and bool(targets)
                  and all(out.device.type == "cpu" for _, out in targets))  # the native Adam writes host memory
         done = []  # ranges whose fresh values a fused Adam wrote
+        src = chunk.sources  # Note [second state set] in _optimizer_store.py: read there, written to the chunk's
         for lo, hi, hyper in runs_in(plan, chunk.offset, end):
             sl = slice(lo - chunk.offset, hi - chunk.offset)
             args = (chunk.master[sl], chunk.grad[sl], chunk.exp_avg[sl], chunk.exp_avg_sq[sl])
             if self._adam is None:
                 torch_adam_step(*args, **hyper)
             elif not fused:
-                self._adam(*args, **hyper)
+                self._adam(*args, **hyper, **({"sources": tuple(t[sl] for t in src)} if src else {}))
             else:  # one native call per target piece, each writing its own output
                 for a, b, out in pieces(lo, hi, targets):
                     s = slice(a - chunk.offset, b - chunk.offset)
                     self._adam(chunk.master[s], chunk.grad[s], chunk.exp_avg[s], chunk.exp_avg_sq[s], params_out=out,
-                               **hyper)
+                               **hyper, **({"sources": tuple(t[s] for t in src)} if src else {}))
                 done.append((lo, hi))
+        if src is not None:  # what no run updates carries over to the second set
+            for lo, hi in gaps(chunk.offset, end, [(a, b) for a, b, _ in runs_in(plan, chunk.offset, end)]):
+                for dst, t in zip((chunk.master, chunk.exp_avg, chunk.exp_avg_sq), src):
+                    dst[lo - chunk.offset : hi - chunk.offset].copy_(t[lo - chunk.offset : hi - chunk.offset])
         for lo, hi in gaps(chunk.offset, end, done):  # what Adam did not write
             for a, b, out in pieces(lo, hi, targets):
                 out.copy_(chunk.master[a - chunk.offset : b - chunk.offset])

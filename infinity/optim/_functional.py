@@ -123,13 +123,15 @@ def check_no_overlap(named: dict) -> None:
             raise UsageError(f"{name_a} and {name_b} share memory; each needs its own buffer")
 
 
-def segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper: Hyper, step: int) -> tuple:
-    """The native call's description of one tensor (see native/cpu_adam/bindings.cpp)."""
+def segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper: Hyper, step: int, sources=None) -> tuple:
+    """The native call's description of one tensor (see native/cpu_adam/bindings.cpp);
+    ``sources``: the (params, exp_avg, exp_avg_sq) it reads, when not the ones it writes."""
     step_size, inv_bc2_sqrt = hyper.step_scalars(step)
     out_ptr = params_out.data_ptr() if params_out is not None else 0
+    ins = tuple(t.data_ptr() for t in sources) if sources is not None else (0, 0, 0)
     return (
         params.data_ptr(), grads.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-        out_ptr, params.numel(), step_size, inv_bc2_sqrt,
+        out_ptr, params.numel(), step_size, inv_bc2_sqrt, *ins,
     )
 
 
@@ -180,8 +182,10 @@ def adam_step(
     num_threads: int | None = None,
     simd: str | None = None,
     grad_scale: float = 1.0,
+    sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """One fused Adam (``adamw=False``, L2 decay) or AdamW step, in place.
+    """One fused Adam (``adamw=False``, L2 decay) or AdamW step, in place, or out of place
+    with ``sources``.
 
     ``params``, ``exp_avg`` and ``exp_avg_sq`` are contiguous fp32 CPU tensors (views with a
     storage offset are fine); ``grads`` is fp32, bf16 or fp16 with as many elements;
@@ -192,6 +196,9 @@ def adam_step(
     ("scalar", "avx2", "avx512"), otherwise ``INFINITY_CPU_ADAM_SIMD`` or the best one.
     ``grad_scale`` multiplies each gradient as it is read (unscaling and clipping by the global
     norm, folded into the pass: the result is that of ``grads.mul_(grad_scale)`` first).
+    ``sources``: fp32 (params, exp_avg, exp_avg_sq) holding the states before the step, which
+    it reads instead of ``params``, ``exp_avg``, ``exp_avg_sq``, leaving them as they are and
+    writing the updated states into those three (the same bits as the step in place).
     """
     hyper = Hyper.checked(lr, betas, eps, weight_decay, adamw)
     step = check_step(step)
@@ -204,10 +211,31 @@ def adam_step(
     if params_out is not None:
         check_tensor("params_out", params_out, tuple(_OUT_CODES), n)
         named["params_out"] = params_out
+    if sources is not None:
+        for what, t in zip(("params", "exp_avg", "exp_avg_sq"), sources):
+            check_tensor(f"sources' {what}", t, (torch.float32,), n)
+            named[f"sources' {what}"] = t
     check_no_overlap(named)
     if n == 0:
         return
-    seg = segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper, step)
+    seg = segment(params, grads, exp_avg, exp_avg_sq, params_out, hyper, step, sources)
     out_dtype = None if params_out is None else params_out.dtype
     written = [params, exp_avg, exp_avg_sq] + ([] if params_out is None else [params_out])
     run_native([seg], hyper, grads.dtype, out_dtype, num_threads, simd, written, grad_scale)
+
+
+def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw, grad_scale=1.0):
+    """torch.optim.Adam/AdamW's single-tensor math, elementwise identical, on the gradient
+    times ``grad_scale`` (scaled in place: the step consumes its gradients)."""
+    beta1, beta2 = betas
+    if grad_scale != 1.0:
+        grad.mul_(grad_scale)
+    if adamw:
+        param.mul_(1 - lr * weight_decay)
+    elif weight_decay:
+        grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)

@@ -57,11 +57,14 @@ AVX2_FN inline void store_out(void* out, int64_t i, __m256 p) {
 // Pointers and broadcast constants held in locals: through Segment& the compiler must
 // assume the float stores alias the struct and would reload every field each iteration.
 struct Ptrs {
-  float* __restrict p;
+  float* p;  // the states written; read from pi, mi, vi (the same arrays in place: no __restrict)
   const void* __restrict g;
-  float* __restrict m;
-  float* __restrict v;
+  float* m;
+  float* v;
   void* __restrict out;
+  const float* pi;
+  const float* mi;
+  const float* vi;
 };
 
 struct Consts {
@@ -77,15 +80,15 @@ AVX2_FN inline Consts make_consts(const Segment& s, const Hyper& h) {
 
 template <DType G, DType O, Decay D>
 AVX2_FN inline void update(const Ptrs& x, const Consts& c, int64_t i) {
-  __m256 p = _mm256_loadu_ps(x.p + i);
+  __m256 p = _mm256_loadu_ps(x.pi + i);
   __m256 g = _mm256_mul_ps(load_grad<G>(x.g, i), c.grad_scale);
   if constexpr (D == Decay::kL2) {
     g = _mm256_fmadd_ps(c.l2, p, g);
   } else {
     p = _mm256_mul_ps(p, c.decay_factor);
   }
-  __m256 m = _mm256_loadu_ps(x.m + i);
-  __m256 v = _mm256_loadu_ps(x.v + i);
+  __m256 m = _mm256_loadu_ps(x.mi + i);
+  __m256 v = _mm256_loadu_ps(x.vi + i);
   m = _mm256_fmadd_ps(c.one_minus_beta1, _mm256_sub_ps(g, m), m);
   v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g, _mm256_mul_ps(v, c.beta2));
   const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), c.inv_bc2_sqrt, c.eps);
@@ -104,11 +107,11 @@ AVX2_FN void update_tail(const Ptrs& x, const Consts& c, int64_t i, int64_t rem)
   alignas(32) float p[kLanes] = {}, m[kLanes] = {}, v[kLanes] = {};
   alignas(32) unsigned char g[kLanes * 4] = {};
   alignas(32) uint16_t out[kLanes] = {};
-  std::memcpy(p, x.p + i, rem * 4);
-  std::memcpy(m, x.m + i, rem * 4);
-  std::memcpy(v, x.v + i, rem * 4);
+  std::memcpy(p, x.pi + i, rem * 4);
+  std::memcpy(m, x.mi + i, rem * 4);
+  std::memcpy(v, x.vi + i, rem * 4);
   std::memcpy(g, static_cast<const unsigned char*>(x.g) + i * gsize, rem * gsize);
-  update<G, O, D>(Ptrs{p, g, m, v, out}, c, 0);
+  update<G, O, D>(Ptrs{p, g, m, v, out, p, m, v}, c, 0);
   std::memcpy(x.p + i, p, rem * 4);
   std::memcpy(x.m + i, m, rem * 4);
   std::memcpy(x.v + i, v, rem * 4);
@@ -118,7 +121,7 @@ AVX2_FN void update_tail(const Ptrs& x, const Consts& c, int64_t i, int64_t rem)
 struct Avx2Kernel {
   template <DType G, DType O, Decay D>
   AVX2_FN static void run(const Segment& s, const Hyper& h, int64_t begin, int64_t end) {
-    const Ptrs x{s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.param_out};
+    const Ptrs x{s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.param_out, s.param_in, s.exp_avg_in, s.exp_avg_sq_in};
     const Consts c = make_consts(s, h);
     int64_t i = begin;
     for (; i + 2 * kLanes <= end; i += 2 * kLanes) {

@@ -68,11 +68,14 @@ ADAM512_FN inline void store_out(void* out, int64_t i, __m512 p, __mmask16 k) {
 // Pointers and broadcast constants held in locals: through Segment& the compiler must
 // assume the float stores alias the struct and would reload every field each iteration.
 struct Ptrs {
-  float* __restrict p;
+  float* p;  // the states written; read from pi, mi, vi (the same arrays in place: no __restrict)
   const void* __restrict g;
-  float* __restrict m;
-  float* __restrict v;
+  float* m;
+  float* v;
   void* __restrict out;
+  const float* pi;
+  const float* mi;
+  const float* vi;
 };
 
 struct Consts {
@@ -89,15 +92,15 @@ ADAM512_FN inline Consts make_consts(const Segment& s, const Hyper& h) {
 // Masked loads and stores make the tail run the same instructions as the body.
 template <DType G, DType O, Decay D>
 ADAM512_FN inline void update(const Ptrs& x, const Consts& c, int64_t i, __mmask16 k) {
-  __m512 p = _mm512_maskz_loadu_ps(k, x.p + i);
+  __m512 p = _mm512_maskz_loadu_ps(k, x.pi + i);
   __m512 g = _mm512_mul_ps(load_grad<G>(x.g, i, k), c.grad_scale);
   if constexpr (D == Decay::kL2) {
     g = _mm512_fmadd_ps(c.l2, p, g);
   } else {
     p = _mm512_mul_ps(p, c.decay_factor);
   }
-  __m512 m = _mm512_maskz_loadu_ps(k, x.m + i);
-  __m512 v = _mm512_maskz_loadu_ps(k, x.v + i);
+  __m512 m = _mm512_maskz_loadu_ps(k, x.mi + i);
+  __m512 v = _mm512_maskz_loadu_ps(k, x.vi + i);
   m = _mm512_fmadd_ps(c.one_minus_beta1, _mm512_sub_ps(g, m), m);
   v = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, g), g, _mm512_mul_ps(v, c.beta2));
   const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.inv_bc2_sqrt, c.eps);
@@ -111,7 +114,7 @@ ADAM512_FN inline void update(const Ptrs& x, const Consts& c, int64_t i, __mmask
 struct Kernel {
   template <DType G, DType O, Decay D>
   ADAM512_FN static void run(const Segment& s, const Hyper& h, int64_t begin, int64_t end) {
-    const Ptrs x{s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.param_out};
+    const Ptrs x{s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.param_out, s.param_in, s.exp_avg_in, s.exp_avg_sq_in};
     const Consts c = make_consts(s, h);
     const __mmask16 all = 0xffff;
     int64_t i = begin;

@@ -77,15 +77,15 @@ struct ScalarKernel {
   template <DType G, DType O, Decay D>
   static void run(const Segment& s, const Hyper& h, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      float p = s.param[i];
+      float p = s.param_in[i];
       float g = load_grad<G>(s.grad, i) * h.grad_scale;
       if constexpr (D == Decay::kL2) {
         g = g + h.l2 * p;
       } else {
         p = p * h.decay_factor;
       }
-      const float m = s.exp_avg[i] + h.one_minus_beta1 * (g - s.exp_avg[i]);
-      const float v = s.exp_avg_sq[i] * h.beta2 + h.one_minus_beta2 * g * g;
+      const float m = s.exp_avg_in[i] + h.one_minus_beta1 * (g - s.exp_avg_in[i]);
+      const float v = s.exp_avg_sq_in[i] * h.beta2 + h.one_minus_beta2 * g * g;
       const float denom = std::sqrt(v) * s.inv_bc2_sqrt + h.eps;
       p = p - s.step_size * (m / denom);
       s.exp_avg[i] = m;

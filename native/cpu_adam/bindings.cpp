@@ -17,8 +17,10 @@ using namespace infinity_adam;
 
 namespace {
 
-// (param, grad, exp_avg, exp_avg_sq, param_out or 0, numel, step_size, inv_bc2_sqrt)
-using SegmentTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, double, double>;
+// (param, grad, exp_avg, exp_avg_sq, param_out or 0, numel, step_size, inv_bc2_sqrt, and the states' sources:
+// param_in, exp_avg_in, exp_avg_sq_in, each 0 for the array itself: in place)
+using SegmentTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, double, double,
+                                uintptr_t, uintptr_t, uintptr_t>;
 
 DType dtype_code(int code, bool allow_none, const char* what) {
   if ((code == -1 && allow_none) || code == 0 || code == 1 || code == 2) return static_cast<DType>(code);
@@ -38,6 +40,9 @@ std::vector<Segment> to_segments(const std::vector<SegmentTuple>& tuples, bool h
     s.n = std::get<5>(t);
     s.step_size = static_cast<float>(std::get<6>(t));
     s.inv_bc2_sqrt = static_cast<float>(std::get<7>(t));
+    s.param_in = std::get<8>(t) ? reinterpret_cast<const float*>(std::get<8>(t)) : s.param;
+    s.exp_avg_in = std::get<9>(t) ? reinterpret_cast<const float*>(std::get<9>(t)) : s.exp_avg;
+    s.exp_avg_sq_in = std::get<10>(t) ? reinterpret_cast<const float*>(std::get<10>(t)) : s.exp_avg_sq;
     if (s.n < 0) throw std::invalid_argument("negative element count");
     if (s.n > 0 && (!s.param || !s.grad || !s.exp_avg || !s.exp_avg_sq || (has_out && !s.param_out)))
       throw std::invalid_argument("null data pointer in a non-empty segment");

@@ -20,13 +20,19 @@ enum class Isa : int { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 enum class Decay : int { kDecoupled = 0, kL2 = 1 };
 
 // One contiguous run of elements. Step size and bias correction live here rather than in
-// Hyper because tensors of one optimizer group may sit at different step counts.
+// Hyper because tensors of one optimizer group may sit at different step counts. The
+// states are read from param_in / exp_avg_in / exp_avg_sq_in and the updated ones written
+// to param / exp_avg / exp_avg_sq: the same arrays for an update in place, another set for
+// one out of place (Note [second state set] in infinity/_offload/_optimizer_store.py).
 struct Segment {
   float* param;
   const void* grad;
   float* exp_avg;
   float* exp_avg_sq;
   void* param_out;  // nullptr when out dtype is kNone
+  const float* param_in;
+  const float* exp_avg_in;
+  const float* exp_avg_sq_in;
   int64_t n;
   float step_size;     // lr / (1 - beta1^step)
   float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step)

@@ -120,14 +120,16 @@ def test_a_guess_that_holds_stands_bit_for_bit(dtype):
         assert on["speculated"] > 0 and on["committed"] == on["speculated"], on
 
 
-def test_clipping_puts_the_guess_back_and_the_step_is_redone_exactly():
-    off, on = _train("off", clip=1e-3), _train("always", clip=1e-3)  # every step clips
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # the undo log of the states; the second state set
+def test_clipping_puts_the_guess_back_and_the_step_is_redone_exactly(dtype):
+    off, on = _train("off", clip=1e-3, dtype=dtype), _train("always", clip=1e-3, dtype=dtype)  # every step clips
     _assert_same_states(on, off)
     assert on["speculated"] > 0 and on["committed"] == 0, on
 
 
-def test_a_nonfinite_gradient_puts_the_guess_back_and_the_step_is_skipped():
-    off, on = _train("off", nan_step=2), _train("always", nan_step=2)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_nonfinite_gradient_puts_the_guess_back_and_the_step_is_skipped(dtype):
+    off, on = _train("off", nan_step=2, dtype=dtype), _train("always", nan_step=2, dtype=dtype)
     assert on["skipped"] == 1
     _assert_same_states(on, off)
     assert on["speculated"] > on["committed"] > 0, on  # the other steps' stood
@@ -140,10 +142,10 @@ def test_micro_batches_and_a_dropped_backward_stay_exact():
     off, on = _train("off", accumulation=2), _train("always", accumulation=2)
     _assert_same_states(on, off)
     assert on["committed"] > 0, on
-    off, on = _train("off", backwards=2), _train("always", backwards=2)
+    off, on = _train("off", backwards=2, dtype="bf16"), _train("always", backwards=2, dtype="bf16")
     _assert_same_states(on, off)
     assert on["committed"] > 0, on  # from the second step on, two micro-batches are expected
-    off, on = _train("off", discard_step=1), _train("always", discard_step=1)
+    off, on = _train("off", discard_step=1, dtype="bf16"), _train("always", discard_step=1, dtype="bf16")
     _assert_same_states(on, off)
 
 
@@ -182,6 +184,31 @@ def test_the_update_runs_during_backward():
     assert sum(speculative) >= len(speculative) // 2, on["chunks"]  # most ran while the device computed
     assert not any(spec for spec, _ in off["chunks"])
     assert on["committed"] == on["speculated"] == len(speculative)
+
+
+def test_a_second_state_set_keeps_only_the_outputs_in_the_undo_log():
+    """With parameters of their own (bf16) the states are written out of place (Note [second state set] in
+    _optimizer_store.py) and the undo log keeps the outputs alone; read from the master (fp32) it keeps
+    the states."""
+    with acc.using("emulated"):
+        for dtype, second in (("bf16", True), ("fp32", False)):
+            model, opt = infinity.initialize(gpt2(layers=2, hidden=32), config=_config("always", dtype=dtype))
+            try:
+                assert opt.store.second_set is second and opt.store.undo_log.keeps_states is not second
+                assert opt.engine.memory_plan["categories"]["host"]["undo_log"] == opt.total * (
+                    12 + (2 if dtype == "bf16" else 4))
+                for ids in torch.randint(0, 96, (2, 4, 16), generator=torch.Generator().manual_seed(0)):
+                    model(input_ids=ids.to(acc.device()), labels=ids.to(acc.device())).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                opt.wait_step()
+                spec = opt.engine.telemetry()["speculation"]
+                assert spec["speculated"] > 0
+                # bytes copied aside per speculated element: the bf16 outputs (2) with a second set; the fp32 states
+                # (12) where the fp32 parameters are the master and have no outputs of their own
+                assert spec["kept_bytes"] % (2 if second else 12) == 0 and spec["kept_bytes"] > 0, spec
+            finally:
+                opt.engine.close()
 
 
 def test_the_undo_log_is_in_the_plan_and_only_memory_stores_speculate():

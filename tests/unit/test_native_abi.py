@@ -292,11 +292,16 @@ def _reference(p, g, m, v, *, step, wd, decay):
     return p, m, v
 
 
-def _native(p, g, m, v, *, step, wd, decay, isa, grad_dtype=F32, out=None, threads=1):
-    """The same step through the binding: addresses of torch tensors, counts and codes."""
+IN_PLACE = (0, 0, 0)  # a segment's sources: none, the states are read where they are written
+
+
+def _native(p, g, m, v, *, step, wd, decay, isa, grad_dtype=F32, out=None, threads=1, sources=None):
+    """The same step through the binding: addresses of torch tensors, counts and codes;
+    ``sources`` (p, m, v): read there, the results written to ``p``, ``m``, ``v``."""
     out_dtype = {None: NONE, torch.bfloat16: BF16, torch.float16: F16}[None if out is None else out.dtype]
+    ins = IN_PLACE if sources is None else tuple(t.data_ptr() for t in sources)
     segment = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if out is None else out.data_ptr(),
-               p.numel(), LR / (1 - B1 ** step), 1 / (1 - B2 ** step) ** 0.5)
+               p.numel(), LR / (1 - B1 ** step), 1 / (1 - B2 ** step) ** 0.5, *ins)
     cpu_adam.step([segment], B1, B2, EPS, 1 - LR * wd if decay == DECOUPLED else 1.0, wd if decay == L2 else 0.0,
                   decay, grad_dtype, out_dtype, isa, False, threads)
 
@@ -326,6 +331,21 @@ def test_the_kernel_is_the_formula(path, decay, wd):
         _native(p, g, m, v, step=step, wd=wd, decay=decay, isa=PATHS[path], threads=3)
         for got, ref in zip((p.numpy(), m.numpy(), v.numpy()), want):
             _assert_formula(path, got, ref)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_out_of_place_writes_the_in_place_bits_and_leaves_its_sources(path):
+    """Note [second state set] in infinity/_offload/_optimizer_store.py: states read from one set
+    and written to another are the bits the step in place gives, tails and threads included."""
+    n = 4099
+    p, g, m, v = _states(n, seed=9)
+    sources = tuple(t.clone() for t in (p, m, v))
+    kept = tuple(t.clone() for t in sources)
+    outs = tuple(torch.full((n,), float("nan")) for _ in range(3))  # every element must be written
+    _native(p, g, m, v, step=3, wd=0.01, decay=DECOUPLED, isa=PATHS[path], threads=3)
+    _native(*outs[:1], g, *outs[1:], step=3, wd=0.01, decay=DECOUPLED, isa=PATHS[path], threads=3, sources=sources)
+    assert all(torch.equal(a, b) for a, b in zip((p, m, v), outs))
+    assert all(torch.equal(a, b) for a, b in zip(sources, kept))
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -363,7 +383,7 @@ def test_segments_keep_their_own_bias_correction():
     ref_p = _reference(p[:32].numpy(), g[:32].numpy(), m[:32].numpy(), v[:32].numpy(), step=1, wd=0.0, decay=0)[0]
     ref_q = _reference(q[32:].numpy(), h[32:].numpy(), mq[32:].numpy(), vq[32:].numpy(), step=50, wd=0.0, decay=0)[0]
     segs = [(t[0].data_ptr(), t[1].data_ptr(), t[2].data_ptr(), t[3].data_ptr(), 0, 32,
-             LR / (1 - B1 ** step), 1 / (1 - B2 ** step) ** 0.5)
+             LR / (1 - B1 ** step), 1 / (1 - B2 ** step) ** 0.5, *IN_PLACE)
             for t, step in (((p[:32], g[:32], m[:32], v[:32]), 1), ((q[32:], h[32:], mq[32:], vq[32:]), 50))]
     cpu_adam.step(segs, B1, B2, EPS, 1.0, 0.0, DECOUPLED, F32, NONE, 0, False, 2)
     assert np.array_equal(p[:32].numpy(), ref_p) and np.array_equal(q[32:].numpy(), ref_q)
@@ -385,9 +405,10 @@ def test_bad_arguments_are_refused_before_any_element_is_touched(change, match):
     before = p.clone()
     args = dict(grad=g.data_ptr(), n=16, decay_mode=DECOUPLED, grad_dtype=F32, out_dtype=NONE, isa=0, threads=1)
     args.update(change)
-    segment = (p.data_ptr(), args["grad"], m.data_ptr(), v.data_ptr(), 0, args["n"], LR, 1.0)
+    segment = (p.data_ptr(), args["grad"], m.data_ptr(), v.data_ptr(), 0, args["n"], LR, 1.0, *IN_PLACE)
     with pytest.raises(ValueError, match=match):
         cpu_adam.step([segment], B1, B2, EPS, 1.0, 0.0, args["decay_mode"], args["grad_dtype"], args["out_dtype"],
                       args["isa"], False, args["threads"])
     assert torch.equal(p, before)
-    cpu_adam.step([(0, 0, 0, 0, 0, 0, LR, 1.0)], B1, B2, EPS, 1.0, 0.0, DECOUPLED, F32, NONE, 0, False, 1)  # empty: fine
+    cpu_adam.step([(0, 0, 0, 0, 0, 0, LR, 1.0, *IN_PLACE)], B1, B2, EPS, 1.0, 0.0, DECOUPLED, F32, NONE, 0, False,
+                  1)  # empty: fine
