@@ -293,6 +293,7 @@ class MemoryOptimizerStore:
         weights stay, as they may be the parameters' own shards (Note [parameters from the
         master] in _placement.py)."""
         self.exp_avg = self.exp_avg_sq = None
+        self._next = None  # the second state set, scratch between steps
         self.grads.drop()
         self._sealed = None
 
