@@ -5,7 +5,8 @@ The parts: forward, backward and the step() call (and the parts of that call: th
 joined, parameter copies, the gradients landing, the norm, the update or its launch); the
 telemetry: bytes and stalls per stage, the update's seconds, elements and threads; the GPU's busy
 time from torch.profiler. The variants: the overlapped step on and off
-(``zero.offload_optimizer.overlap_step``), the prefetcher on and off (``zero.prefetch.enabled``).
+(``zero.offload_optimizer.overlap_step``), the prefetcher on and off (``zero.prefetch.enabled``),
+and the speculative update (``zero.offload_optimizer.speculate: on``, unclipped).
 
     python -m benchmarks.step_profile --only 1.5b/cpu/overlap,1.5b/cpu/no-overlap
     python -m benchmarks.step_profile --only 124m/nvme/prefetch,124m/nvme/no-prefetch
@@ -41,6 +42,8 @@ VARIANTS = {
     "no-overlap": {"overlap_step": "off", "prefetch": True},
     "prefetch": {"overlap_step": "auto", "prefetch": True},
     "no-prefetch": {"overlap_step": "auto", "prefetch": False},
+    # Note [speculative update] in infinity/_zero/_speculative_update.py: unclipped, where its guess can stand
+    "speculate": {"overlap_step": "auto", "prefetch": True, "speculate": "on", "clip": 0.0},
 }
 
 
@@ -48,8 +51,9 @@ def variant_config(offload: str, nvme_path: str, variant: str, dtype: str = "bf1
     from benchmarks._trainers import infinity_config
 
     v = VARIANTS[variant]
-    return infinity_config(offload, dtype, nvme_path, zero={"offload_optimizer": {"overlap_step": v["overlap_step"]},
-                                                            "prefetch": {"enabled": v["prefetch"]}})
+    optimizer = {"overlap_step": v["overlap_step"], "speculate": v.get("speculate", "off")}
+    return infinity_config(offload, dtype, nvme_path, clip=v.get("clip", -1.0),
+                           zero={"offload_optimizer": optimizer, "prefetch": {"enabled": v["prefetch"]}})
 
 
 def _profiled_step(step, trace: Optional[str] = None) -> dict:
@@ -178,7 +182,8 @@ def measure(spec: dict) -> dict:
              **{k: round(statistics.median(v), 4) for k, v in phases.items() if k != "step_s"},
              **telemetry_figures(telemetry), "torch_threads": torch.get_num_threads(),
              "cpus": len(os.sched_getaffinity(0)), **gpu}
-    extra.update(_predicted(spec, params, VARIANTS[spec["variant"]]["overlap_step"] == "auto"))
+    v = VARIANTS[spec["variant"]]
+    extra.update(_predicted(spec, params, v["overlap_step"] == "auto", v.get("speculate", "off") != "off"))
     if extra.get("predicted_step_s"):
         extra["predicted_over_measured"] = round(extra["predicted_step_s"] / statistics.median(phases["step_s"]), 3)
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -188,7 +193,7 @@ def measure(spec: dict) -> dict:
                            extra=extra)
 
 
-def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
+def _predicted(spec: dict, params: int, overlapped: bool, speculate: bool = False) -> dict:
     """The run model's step (Note [run model] in infinity/_apps/_runmodel.py) for this run, from
     rates measured here and now: the device's FLOP rate on the model's layers, PCIe, the host's
     Adam on the threads the engine gives it, the disk under --nvme-path."""
@@ -199,7 +204,7 @@ def _predicted(spec: dict, params: int, overlapped: bool) -> dict:
     shape = _models.shape_of(spec["size"])
     run = Run(params=params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
               micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], dtype=spec["dtype"], param_tier=spec["offload"],
-              optimizer_tier=spec["offload"], device_is_host=not torch.cuda.is_available())
+              optimizer_tier=spec["offload"], device_is_host=not torch.cuda.is_available(), speculate=speculate)
     rates = Rates.measure(spec["scratch"] if spec["offload"] == "nvme" else None, run,
                           probe_bytes=_harness.disk_probe_bytes(spec["smoke"]))
     st = step_time(run, rates)

@@ -173,10 +173,11 @@ tests matrix 150 tests/integration/test_device_matrix.py
 
 # Where the step's time goes (benchmarks/step_profile.py): the 1.5B step with every state in host
 # memory, its parts, the telemetry's bytes and waits, the GPU's idle time, and the run model's
-# prediction from rates measured there; the prefetcher off beside on at 124M on NVMe.
+# prediction from rates measured there; the speculative update (unclipped) beside it; the
+# prefetcher off beside on at 124M on NVMe (and at 1.5B, if time is left).
 if [ "$cuda" = 1 ]; then
   left=$(( GPU_CHECK_DEADLINE - $(date +%s) - TAIL_S ))  # leaves the ordering, oom and train phases their time
-  profile=(--only 1.5b/cpu/overlap,124m/nvme/prefetch,124m/nvme/no-prefetch,1.5b/cpu/no-prefetch
+  profile=(--only 1.5b/cpu/overlap,1.5b/cpu/speculate,124m/nvme/prefetch,124m/nvme/no-prefetch,1.5b/cpu/no-prefetch
            --budget $(( left < 150 ? left : 150 )) --timeout 70)
 else
   profile=(--smoke --only 1.5b/cpu/overlap,124m/nvme/no-prefetch)

@@ -303,6 +303,7 @@ class Run:
     host_allocator: str = "release"  # zero.host_allocator: with release the host cache is read again each step
     opt_host_fraction: float = 0.0  # an NVMe optimizer tier's host share (Note [split tiers] in _offload/_split.py)
     param_host_fraction: float = 0.0  # an NVMe parameter tier's host share
+    speculate: bool = False  # zero.offload_optimizer.speculate: the update begins during backward
     figures: Optional[Figures] = None  # the estimator's plan of this run, where it made one
 
     @property
@@ -453,8 +454,11 @@ def _on_accelerator(run: Run, rates: Rates, terms: dict, shard: int, disk: float
     # the first unit (the token embedding) is updated inside step(), before the rest goes to the background
     terms["adam_head"] = terms["adam"] * min(1.0, run.vocab * run.hidden / max(1, run.params)) if overlapped else 0.0
     rest = terms["adam"] - terms["adam_head"]
-    host = terms["backward"] + (terms["adam_head"] + max(terms["forward"], rest) if overlapped
-                                else terms["forward"] + terms["adam"])
+    # Note [speculative update] in _zero/_speculative_update.py: the rest's pieces are updated while backward runs,
+    # as much of it as backward lasts (the embedding's gradient lands last: its update stays inside step())
+    terms["adam_in_backward"] = min(rest, terms["backward"]) if overlapped and run.speculate else 0.0
+    host = terms["backward"] + (terms["adam_head"] + max(terms["forward"], rest - terms["adam_in_backward"])
+                                if overlapped else terms["forward"] + terms["adam"])
     work = {"compute": terms["compute"], "pcie": max(h2d, d2h), "adam": terms["adam"]}
     if disk >= host:
         return disk, "nvme"

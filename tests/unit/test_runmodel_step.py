@@ -70,6 +70,21 @@ def test_with_an_accelerator_the_update_runs_beside_the_next_forward(optimizer, 
         assert st["adam"] == 0.0 and st["predicted"] == st["backward"] + st["forward"]
 
 
+@pytest.mark.parametrize("adam", [4e9, 1e9])  # the update shorter than backward, and longer
+def test_a_speculative_update_runs_during_backward_too(adam):
+    """Note [speculative update] in _zero/_speculative_update.py: as much of the update as backward
+    lasts runs beside it, the embedding's inside step(), what is left beside the next forward."""
+    kw = dict(params=1_557_611_200, layers=48, hidden=1600, heads=25, vocab=50257, micro_batch=8, seq_len=1024,
+              dtype="bf16", param_tier="cpu", optimizer_tier="cpu", device_is_host=False)
+    r = rates(flops=200e12, adam=adam, pcie=40e9)
+    serial, spec = rm.step_time(rm.Run(**kw), r), rm.step_time(rm.Run(**kw, speculate=True), r)
+    rest = spec["adam"] - spec["adam_head"]
+    assert spec["adam_in_backward"] == pytest.approx(min(rest, spec["backward"])) and serial["adam_in_backward"] == 0
+    assert spec["predicted"] == pytest.approx(spec["backward"] + spec["adam_head"] + max(
+        spec["forward"], rest - spec["adam_in_backward"]))
+    assert spec["predicted"] <= serial["predicted"]
+
+
 @pytest.mark.parametrize("node, ranks", [("dgx2", 16), ("h100x8", 8)])
 def test_the_projection_cli_names_the_node_and_the_bottleneck(node, ranks, capsys):
     assert estimate_main(["--params", "1T", "--hardware", node, "--micro-batch", "7", "--step-time"]) == 0
