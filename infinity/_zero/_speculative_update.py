@@ -259,49 +259,46 @@ class SpeculativeUpdate:
         """Stop the speculation of this step and hand over what it did (None: nothing ran);
         the next backward speculates afresh, expecting (``learn``: the step takes it) as many
         micro-batches as this step had."""
-        thread = self._thread
-        if thread is not None:
+        ran = self._thread is not None
+        taken = self._halt()
+        if learn and self._counts:
+            self.window = max(self._counts.values())
+        self._begin()
+        return taken if ran else None
+
+    def _halt(self) -> Speculated:
+        """Stop the thread (if any) after its piece in flight; what it did, which it forgets."""
+        if self._thread is not None:
             with self._cond:
                 self._stop = True
                 self._cond.notify_all()
-            thread.join()
-        if learn and self._counts:
-            self.window = max(self._counts.values())
-        done, plan, invalid, error = self._done, self._plan, self._invalid, self._error
-        self._begin()
-        if thread is None:
-            return None
-        if error is not None:
+            self._thread.join()
+        invalid = self._invalid
+        if self._error is not None:
             logger.warning("the speculative update failed (%s: %s); it is put back and the step updates every piece",
-                           type(error).__name__, error)
-            invalid = invalid or f"it raised {type(error).__name__}"
-        self._counts_of["speculated"] += len(done)
-        return Speculated(self._store, self._outputs, done, plan, invalid)
+                           type(self._error).__name__, self._error)
+            invalid = invalid or f"it raised {type(self._error).__name__}"
+        self._counts_of["speculated"] += len(self._done)
+        taken = Speculated(self._store, self._outputs, self._done, self._plan, invalid)
+        self._done, self._thread, self._error = [], None, None
+        return taken
 
     def before_fetch(self, start: float) -> None:
         """A unit at optimizer offset ``start`` is about to be read (the step gate asks, on the
         main thread). If it has all its gradients of the step, the speculation may have
         updated it or be about to: a micro-batch more than expected is running its forward.
         Put it back first."""
+        if self._thread is None:  # the fetch path's common case: nothing speculated
+            return
         index = self._unit_at.get(int(start)) if start >= 0 else None
-        if index is not None and self._thread is not None and self._counts.get(index, 0) >= self.window:
+        if index is not None and self._counts.get(index, 0) >= self.window:
             self.abandon()
 
     def abandon(self) -> None:
         """The gradients are dropped, or the states read as they are, or a range updated is
         fetched again: stop, put back what was updated, and speculate no more until the step
         (which still learns how many micro-batches it had: the counts stay)."""
-        thread = self._thread
-        if thread is None:
+        if self._thread is None:
             return
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        thread.join()
-        if self._error is not None:
-            logger.warning("the speculative update failed (%s: %s); it is put back", type(self._error).__name__,
-                           self._error)
-        self._counts_of["speculated"] += len(self._done)
-        Speculated(self._store, self._outputs, self._done, self._plan).put_back()
-        self._done, self._thread, self._error = [], None, None
+        self._halt().put_back()
         self._invalid = self._invalid or "abandoned"

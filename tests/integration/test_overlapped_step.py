@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from _models import gpt2
+from _update_pace import pace_chunks
 
 import infinity
 from infinity._offload._placement import overlap_step
@@ -63,20 +64,9 @@ def _plain(dev, accumulation: int = 1):
 
 
 def _recording(opt, chunks: list, update_s: float):
-    """The update takes ``update_s`` more per step, each chunk its share (a sleep: the host's
-    Adam at a large model's pace); each chunk records its thread and whether the device ran
-    operators meanwhile."""
-    from infinity._runtime._accelerator import _emulated
-
-    update = opt._update_chunk
-
-    def recorded(chunk, *args, **kwargs):
-        before = _emulated.operators_run()
-        time.sleep(update_s * chunk.master.numel() / opt.total)
-        update(chunk, *args, **kwargs)
-        chunks.append((threading.current_thread() is threading.main_thread(), _emulated.operators_run() > before))
-
-    opt._update_chunk = recorded
+    """Each chunk at a large model's pace (_update_pace.py), recording its thread: the main one?"""
+    pace_chunks(opt, "_update_chunk", chunks, update_s, lambda args, kwargs: threading.current_thread() is
+                threading.main_thread())
 
 
 def _train(overlap: str, dev, delay: float, update_s: float):

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from _models import gpt2
+from _update_pace import pace_chunks
 
 import infinity
 from infinity._runtime import _accelerator as acc
@@ -87,20 +88,8 @@ def comm_rank() -> int:
 
 
 def _slowed(opt, chunks: list, update_s: float) -> None:
-    """Each chunk's update takes its share of ``update_s`` more (a sleep: the host's Adam at a
-    large model's pace) and records whether it was speculative and whether the device ran
-    operators meanwhile."""
-    from infinity._runtime._accelerator import _emulated
-
-    update = opt._update_chunk_in_range
-
-    def slowed(chunk, *args, **kwargs):
-        before = _emulated.operators_run()
-        time.sleep(update_s * chunk.master.numel() / opt.total)
-        update(chunk, *args, **kwargs)
-        chunks.append((kwargs.get("speculative", False), _emulated.operators_run() > before))
-
-    opt._update_chunk_in_range = slowed
+    """Each chunk at a large model's pace (_update_pace.py), recording whether it was speculative."""
+    pace_chunks(opt, "_update_chunk_in_range", chunks, update_s, lambda args, kwargs: kwargs.get("speculative", False))
 
 
 def _assert_same_states(a: dict, b: dict) -> None:
