@@ -65,11 +65,6 @@ def _loss(model, inputs, targets) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def _engine_counters(engine) -> Dict[str, float]:
-    # The prefetcher's per-step counters, once the engine has them (Note [engine telemetry keys] in _telemetry.py).
-    return flatten(engine.telemetry()) if hasattr(engine, "telemetry") else {}
-
-
 def _disk_io() -> Dict[str, int]:
     """Bytes this process read from and wrote to storage (O_DIRECT and io_uring included)."""
     try:
@@ -113,7 +108,7 @@ def train_step(run: Run, step: int) -> dict:
     mean_loss = torch.stack(losses).mean().reshape(1)
     comm.all_reduce(mean_loss, "sum", what="loss report")
     step_s = time.perf_counter() - t_step
-    engine = _engine_counters(opt.engine)
+    engine = flatten(opt.engine.telemetry())  # Note [engine telemetry keys] in _telemetry.py
     record = {"event": "step", "step": step, "loss": mean_loss.item() / comm.world_size(), "lr": lr,
               "grad_norm": opt.last_grad_norm, "skipped": bool(opt.skipped), "tokens": run.tokens_per_step,
               "step_s": step_s, **times, "stall_s": stall_seconds(engine),

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .._runtime import _comm as comm
+from .._zero._engine import engine_of
 from ..errors import UsageError
 from ._format import LATEST, MANIFEST, complete_checkpoints
 from ._load import load_checkpoint
@@ -123,7 +124,7 @@ class TrainCheckpoints:
 
     def wait(self, run) -> None:
         """Collective: the asynchronous save in flight is committed, or its error raised."""
-        finish_pending(run.optimizer.engine, "infinity.train")
+        finish_pending(engine_of(run.model), "infinity.train")
         self._count(run)
 
     def after_step(self, run, step: int, last: int) -> bool:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from .._offload._swap import SwapDirs
+    from .._runtime._accelerator import DeviceBudget
     from ._unit import FetchUnit
 
 
@@ -53,3 +55,26 @@ class CheckSameGathers(Protocol):
     and units (Note [same gathers on every rank] in _same_gathers.py)."""
 
     def __call__(self, where: str) -> None: ...
+
+
+class EngineSurface(Protocol):
+    """Note [what the optimizer's holders see]: ``ZeroOptimizer.engine`` is the engine as those
+    who hold the optimizer (the train command, its summary and SSD ledger, the Trainer, the model
+    check) may use it: where the rank stands, its swap directories, its telemetry and bytes per
+    tier, its device budget, and ``close``. Nothing else of the engine is theirs to read or call;
+    ``tests/unit/test_layering.py`` checks every ``.engine.<name>`` in the apps layer against
+    this list. The checkpoint layer, which saves and restores the units themselves, takes the
+    whole engine from ``engine_of(model)`` (_engine.py). Provider: ``Engine``."""
+
+    rank: int
+    world_size: int
+    swap_dirs: "SwapDirs"
+
+    def telemetry(self, reset: bool = True) -> dict: ...
+
+    def tier_bytes(self) -> dict: ...
+
+    @property
+    def device_budget(self) -> "DeviceBudget": ...
+
+    def close(self) -> None: ...

@@ -26,13 +26,13 @@ def _unit_words(unit: "FetchUnit") -> str:
 
 def label_swap_files(opt: "ZeroOptimizer") -> None:
     """Give every checksummed swap file of ``opt``'s stores its ``describe`` and ``when``."""
-    engine = opt.engine
+    ops = opt.ops  # Note [the optimizer's engine] in _zero_optimizer.py
 
     def when() -> str:
-        return f"at optimizer step {opt._step} on rank {engine.rank}"
+        return f"at optimizer step {opt._step} on rank {ops.rank}"
 
     if opt.param_store is not None:
-        units = sorted(engine.units, key=lambda u: u.param_offset)
+        units = sorted(ops.units, key=lambda u: u.param_offset)
         starts = [u.param_offset for u in units]
         itemsize, first = opt.param_store.itemsize, opt.param_store.own_from  # params.swp's first element
 
@@ -47,7 +47,7 @@ def label_swap_files(opt: "ZeroOptimizer") -> None:
             sums.describe, sums.when = describe_param, when
     store = opt.store
     if isinstance(store, NvmeOptimizerStore):
-        trainable = sorted((u for u in engine.units if u.trainable), key=lambda u: u.opt_offset)
+        trainable = sorted((u for u in ops.units if u.trainable), key=lambda u: u.opt_offset)
         starts = [u.opt_offset for u in trainable]
         for name, sums in store.checksums().items():
             sums.describe, sums.when = _describe_optimizer(name, store, trainable, starts), when

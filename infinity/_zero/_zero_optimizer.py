@@ -61,7 +61,7 @@ from ._param_groups import (
     slots_of,
     unit_labels,
 )
-from ._seams import Action
+from ._seams import Action, EngineSurface
 from ._speculative_update import Speculated, SpeculativeUpdate
 from ._step_gate import StepGate, StepStopped
 from ._unit_plan import StagePolicy
@@ -131,7 +131,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine: "Engine", ops: "EngineOps", cfg, groups: List[dict], *, sink: "GradSink",
                  gate: StepGate):
-        self.engine = engine  # for those that hold the optimizer (checkpoints, the apps); the step uses ``ops``
+        self.engine: EngineSurface = engine  # Note [what the optimizer's holders see] in _seams.py; the step uses ``ops``
         self.ops = ops  # Note [the optimizer's engine]
         self.cfg = cfg
         self.placement = placement = ops.placement

@@ -153,6 +153,27 @@ def test_units_and_their_services_never_import_the_engine_or_the_optimizer(name)
     assert not targets & {"_zero._engine", "_zero._zero_optimizer", "_zero._initialize"}, f"{name} imports {sorted(targets)}"
 
 
+def _surface_names():
+    """The names ``EngineSurface`` declares (Note [what the optimizer's holders see] in _zero/_seams.py)."""
+    tree = ast.parse(open(os.path.join(ROOT, "_zero", "_seams.py")).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineSurface")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)} | \
+           {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_apps_use_only_the_engine_surface():
+    allowed, wrong = _surface_names(), []
+    assert {"close", "telemetry", "world_size"} <= allowed
+    for entry, _, path in _modules():
+        if LEVEL.get(entry) != LEVEL["__init__"]:
+            continue  # the apps layer: the train command, the estimator, the Trainer, the model check
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "engine" and node.attr not in allowed:
+                wrong.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} .engine.{node.attr}")
+    assert not wrong, "the apps read the engine beyond EngineSurface (_zero/_seams.py):\n" + "\n".join(wrong)
+
+
 # Sizes (issue "the house in layers", item 4): a module reads in one sitting and a function on one screen.
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60  # from ``def`` to its last line, docstring and nested functions included
