@@ -40,9 +40,9 @@ from .._offload._placement import Machine, Placement
 from .._offload._preflight import node_need
 from .._offload._preflight import plan as preflight_plan
 from .._runtime._log import logger
-from .._runtime._tiers import Tier
+from .._runtime._tiers import StagePolicy, Tier
 from .._zero._tiling import check_working_memory, tile_model, unit_working_memory
-from .._zero._unit_plan import DTYPES, StagePolicy, unit_specs_of
+from .._zero._unit_plan import DTYPES, unit_specs_of
 from ..config import Config, ConfigError
 from . import _runmodel as rm
 from ._estimate_hardware import Hardware
@@ -199,7 +199,7 @@ def plan_specs(specs, cfg, node: Node, params: int, trainable: int) -> RankPlan:
     reports and each row of the estimator's table (Note [the planned decoder] in _estimate_model.py)."""
     world = node.world
     policy = StagePolicy.of(cfg.zero.stage)
-    placement = Placement.of(cfg, policy.partition_params, DTYPES[cfg.precision.dtype], specs, world, node.machine)
+    placement = Placement.of(cfg, policy, DTYPES[cfg.precision.dtype], specs, world, node.machine)
     itemsize = placement.itemsize
     units = [(s.module_name, s.shard_numel * world, s.persistent) for s in specs]
     if policy.partition_params:
@@ -256,7 +256,7 @@ def swap_files(placement: Placement, cfg) -> Dict[str, int]:
     """The swap files of one rank and their bytes, named and sized as the stores make them
     (``ParamStore._swap_files``, ``OptimizerFiles``), block sums aside."""
     layout, out = placement.layout, {}
-    if placement.partition_params and placement.param_tier is Tier.NVME:
+    if placement.policy.partition_params and placement.param_tier is Tier.NVME:
         source = placement.param_source  # Note [parameters from the master] in _placement.py
         own = layout.frozen_total if source is ParamSource.MASTER_FILE else \
             0 if source is ParamSource.MASTER else layout.param_total
@@ -274,7 +274,7 @@ def figures_of(plan: RankPlan) -> "rm.Figures":
     """What the run model reads of a stage-3 plan (Note [run model] in _runmodel.py): its layout's
     figures and its stores' bytes, so that --step-time speaks of the plan the table shows."""
     placement = plan.placement
-    if placement is None or not placement.partition_params:
+    if placement is None or not placement.policy.partition_params:
         raise EstimateError("the run model is of stage 3's plans")
     layout = placement.layout
     return rm.Figures(total=layout.opt_total, largest=plan.largest_unit[1], max_shard=layout.max_shard,

@@ -15,7 +15,7 @@ from .._runtime import _accelerator as acc
 from .._runtime._comm import ranks_here
 from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
-from .._runtime._tiers import Tier
+from .._runtime._tiers import StagePolicy, Tier
 from ._layout import ALIGN_ELEMS, Layout, ParamSource, states_in_host
 from ._optimizer_store import chunk_elems
 from ._split import host_fraction, opt_host_upto, param_host_upto, plan_auto
@@ -71,7 +71,7 @@ class Placement:
 
     opt_tier: Tier  # fp32 master weights, gradient shards, Adam moments
     param_tier: Tier  # stage 3's compute-dtype shards (DEVICE in stages 1-2: parameters stay whole)
-    partition_params: bool
+    policy: StagePolicy  # what the stage partitions: ask it, never a copy of it
     dtype: torch.dtype  # the compute dtype
     layout: Layout
     overlap: bool  # Note [overlapped step] in _zero_optimizer.py
@@ -85,27 +85,27 @@ class Placement:
     speculate: bool = False  # Note [speculative update] in _zero/_speculative_update.py
 
     @classmethod
-    def of(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int,
+    def of(cls, cfg, policy: StagePolicy, dtype: torch.dtype, specs, world_size: int,
            machine: Optional[Machine] = None) -> "Placement":
         """The placement on ``world_size`` ranks of ``machine`` (None: this one, read when needed);
         a section's ``device: auto`` planned (Note [planned split] in _split.py)."""
-        z = cfg.zero
+        z, partition_params = cfg.zero, policy.partition_params
         opt_auto, param_auto = z.offload_optimizer.device == "auto", partition_params and z.offload_param.device == "auto"
         opt = (Tier.CPU, None) if opt_auto else (Tier.of(z.offload_optimizer.device), host_fraction(z.offload_optimizer))
         param = (Tier.CPU, None) if param_auto else \
             (Tier.of(z.offload_param.device) if partition_params else Tier.DEVICE, host_fraction(z.offload_param))
-        build = functools.partial(cls.build, cfg, partition_params, dtype, specs, world_size, machine)
+        build = functools.partial(cls.build, cfg, policy, dtype, specs, world_size, machine)
         if not (opt_auto or param_auto):
             return build(opt, param)
         return plan_auto(build, cfg, opt_auto, param_auto, opt, param, machine or Machine.here())
 
     @classmethod
-    def build(cls, cfg, partition_params: bool, dtype: torch.dtype, specs, world_size: int,
+    def build(cls, cfg, policy: StagePolicy, dtype: torch.dtype, specs, world_size: int,
               machine: Optional[Machine], opt: tuple, param: tuple, grads_in_memory: Optional[bool] = None
               ) -> "Placement":
         """The placement with the optimizer states and the parameters on the (tier, host
         fraction) given (Note [split tiers] in _split.py)."""
-        z = cfg.zero
+        z, partition_params = cfg.zero, policy.partition_params
         opt_tier, param_tier = opt[0], param[0]
         align = ALIGN_ELEMS if Tier.NVME in (opt_tier, param_tier) else 1
         layout = Layout.assign(specs, align)
@@ -134,7 +134,7 @@ class Placement:
                                   *((machine.host_available, machine.ranks_on_node) if machine else ())) \
             if param_tier is Tier.NVME and source is not ParamSource.MASTER else 0
         speculate = speculate_update(z.offload_optimizer.speculate, overlap, opt_tier, param_tier)
-        return cls(opt_tier, param_tier, partition_params, dtype, layout, overlap, grads_in_memory, source, cache,
+        return cls(opt_tier, param_tier, policy, dtype, layout, overlap, grads_in_memory, source, cache,
                    reuse, direct, opt_upto, param_upto, speculate)
 
     @property
@@ -148,7 +148,7 @@ class Placement:
                 return f"split cpu {upto / total:.2f}, nvme {1 - upto / total:.2f}"
             return {Tier.DEVICE: "none", Tier.CPU: "cpu", Tier.NVME: "nvme"}[tier]
         out = f"optimizer {one(self.opt_tier, self.opt_host_upto, max(self.layout.opt_total, 1))}"
-        if self.partition_params:
+        if self.policy.partition_params:
             out += f", parameters {one(self.param_tier, self.param_host_upto, max(self.layout.param_total, 1))}"
         return out
 

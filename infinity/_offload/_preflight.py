@@ -16,7 +16,7 @@ from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._host_memory import available as host_available
 from .._runtime._log import logger
-from .._runtime._tiers import Tier
+from .._runtime._tiers import StagePolicy, Tier
 from ..errors import InsufficientResourcesError
 from . import _param_store
 from ._drives import drive_paths, local_rank, node_bytes_per_drive, rank_drives
@@ -37,7 +37,7 @@ class Placed(Protocol):
     def param_tier(self) -> Tier: ...
 
     @property
-    def partition_params(self) -> bool: ...
+    def policy(self) -> StagePolicy: ...
 
     @property
     def layout(self) -> Layout: ...
@@ -107,7 +107,7 @@ def plan(placement: Placed, cfg) -> dict:
     n = layout.opt_total
     chunk = chunk_elems(z.offload_optimizer.chunk_size, n)
     cats = store_plan(
-        opt_tier=placement.opt_tier, param_tier=placement.param_tier if placement.partition_params else None,
+        opt_tier=placement.opt_tier, param_tier=placement.param_tier if placement.policy.partition_params else None,
         opt_total=n, param_total=layout.param_total, itemsize=placement.itemsize, overlapped=placement.overlap,
         lazy_grad=z.stage < 2, chunk=chunk,
         # Note [host cache] in _nvme_optimizer_store.py
@@ -250,6 +250,6 @@ def engine_device_is_host() -> bool:
 def device_need(placement: Placed, need: dict) -> int:
     """Bytes of model state on this rank's accelerator: the plan's device stores, and for
     stages 1-2 the whole parameters (in the compute dtype, every rank's shard of them)."""
-    whole = 0 if placement.partition_params else \
+    whole = 0 if placement.policy.partition_params else \
         placement.layout.param_total * comm.world_size() * placement.itemsize
     return need["device"] + whole

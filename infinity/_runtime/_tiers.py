@@ -1,4 +1,6 @@
-"""Where a partition lives: one enum for the engine, the preflight and the estimator.
+"""Where a partition lives and what a stage partitions: the two questions every reader of a
+placement asks, one type each (``Tier``, ``StagePolicy``), for the engine, the preflight and the
+estimator.
 
 The config names the tiers ``none`` (device memory), ``cpu`` and ``nvme``; the estimator and
 the accounting call them ``device``, ``cpu``/``host`` and ``nvme``. ``Tier.of`` accepts
@@ -7,6 +9,7 @@ either spelling; ``Tier.memory`` is the key of a tier in byte accounting.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class Tier(str, enum.Enum):
@@ -33,3 +36,17 @@ class Tier(str, enum.Enum):
     def resident(self) -> bool:
         """Held in memory (device or host), not in a swap file."""
         return self is not Tier.NVME
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """What a ZeRO stage partitions beyond the optimizer states. Every "is this stage 3" asks
+    ``partition_params`` of the one policy the engine holds (its placement's ``policy``)."""
+
+    stage: int
+    partition_params: bool  # stage 3: parameters live as shards between uses
+    reduce_in_backward: bool  # stages 2-3: gradients reduce-scattered as backward produces them
+
+    @classmethod
+    def of(cls, stage: int) -> "StagePolicy":
+        return cls(stage, partition_params=stage >= 3, reduce_in_backward=stage >= 2)

@@ -72,7 +72,7 @@ from ._param_edits import ParameterEdits
 from ._phase import Calls, Frame, Phase, tensors_in
 from ._same_gathers import check_same_gathers
 from ._unit import FetchUnit, UnitContext
-from ._unit_plan import DTYPES, StagePolicy, block_modules, plan_units  # noqa: F401 - the engine's planning, re-exported
+from ._unit_plan import DTYPES, block_modules, plan_units  # noqa: F401 - the engine's planning, re-exported
 
 if TYPE_CHECKING:
     from .._offload._optimizer_store import OptimizerStore
@@ -116,8 +116,8 @@ class Engine(ParameterEdits, EngineReport):
         ctx = parts.ctx
         self.model = model
         self.cfg = cfg
-        self.policy = StagePolicy.of(cfg.zero.stage)
         self.placement = parts.placement
+        self.policy = parts.placement.policy  # the one stage policy (_tiers.py)
         self.ctx = ctx
         self.world_size = ctx.world_size
         self.rank = ctx.rank

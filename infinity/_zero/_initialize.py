@@ -45,7 +45,7 @@ from .._runtime import _comm as comm
 from .._runtime._log import logger
 from .._runtime._recycle import Recycler
 from .._runtime._telemetry_counters import Counters
-from .._runtime._tiers import Tier
+from .._runtime._tiers import StagePolicy, Tier
 from .._runtime._topology import place
 from ..aio import aligned_empty
 from ..config import Config
@@ -64,7 +64,7 @@ from ._step_gate import StepGate
 from ._swap_labels import label_swap_files
 from ._tiling import check_working_memory, retarget_groups, tile_model
 from ._unit import FetchUnit, UnitContext
-from ._unit_plan import DTYPES, StagePolicy, placement_of
+from ._unit_plan import DTYPES, placement_of
 from ._zero_optimizer import EngineOps, ZeroOptimizer
 
 
@@ -148,10 +148,10 @@ def _engine_of_model(model: nn.Module, what: str) -> Engine:
 
 def _build_engine(model: nn.Module, cfg):
     """Note [build order], up to the engine."""
-    policy = StagePolicy.of(cfg.zero.stage)
     world, rank = comm.world_size(), comm.rank()
     dtype = DTYPES[cfg.precision.dtype]
     placement, specs, uses = placement_of(model, cfg, world)
+    policy = placement.policy
     if policy.partition_params:  # Note [operator working memory] in _tiling.py: refused before anything is allocated
         check_working_memory([(s.module_name, s.shard_numel * world, s.persistent) for s in specs],
                              placement.itemsize, cfg)

@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
+from .._runtime._tiers import StagePolicy
 from ..errors import InvariantError
 from ._ledger import Hold
 from ._param import ParamState
 from ._phase import Phase
 from ._unit import Prefetched
-from ._unit_plan import StagePolicy
 
 if TYPE_CHECKING:
     from .._runtime._telemetry_counters import Counters

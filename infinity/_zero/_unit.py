@@ -25,13 +25,14 @@ from .._offload._layout import ParamSource, padded, shard_rows
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._telemetry_counters import span
+from .._runtime._tiers import StagePolicy
 from ..aio import aligned_empty
 from ..errors import EngineError, InvariantError
 from ._init_context import InitUnit
 from ._ledger import GatherLedger, Hold
 from ._param import ParamInfo, ParamState, info_of, make_plain, raw_data, register, set_data
 from ._staging import Staging
-from ._unit_plan import StagePolicy, UnitSpec
+from ._unit_plan import UnitSpec
 
 if TYPE_CHECKING:
     from .._offload._param_store import ParamStore
@@ -126,10 +127,9 @@ class FetchUnit:
         self._init_units = [_init_unit_of(p) for _, p in params]  # built under infinity.Init
         for init_unit, (name, _) in zip(self._init_units, params):
             if init_unit is not None and init_unit.world_size != self.world_size:
-                raise EngineError(
-                    f"{name} was partitioned by infinity.Init over {init_unit.world_size} rank(s) but this job "
-                    f"has {self.world_size}: build the model under Init in the same job (same world size) that "
-                    f"calls infinity.initialize")
+                raise EngineError(f"{name} was partitioned by infinity.Init over {init_unit.world_size} rank(s) but "
+                                  f"this job has {self.world_size}: build the model under Init in the same job (same "
+                                  f"world size) that calls infinity.initialize")
         for name, p in params:
             info = ParamInfo(name, p.shape, p.numel(), padded(p.numel(), self.world_size), offset, self)
             register(p, info)

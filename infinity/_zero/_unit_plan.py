@@ -42,21 +42,9 @@ from torch import nn
 
 from .._offload._layout import padded
 from .._offload._placement import Machine, Placement
+from .._runtime._tiers import StagePolicy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class StagePolicy:
-    """What a ZeRO stage partitions beyond the optimizer states."""
-
-    stage: int
-    partition_params: bool  # stage 3: parameters live as shards between uses
-    reduce_in_backward: bool  # stages 2-3: gradients reduce-scattered as backward produces them
-
-    @classmethod
-    def of(cls, stage: int) -> "StagePolicy":
-        return cls(stage, partition_params=stage >= 3, reduce_in_backward=stage >= 2)
 
 
 @dataclass(frozen=True)
@@ -166,5 +154,5 @@ def placement_of(model: nn.Module, cfg, world_size: int, machine: Optional[Machi
     model built on the meta device."""
     policy = StagePolicy.of(cfg.zero.stage)
     specs, uses = unit_specs_of(model, cfg, world_size)
-    placement = Placement.of(cfg, policy.partition_params, DTYPES[cfg.precision.dtype], specs, world_size, machine)
+    placement = Placement.of(cfg, policy, DTYPES[cfg.precision.dtype], specs, world_size, machine)
     return placement, specs, uses

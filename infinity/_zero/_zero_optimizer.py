@@ -39,7 +39,7 @@ from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
 from .._runtime._log import logger
 from .._runtime._telemetry_counters import span
-from .._runtime._tiers import Tier
+from .._runtime._tiers import StagePolicy, Tier
 from .._runtime._topology import default_threads
 from ..aio import AioError, aligned_empty
 from ..errors import EngineError, InvariantError, NativeLibraryMissing, NonFiniteError, NotSupportedError, UsageError
@@ -64,7 +64,6 @@ from ._param_groups import (
 from ._seams import Action, EngineSurface
 from ._speculative_update import Speculated, SpeculativeUpdate
 from ._step_gate import StepGate, StepStopped
-from ._unit_plan import StagePolicy
 from ._whole_params import gather_into_whole_params
 
 if TYPE_CHECKING:

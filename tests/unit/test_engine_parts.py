@@ -16,7 +16,7 @@ from infinity._offload._nvme_param_store import NvmeParamStore
 from infinity._offload._param_store import MemoryParamStore
 from infinity._offload._swap import SwapDir
 from infinity._runtime._telemetry_counters import Counters
-from infinity._runtime._tiers import Tier
+from infinity._runtime._tiers import StagePolicy, Tier
 from infinity._zero._backward import BackwardHooks
 from infinity._zero._ledger import GatherLedger, Hold
 from infinity._zero._module_state import BackwardProgress, ModuleState
@@ -27,7 +27,7 @@ from infinity._zero._reduce import GradReducer, plan_buckets
 from infinity._zero._same_gathers import check_same_gathers
 from infinity._zero._step_gate import StepGate
 from infinity._zero._unit import FetchUnit, UnitContext
-from infinity._zero._unit_plan import StagePolicy, plan_units
+from infinity._zero._unit_plan import plan_units
 from infinity.errors import InvariantError, WaitTimeout
 
 
