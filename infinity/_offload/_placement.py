@@ -129,7 +129,7 @@ class Placement:
         itemsize = torch.empty((), dtype=dtype).element_size()
         reuse = GATHERED_REUSE * layout.max_shard * world_size * itemsize \
             if partition_params and not accelerator else 0  # a device caching allocator already reuses memory
-        direct = partition_params and world_size == 1 and not accelerator  # FetchUnit._direct_read_buffer
+        direct = partition_params and world_size == 1 and not accelerator  # Note [one rank] in _runtime/_comm.py
         cache = param_cache_elems(z.offload_param.max_in_cpu, layout.param_total - param_upto, itemsize,
                                   *((machine.host_available, machine.ranks_on_node) if machine else ())) \
             if param_tier is Tier.NVME and source is not ParamSource.MASTER else 0

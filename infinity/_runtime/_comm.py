@@ -9,6 +9,18 @@ elements of the *full* (unsharded) tensor each call moves: the output of an all-
 the input of a reduce-scatter. Summed over a step this is the paper's volume (ZeRO §7):
 2Ψ for stages 1 and 2 (reduce-scatter + all-gather) and 3Ψ for stage 3 (two all-gathers
 plus a reduce-scatter), independent of the world size.
+
+Note [one rank]: a job of one rank runs the same code as many, collectives included (local
+copies here), and differs only where one rank saves memory or time, each place marked with this
+Note: the reduce-scatter writes into its own bucket (``GradReducer._launch``) and the late
+gradients need no agreement (``_reduce_late``, _reduce.py); with no accelerator, shards are read
+straight into the gathered buffers (``Placement.direct_reads``, _placement.py) and gathered
+parameters are views of the shard (``Staging.gathers_in_place``, _staging.py); the ranks' gather
+sequences are not recorded or compared (``GatherLedger.gathered``, _ledger.py;
+``check_same_gathers``, _same_gathers.py); a failed pass needs no agreement
+(``after_failed_pass``, below); a failed step that began no chunk is undone, since no peer can
+have gone on (``ZeroOptimizer``, _zero_optimizer.py); ``generate`` does not sync its ranks
+(integrations/transformers.py).
 """
 from __future__ import annotations
 
@@ -192,7 +204,7 @@ def after_failed_pass(what: str, raised_by: str, *, closing: bool = False) -> No
     and was ended as on one rank: go on when every rank's did after the same collectives, else
     stop the job (``JobStopped`` here too, unless ``closing``)."""
     unwinding = sys.exc_info()[1]  # close() while a signal's exception unwinds: the process ends, no peer recovers
-    if isinstance(unwinding, (KeyboardInterrupt, SystemExit)) and world_size() > 1:
+    if isinstance(unwinding, (KeyboardInterrupt, SystemExit)) and world_size() > 1:  # Note [one rank]
         code = f"({unwinding.code})" if isinstance(unwinding, SystemExit) else ""
         stop_job(f"rank {rank()} was interrupted in its {what} by {type(unwinding).__name__}{code}: a signal stopped it")
     elif world_size() > 1 and not agree_on_abort():

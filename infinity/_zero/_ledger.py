@@ -124,7 +124,7 @@ class GatherLedger(Generic[U]):
     def gathered(self, unit: U) -> None:
         self.live += unit.full_numel
         self.peak = max(self.peak, self.live)
-        if self._world_size > 1:  # one rank has nothing to compare
+        if self._world_size > 1:  # one rank has nothing to compare: Note [one rank] in _runtime/_comm.py
             self.sequence.append(unit.index)
 
     def freed(self, unit: U) -> None:

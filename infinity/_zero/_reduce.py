@@ -120,7 +120,7 @@ class GradReducer:
         reduce-scatters, zeros where it has none."""
         units = [u for b in self.buckets for u, _ in b.units]
         late = [u in self._late for u in units]
-        if self.world_size > 1:
+        if self.world_size > 1:  # Note [one rank] in _runtime/_comm.py
             flags = torch.tensor(late, dtype=torch.float32)
             comm.all_reduce(flags, "sum")
             late = (flags > 0).tolist()
@@ -170,7 +170,7 @@ class GradReducer:
         full = bucket.full
         if full is None:  # a unit that is not direct arrived, and the first arrival allocates the buffer
             raise InvariantError(f"reduce bucket of {len(bucket.units)} units launched without its buffer")
-        # One rank: the bucket is its own shard; no second buffer, no copy.
+        # One rank: the bucket is its own shard; no second buffer, no copy (Note [one rank] in _runtime/_comm.py).
         out = full.view(-1) if self.world_size == 1 else torch.empty(bucket.cols, dtype=torch.float32,
                                                                        device=acc.device())
         names = ", ".join(u.module_name or "<root>" for u, _ in bucket.units[:3])

@@ -27,7 +27,7 @@ def check_same_gathers(ledger: "GatherLedger[FetchUnit]", units: List["FetchUnit
                        rank: int, partitioned: bool) -> None:
     """Raise if the ranks gathered different units since the last check."""
     seq = ledger.take_sequence()
-    if world_size == 1 or not partitioned:
+    if world_size == 1 or not partitioned:  # Note [one rank] in _runtime/_comm.py
         return
     h = 0
     for index in seq:

@@ -133,7 +133,7 @@ class Staging:
         """Whether the gathered parameters are views of the device shard: on one rank, unless
         the shard is a staging buffer that goes back to its pool (no accelerator, NVMe tier)."""
         copied = self._on("gathers_in_place").copied
-        return world_size == 1 and (self.kind is not Source.POOL_READ or copied)
+        return world_size == 1 and (self.kind is not Source.POOL_READ or copied)  # Note [one rank] in _runtime/_comm.py
 
     def new_memory(self, world_size: int) -> bool:
         """Whether the gathered parameters are memory of their own, charged to the device

@@ -283,7 +283,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.store.abandon_update()
             return True
         if self._chunks_begun or self.ops.world_size > 1 or isinstance(error, TimeoutError) \
-                or (isinstance(error, AioError) and error.op == "write"):
+                or (isinstance(error, AioError) and error.op == "write"):  # Note [one rank] in _runtime/_comm.py
             return True
         self.steps.counts.copy_(undo.counts)
         self._step = undo.step

@@ -117,7 +117,7 @@ def synced_generate(model: torch.nn.Module) -> torch.nn.Module:
     @functools.wraps(original)
     def generate(*args, synced_gpus: Optional[bool] = None, **kwargs):
         if synced_gpus is None:
-            synced_gpus = comm.world_size() > 1
+            synced_gpus = comm.world_size() > 1  # Note [one rank] in infinity/_runtime/_comm.py
         return original(model, *args, synced_gpus=synced_gpus, **kwargs)
 
     model.generate = generate
