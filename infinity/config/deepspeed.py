@@ -323,9 +323,9 @@ def _differs(a: Any, b: Any) -> bool:
 # The mapping
 
 
-def map_deepspeed(cls, data: Mapping, strict: bool = False, model=None, training_args=None):
+def map_deepspeed(cls, data: Mapping, strict: bool = False, model=None, training_args=None, quiet: bool = False):
     """A ``cls`` (the :class:`Config` class) from a DeepSpeed config dict. Note [DeepSpeed keys], Note [auto
-    values]."""
+    values]. ``quiet``: nothing logged (a first build whose auto values a build with the model replaces)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a mapping, got {_describe(data)}")
     data = dict(data)
@@ -354,10 +354,10 @@ def map_deepspeed(cls, data: Mapping, strict: bool = False, model=None, training
         problems.append(("", "strict: remove these keys, or load without strict to accept them with a warning"))
     if problems:
         raise ConfigError(problems)
-    if st.tuning:
+    if st.tuning and not quiet:
         logger.warning("DeepSpeed keys that only tune DeepSpeed's own machinery are ignored: %s",
                        "; ".join(f"{path} ({why})" for path, why in st.tuning))
-    if resolved:
+    if resolved and not quiet:
         logger.info("DeepSpeed 'auto' values: %s", ", ".join(f"{k}={v!r} ({src})" for k, v, src in resolved))
     object.__setattr__(config, "unsupported", [path for path, _ in st.tuning])
     object.__setattr__(config, "resolved_auto", [(k, v, src) for k, v, src in resolved])

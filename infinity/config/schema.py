@@ -443,7 +443,7 @@ class Config:
 
     @classmethod
     def from_deepspeed(cls, source: Union[Mapping, str, os.PathLike], strict: bool = False, *,
-                       model: Any = None, training_args: Any = None) -> "Config":
+                       model: Any = None, training_args: Any = None, quiet: bool = False) -> "Config":
         """Map a DeepSpeed config (dict or file) onto infinity's keys (Note [DeepSpeed keys] in
         config/deepspeed.py).
 
@@ -452,10 +452,11 @@ class Config:
         training result if ignored are always errors naming the key. ``"auto"`` values are
         resolved from ``model`` (its hidden size) and ``training_args`` (a
         ``transformers.TrainingArguments``) as transformers resolves them (Note [auto
-        values] in deepspeed.py), and the resolved values are logged once and kept in ``config.resolved_auto``.
+        values] in deepspeed.py), and the resolved values are logged once and kept in ``config.resolved_auto``
+        (``quiet``: kept, not logged).
         """
         data = source if isinstance(source, Mapping) else _read_file(source)
-        return map_deepspeed(cls, data, strict, model=model, training_args=training_args)
+        return map_deepspeed(cls, data, strict, model=model, training_args=training_args, quiet=quiet)
 
     @classmethod
     def coerce(cls, config: Any, strict: bool = False, **deepspeed_context: Any) -> "Config":

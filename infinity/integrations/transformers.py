@@ -238,17 +238,18 @@ class InfinityTrainer(Trainer):
 
     # ------------------------------------------------------------ config
 
-    def infinity_config(self, model: Optional[torch.nn.Module] = None) -> Config:
+    def infinity_config(self, model: Optional[torch.nn.Module] = None, *, quiet: bool = False) -> Config:
         """The infinity config of this run: the given one, with what the TrainingArguments own
         (lr, betas, eps, weight decay, clipping, accumulation, micro batch, fp16/bf16) taken
-        from them; a DeepSpeed config's "auto" values resolved from ``model`` too. Built (and
-        its warnings and resolved values logged) once without a model and once per hidden size."""
+        from them; a DeepSpeed config's "auto" values resolved from ``model`` too. Built once
+        without a model and once per hidden size, its warnings and resolved values logged
+        unless ``quiet`` (``model_init``'s build, for ``Init``: the model's build logs them)."""
         key = hidden_size_of(model) if model is not None else None
         if key not in self._configs:
-            self._configs[key] = self._build_config(model)
+            self._configs[key] = self._build_config(model, quiet)
         return self._configs[key]
 
-    def _build_config(self, model: Optional[torch.nn.Module]) -> Config:
+    def _build_config(self, model: Optional[torch.nn.Module], quiet: bool = False) -> Config:
         args = self._training_args_for_config
         fp16, bf16 = self._precision_flags
         source = self._infinity_source
@@ -257,7 +258,7 @@ class InfinityTrainer(Trainer):
         elif self._is_deepspeed:
             # a view, not dataclasses.replace: a new TrainingArguments resets accelerate's shared state
             ds_args = _ArgsView(args, fp16=fp16, bf16=bf16) if args is not None else None
-            cfg = Config.from_deepspeed(source, strict=self._strict, model=model, training_args=ds_args)
+            cfg = Config.from_deepspeed(source, strict=self._strict, model=model, training_args=ds_args, quiet=quiet)
         else:
             cfg = Config.from_dict(source)
         if args is None:
@@ -273,7 +274,7 @@ class InfinityTrainer(Trainer):
     # ------------------------------------------------------------ model and optimizer
 
     def call_model_init(self, trial=None):
-        with infinity.Init(config=self.infinity_config()):
+        with infinity.Init(config=self.infinity_config(quiet=True)):  # create_optimizer's build logs the auto values
             return super().call_model_init(trial)
 
     def _ensure_engine(self) -> None:

@@ -282,6 +282,18 @@ def test_deepspeed_json_path_resolved_from_the_model_and_arguments(tmp_path):
     assert (cfg.zero.offload_param.device, cfg.precision.dtype, cfg.scheduler.type) == ("cpu", "fp32", "WarmupDecayLR")
 
 
+def test_model_init_logs_the_auto_values_once_with_the_models(tmp_path, infinity_logs):
+    """Under ``model_init`` the config is built for ``Init`` before the model exists and again with
+    it: the auto values are logged once, the model's (issue 52, point 6), not infinity's defaults first."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "ds_zero3_bf16_cpu_auto.json"
+    trainer = InfinityTrainer(model_init=lambda: tiny_llama(), args=training_args(str(tmp_path), max_steps=1),
+                              train_dataset=dataset(), infinity_config=str(path))
+    trainer.train()
+    lines = [r.getMessage() for r in infinity_logs.records if "DeepSpeed 'auto' values" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"reduce_bucket_size={32 * 32}" in lines[0] and "infinity's default" not in lines[0]
+
+
 def test_deepspeed_schedule_steps_must_agree_with_the_run(tmp_path):
     ds = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 4}}}
