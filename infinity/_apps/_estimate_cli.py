@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 import tempfile
-from typing import Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._offload._drives import rank_bandwidth
 from .._runtime._accelerator import device_count
@@ -17,14 +17,14 @@ from . import _plan as pl
 from . import _runmodel as rm
 from ._endurance import TB
 from ._estimate_model import _NVME_PATH_PLACEHOLDER, EstimateError, _config_dict, _format_count, vocab_of
-from ._estimator import Estimate, Given, estimate, resolve, tier_name
+from ._estimator import Estimate, Given, PlacementEstimate, estimate, resolve
 
 # --------------------------------------------------------------------------- CLI
 
 def _yaml(config: dict) -> str:
     """The config as YAML in the style of examples/configs: leaf mappings on one line."""
     def flow(mapping: dict) -> str:
-        return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
+        return "{" + ", ".join(f"{k}: {flow(v) if isinstance(v, dict) else v}" for k, v in mapping.items()) + "}"
 
     lines = []
     for key, value in config.items():
@@ -38,8 +38,7 @@ def _yaml(config: dict) -> str:
 
 def _report(est: Estimate) -> str:
     rec = est.recommended
-    fitting = ", ".join(f"stage {p.stage} params={tier_name(p.param_tier)} optimizer={tier_name(p.optimizer_tier)}"
-                        for p in est.fitting)
+    fitting = ", ".join(p.label for p in est.rows if p.fits)
     out = [est.table(), "", "fits: " + (fitting or "nothing"), ""]
     if rec is None:
         tiled = est.tiling_needed
@@ -54,6 +53,10 @@ def _report(est: Estimate) -> str:
                    "micro-batch / raise ckpt-interval")
     else:
         out += ["recommended config:", _yaml(rec.config)]
+        if rec.placement not in est.fitting:  # no whole tier fits: a split does
+            out.append("# no placement on whole tiers fits; this split does: " + (
+                f"the auto row's ({rec.placement.label}: device: auto in both offload sections plans it here)"
+                if rec.placement.auto else rec.placement.label))
         if est.nvme_path is None and Tier.NVME in (rec.placement.param_tier,
                                                    rec.placement.optimizer_tier):
             out.append(f"# set nvme_path to a directory on a local NVMe drive "
@@ -108,8 +111,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     st = p.add_argument_group("step time and host memory of one run (stage 3; Note [run model] in _runmodel.py)")
     st.add_argument("--step-time", action="store_true", help="predict the step time, its bottleneck and peak RSS")
-    st.add_argument("--offload", help="parameter tier,optimizer tier: none|cpu|nvme (the config's words; default: the "
-                                      "recommended placement's for --step-time, nvme,nvme for --steps and --plan)")
+    st.add_argument("--offload", help="parameter tier,optimizer tier: none|cpu|nvme|auto (the config's words, "
+                                      "zero.offload_*.device; default: the recommended placement's for --step-time, "
+                                      "nvme,nvme for --steps and --plan; auto,auto: the table's auto row)")
+    st.add_argument("--offload-split", action="append", metavar="STATE=TIER:FRACTION,...",
+                    help="a state (params or optimizer) over host memory and NVMe, as zero.offload_<state>.split: "
+                         "{cpu: a, nvme: b} (Note [split tiers] in _offload/_split.py), e.g. optimizer=cpu:0.5,nvme:0.5 "
+                         "(again for the other state): its rows in the table, beside every tier of the other state, "
+                         "and the placement of --plan, --step-time and --steps with --offload's tiers (left out: the "
+                         "split's slowest tier for the split state, nvme for the other)")
     st.add_argument("--rates", default="measured", choices=("measured", "dgx2", "h100"),
                     help="FLOP rate, NVMe and Adam bandwidths: measured here (under --nvme-path), the paper's "
                          "DGX-2, or an 8xH100 node with NVMe RAID")
@@ -153,38 +163,96 @@ def _drive_flags(hw) -> None:
 
 
 def offload_tiers(offload: str) -> list:
-    """--offload PARAMS,OPTIMIZER in the config's words (none, cpu, nvme; ``device``, the table's word
-    before, as an alias of none)."""
-    tiers = [{"device": "none"}.get(t.strip(), t.strip()) for t in offload.split(",")]
-    if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
-        raise EstimateError(f"offload: {offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
+    """--offload PARAMS,OPTIMIZER in the config's words (none, cpu, nvme, auto; ``device``, the table's
+    word before, as an alias of none)."""
+    return pl.offload_tiers(offload)
+
+
+def offload_splits(values: Optional[Sequence[str]]) -> Dict[str, Dict[str, float]]:
+    """--offload-split STATE=TIER:FRACTION,... (params or optimizer, then the tiers and fractions of
+    the config's zero.offload_<state>.split), each checked as the config checks a split."""
+    out: Dict[str, Dict[str, float]] = {}
+    for value in values or ():
+        state, _, spec = (part.strip() for part in value.partition("="))
+        pairs = [tuple(t.strip() for t in pair.partition(":")) for pair in spec.split(",")] if spec else []
+        if not state or not pairs or any(not sep or not tier for tier, sep, _ in pairs):
+            raise EstimateError(f"offload-split: {value!r} must be STATE=TIER:FRACTION,...: params or optimizer, then "
+                                f"the tiers and fractions of its zero.offload_*.split, e.g. optimizer=cpu:0.5,nvme:0.5")
+        name = {"param": "params"}.get(state, state)
+        if name in out or len({tier for tier, _, _ in pairs}) < len(pairs):
+            raise EstimateError(f"offload-split: {value!r} gives the {name} split, or one of its tiers, twice; give "
+                                f"each state once, each tier once: e.g. --offload-split params=cpu:0.5,nvme:0.5 "
+                                f"--offload-split optimizer=cpu:0.25,nvme:0.75")
+        fractions = {tier: _number(f) for tier, _, f in pairs}
+        try:
+            out[name] = pl.checked_split(name, fractions)
+        except EstimateError as err:
+            key = pl.SPLIT_STATES.get(name)  # the section the flag's words are
+            said = f" (zero.{key}.split: {{{', '.join(f'{t}: {f}' for t, f in fractions.items())}}})" if key else ""
+            raise EstimateError(f"offload-split {value}{said}: {err}") from None
+    return out
+
+
+def _number(text: str):
+    """A fraction of --offload-split as a number, else as given (the config's check names what it is)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _tiers(args, fallback: str) -> List[str]:
+    """--offload's tiers (else ``fallback``'s), a split state's its split's slowest where --offload is left out."""
+    tiers, splits = offload_tiers(args.offload or fallback), _splits(args)
+    if args.offload is None:
+        tiers = [pl.slowest_tier(splits[s]) if s in splits else t for s, t in zip(_STATES, tiers)]
     return tiers
 
 
-def _offload_of(est: Estimate, args) -> str:
-    """--offload where given; else, for --step-time, the recommended placement's tiers (nvme,nvme where
-    nothing fits), and nvme,nvme for the SSD writes of --steps."""
-    if args.offload is not None:
-        return args.offload
-    rec = est.recommended
-    if args.step_time and rec is not None:
-        return f"{tier_name(rec.placement.param_tier)},{tier_name(rec.placement.optimizer_tier)}"
-    return "nvme,nvme"
+_STATES = ("params", "optimizer")
+
+
+def _splits(args) -> Dict[str, Dict[str, float]]:
+    """--offload-split's splits, by state (params, optimizer)."""
+    return offload_splits(args.offload_split)
+
+
+def _row_of(est: Estimate, args) -> PlacementEstimate:
+    """The stage-3 row of the table --step-time and --steps speak of: --offload's tiers with
+    --offload-split's splits where either is given (nvme,nvme for the tiers left out); else, for
+    --step-time, the recommended placement's (at stage 3), and nvme,nvme where nothing fits or for --steps."""
+    rec, splits = est.recommended, _splits(args)
+    if args.offload is None and not splits and args.step_time and rec is not None:
+        if rec.placement.stage == 3:
+            return rec.placement
+        wanted = (3, (Tier.DEVICE, None), rec.placement.spec[2])  # stages 1-2: the parameters on the device
+        return next(p for p in est.placements + est.split_placements if p.spec == wanted)
+    tiers = _tiers(args, "nvme,nvme")
+    if splits:  # refused as the config refuses it: a split's section on its slowest tier
+        pl.plan_config(",".join(tiers), est.precision.name, splits=splits)
+    return est.placement(3, *(splits.get(s, t) for s, t in zip(_STATES, tiers)))
 
 
 def _run_of(est: Estimate, args):
-    """The stage-3 run of the run model (Note [run model] in _runmodel.py) at the --offload tiers, of
-    the table's plan of that row (its layout, its stores' bytes)."""
-    tiers = ["device" if t == "none" else t for t in offload_tiers(_offload_of(est, args))]
-    hw = est.hardware
-    s = est.shape
-    row = est.placement(3, *tiers)
+    """The stage-3 run of the run model (Note [run model] in _runmodel.py) of the table's row
+    (``_row_of``): its tiers and splits, its plan's layout and stores' bytes."""
+    hw, s, row = est.hardware, est.shape, _row_of(est, args)
+    placement = row.plan.placement if row.plan is not None else None
+    if row.plan is None or placement is None:
+        raise EstimateError(f"{row.label}: the run model is of the table's plans")
+    layout = placement.layout
     return rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=vocab_of(s),
-                  micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name, param_tier=tiers[0],
-                  optimizer_tier=tiers[1], ranks=hw.ranks, device_is_host=hw.device_is_host,
+                  micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name,
+                  param_tier=str(row.param_tier), optimizer_tier=str(row.optimizer_tier), ranks=hw.ranks,
+                  device_is_host=hw.device_is_host,
                   ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 or not hw.device_is_host else 0,
                   host_mem=0 if hw.device_is_host else hw.cpu_mem,  # the CPU runs here train without checkpoints
-                  moments=est.precision.moments, figures=pl.figures_of(row.plan) if row.plan is not None else None)
+                  moments=est.precision.moments, figures=pl.figures_of(row.plan),
+                  # a split's host share, as the run model cuts it: whole chunks of this fraction, int(fraction x
+                  # elements) of the parameters (half an element more than the plan's cut: the same count)
+                  opt_host_fraction=placement.opt_host_upto / max(layout.opt_total, 1),
+                  param_host_fraction=(placement.param_host_upto + 0.5) / layout.param_total
+                  if placement.param_host_upto else 0.0)
 
 
 def _ssd_writes(est: Estimate, args) -> dict:
@@ -195,11 +263,12 @@ def _ssd_writes(est: Estimate, args) -> dict:
         raise EstimateError(f"steps: {args.steps} must be at least 1")
     if args.endurance_tbw is not None and args.endurance_tbw <= 0:
         raise EstimateError(f"endurance_tbw: {args.endurance_tbw:g} must be a positive number of TB")
-    run = _run_of(est, args)
+    run, words = _run_of(est, args), _row_of(est, args).words
     per_rank = rm.nvme_bytes(run)["write"]
     ranks = est.hardware.gpus_per_node
     total = per_rank * ranks * args.steps
-    return {"param_tier": run.param_tier, "optimizer_tier": run.optimizer_tier, "bytes_per_rank_step": per_rank,
+    return {"param_tier": run.param_tier, "optimizer_tier": run.optimizer_tier, "offload": dict(zip(_STATES, words)),
+            "bytes_per_rank_step": per_rank,
             "ranks_per_node": ranks, "steps": args.steps, "tb_per_node": total / TB,
             "endurance_tbw": args.endurance_tbw,
             "share": None if args.endurance_tbw is None else total / (args.endurance_tbw * TB)}
@@ -207,7 +276,7 @@ def _ssd_writes(est: Estimate, args) -> dict:
 
 def _ssd_line(w: dict) -> str:
 
-    line = (f"SSD writes (params on {w['param_tier']}, optimizer on {w['optimizer_tier']}): "
+    line = (f"SSD writes (params on {w['offload']['params']}, optimizer on {w['offload']['optimizer']}): "
             f"{w['bytes_per_rank_step'] / 2**30:.2f} GiB per rank per step x {w['ranks_per_node']} rank(s) per node x "
             f"{w['steps']} steps = {w['tb_per_node']:.3g} TB per node")
     if w["share"] is None:
@@ -236,9 +305,9 @@ def _step_report(est: Estimate, args) -> str:
         on_nvme = "nvme" in (run.param_tier, run.optimizer_tier) and args.drive_bandwidth is None
         rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if on_nvme else None), run)
         preset = None
-    rec = est.recommended
-    placed = (f"stage 3 with params={tier_name(Tier(run.param_tier))} optimizer={tier_name(Tier(run.optimizer_tier))}"
-              + (" (--offload)" if args.offload is not None else " (the recommended placement's tiers)"
+    rec, row = est.recommended, _row_of(est, args)
+    placed = (f"stage 3 with {row.label[len('stage 3 '):]}"
+              + (" (--offload)" if args.offload is not None or _splits(args) else " (the recommended placement's tiers)"
                  if rec is not None else " (nothing fits: every state on NVMe)"))
     return "\n".join([_report(est), "", f"step time predicted for {placed}:",
                       rm.describe(run, _drive_rates(rates, args, est.hardware.gpus_per_node, preset))])
@@ -286,13 +355,17 @@ def _plan_report(est: Given, args) -> str:
     if args.config is not None and args.drives is not None:
         raise EstimateError("--plan: --config's nvme_path names the drives (and zero.nvme_layout their layout); "
                             "leave out --drives, or --config")
+    if args.config is not None and _splits(args):
+        raise EstimateError("--plan: --config's offload sections give their splits (zero.offload_*.split); leave "
+                            "out --offload-split, or --config")
     drives = pl.drive_names(args.drives, args.hardware, args.nvme_path)
-    offload = ",".join(offload_tiers(args.offload or "nvme,nvme"))
-    if args.stage < 3 and offload.split(",")[0] != "none":
+    tiers = _tiers(args, "nvme,nvme")
+    if args.stage < 3 and tiers[0] != "none":
         raise EstimateError(f"--stage {args.stage} keeps the parameters whole on the device: --offload none,"
-                            f"{offload.split(',')[1]}, or --stage 3")
-    cfg = pl.plan_config(offload, args.dtype, args.config, est.max_tile_params if args.tiling_factor > 1 else None,
-                         drives, args.nvme_layout, stage=args.stage, moments=args.moments)
+                            f"{tiers[1]}, or --stage 3")
+    cfg = pl.plan_config(",".join(tiers), args.dtype, args.config,
+                         est.max_tile_params if args.tiling_factor > 1 else None, drives, args.nvme_layout,
+                         stage=args.stage, moments=args.moments, splits=_splits(args))
     node = pl.node_of(est.hardware, cfg, args.hardware, _drive_bandwidth(args))
     fields = _config_dict(args.model)[0] if args.model is not None and est.arch == "config" else None
     result = pl.timed_plan(lambda: pl.build_meta(fields, est.shape, est.arch), cfg, node)
@@ -307,6 +380,10 @@ def _gpu_described(est: Estimate, args) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        splits = offload_splits(args.offload_split)
+    except EstimateError as exc:
+        parser.error(str(exc))
     if args.hardware:  # the node's sizes, unless given
         _, gpus, gpu_mem, cpu_mem, nvme = rm.NODES[args.hardware]
         args.gpus, args.gpu_mem = args.gpus or gpus, args.gpu_mem or gpu_mem
@@ -317,7 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             seq_len=args.seq_len, micro_batch=args.micro_batch, ckpt_interval=args.ckpt_interval, gpus=args.gpus,
             nodes=args.nodes, gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme=args.nvme, dtype=args.dtype,
             moments=args.moments, nvme_path=args.nvme_path, trainable=args.trainable,
-            tiling_factor=args.tiling_factor, arch=args.arch)
+            tiling_factor=args.tiling_factor, arch=args.arch, **({} if args.plan else {"splits": splits}))
     except EstimateError as exc:
         parser.error(str(exc))     # exits 2 with the usage and the message
     try:

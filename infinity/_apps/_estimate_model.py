@@ -1,8 +1,8 @@
 """What ``infinity.estimate`` is given: sizes and counts as text (``parse_size``,
-``parse_count``), and the model's shape, from a parameter count (interpolated between the
-paper's shapes), from explicit layers / hidden / heads, or from a Hugging Face config or
-directory (Note: the formulas, in _estimator.py); and the model itself on the meta device
-(Note [the planned decoder]).
+``parse_count``), the precision's bytes per parameter, and the model's shape, from a parameter
+count (interpolated between the paper's shapes), from explicit layers / hidden / heads, or from
+a Hugging Face config or directory (Note: the formulas, in _estimator.py); and the model itself
+on the meta device (Note [the planned decoder]).
 
 Note [the planned decoder]: the estimator's table, ``--plan`` and ``--step-time`` speak of one
 model: the estimator plans each placement with the engine's own functions (Note [planned by
@@ -16,20 +16,20 @@ transformers and without initializing anything, so its units, their tiles and it
 count are those of ``--plan`` (tests/unit/test_estimate_plan.py compares them). Its count is
 the estimate's: a bare count takes the shape whose decoder has about that many parameters, its
 embedding and head included (a bare 7B: 48 layers x 3392, 7.05B). ``trainable`` trains the
-model's last parameters that fit and an adapter in its last block for the rest (``_freeze`` in
-_estimator.py)."""
+model's last parameters that fit and an adapter in its last block for the rest (``freeze``)."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .._offload._moments import MODES
 from .._runtime._log import logger
 from ..errors import EstimateError
 
@@ -98,6 +98,34 @@ def _format_count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{unit}"
     return str(n)
+
+
+# --------------------------------------------------------------------------- precision
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter: low-precision param, its gradient, optimizer-side states."""
+
+    name: str
+    param: int
+    grad: int
+    optimizer: int
+    activation: int
+    moments: str = "fp32"  # zero.offload_optimizer.moments: how the moments are stored on NVMe
+
+    @classmethod
+    def of(cls, dtype: str, moments: str = "fp32") -> "Precision":
+        if moments not in MODES:
+            raise EstimateError(f"moments: {moments!r} is not supported; use {', '.join(MODES)}")
+        if dtype in ("bf16", "fp16"):
+            return cls(dtype, param=2, grad=2, optimizer=16, activation=2, moments=moments)   # 002 §3: 20 B/param
+        if dtype == "fp32":
+            return cls(dtype, param=4, grad=4, optimizer=8, activation=4, moments=moments)    # m, v only
+        raise EstimateError(f"dtype: {dtype!r} is not supported; use bf16, fp16 or fp32")
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
 
 
 # --------------------------------------------------------------------------- model shape
@@ -345,3 +373,49 @@ def decoder(shape: Shape, arch: str = "llama") -> nn.Module:
                                for _ in range(shape.layers))
         body = _module(embed_tokens=_embedding(vocab, hd), layers=layers, norm=_Norm(hd, bias=False))
         return _module(model=body, lm_head=_linear(hd, vocab))
+
+
+def freeze(model, trainable: Optional[int]) -> int:
+    """Train ``trainable`` elements of ``model`` (None: all): its last parameters that fit (the top
+    layers, as when the lower ones are frozen), and the rest as an adapter in its last block (as
+    LoRA's sit beside frozen weights); the model's parameter count then."""
+    params = list(model.parameters())
+    if trainable is None:
+        return sum(p.numel() for p in params)
+    left = trainable
+    for p in reversed(params):
+        p.requires_grad_(p.numel() <= left)
+        left -= p.numel() if p.requires_grad else 0
+    if left:
+        blocks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+        owner = blocks[-1][-1] if blocks else model
+        owner.register_parameter("adapter", nn.Parameter(torch.empty(left, device="meta")))
+    return sum(p.numel() for p in model.parameters())
+
+
+def resolve_model(params, model, layers, hidden, heads, arch: Optional[str]) -> Tuple[Shape, Callable, str]:
+    """The model's shape, a builder of the model on the meta device (Note [the planned decoder]
+    in _estimate_model.py) and the decoder a shape is built as (``arch``, else Llama)."""
+    count = None if params is None else parse_count(params)
+    if model is not None:
+        shape, build = _shape_from_model(model)
+        overrides = {k: v for k, v in (("layers", layers), ("hidden", hidden), ("heads", heads))
+                     if v is not None}
+        if not overrides and arch is None:
+            return shape, build, "config"
+        shape = Shape(**{**asdict(shape), **overrides})  # another shape than the config's: its decoder
+    elif layers is not None and hidden is not None:
+        shape = Shape(layers=layers, hidden=hidden, heads=heads or max(1, hidden // 128))
+    elif count is None:
+        raise EstimateError("give a parameter count (params / --params), a model config "
+                            "(model / --model), or both layers and hidden")
+    else:  # the decoder's vocabulary matrices: Llama's embedding and head, GPT-2's tied one and its positions
+        rows = 2 * GPT2_VOCAB if (arch or "llama") == "llama" else GPT2_VOCAB + GPT2_POSITIONS
+        shape = _shape_for_params(count, layers, hidden, heads, embeddings=rows)
+    arch = arch or "llama"  # every matrix an nn.Linear: zero.tiling tiles them all
+    built = decoder(shape, arch)
+    counted = sum(p.numel() for p in built.parameters())
+    if count is not None and abs(counted / count - 1) > 0.02:
+        logger.info("estimate: %s parameters given; the %s decoder of %d layers x %d planned has %s",
+                    _format_count(count), arch, shape.layers, shape.hidden, _format_count(counted))
+    return shape, lambda: decoder(shape, arch), arch

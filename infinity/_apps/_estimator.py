@@ -54,61 +54,29 @@ import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-import torch
-from torch import nn
-
-from .._offload._moments import MODES
-from .._runtime._log import logger
+from .._offload._split import HOST_MARGIN, budget
 from .._runtime._tiers import Tier
 from . import _plan as pl
 from ._estimate_hardware import Hardware, _detect_hardware
 from ._estimate_model import (
     _NVME_PATH_PLACEHOLDER,
-    GPT2_POSITIONS,
-    GPT2_VOCAB,
     EstimateError,
+    Precision,
     Shape,
     _format_bytes,
     _format_count,
-    _shape_for_params,
-    _shape_from_model,
-    decoder,
+    freeze,
     parse_count,
     parse_size,
+    resolve_model,
 )
 
 __all__ = ["estimate", "Estimate", "PlacementEstimate", "Recommendation", "EstimateError",
            "parse_size", "parse_count"]
 
 # --------------------------------------------------------------------------- the estimate
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter: low-precision param, its gradient, optimizer-side states."""
-
-    name: str
-    param: int
-    grad: int
-    optimizer: int
-    activation: int
-    moments: str = "fp32"  # zero.offload_optimizer.moments: how the moments are stored on NVMe
-
-    @classmethod
-    def of(cls, dtype: str, moments: str = "fp32") -> "Precision":
-        if moments not in MODES:
-            raise EstimateError(f"moments: {moments!r} is not supported; use {', '.join(MODES)}")
-        if dtype in ("bf16", "fp16"):
-            return cls(dtype, param=2, grad=2, optimizer=16, activation=2, moments=moments)   # 002 §3: 20 B/param
-        if dtype == "fp32":
-            return cls(dtype, param=4, grad=4, optimizer=8, activation=4, moments=moments)    # m, v only
-        raise EstimateError(f"dtype: {dtype!r} is not supported; use bf16, fp16 or fp32")
-
-    @property
-    def total(self) -> int:
-        return self.param + self.grad + self.optimizer
-
 
 def tier_name(tier: Tier) -> str:
     """A tier in the config's words: ``offload_*.device`` says none for the device tier."""
@@ -127,7 +95,8 @@ class Terms:
 
 @dataclass(frozen=True)
 class PlacementEstimate:
-    """One ZeRO stage with its parameter and optimizer tiers, and what it needs where."""
+    """One ZeRO stage with its parameter and optimizer tiers, and what it needs where; a state's
+    tier with a split is the split's slowest (Note [split tiers] in _offload/_split.py)."""
 
     stage: int
     param_tier: Tier
@@ -140,6 +109,8 @@ class PlacementEstimate:
     fits_nvme: bool
     host_plan: dict = field(default_factory=dict)  # per node: host memory by category (the stores' plan)
     plan: Optional[pl.RankPlan] = field(default=None, repr=False, compare=False)  # the engine's plan of the row
+    splits: Tuple[Optional[float], Optional[float]] = (None, None)  # the params', the optimizer's split: host fraction
+    auto: bool = False  # the row of device: auto in both offload sections: its tiers and splits are the plan's choice
 
     @property
     def fits(self) -> bool:
@@ -149,10 +120,29 @@ class PlacementEstimate:
     def key(self) -> tuple:
         return (self.stage, self.param_tier, self.optimizer_tier)
 
+    @property
+    def spec(self) -> tuple:
+        """(stage, (params' tier, split), (optimizer's tier, split)): what ``Estimate.placement`` looks up."""
+        return (self.stage, (self.param_tier, self.splits[0]), (self.optimizer_tier, self.splits[1]))
+
+    @property
+    def words(self) -> Tuple[str, str]:
+        """Where the parameters and the optimizer states are, in the config's words (``offload_word`` in _plan.py)."""
+        return (pl.offload_word(self.param_tier, self.splits[0], self.auto),
+                pl.offload_word(self.optimizer_tier, self.splits[1], self.auto))
+
+    @property
+    def label(self) -> str:
+        params, optimizer = pl.offload_word(*self.spec[1]), pl.offload_word(*self.spec[2])
+        if self.auto:
+            return f"stage 3 auto -> params {params}, optimizer {optimizer}"
+        return f"stage {self.stage} params={params} optimizer={optimizer}"
+
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
         out.update(param_tier=str(self.param_tier), optimizer_tier=str(self.optimizer_tier),
-                   host_plan=dict(self.host_plan), fits=self.fits)
+                   host_plan=dict(self.host_plan), fits=self.fits, splits=list(self.splits),
+                   offload=dict(zip(("params", "optimizer"), self.words)), label=self.label)
         return out
 
 
@@ -191,16 +181,32 @@ class Estimate:
     tiling_needed: Optional["Estimate"] = None  # nothing fits: the estimate at the smallest factor that fits
     arch: str = "llama"  # the decoder a shape was built as ("config": the config's own model)
     trainable: Optional[int] = None  # parameters trained in the planned model (None: all)
+    split_placements: list = field(default_factory=list)  # the rows of the splits asked for (splits, --offload-split)
+    auto: Optional[PlacementEstimate] = None  # the row of device: auto in both offload sections (stage 3)
+    auto_refused: str = ""  # why there is no auto row
 
-    def placement(self, stage: int, param_tier: str, optimizer_tier: str) -> PlacementEstimate:
-        """The row of ``stage`` with the tiers in the config's words (``none``, ``cpu``, ``nvme``; ``device`` too)."""
-        wanted = (stage, Tier.of(param_tier), Tier.of(optimizer_tier))
-        for p in self.placements:
-            if p.key == wanted:
+    @property
+    def rows(self) -> list:
+        """Every row of the table: the placements on whole tiers, the splits' and the auto row."""
+        return self.placements + self.split_placements + ([self.auto] if self.auto is not None else [])
+
+    def placement(self, stage: int, param_tier: Any, optimizer_tier: Any) -> PlacementEstimate:
+        """The row of ``stage`` with each state's place in the config's words: ``none``, ``cpu``, ``nvme``
+        (``device`` too), a split as the config writes it (``{"cpu": 0.5, "nvme": 0.5}``: a row of the
+        ``splits`` asked for), or ``auto`` for both (the auto row, stage 3)."""
+        if "auto" in (param_tier, optimizer_tier):
+            if (stage, param_tier, optimizer_tier) == (3, "auto", "auto") and self.auto is not None:
+                return self.auto
+            raise EstimateError(f"no placement stage={stage} params={param_tier} optimizer={optimizer_tier}: the "
+                                f"table's auto row is stage 3 with auto for both states" +
+                                (f" ({self.auto_refused})" if self.auto_refused else ""))
+        wanted = (stage, _state_spec("params", param_tier), _state_spec("optimizer", optimizer_tier))
+        for p in self.placements + self.split_placements:
+            if p.spec == wanted:
                 return p
-        raise EstimateError(f"no placement stage={stage} params={param_tier} "
-                            f"optimizer={optimizer_tier}; parameters leave the device only "
-                            "at stage 3")
+        raise EstimateError(f"no placement stage={stage} params={pl.offload_word(*wanted[1])} optimizer="
+                            f"{pl.offload_word(*wanted[2])}; parameters leave the device only at stage 3, and the "
+                            f"rows with a split are those of the splits asked for (splits=, --offload-split)")
 
     @property
     def fitting(self) -> list:
@@ -208,9 +214,14 @@ class Estimate:
 
     @property
     def recommended(self) -> Optional[Recommendation]:
-        """The fastest placement that fits, with its config in infinity's keys; None if none."""
+        """The fastest placement on whole tiers that fits, with its config in infinity's keys; where none
+        does, the auto row's split (planned for this node) or else the fastest of the splits asked for that
+        fits, where one does (less NVMe than the state's whole space there, less host memory than all of it
+        in host memory); None if none."""
         order = {key: i for i, key in enumerate(_PREFERENCE)}
-        fitting = sorted(self.fitting, key=lambda p: order[p.key])
+        fitting = sorted(self.fitting, key=lambda p: order[p.key]) or \
+            [p for p in [self.auto] if p is not None and p.fits] + \
+            sorted((p for p in self.split_placements if p.fits), key=lambda p: order[p.key])
         if not fitting:
             return None
         return Recommendation(fitting[0], self._config_for(fitting[0]))
@@ -218,12 +229,15 @@ class Estimate:
     def _config_for(self, p: PlacementEstimate) -> dict:
         path = self.nvme_path or _NVME_PATH_PLACEHOLDER
 
-        def offload(tier: Tier) -> dict:
+        def offload(tier: Tier, fraction: Optional[float]) -> dict:
             if tier is Tier.DEVICE:
                 return {"device": "none"}
-            return {"device": "nvme", "nvme_path": path} if tier is Tier.NVME else {"device": "cpu"}
+            out: dict = {"device": "nvme", "nvme_path": path} if tier is Tier.NVME else {"device": "cpu"}
+            if fraction is not None:  # Note [split tiers] in _offload/_split.py
+                out["split"] = {"cpu": fraction, "nvme": round(1 - fraction, 12)}
+            return out
 
-        zero = {"stage": p.stage, "offload_param": offload(p.param_tier), "offload_optimizer": offload(p.optimizer_tier)}
+        zero = {"stage": p.stage, "offload_param": offload(*p.spec[1]), "offload_optimizer": offload(*p.spec[2])}
         if self.tiling_factor > 1:
             zero.update(pl.tiling_keys(self.max_tile_params))  # the keys the rows were planned with
         return {"zero": zero, "precision": {"dtype": self.precision.name}}
@@ -249,10 +263,30 @@ class Estimate:
                 "recommended": self.tiling_needed.recommended.config},
             "recommended": None if rec is None else {"placement": rec.placement.to_dict(),
                                                      "config": rec.config},
+            "split_placements": [p.to_dict() for p in self.split_placements],
+            "auto": None if self.auto is None else dict(self.auto.to_dict(), host_budget=self.auto_budget),
+            "auto_refused": self.auto_refused,
         }
 
+    @property
+    def auto_budget(self) -> int:
+        """Host bytes a rank's states may take under device: auto here (Note [planned split] in _offload/_split.py)."""
+        return budget(None, self.hardware.cpu_mem, self.hardware.gpus_per_node)
+
     def table(self) -> str:
-        return "\n".join(self._header_lines() + [""] + self._placement_lines())
+        return "\n".join(self._header_lines() + [""] + self._placement_lines() + self._auto_lines())
+
+    def _auto_lines(self) -> list:
+        """What the auto row is: device: auto planned for this node's host memory."""
+        if self.auto is None:
+            return [f"auto: {self.auto_refused}"] if self.auto_refused else []
+        hw, what = self.hardware, "host memory and device tier" if self.hardware.device_is_host else "host memory"
+        params, optimizer = (pl.offload_word(*where) for where in self.auto.spec[1:])
+        return [f"auto: device: auto (zero.offload_param, zero.offload_optimizer) plans params {params}, optimizer "
+                f"{optimizer} on this node: the most in host memory, the parameters first, within a rank's {what} "
+                f"budget of {_format_bytes(self.auto_budget)} (its share of {_format_bytes(hw.cpu_mem)}/node less "
+                f"{HOST_MARGIN:.0%}; zero.host_memory_limit sets it: "
+                "Note [planned split] in infinity/_offload/_split.py)"]
 
     def _header_lines(self) -> list:
         s, hw, t = self.shape, self.hardware, self.terms
@@ -294,10 +328,10 @@ class Estimate:
     def _placement_lines(self) -> list:
         head = ("stage", "params", "optimizer", "device/GPU", "host/node", "nvme/node", "fits")
         rows = [head]
-        for p in self.placements:
+        for p in self.rows:
             full = [tier for tier, ok in (("device", p.fits_device), ("host", p.fits_host),
                                           ("nvme", p.fits_nvme)) if not ok]
-            rows.append((str(p.stage), tier_name(p.param_tier), tier_name(p.optimizer_tier),
+            rows.append((str(p.stage), *p.words,
                          _format_bytes(p.device_bytes), _format_bytes(p.host_bytes),
                          _format_bytes(p.nvme_bytes),
                          "yes" if p.fits else "no: " + ", ".join(full)))
@@ -320,21 +354,71 @@ _GRID = [(s, pt, ot) for s in (1, 2, 3) for pt in Tier for ot in Tier if s == 3 
 
 
 def _placements(model, params: int, trainable: int, terms: Terms, prec: Precision, hw: Hardware,
-                max_tile: Optional[int]) -> list:
-    """Every row of the grid, each the engine's own plan (Note [planned by the engine] in _plan.py)
-    of ``model`` (on the meta device; tiled here to ``max_tile`` where given) for the node of
-    ``hw``: the plan ``--plan`` makes of the same placement."""
-    cfgs = {key: pl.plan_config(f"{tier_name(key[1])},{tier_name(key[2])}", prec.name, max_tile_params=max_tile,
-                                stage=key[0], moments=prec.moments) for key in _GRID}
-    node = pl.node_of(hw, cfgs[(3, _D, _D)])
+                max_tile: Optional[int], splits: Optional[dict] = None) -> tuple:
+    """Every row of the grid, of the ``splits`` asked for (``_split_keys``) and of device: auto, each
+    the engine's own plan (Note [planned by the engine] in _plan.py) of ``model`` (on the meta device;
+    tiled here to ``max_tile`` where given) for the node of ``hw``: the plan ``--plan`` makes of the
+    same placement. (the grid's rows, the splits', the auto row or None, why none)."""
+    def cfg(offload: str, stage: int = 3, split: Optional[dict] = None):
+        return pl.plan_config(offload, prec.name, max_tile_params=max_tile, stage=stage, moments=prec.moments,
+                              splits=split)
+
+    grid = {key: cfg(f"{tier_name(key[1])},{tier_name(key[2])}", key[0]) for key in _GRID}
+    split_cfgs = [(stage, cfg(f"{p},{o}", stage, split)) for stage, p, o, split in _split_keys(splits or {})]
+    refused = "" if prec.moments == "fp32" else (
+        f"not planned: device: auto keeps the moments fp32 (zero.offload_optimizer.moments {prec.moments} needs "
+        f"device nvme), so --moments {prec.moments} has no auto row")
+    auto = None if refused else cfg("auto,auto")
+    node = pl.node_of(hw, grid[(3, _D, _D)])
     with pl.quiet(logging.ERROR):  # the automatic rules' lines, once per row otherwise; tiling's, per module
-        specs = pl.tiled_specs(model, cfgs[(3, _D, _D)], node.world)  # the same units at every stage
-        return [_row(key, pl.plan_specs(specs, cfgs[key], node, params, trainable), terms, hw) for key in _GRID]
+        specs = pl.tiled_specs(model, grid[(3, _D, _D)], node.world)  # the same units at every stage
+
+        def row(stage: int, config, is_auto: bool = False) -> PlacementEstimate:
+            return _row(stage, pl.plan_specs(specs, config, node, params, trainable), terms, hw, is_auto)
+
+        return ([row(key[0], grid[key]) for key in _GRID], [row(stage, c) for stage, c in split_cfgs],
+                None if auto is None else row(3, auto, True), refused)
 
 
-def _row(key: tuple, plan: pl.RankPlan, terms: Terms, hw: Hardware) -> PlacementEstimate:
-    """A row of the table from the engine's plan of it: the device's bytes per GPU (the plan's,
-    with the activation terms), host memory and NVMe per node."""
+def _split_keys(splits: dict) -> list:
+    """(stage, params' device, optimizer's device, their splits) of each row the ``splits`` asked for
+    add (params, optimizer: {cpu: a, nvme: b}): the split state beside every tier of the other (the
+    optimizer's at stages 1-2 too), and both split where both are."""
+    p, o = splits.get("params"), splits.get("optimizer")
+    rows: list = []
+    if o is not None:
+        rows += [(s, t, pl.slowest_tier(o), {"optimizer": o}) for s, t in ((1, "none"), (2, "none"), (3, "none"),
+                                                                            (3, "cpu"), (3, "nvme"))]
+    if p is not None:
+        rows += [(3, pl.slowest_tier(p), t, {"params": p}) for t in ("none", "cpu", "nvme")]
+    if p is not None and o is not None:
+        rows.append((3, pl.slowest_tier(p), pl.slowest_tier(o), dict(splits)))
+    return rows
+
+
+def _checked_splits(splits: Optional[Mapping]) -> Dict[str, Dict[str, float]]:
+    """``estimate``'s ``splits`` (params, optimizer: {tier: fraction}) as the config checks them."""
+    out: Dict[str, Dict[str, float]] = {}
+    for state, fractions in (splits or {}).items():
+        name = "params" if state in ("param", "params") else state
+        if name in out:
+            raise EstimateError(f"splits: the {name}' split is given twice")
+        out[name] = pl.checked_split(state, fractions)
+    return out
+
+
+def _state_spec(state: str, where: Any) -> Tuple[Tier, Optional[float]]:
+    """A state's place as ``Estimate.placement`` looks it up: a tier's word, or a split as the config writes it."""
+    if isinstance(where, Mapping):
+        fractions = pl.checked_split(state, where)
+        return Tier.of(pl.slowest_tier(fractions)), fractions["cpu"]
+    return Tier.of(where), None
+
+
+def _row(stage: int, plan: pl.RankPlan, terms: Terms, hw: Hardware, auto: bool = False) -> PlacementEstimate:
+    """A row of the table from the engine's plan of it: its tiers and splits (auto's choice for the
+    auto row), the device's bytes per GPU (the plan's, with the activation terms), host memory and
+    NVMe per node."""
     per_node, rank = hw.gpus_per_node, plan.per_rank
     device = plan.device_per_rank + terms.activation_checkpoints + terms.activation_working
     host, nvme = per_node * rank["host"], per_node * rank["nvme"]
@@ -342,27 +426,11 @@ def _row(key: tuple, plan: pl.RankPlan, terms: Terms, hw: Hardware) -> Placement
         fits_device = fits_host = device * per_node + host <= hw.cpu_mem
     else:
         fits_device, fits_host = device <= hw.gpu_mem, host <= hw.cpu_mem
-    return PlacementEstimate(*key, device_bytes=device, host_bytes=host, nvme_bytes=nvme, fits_device=fits_device,
-                             fits_host=fits_host, fits_nvme=nvme <= hw.nvme,
-                             host_plan={k: per_node * v for k, v in plan.categories.get("host", {}).items()}, plan=plan)
-
-
-def _freeze(model, trainable: Optional[int]) -> int:
-    """Train ``trainable`` elements of ``model`` (None: all): its last parameters that fit (the top
-    layers, as when the lower ones are frozen), and the rest as an adapter in its last block (as
-    LoRA's sit beside frozen weights); the model's parameter count then."""
-    params = list(model.parameters())
-    if trainable is None:
-        return sum(p.numel() for p in params)
-    left = trainable
-    for p in reversed(params):
-        p.requires_grad_(p.numel() <= left)
-        left -= p.numel() if p.requires_grad else 0
-    if left:
-        blocks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-        owner = blocks[-1][-1] if blocks else model
-        owner.register_parameter("adapter", nn.Parameter(torch.empty(left, device="meta")))
-    return sum(p.numel() for p in model.parameters())
+    return PlacementEstimate(stage, Tier.of(plan.tiers["params"]), Tier.of(plan.tiers["optimizer"]), device_bytes=device,
+                             host_bytes=host,
+                             nvme_bytes=nvme, fits_device=fits_device, fits_host=fits_host, fits_nvme=nvme <= hw.nvme,
+                             host_plan={k: per_node * v for k, v in plan.categories.get("host", {}).items()}, plan=plan,
+                             splits=(plan.host_fractions["params"], plan.host_fractions["optimizer"]), auto=auto)
 
 
 def _positive_int(value: Any, what: str, allow_none: bool = True) -> Optional[int]:
@@ -382,7 +450,8 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
              micro_batch: int = 1, ckpt_interval: int = 1, gpus: Optional[int] = None,
              nodes: int = 1, gpu_mem: Any = None, cpu_mem: Any = None, nvme: Any = None,
              dtype: str = "bf16", nvme_path: Optional[str] = None, trainable: Any = None,
-             tiling_factor: int = 1, moments: str = "fp32", arch: Optional[str] = None) -> Estimate:
+             tiling_factor: int = 1, moments: str = "fp32", arch: Optional[str] = None,
+             splits: Optional[Mapping[str, Mapping[str, float]]] = None) -> Estimate:
     """Memory per tier for each ZeRO stage and offload choice, and which of them fit.
 
     ``params`` is a count (``1e12``, ``"70B"``); ``model`` a transformers config, a dict of
@@ -399,8 +468,13 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
     _estimate_model.py: a config's model as transformers builds it, else the decoder of the shape,
     ``arch`` gpt2 or llama), whose count the result's ``params`` is; ``trainable`` trains that many of its
     parameters: its last ones that fit (as when the lower layers are frozen) and an adapter in its
-    last block for the rest (as LoRA's), everything else frozen.
+    last block for the rest (as LoRA's), everything else frozen. ``splits``: the rows of a split of
+    a state over host memory and NVMe (``{"optimizer": {"cpu": 0.5, "nvme": 0.5}}``, each as the
+    config's ``zero.offload_*.split``; Note [split tiers] in _offload/_split.py), beside every tier
+    of the other state (``split_placements``); ``auto`` is the row of ``device: auto`` in both
+    offload sections, planned for the node's host memory (Note [planned split] in _offload/_split.py).
     """
+    checked = _checked_splits(splits)
     given = resolve(params, model=model, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
                     micro_batch=micro_batch, ckpt_interval=ckpt_interval, gpus=gpus, nodes=nodes, gpu_mem=gpu_mem,
                     cpu_mem=cpu_mem, nvme=nvme, dtype=dtype, nvme_path=nvme_path, trainable=trainable,
@@ -409,18 +483,20 @@ def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = N
 
     def at(factor: int) -> Estimate:
         planned = first.pop() if first else given.build()
-        count = _freeze(planned, given.trainable)  # the model with the adapter, if any
+        count = freeze(planned, given.trainable)  # the model with the adapter, if any
         trained = count if given.trainable is None else given.trainable
         terms = _terms(count, trained, given.shape, seq_len, micro_batch, ckpt_interval, given.precision, factor)
         tile = math.ceil(given.shape.largest_operator_numel / factor) if factor > 1 else None
-        rows = _placements(planned, count, trained, terms, given.precision, given.hardware, tile)
+        grid, split_rows, auto, refused = _placements(planned, count, trained, terms, given.precision,
+                                                      given.hardware, tile, checked)
         return Estimate(params=count, shape=given.shape, seq_len=seq_len, micro_batch=micro_batch,
                         ckpt_interval=ckpt_interval, precision=given.precision, hardware=given.hardware, terms=terms,
-                        placements=rows, nvme_path=nvme_path, tiling_factor=factor, arch=given.arch,
-                        trainable=None if given.trainable is None else trained)
+                        placements=grid, nvme_path=nvme_path, tiling_factor=factor, arch=given.arch,
+                        trainable=None if given.trainable is None else trained, split_placements=split_rows,
+                        auto=auto, auto_refused=refused)
 
     est = at(tiling_factor)
-    if not est.fitting:
+    if est.recommended is None:  # nothing fits, on whole tiers, split or as device: auto plans it
         est.tiling_needed = _smallest_tiling(at, est)
     return est
 
@@ -460,7 +536,7 @@ def resolve(params: Any = None, *, model: Any = None, layers: Optional[int] = No
     _positive_int(gpus, "gpus")
     _positive_int(tiling_factor, "tiling_factor", allow_none=False)
     prec = Precision.of(dtype, moments)
-    shape, build, arch = _resolve_model(params, model, layers, hidden, heads, arch)
+    shape, build, arch = resolve_model(params, model, layers, hidden, heads, arch)
     if nvme_path is not None and not os.path.isdir(nvme_path):
         raise EstimateError(f"nvme_path: {nvme_path!r} is not a directory")
     hw = _detect_hardware(gpus, nodes, _optional_size(gpu_mem, "gpu_mem"),
@@ -487,7 +563,7 @@ def _smallest_tiling(at, est: Estimate) -> Optional[Estimate]:
         if factor is None or factor > _MAX_TILING or factor >= est.shape.largest_operator_numel:
             return None  # tiles of one parameter at most: tiling cannot go further
         tiled = at(factor)
-        if tiled.fitting:
+        if tiled.recommended is not None:
             return tiled
         factor *= 2
     return None
@@ -511,31 +587,3 @@ def _tiling_floor(est: Estimate) -> Optional[int]:
             need = 2 ** max(1, math.ceil(math.log2(est.shape.largest_operator_numel / tile)))
             best = need if best is None else min(best, need)
     return None if best is None else max(best, 2 * est.tiling_factor)
-
-
-def _resolve_model(params, model, layers, hidden, heads, arch: Optional[str]) -> Tuple[Shape, Callable, str]:
-    """The model's shape, a builder of the model on the meta device (Note [the planned decoder]
-    in _estimate_model.py) and the decoder a shape is built as (``arch``, else Llama)."""
-    count = None if params is None else parse_count(params)
-    if model is not None:
-        shape, build = _shape_from_model(model)
-        overrides = {k: v for k, v in (("layers", layers), ("hidden", hidden), ("heads", heads))
-                     if v is not None}
-        if not overrides and arch is None:
-            return shape, build, "config"
-        shape = Shape(**{**asdict(shape), **overrides})  # another shape than the config's: its decoder
-    elif layers is not None and hidden is not None:
-        shape = Shape(layers=layers, hidden=hidden, heads=heads or max(1, hidden // 128))
-    elif count is None:
-        raise EstimateError("give a parameter count (params / --params), a model config "
-                            "(model / --model), or both layers and hidden")
-    else:  # the decoder's vocabulary matrices: Llama's embedding and head, GPT-2's tied one and its positions
-        rows = 2 * GPT2_VOCAB if (arch or "llama") == "llama" else GPT2_VOCAB + GPT2_POSITIONS
-        shape = _shape_for_params(count, layers, hidden, heads, embeddings=rows)
-    arch = arch or "llama"  # every matrix an nn.Linear: zero.tiling tiles them all
-    built = decoder(shape, arch)
-    counted = sum(p.numel() for p in built.parameters())
-    if count is not None and abs(counted / count - 1) > 0.02:
-        logger.info("estimate: %s parameters given; the %s decoder of %d layers x %d planned has %s",
-                    _format_count(count), arch, shape.layers, shape.hidden, _format_count(counted))
-    return shape, lambda: decoder(shape, arch), arch

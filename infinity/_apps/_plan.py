@@ -25,12 +25,12 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .._offload._drives import configured_drives, drive_paths, rank_drives
+from .._offload._drives import drive_paths, rank_drives
 from .._offload._layout import ParamSource
 from .._offload._memory_plan import totals
 from .._offload._moments import file_bytes
@@ -39,11 +39,13 @@ from .._offload._optimizer_store import chunk_elems, head_elems
 from .._offload._placement import Machine, Placement
 from .._offload._preflight import node_need
 from .._offload._preflight import plan as preflight_plan
+from .._offload._split import opt_host_upto, param_host_upto
 from .._runtime._log import logger
 from .._runtime._tiers import StagePolicy, Tier
 from .._zero._tiling import check_working_memory, tile_model, unit_working_memory
 from .._zero._unit_plan import DTYPES, unit_specs_of
 from ..config import Config, ConfigError
+from ..config.validate import split_fractions
 from . import _runmodel as rm
 from ._estimate_hardware import Hardware
 from ._estimate_model import (
@@ -109,6 +111,9 @@ class RankPlan:
     chunk: int = 0  # elements of the optimizer's swap chunk
     head: int = 0  # elements of the optimizer's host cache
     placement: Optional[Placement] = None  # what the plan was made of (not in to_dict)
+    # each state's place in the config's words (``offload_word``) and its split's host fraction (None: no split)
+    offload: Dict[str, str] = dataclasses.field(default_factory=dict)
+    host_fractions: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0  # to build the model and plan it
 
     @property
@@ -127,6 +132,12 @@ class RankPlan:
         t = self.per_rank
         return t["host"] + (0 if self.node.accelerator else t["device"])
 
+    @property
+    def host_upto(self) -> Dict[str, int]:
+        """Elements of each state's flat space a split keeps in host memory (Note [split tiers] in _split.py)."""
+        p = self.placement
+        return {"params": p.param_host_upto if p else 0, "optimizer": p.opt_host_upto if p else 0}
+
     def to_dict(self) -> dict:
         node = self.node
         return {
@@ -137,7 +148,8 @@ class RankPlan:
             "units": self.units, "trainable_units": self.trainable_units,
             "largest_unit": {"module": self.largest_unit[0], "params": self.largest_unit[1]},
             "param_total": self.param_total, "opt_total": self.opt_total, "param_source": self.param_source,
-            "tiers": self.tiers, "per_rank": {"bytes": self.per_rank, "categories": self.categories,
+            "tiers": self.tiers, "offload": self.offload, "host_fractions": self.host_fractions,
+            "host_upto": self.host_upto, "per_rank": {"bytes": self.per_rank, "categories": self.categories,
                                               "host": self.host_per_rank, "swap_files": self.swap_files,
                                               "whole_params": self.whole_params,
                                               "working_memory": self.working_memory,
@@ -214,6 +226,7 @@ def plan_specs(specs, cfg, node: Node, params: int, trainable: int) -> RankPlan:
     n, z = placement.layout.opt_total, cfg.zero.offload_optimizer
     chunk = chunk_elems(z.chunk_size, n)  # as the preflight's plan takes them (Note [host cache] in _nvme_optimizer_store.py)
     head = head_elems(z.host_cache, list(placement.layout.opt_ranges), chunk, n)
+    fractions = host_fractions(cfg, placement)
     return RankPlan(
         params=params, trainable=trainable, node=node, stage=cfg.zero.stage,
         dtype=cfg.precision.dtype, units=len(specs), trainable_units=sum(s.trainable for s in specs),
@@ -224,17 +237,22 @@ def plan_specs(specs, cfg, node: Node, params: int, trainable: int) -> RankPlan:
         # the whole parameters of stages 1-2, as the preflight's device_need counts them
         whole_params=0 if policy.partition_params else placement.layout.param_total * world * itemsize,
         working_memory=working, persistent=persistent, drives=node_need(cfg, need, node.ranks),
-        drive_ranks=_drive_ranks(cfg, node.ranks), nvme_layout=cfg.zero.nvme_layout, chunk=chunk, head=head,
-        placement=placement)
+        drive_ranks=_drive_ranks(cfg, node.ranks, placement), nvme_layout=cfg.zero.nvme_layout, chunk=chunk,
+        head=head, placement=placement, host_fractions=fractions,
+        offload={state: offload_word(tier, fractions[state], section.device == "auto") for state, tier, section in (
+            ("params", placement.param_tier, cfg.zero.offload_param),
+            ("optimizer", placement.opt_tier, cfg.zero.offload_optimizer))})
 
 
-def _drive_ranks(cfg, ranks: int) -> Dict[str, List[int]]:
-    """Each configured drive's ranks of the node: those with a swap file there (Note [many drives] in _drives.py)."""
-    out: Dict[str, List[int]] = {d: [] for d in configured_drives(cfg)}
+def _drive_ranks(cfg, ranks: int, placement: Placement) -> Dict[str, List[int]]:
+    """Each configured drive's ranks of the node: those with a swap file there (Note [many drives] in _drives.py);
+    a ``device: auto`` section's drives where the plan put its state on NVMe."""
     z = cfg.zero
-    for section in (z.offload_optimizer, z.offload_param):
-        if section.device != "nvme" or not section.nvme_path:
-            continue
+    sections = [(z.offload_optimizer, placement.opt_tier), (z.offload_param, placement.param_tier)]
+    on_nvme = [s for s, tier in sections if s.nvme_path and (s.device == "nvme" or
+                                                             (s.device == "auto" and tier is Tier.NVME))]
+    out: Dict[str, List[int]] = {d: [] for s in on_nvme for d in drive_paths(s.nvme_path)}
+    for section in on_nvme:
         for drive in drive_paths(section.nvme_path):
             out[drive] += [r for r in range(ranks) if r not in out[drive] and
                            drive in rank_drives(section.nvme_path, cfg.zero.nvme_layout, r)]
@@ -362,9 +380,88 @@ def report(p: RankPlan) -> str:
 
 def placed(p: RankPlan) -> str:
     """Where a plan keeps the parameters and the optimizer states, in the config's words."""
-    words = {"device": "none", "cpu": "cpu", "nvme": "nvme"}
-    params = f"offload_param {words[p.tiers['params']]}" if p.stage == 3 else "parameters whole on the device"
-    return f"{params}, offload_optimizer {words[p.tiers['optimizer']]}"
+    words = p.offload or {"params": _WORDS[p.tiers["params"]], "optimizer": _WORDS[p.tiers["optimizer"]]}
+    params = f"offload_param {words['params']}" if p.stage == 3 else "parameters whole on the device"
+    return f"{params}, offload_optimizer {words['optimizer']}"
+
+
+# --------------------------------------------------------------------------- splits and auto, in the config's words
+
+_WORDS = {"device": "none", "cpu": "cpu", "nvme": "nvme"}  # a tier as offload_*.device says it
+DEVICES = ("none", "cpu", "nvme", "auto")  # offload_*.device
+SPLIT_STATES = {"params": "offload_param", "param": "offload_param", "optimizer": "offload_optimizer"}  # a split's state
+AUTO_STEPS = 8  # the host fractions plan_auto tries, k / AUTO_STEPS (its ``steps``: Note [planned split] in _split.py)
+
+
+def offload_word(tier: Tier, fraction: Optional[float] = None, auto: bool = False) -> str:
+    """A state's place in the config's words: none, cpu, nvme, or a split's ``cpu 0.25 / nvme 0.75``
+    (``split: {cpu: 0.25, nvme: 0.75}``), after ``auto -> `` where ``device: auto`` chose it."""
+    word = _WORDS[str(tier)] if fraction is None else f"cpu {fraction:g} / nvme {1 - fraction:g}"
+    return f"auto -> {word}" if auto else word
+
+
+def host_fractions(cfg, placement: Placement) -> Dict[str, Optional[float]]:
+    """Each state's split as the config writes it, by its host (cpu) fraction, None without one: the
+    section's own, or for ``device: auto`` the one plan_auto chose (the largest fraction it tries that
+    cuts the flat space where the plan does, so that the config written with it plans the same)."""
+    z, layout = cfg.zero, placement.layout
+    chunk = chunk_elems(z.offload_optimizer.chunk_size, layout.opt_total)
+    cuts = {"params": (placement.param_tier, placement.param_host_upto, layout.param_total,
+                       lambda f: param_host_upto(f, layout.param_ranges, layout.param_total)),
+            "optimizer": (placement.opt_tier, placement.opt_host_upto, layout.opt_total,
+                          lambda f: opt_host_upto(f, layout.opt_total, chunk))}
+    out: Dict[str, Optional[float]] = {}
+    for state, section in (("params", z.offload_param), ("optimizer", z.offload_optimizer)):
+        tier, upto, total, cut = cuts[state]
+        if section.device != "auto":
+            fr = split_fractions(section.split)
+            out[state] = None if fr is None else fr["cpu"]
+        elif tier is not Tier.NVME or not upto:
+            out[state] = None
+        else:
+            out[state] = next((k / AUTO_STEPS for k in range(AUTO_STEPS - 1, 0, -1) if cut(k / AUTO_STEPS) == upto),
+                              upto / total)
+    return out
+
+
+def checked_split(state: str, fractions) -> Dict[str, float]:
+    """``state``'s split ({tier: fraction}, the config's ``split: {cpu: a, nvme: b}``) as the config checks it
+    (the section's device its slowest tier, as the config asks), {"cpu": a, "nvme": b} then; EstimateError with the
+    config's words for what to change."""
+    key = SPLIT_STATES.get(state)
+    if key is None:
+        raise EstimateError(f"split of {state!r}: the states are params and optimizer (zero.offload_param, "
+                            f"zero.offload_optimizer)")
+    if not isinstance(fractions, Mapping):
+        raise EstimateError(f"split of the {state}: {fractions!r} must be a mapping of tiers to fractions, "
+                            f"e.g. {{'cpu': 0.5, 'nvme': 0.5}}")
+    nvme = fractions.get("nvme")
+    slowest = "cpu" if isinstance(nvme, (int, float)) and not nvme else "nvme"  # a number's type the config checks
+    here = os.path.join(tempfile.gettempdir(), "infinity-plan-drive0")
+    section = {"device": slowest, "split": dict(fractions), **({"nvme_path": here} if slowest == "nvme" else {})}
+    try:
+        cfg = Config.from_dict({"zero": {"stage": 3, key: section}})
+    except ConfigError as err:
+        raise EstimateError(str(err)) from None
+    fr = split_fractions(getattr(cfg.zero, key).split)
+    if fr is None:
+        raise EstimateError(f"split of the {state}: {dict(fractions)} names no tier; e.g. {{'cpu': 0.5, 'nvme': 0.5}}")
+    return {"cpu": fr["cpu"], "nvme": fr["nvme"]}
+
+
+def slowest_tier(fractions: Dict[str, float]) -> str:
+    """The device of a checked split's section: its slowest tier (Note [split tiers] in _split.py)."""
+    return "nvme" if fractions["nvme"] else "cpu"
+
+
+def offload_tiers(offload: str) -> List[str]:
+    """PARAMS,OPTIMIZER in the config's words (none, cpu, nvme, auto; ``device``, the table's word
+    before, as an alias of none)."""
+    tiers = [{"device": "none"}.get(t.strip(), t.strip()) for t in offload.split(",")]
+    if len(tiers) != 2 or not set(tiers) <= set(DEVICES):
+        raise EstimateError(f"offload: {offload!r} must be two of none, cpu, nvme, auto (zero.offload_param.device, "
+                            f"zero.offload_optimizer.device): e.g. nvme,nvme, cpu,cpu or auto,auto")
+    return tiers
 
 
 def _ranks(ranks: List[int]) -> str:
@@ -396,7 +493,9 @@ def node_of(hw: Hardware, cfg, preset: Optional[str] = None,
     ``drive_bandwidth`` (bytes/s, --drive-bandwidth) where given, else at the preset node's NVMe
     bandwidth shared evenly (Note [run model] in _runmodel.py gives the figures)."""
     read = write = None
-    drives = len(configured_drives(cfg))
+    z = cfg.zero  # the drives of the NVMe sections, and of the auto ones, which may put a state there
+    drives = len({d: None for s in (z.offload_optimizer, z.offload_param)
+                  if s.device in ("nvme", "auto") and s.nvme_path for d in drive_paths(s.nvme_path)})
     if drive_bandwidth is not None and drives:
         read, write = drive_bandwidth
     elif preset and drives:
@@ -408,39 +507,49 @@ def node_of(hw: Hardware, cfg, preset: Optional[str] = None,
 
 def plan_config(offload: str, dtype: str, path: Optional[str] = None, max_tile_params: Optional[int] = None,
                 drives: Tuple[str, ...] = (_NVME_PATH_PLACEHOLDER,), nvme_layout: str = "per_rank", stage: int = 3,
-                moments: str = "fp32") -> Config:
+                moments: str = "fp32", splits: Optional[Dict[str, Dict[str, float]]] = None) -> Config:
     """The config a plan is for: a file's (``--config``: its drives, its layout), else ``stage``
-    at the ``offload`` tiers (parameters,optimizer; the parameters' none below stage 3) in
-    ``dtype`` with the moments on NVMe in ``moments`` and the swap files on ``drives`` laid
-    out by ``nvme_layout`` (Note [many drives] in _drives.py), tiled to ``max_tile_params``
-    where given (zero.tiling)."""
+    at the ``offload`` tiers (parameters,optimizer; the parameters' none below stage 3; auto
+    planned from the node) with each state's split of ``splits`` (params, optimizer: {tier:
+    fraction}, Note [split tiers] in _split.py) in ``dtype`` with the moments on NVMe in
+    ``moments`` and the swap files on ``drives`` laid out by ``nvme_layout`` (Note [many drives]
+    in _drives.py), tiled to ``max_tile_params`` where given (zero.tiling)."""
     if path is not None:
         try:
             return Config.from_file(path)
         except ConfigError as err:
             raise EstimateError(f"--config: {err}") from None
-    tiers = [t.strip() for t in offload.split(",")]
-    if len(tiers) != 2 or not set(tiers) <= {"none", "cpu", "nvme"}:
-        raise EstimateError(f"offload: {offload!r} must be two of none, cpu, nvme: e.g. nvme,nvme or cpu,cpu")
+    tiers = offload_tiers(offload)
+    splits = {SPLIT_STATES[k][len("offload_"):]: v for k, v in (splits or {}).items()}  # param / optimizer
 
     # The planned node's drives are names, not directories of this machine, which a Config checks
     # could be made here (a file or a read-only directory named so would refuse them): the
     # config is checked with directories that can be, then given the names.
     here = [os.path.join(tempfile.gettempdir(), f"infinity-plan-drive{i}") for i in range(len(drives))]
 
-    def section(device: str) -> dict:
-        return {"device": device, "nvme_path": here} if device == "nvme" else {"device": device}
+    def section(device: str, state: str) -> dict:
+        out: dict = {"device": device, "nvme_path": here} if device in ("nvme", "auto") else {"device": device}
+        return dict(out, split=dict(splits[state])) if state in splits else out
 
-    zero = {"stage": stage, "offload_param": section(tiers[0]), "offload_optimizer": section(tiers[1]),
-            "nvme_layout": nvme_layout}
-    if tiers[1] == "nvme":
+    zero = {"stage": stage, "offload_param": section(tiers[0], "param"),
+            "offload_optimizer": section(tiers[1], "optimizer"), "nvme_layout": nvme_layout}
+    if tiers[1] in ("nvme", "auto"):  # auto: the config refuses compressed moments there, and says so
         zero["offload_optimizer"]["moments"] = moments
     if max_tile_params is not None:
         zero.update(tiling_keys(max_tile_params))
-    cfg = Config.from_dict({"zero": zero, "precision": {"dtype": dtype}})
+    try:
+        cfg = Config.from_dict({"zero": zero, "precision": {"dtype": dtype}})
+    except ConfigError as err:
+        raise EstimateError(f"offload {','.join(tiers)}" + "".join(f", {s} split {_split_text(f)}"
+                                                                    for s, f in splits.items()) + f": {err}") from None
     named = drives[0] if len(drives) == 1 else tuple(drives)
     for key in ("offload_param", "offload_optimizer"):
         section_cfg = getattr(cfg.zero, key)
-        if section_cfg.device == "nvme":  # frozen sections of a config made here, nothing else holds them
+        if section_cfg.device in ("nvme", "auto"):  # frozen sections of a config made here, nothing else holds them
             object.__setattr__(cfg.zero, key, dataclasses.replace(section_cfg, nvme_path=named))
     return cfg
+
+
+def _split_text(fractions: dict) -> str:
+    return "{" + ", ".join(f"{t}: {v:g}" if isinstance(v, (int, float)) else f"{t}: {v!r}"
+                           for t, v in fractions.items()) + "}"

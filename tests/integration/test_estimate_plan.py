@@ -14,6 +14,7 @@ from infinity._apps import _runmodel as rm
 from infinity._apps._estimate_cli import _parser, _run_of, main
 from infinity._apps._estimate_model import Shape, decoder
 from infinity._apps._estimator import estimate
+from infinity._offload._split import opt_host_upto
 
 GPT2_CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "n_positions": 128}
 # (stage, offload_param, offload_optimizer): the parameters leave the device at stage 3 only
@@ -72,6 +73,82 @@ def test_each_row_of_the_table_is_the_plan_of_its_placement(model, host, gpt2_co
         swapped |= set(plan["per_rank"]["swap_files"])
     if model == "bare":  # the "auto" rule of the gradients, planned alike
         assert ("grad.swp" in swapped) is (host == "512MB")
+
+
+SPLITS = ["--offload-split", "optimizer=cpu:0.5,nvme:0.5", "--offload-split", "params=cpu:0.25,nvme:0.75"]
+
+
+def _words(offload: str) -> str:
+    """A row's place of a state as --offload (its tier) says it: the split's slowest tier, auto's auto."""
+    return "auto" if offload.startswith("auto") else "nvme" if "nvme" in offload else offload
+
+
+def _split_flags(row: dict) -> list:
+    """The --plan flags of a row with a split or of the auto row: --offload and --offload-split."""
+    flags = ["--offload", ",".join(_words(row["offload"][s]) for s in ("params", "optimizer"))]
+    for state, fraction in zip(("params", "optimizer"), row["splits"]):
+        if fraction is not None and not row["auto"]:
+            flags += ["--offload-split", f"{state}=cpu:{fraction:g},nvme:{1 - fraction:g}"]
+    return flags
+
+
+@pytest.mark.parametrize("host", ["64GB", "16GB"])  # 16 GB: device auto splits the optimizer of 1.5B
+@pytest.mark.parametrize("model", ["bare", "config"])
+def test_each_split_row_and_the_auto_row_is_the_plan_of_its_placement(model, host, gpt2_config, tmp_path):
+    """The rows of ``--offload-split`` and the auto row are ``--plan``'s of that placement too,
+    split for split (the elements each keeps in host memory) and word for word; and ``--config``
+    with the same split in the config's own keys plans the same."""
+    what = {"bare": ["--params", "1.5B"], "config": ["--model", gpt2_config]}[model]
+    hw = [*what, "--gpus", "2", "--gpu-mem", "16GB", "--cpu-mem", host, "--nvme", "1TB"]
+    table = _json(*hw, *SPLITS)
+    activations = table["terms"]["activation_checkpoints"] + table["terms"]["activation_working"]
+    rows = table["split_placements"] + [table["auto"]]
+    assert len(rows) == 10
+    for row in rows:
+        plan = _json(*hw, "--plan", "--stage", str(row["stage"]), *_split_flags(row))
+        assert row["nvme_bytes"] == plan["per_node"]["nvme"], row["label"]
+        assert row["host_bytes"] == plan["per_node"]["host"], row["label"]
+        assert row["device_bytes"] == plan["per_rank"]["device"] + activations, row["label"]
+        assert row["host_plan"] == {k: 2 * v for k, v in plan["per_rank"]["categories"]["host"].items()}
+        assert row["offload"] == plan["offload"] and row["splits"] == [plan["host_fractions"][s]
+                                                                        for s in ("params", "optimizer")]
+    auto = table["auto"]  # the config's model is tiny: its states fit in any host memory beside the NVMe buffers
+    assert (auto["splits"][1] is not None) is (host == "16GB" and model == "bare"), auto["label"]
+    both = rows[-2]  # both states split, written as a config
+    (tmp_path / "split.yaml").write_text(
+        "zero:\n  stage: 3\n"
+        "  offload_param: {device: nvme, nvme_path: /tmp/drive, split: {cpu: 0.25, nvme: 0.75}}\n"
+        "  offload_optimizer: {device: nvme, nvme_path: /tmp/drive, split: {cpu: 0.5, nvme: 0.5}}\n"
+        "precision: {dtype: bf16}\n")
+    plan = _json(*hw, "--plan", "--config", str(tmp_path / "split.yaml"))
+    assert (both["nvme_bytes"], both["host_bytes"]) == (plan["per_node"]["nvme"], plan["per_node"]["host"])
+    assert plan["offload"] == {"params": "cpu 0.25 / nvme 0.75", "optimizer": "cpu 0.5 / nvme 0.5"}
+
+
+def test_step_time_runs_the_plan_of_a_split_row_and_of_the_auto_row():
+    """``--step-time`` and ``--steps`` of a split (or of auto) predict that row's run: its plan, and the
+    share of each state the split keeps off the disk, which the run neither reads nor writes."""
+    hw = ["--params", "1.5B", "--gpus", "1", "--gpu-mem", "16GB", "--cpu-mem", "16GB", "--nvme", "1TB"]
+    est = estimate("1.5B", gpus=1, gpu_mem="16GB", cpu_mem="16GB", nvme="1TB",
+                   splits={"optimizer": {"cpu": 0.5, "nvme": 0.5}})
+    runs = {}
+    for name, flags in (("whole", ["--offload", "cpu,nvme"]), ("split", SPLITS[:2] + ["--offload", "cpu,nvme"]),
+                        ("auto", ["--offload", "auto,auto"])):
+        runs[name] = _run_of(est, _parser().parse_args([*hw, "--step-time", *flags]))
+    row, auto = est.placement(3, "cpu", {"cpu": 0.5, "nvme": 0.5}), est.auto
+    assert auto.splits[1] == 0.25  # 16 GB of host memory: auto keeps a quarter of the optimizer there
+    for run, planned in ((runs["split"], row), (runs["auto"], auto)):
+        assert run.figures.categories == planned.plan.categories and run.optimizer_tier == "nvme"
+        owned = opt_host_upto(run.opt_host_fraction, run.figures.total, run.figures.chunk)
+        assert owned == planned.plan.placement.opt_host_upto > 0
+    written = {name: rm.nvme_bytes(run)["write"] for name, run in runs.items()}
+    assert written["whole"] > written["auto"] > written["split"] > 0  # auto keeps a quarter, the split a half
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*hw, "--step-time", *SPLITS[:2], "--offload", "cpu,nvme", "--rates", "dgx2", "--steps", "5"]) == 0
+    text = out.getvalue()
+    assert "step time predicted for stage 3 with params=cpu optimizer=cpu 0.5 / nvme 0.5 (--offload)" in text
+    assert "SSD writes (params on cpu, optimizer on cpu 0.5 / nvme 0.5)" in text
 
 
 def test_step_time_runs_the_plan_of_the_table():

@@ -230,8 +230,11 @@ def test_table_lists_every_placement():
     assert f"{20 * est.params / 2**40:.2f} TiB" in table  # 20 bytes per parameter of model states
     body = table.splitlines()[table.splitlines().index("") + 1:]
     assert body[0].split()[:3] == ["stage", "params", "optimizer"]
-    assert len(body) == 16
-    assert sum(line.endswith("yes") for line in body) == 1
+    assert len(body) == 18  # the header, the 15 placements, the auto row and the line that says what it is
+    assert sum(line.endswith("yes") for line in body) == 2  # all on NVMe, and device: auto's split of the parameters
+    assert body[16].startswith("3      auto -> cpu 0.375 / nvme 0.625  auto -> nvme") and body[16].endswith("yes")
+    assert body[17].startswith("auto: device: auto (zero.offload_param, zero.offload_optimizer) plans params cpu "
+                               "0.375 / nvme 0.625, optimizer nvme on this node")
     json.dumps(est.to_dict())               # serializable as is
 
 
@@ -252,7 +255,8 @@ def test_cli_recommends_nvme_for_one_trillion():
                "--nvme", "28TB", "--tiling-factor", "2")
     assert run.returncode == 0, run.stderr
     out = run.stdout
-    assert "fits: stage 3 params=nvme optimizer=nvme\n" in out
+    assert "fits: stage 3 params=nvme optimizer=nvme, stage 3 auto -> params cpu 0.375 / nvme 0.625, optimizer " \
+           "nvme\n" in out  # the recommendation is on whole tiers where one fits
     config = yaml.safe_load(out.split("recommended config:\n", 1)[1])
     assert config["zero"] == {"stage": 3,
                               "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"},
@@ -458,7 +462,8 @@ def test_the_table_and_offload_speak_the_configs_words():
     hw = ["--params", "1.3B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "64GB", "--nvme", "1TB"]
     table = _cli(*hw)
     rows = [line.split() for line in table.stdout.splitlines() if line[:1].isdigit() and "GiB" in line]
-    assert rows and {r[1] for r in rows} == {"none", "cpu", "nvme"} and "device" not in {r[2] for r in rows}
+    assert rows and {r[1] for r in rows[:-1]} == {"none", "cpu", "nvme"} and "device" not in {r[2] for r in rows}
+    assert rows[-1][1:7] == ["auto", "->", "cpu", "auto", "->", "cpu"]  # device: auto's row, and its choice
     steps = {off: json.loads(_cli(*hw, "--steps", "10", "--offload", off, "--json").stdout)["ssd_writes"]
              for off in ("none,nvme", "device,nvme")}  # device: the table's word before, kept as an alias
     assert steps["none,nvme"] == steps["device,nvme"]
