@@ -164,6 +164,7 @@ def build_partitioned(cfg: Config) -> ModelSpec:
     with Init(config=cfg, enabled=cfg.zero.stage == 3) as init:
         if init.enabled:
             init.store.advice = _FLAG_ADVICE  # a refusal names this job's flags, not Init's arguments
+            init.store.halve_hint = None  # the job builds and loads in float32, whatever precision.dtype says
         if sizes is not None:
             _check_build_room(sizes, init if init.enabled else None, t.model)
         return build_model(t.model, t.seq_len, init if init.enabled else None, t.micro_batch_size)

@@ -207,8 +207,12 @@ def _disk_problems(cfg, need: dict, ranks: int) -> list:
                            "bandwidth (is a drive not mounted there?)", " and ".join(drives))
         if nbytes > free:
             others = [o for drive in drives for o in stale_elsewhere(drive)]
+            whose = "belongs to a live run or another host" if len(others) == 1 else "belong to live runs or other hosts"
             note = (f"; {len(others)} other run director{'y' if len(others) == 1 else 'ies'} there "
-                    f"({', '.join(others[:3])}) belong to live runs or other hosts") if others else ""
+                    f"({', '.join(others[:3])}) {whose}") if others else ""
+            ours = [o for drive in drives for o in stale_elsewhere(drive, ours=True)]
+            note += (f"; this process's own ({', '.join(ours[:3])}) holds infinity.Init's shards, which take their "
+                     f"space until initialize has moved them") if ours else ""
             share = f"{ranks} rank(s) together: " if ranks > 1 else ""
             where = drives[0] if len(drives) == 1 else f"{', '.join(drives[:-1])} and {drives[-1]} (one filesystem)"
             problems.append(

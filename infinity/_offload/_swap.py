@@ -19,7 +19,9 @@ hosts sharing the disk (whose locks this host cannot see), are left alone. The t
 disk probe writes inside its run directory, so it goes with it. A missing ``nvme_path`` is
 made only inside an existing directory that is not the filesystem root, and said: an NVMe
 drive is a mount point that exists already, so a path whose parent is missing (a typo) or
-that would sit at ``/`` (a placeholder such as ``/local_nvme``) is refused with what to set.
+that would sit at ``/`` (a placeholder such as ``/local_nvme``) is refused with what to set;
+one that infinity made goes again with this process's last swap directory in it, so a run
+refused or ended leaves the disk as it found it.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class SwapDir:
         except OSError as e:
             raise StorageError(e.errno, f"cannot create the swap directory {self.path}: {e.strerror} "
                                         f"({e.filename}); give a writable directory as nvme_path") from None
+        _OURS.add(os.path.dirname(self.path))
         self._finalizer = weakref.finalize(self, _remove, os.path.dirname(self.path), self.path, lock_fd)
 
     def file(self, name: str, nbytes: int) -> str:
@@ -85,7 +88,8 @@ class SwapDir:
 
 
 def _make_nvme_path(nvme_path: str, *, create: bool = True) -> str:
-    """Note [swap directories]: ``nvme_path`` made when missing, one level only and never at /.
+    """Note [swap directories]: ``nvme_path`` made when missing, one level only and never at /,
+    and removed again by the last of this process's swap directories in it (``_MADE``).
     Without ``create`` only checked: the directory whose disk it will be on is returned (itself,
     or the parent it would be made in), so that a refusal for its room leaves nothing behind."""
     path = os.path.abspath(nvme_path)
@@ -108,6 +112,7 @@ def _make_nvme_path(nvme_path: str, *, create: bool = True) -> str:
         raise StorageError(e.errno, f"cannot create nvme_path {path}: {e.strerror}; give a writable directory "
                                     f"as nvme_path") from None
     logger.info("created nvme_path %s", path)
+    _MADE.add(path)
     return path
 
 
@@ -200,12 +205,17 @@ def _write_owner(rank_dir: str) -> int:
 
 def _remove(run_dir: str, rank_dir: str, lock_fd: int = -1) -> None:
     shutil.rmtree(rank_dir, ignore_errors=True)
+    _OURS.discard(run_dir)
     if lock_fd >= 0:
         os.close(lock_fd)  # after the removal: no reclaimer takes a directory still being removed
-    try:
-        os.rmdir(run_dir)  # the last rank out removes the run directory
-    except OSError:
-        pass
+    made = os.path.dirname(run_dir)
+    for path in (run_dir, made) if made in _MADE else (run_dir,):  # the last rank out removes the run directory,
+        try:  # and the nvme_path this process made once nothing is left in it
+            os.rmdir(path)
+        except OSError:
+            pass
+        else:
+            _MADE.discard(path)
 
 
 OWNER = "owner"  # in each rank directory: "<host> <pid> <process start time>"
@@ -298,13 +308,20 @@ def reclaim_stale(nvme_path: str) -> list:
     return removed
 
 
-def stale_elsewhere(nvme_path: str) -> list:
+_OURS: set = set()  # the run directories this process's swap directories are in
+_MADE: set = set()  # the nvme_paths this process made (Note [swap directories])
+
+
+def stale_elsewhere(nvme_path: str, *, ours: bool = False) -> list:
     """Run directories under ``nvme_path`` that are not this process's and were not
-    reclaimed (live runs, other hosts): named by a refusal for lack of disk space."""
+    reclaimed (live runs, other hosts): named by a refusal for lack of disk space.
+    ``ours``: this process's own instead (an Init's shards, until ``initialize`` moves them)."""
     try:
-        return [n for n in os.listdir(nvme_path) if n.startswith("infinity-")]
+        names = [n for n in os.listdir(nvme_path) if n.startswith("infinity-")]
     except OSError:
         return []
+    root = os.path.abspath(nvme_path)
+    return [n for n in names if (os.path.join(root, n) in _OURS) == ours]
 
 
 def new_aio(cfg, *, backend: Optional[str] = None):

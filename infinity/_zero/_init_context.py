@@ -102,19 +102,22 @@ class InitStore:
             self._swap_args = (nvme_path, rank, aio_cfg)
         self.room, self.where = room_for(tier, nvme_path)
         self.advice = _ADVICE  # what a refusal tells to change, by tier
+        self.halve_hint: Optional[str] = _HALVE_HINT  # how fp32 shards take half (None: the train job's dtype rule)
 
     def slot_bytes(self, numel: int, dtype: torch.dtype) -> int:
         nbytes = numel * dtype.itemsize
         return -(-nbytes // 4096) * 4096 if self.tier is Tier.NVME else nbytes
 
-    def check_room(self, nbytes: int, what: str) -> None:
+    def check_room(self, nbytes: int, what: str, dtype: Optional[torch.dtype] = None) -> None:
         """Refuse, before storing anything more, if ``nbytes`` more do not fit (Note [Init preflight]),
-        with what to change in the caller's words (``advice``: the train job says its flags)."""
+        with what to change in the caller's words (``advice``: the train job says its flags); shards
+        of ``dtype`` float32 are told how to store half (``halve_hint``)."""
         if self.used + nbytes > self.room:
+            halve = f"; {self.halve_hint}" if dtype == torch.float32 and self.halve_hint else ""
             raise InsufficientResourcesError(
-                f"infinity.Init: {what} needs {(self.used + nbytes) / GiB:.2f} GiB of {self.where} on this rank, "
-                f"{self.room / GiB:.2f} GiB available ({comm.ranks_here()} rank(s) on this node share it); "
-                f"{self.advice[self.tier]}")
+                f"infinity.Init: {what} needs {_size(self.used + nbytes)} of {self.where} on this rank, "
+                f"{_size(self.room)} available ({comm.ranks_here()} rank(s) on this node share it); "
+                f"{self.advice[self.tier]}{halve}")
 
     def new_shard(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for a shard that ``put`` stores without a copy: mapped memory, and on NVMe the
@@ -130,7 +133,7 @@ class InitStore:
         self._files.pop(key, None)  # new values: no longer the checkpoint's
         if nbytes > self._sizes.get(key, 0):  # a new shard, or one grown by an assignment of .data
             grown = nbytes - self._sizes.get(key, 0) if self.tier is not Tier.NVME else nbytes  # NVMe: a new slot
-            self.check_room(grown, f"parameter {name}")
+            self.check_room(grown, f"parameter {name}", shard.dtype)
             self.used += grown
             self._sizes[key] = nbytes
             if self.tier is Tier.NVME:
@@ -221,12 +224,17 @@ def _whole_slot(shard: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
     return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
 
 
-GiB = float(1 << 30)
+def _size(nbytes: float) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 27 else f"{nbytes / (1 << 20):.2f} MiB"
+
+
 _ADVICE = {
     Tier.DEVICE: "partition to host memory or NVMe instead (Init(offload='cpu' or 'nvme')), or run more ranks",
     Tier.CPU: "partition to NVMe instead (Init(offload='nvme', nvme_path=...)), or run more ranks",
     Tier.NVME: "point nvme_path at a larger disk or free space there",
 }
+_HALVE_HINT = ("the parameters are float32 as built: in bfloat16 they need half (from_pretrained(..., "
+               "torch_dtype=torch.bfloat16), or the model built under torch.set_default_dtype(torch.bfloat16))")
 
 
 def room_for(tier: Tier, nvme_path: Optional[str]):
@@ -541,7 +549,7 @@ class Init:
         if not self._checked_load and self.store.tier is not Tier.NVME:  # NVMe: Note [shards left in the checkpoint]
             self._checked_load = True
             need = sum(u.shard_bytes for u in self.units if not u.loaded)
-            self.store.check_room(need, f"loading the checkpoint ({len(self.units)} parameters)")
+            self.store.check_room(need, f"loading the checkpoint ({len(self.units)} parameters)", pending.dtype)
         param = nn.Parameter(torch.empty(0, dtype=pending.dtype, device=acc.device()), pending.requires_grad)
         param.__dict__.update({k: v for k, v in pending.__dict__.items() if k not in ("source", "reader", "_is_param")})
         unit = InitUnit(self, param, f"{type(module).__name__}.{name}", pending.dtype, pending.shape)

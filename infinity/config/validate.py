@@ -208,7 +208,7 @@ def _check_offload_section(offload: Any, prefix: str) -> list:
 def tierless_offload_paths(data: Any) -> list:
     """An offload section of a config dict that gives an nvme_path but no device (a device key left out or
     misspelt) would train with nothing offloaded: a problem each. An explicit ``device: none`` beside a path
-    is the user's choice (a template that keeps its path) and stands."""
+    is the user's choice (a template that keeps its path) and stands, said once a process as a warning."""
     zero = data.get("zero") if isinstance(data, Mapping) else None
     problems = []
     for section in ("offload_param", "offload_optimizer"):
@@ -217,7 +217,15 @@ def tierless_offload_paths(data: Any) -> list:
             problems.append((f"zero.{section}.device", "is not given while this section's nvme_path is, so it "
                              "would be none (the default) and nothing would be offloaded; set device to nvme (or "
                              "cpu) in this section, or remove its nvme_path"))
+        elif isinstance(raw, Mapping) and raw.get("nvme_path") is not None and raw.get("device") == "none" \
+                and section not in _SAID_IDLE_PATH:
+            _SAID_IDLE_PATH.add(section)
+            logger.warning("zero.%s.device is none beside nvme_path %s: this state stays in device memory and the "
+                           "path is not used; set device to nvme to offload it there", section, raw["nvme_path"])
     return problems
+
+
+_SAID_IDLE_PATH: set = set()  # the sections whose unused nvme_path was warned of, once a process
 
 
 def _check_optimizer_offload_section(offload: Any, prefix: str) -> list:

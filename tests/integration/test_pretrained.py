@@ -132,7 +132,7 @@ def test_loaded_model_trains_from_the_pretrained_loss(tmp_path):
     losses = _first_losses(directory, str(tmp_path / "swap"), 2)
     assert losses[0] == pytest.approx(expected, rel=1e-6)
     assert losses[1] < losses[0]
-    assert os.listdir(tmp_path / "swap") == []
+    assert not (tmp_path / "swap").exists()  # made by Init, gone with the run's last swap directory
 
 
 def _big_llama(hidden, layers, vocab=320):
@@ -209,6 +209,7 @@ def test_host_memory_preflight_refuses_before_reading(tmp_path):
         with infinity.Init(offload="cpu") as init:
             AutoModelForCausalLM.from_pretrained(directory)
     assert init.reader.bytes_read == 0 and "loading the checkpoint" in str(err.value)
+    assert "in bfloat16 they need half" in str(err.value)  # the checkpoint is float32: say how to store half
 
 
 def test_disk_preflight_refuses_before_writing(tmp_path):
@@ -259,6 +260,29 @@ def test_a_refusal_for_the_disk_leaves_no_directory_behind(tmp_path):
             with infinity.Init(offload="nvme", nvme_path=str(small / "swap")):
                 nn.Linear(256, 256)  # 257 KiB of fp32
         assert not (small / "swap").exists()
+
+
+def test_initialize_refused_after_init_names_inits_shards_and_leaves_no_directory(tmp_path):
+    """The quick start's flow on a disk too small for the states: Init made nvme_path and holds its
+    shards there; initialize's refusal says they are this process's (not another run's), and once
+    the model is gone nothing of either is left, nvme_path included."""
+    import gc
+
+    from torch import nn
+
+    with mounted("tmpfs", tmp_path / "small", "size=1m") as small:
+        path = small / "swap"
+        cfg = {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(path)},
+                        "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}, "precision": {"dtype": "fp32"}}
+        with infinity.Init(offload="nvme", nvme_path=str(path)):
+            model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))  # 514 KiB of fp32 shards
+        assert any(path.rglob("init.swp"))
+        with pytest.raises(InsufficientResourcesError, match="disk under") as err:
+            infinity.initialize(model, config=cfg)
+        assert "this process's own" in str(err.value) and "other run director" not in str(err.value)
+        del model, err
+        gc.collect()
+        assert not path.exists()
 
 
 def test_a_parameter_missing_from_the_checkpoint_is_initialized_like_plain(tmp_path):

@@ -75,3 +75,38 @@ def test_run_sh_leaves_the_developer_set_up_to_setup_env(script):
     text = (ROOT / "scripts" / script).read_text()
     assert "setup_env.sh" not in text.split("\nset -euo pipefail", 1)[1]
     assert "setup_env.sh" in (ROOT / "scripts" / "test.sh").read_text()
+
+
+def test_a_torch_outside_the_supported_range_is_refused_not_replaced(tmp_path):
+    """Installing infinity beside a torch outside setup.py's range would make pip replace it:
+    run.sh says so and stops, before any pip call (issue 52, point 2)."""
+    own = tmp_path / "site"
+    (own / "torch").mkdir(parents=True)
+    (own / "torch" / "__init__.py").write_text("")
+    (own / "torch-2.99.0.dist-info").mkdir()
+    (own / "torch-2.99.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.99.0\n")
+    found = subprocess.run([sys.executable, "-S", "-P", str(ROOT / "scripts" / "_job_needs.py")],
+                           env=dict(os.environ, PYTHONPATH=str(own)), capture_output=True, text=True, check=True)
+    assert "unsupported-torch" in found.stdout.split()
+    wrapper = tmp_path / "python3"
+    wrapper.write_text(WRAPPER)
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "PYTHON": str(wrapper), "RUN_LOG": str(log), "REAL_PYTHON": sys.executable,
+           "PYTHON_FLAGS": "-S", "PYTHONPATH": str(own)}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "torch 2.99.0" in proc.stderr and "virtual environment" in proc.stderr
+    assert " -m pip " not in log.read_text() and "-m infinity.train" not in log.read_text()
+
+
+def test_the_job_checks_the_torch_range_setup_py_declares():
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("_job_needs", ROOT / "scripts" / "_job_needs.py")
+    needs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(needs)
+    a, b, c, d = map(int, re.search(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"', (ROOT / "setup.py").read_text()).groups())
+    assert needs.TORCH_RANGE == ((a, b), (c, d))
+    assert f"torch >={a}.{b},<{c}.{d}" in (ROOT / "scripts" / "run.sh").read_text()

@@ -545,6 +545,17 @@ def test_nvme_path_without_a_tier_is_refused(section, nvme_dir):
     assert getattr(moved.zero, section).nvme_path is None
 
 
+def test_an_explicit_none_beside_a_path_stands_and_is_warned_of_once(nvme_dir, infinity_logs):
+    from infinity.config import validate
+
+    validate._SAID_IDLE_PATH.discard("offload_param")
+    data = {"zero": {"stage": 3, "offload_param": {"device": "none", "nvme_path": nvme_dir}}}
+    assert Config.from_dict(data).zero.offload_param.device == "none"
+    Config.from_dict(data)
+    said = [r.getMessage() for r in infinity_logs.records if "beside nvme_path" in r.getMessage()]
+    assert len(said) == 1 and "zero.offload_param.device is none" in said[0] and "set device to nvme" in said[0]
+
+
 def test_from_dict_hints_at_deepspeed():
     err = _error(Config.from_dict, {"train_micro_batch_size_per_gpu": 4})
     assert "from_deepspeed" in str(err) and "'train.micro_batch_size'" in str(err)

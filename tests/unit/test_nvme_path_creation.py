@@ -34,4 +34,19 @@ def test_a_missing_directory_inside_an_existing_one_is_made(tmp_path):
     swap = SwapDir(str(tmp_path / "swap"), rank=0)
     assert os.path.isdir(swap.path) and swap.path.startswith(str(tmp_path / "swap") + os.sep)
     swap.remove()
+    assert not (tmp_path / "swap").exists()  # made by this process, gone with its last swap directory
+
+
+def test_a_made_directory_stays_while_another_swap_directory_is_in_it(tmp_path):
+    first = SwapDir(str(tmp_path / "swap"), rank=0)
+    second = SwapDir(str(tmp_path / "swap"), rank=0)  # another engine's (Init's, then initialize's)
+    first.remove()
+    assert os.listdir(tmp_path / "swap") == [os.path.basename(os.path.dirname(second.path))]
+    second.remove()
+    assert not (tmp_path / "swap").exists()
+
+
+def test_an_existing_directory_is_never_removed(tmp_path):
+    (tmp_path / "swap").mkdir()
+    SwapDir(str(tmp_path / "swap"), rank=0).remove()
     assert os.listdir(tmp_path / "swap") == []
