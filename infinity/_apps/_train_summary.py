@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 from .._offload._drives import configured_drives
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
-from .._runtime._telemetry import StepStats, fmt_bytes, fmt_count, fmt_rate, is_level, mean, render_table
+from .._runtime._telemetry import TIER_SECONDS, StepStats, fmt_bytes, fmt_count, fmt_rate, is_level, mean, render_table
 from .._runtime._topology import current as placed_share
 from ..config.validate import split_fractions
 from ._train_loop import Run
@@ -133,7 +133,7 @@ def summary_text(run: Run, per_rank: List[dict]) -> str:
                                      f"memory the run used, activations included)")]
          if acc.has_accelerator() else [])
     sections = [head, placement_rows(per_rank), memory, _time_rows(stats), _disk_rows(run, per_rank)] + \
-        engine_rows(stats, per_rank)
+        tier_rows(stats) + engine_rows(stats, per_rank)
     sections.append([("saved", _saved_text(run)), ("telemetry", run.telemetry.path or "off (no output_dir)")])
     return render_table("infinity.train summary", sections)
 
@@ -149,6 +149,31 @@ def placement_rows(per_rank: List[dict]) -> List[tuple]:
     if len(per_rank) > PLACEMENT_ROWS:
         rows.append((f"  {len(per_rank) - PLACEMENT_ROWS} more rank(s)", "in the telemetry's summary event"))
     return rows
+
+
+# The engine's bytes of a state on a tier, where it counts them: the stores' swap-file traffic, the
+# fetches from a split's host share (an optimizer's host share is updated in place: no bytes move)
+STATE_TIER_BYTES = {("optimizer", "nvme"): ("nvme_optimizer_read_bytes", "nvme_optimizer_write_bytes"),
+                    ("params", "nvme"): ("nvme_params_read_bytes", "nvme_params_write_bytes"),
+                    ("params", "cpu"): ("bytes.param_host",)}
+
+
+def tier_rows(stats: StepStats) -> List[List[tuple]]:
+    """Each state on each of its tiers: rank 0's bytes and seconds per step, and the tier's share of
+    the state's seconds (``tier_seconds``: Note [engine telemetry keys] in _telemetry.py); none
+    without them."""
+    prefix = f"engine.{TIER_SECONDS}."
+    seconds = {tuple(k[len(prefix):].split(".")): mean(stats.column(k))
+               for k in sorted({k for r in stats.records for k in r if k.startswith(prefix)})}
+    if not seconds:
+        return []
+    rows = [("per state and tier, rank 0", "bytes/step", "s/step", "time share")]
+    for (state, tier), s in seconds.items():
+        of_state = sum(v for (st, _), v in seconds.items() if st == state)
+        counted = [k for k in STATE_TIER_BYTES.get((state, tier), ()) if stats.column(f"engine.{k}")]
+        moved = fmt_bytes(sum(mean(stats.column(f"engine.{k}")) for k in counted)) if counted else "-"
+        rows.append((f"  {state} on {tier}", moved, f"{s:.4f}", f"{100 * s / of_state:.0f}%" if of_state else "-"))
+    return [rows]
 
 
 def engine_rows(stats: StepStats, per_rank: List[dict]) -> List[List[tuple]]:

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .._runtime._log import logger
+from .._runtime._telemetry_counters import seconds_into
 from .._runtime._tiers import Tier
 from ..aio._checksum import sums_of
 from ..aio._handle import close_handles
@@ -100,6 +101,8 @@ class NvmeOptimizerStore:
         # _split.py), cached chunks of their own; the cache covers them and the ``host_cache`` after them
         head = max(self.first, host_upto)
         self.host_upto = host_upto
+        # seconds the update spent on each tier, running totals (Note [engine telemetry keys] in _runtime/_telemetry.py)
+        self.tier_seconds = dict.fromkeys(("cpu", "nvme") if host_upto else ("nvme",), 0.0)
         if host_upto and master is not None:
             raise InvariantError("a split optimizer tier keeps the master weights of its host share out of master.swp")
         # master: master.swp shared with the parameter store (Note [parameters from the master] in _placement.py)
@@ -277,20 +280,23 @@ class NvmeOptimizerStore:
     def update_head(self, fn: Callable[[Chunk], None]) -> None:
         """The cached chunks, on this thread (Note [host cache]). Starts the tail's first
         reads before computing, so that they land meanwhile."""
-        self.pipeline.prime()
-        if not self.cache.sets:
-            return
-        if self.cache.state is HeadState.EMPTY:
-            self.cache.start_reads()
-        self.cache.land()  # and their last write-back
+        with seconds_into(self.tier_seconds, "nvme"):  # the files' reads submitted and waited for
+            self.pipeline.prime()
+            if not self.cache.sets:
+                return
+            if self.cache.state is HeadState.EMPTY:
+                self.cache.start_reads()
+            self.cache.land()  # and their last write-back
         self._update_cached(fn, 0, self.first)
 
     def _update_cached(self, fn: Callable[[Chunk], None], lo: int, hi: int) -> None:
         """The cached chunks starting in [lo, hi): written through, or not at all in the host share of a split."""
         for off, bufs in self.cache.chunks(lo, hi):
-            bufs = self.grads.with_grad(bufs, off, bufs["master"].numel())
-            self.pipeline.update_one(fn, off, bufs, self.cache.io, self.cache.records[off // self.chunk], cached=True,
-                                     owned=off < self.host_upto)
+            # the host share's seconds are the cpu's; a cached chunk's the NVMe tier's, written through to its file
+            with seconds_into(self.tier_seconds, "cpu" if off < self.host_upto else "nvme"):
+                bufs = self.grads.with_grad(bufs, off, bufs["master"].numel())
+                self.pipeline.update_one(fn, off, bufs, self.cache.io, self.cache.records[off // self.chunk],
+                                         cached=True, owned=off < self.host_upto)
 
     def update_tail(self, fn: Callable[[Chunk], None]) -> None:
         """The chunks past the head, streamed through the buffer sets (Note [optimizer swapper]).
@@ -309,7 +315,8 @@ class NvmeOptimizerStore:
         ``update_head`` takes) come first, while the primed reads of the files' first chunks land."""
         if self.head > self.first:
             self._update_cached(fn, self.first, self.head)
-        self.pipeline.run(fn, self.grads.with_grad)
+        with seconds_into(self.tier_seconds, "nvme"):  # the streamed chunks: their reads, update and write-backs
+            self.pipeline.run(fn, self.grads.with_grad)
 
     def abandon_update(self) -> None:
         """Note [failed step] in _step_gate.py: the buffer sets' and the host cache's I/O

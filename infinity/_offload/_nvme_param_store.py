@@ -16,6 +16,7 @@ from typing import List, Optional
 import torch
 
 from .._runtime._recycle import Recycler
+from .._runtime._telemetry_counters import seconds_into
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ..aio._checksum import checksummed, sums_of
@@ -80,6 +81,9 @@ class NvmeParamStore:
         # Note [split tiers] in _split.py: the first ``host_upto`` elements (whole units) in host memory only,
         # params.swp from there on
         self.host_upto, self._host = self._host_share(host_upto, master)
+        # seconds reads spent obtaining shards from each tier, running totals (Note [engine telemetry keys] in
+        # _runtime/_telemetry.py): the host share's, and params.swp's (or master.swp's) reads
+        self.tier_seconds = dict.fromkeys(("cpu", "nvme") if self.host_upto else ("nvme",), 0.0)
         self._own: Optional[OrderedWrites] = None  # params.swp's writes, where it exists
         self._files = self._swap_files(swap, aio_cfg, master)
         size = buffer_size or max_unit
@@ -166,10 +170,11 @@ class NvmeParamStore:
 
     def host_share(self, offset: int, numel: int) -> Optional[torch.Tensor]:
         """The shard at ``offset`` as a view of the split's host share (Note [split tiers] in
-        _split.py), or None where it is in params.swp."""
+        _split.py), or None where it is in params.swp. The lookup is the host share's seconds."""
         if self._host is None or offset + numel > self.host_upto:
             return None
-        return self._host[offset : offset + numel]
+        with seconds_into(self.tier_seconds, "cpu"):
+            return self._host[offset : offset + numel]
 
     def write(self, offset: int, values: torch.Tensor, *, keep: bool = False) -> None:
         """Store ``values`` (any float dtype; cast here) at ``offset``, asynchronously. With
@@ -347,17 +352,18 @@ class NvmeParamStore:
         """Submit NVMe -> a pool buffer (or ``into``, aligned host memory of the caller's);
         None when ``block`` is off and the range's writes are still landing or no buffer is
         free. ``finish_read`` returns the buffer; the caller gives a pool buffer back with
-        ``pool.put``."""
-        if not self._writes_landed(offset, numel, block=block):
-            return None
-        buf = self.pool.get(numel, block=block) if into is None else into
-        if buf is None:
-            return None
-        reader = self._readers.pop()
-        writes, at = self._file_at(offset)
-        reader.pread(buf[:numel], writes.path, at * self.itemsize)
-        self.bytes_read += numel * self.itemsize
-        return buf, reader, into is None
+        ``pool.put``. Its seconds, waits for the range's writes and a buffer included, are the NVMe tier's."""
+        with seconds_into(self.tier_seconds, "nvme"):
+            if not self._writes_landed(offset, numel, block=block):
+                return None
+            buf = self.pool.get(numel, block=block) if into is None else into
+            if buf is None:
+                return None
+            reader = self._readers.pop()
+            writes, at = self._file_at(offset)
+            reader.pread(buf[:numel], writes.path, at * self.itemsize)
+            self.bytes_read += numel * self.itemsize
+            return buf, reader, into is None
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
         """A copy of [offset, offset + numel), once every write to it has landed."""
@@ -379,7 +385,8 @@ class NvmeParamStore:
     def finish_read(self, pending, what: str = "") -> torch.Tensor:
         buf, reader, pooled = pending
         try:
-            wait_io(reader, what or "a parameter shard read")
+            with seconds_into(self.tier_seconds, "nvme"):  # the read landing
+                wait_io(reader, what or "a parameter shard read")
         except Exception:
             if pooled:
                 self.pool.put(buf)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
 from .._runtime import _accelerator as acc
+from .._runtime._telemetry_counters import seconds_into
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ._grad_buffer import GradBuffer, sq_and_finite  # noqa: F401 - sq_and_finite: the stores' one norm
@@ -55,6 +56,7 @@ class OptimizerStore(Protocol):
 
     total: int
     tier: Tier  # where the states live: the device, host memory or NVMe
+    tier_seconds: Dict[str, float]  # the update's seconds per tier: Note [engine telemetry keys] in _telemetry.py
 
     @property
     def memory_elems(self) -> int: ...  # the first elements held in memory (all, or a split's host share: Note
@@ -157,6 +159,7 @@ class MemoryOptimizerStore:
         self.tier = tier
         self.total = total
         self.memory_elems = total
+        self.tier_seconds = {tier.value: 0.0}  # every chunk is on this tier (Note [engine telemetry keys] in _telemetry.py)
         self.lazy_grad = lazy_grad  # stage 1: a gradient shard exists only during the step
         self.overlapped = overlapped
         self.pieces = _unit_pieces(ranges or [], total, chunk_elems(chunk, total)) if overlapped else []
@@ -208,7 +211,8 @@ class MemoryOptimizerStore:
 
     def update(self, fn: Callable[[Chunk], None]) -> None:
         if self._sealed is None:
-            fn(Chunk(0, self.master, self.grads.get(), self.exp_avg, self.exp_avg_sq))
+            with seconds_into(self.tier_seconds, self.tier.value):
+                fn(Chunk(0, self.master, self.grads.get(), self.exp_avg, self.exp_avg_sq))
         else:
             self.update_head(fn)
             self.update_tail(fn)
@@ -251,7 +255,8 @@ class MemoryOptimizerStore:
         hi = min(hi, self.speculated_from)
         for start, end in self.pieces:
             if lo <= start < hi:
-                fn(self.piece(start, end, g, grad_read=functools.partial(self._grad_read, start, end)))
+                with seconds_into(self.tier_seconds, self.tier.value):
+                    fn(self.piece(start, end, g, grad_read=functools.partial(self._grad_read, start, end)))
 
     def _grad_read(self, start: int, end: int) -> None:
         self.grads.consumed(start, end)

@@ -9,11 +9,12 @@ each shard once, without another pass.
 
 from __future__ import annotations
 
-from typing import List, Optional, Protocol
+from typing import Dict, List, Optional, Protocol
 
 import torch
 
 from .._runtime import _accelerator as acc
+from .._runtime._telemetry_counters import seconds_into
 from .._runtime._tiers import Tier
 from ..aio import aligned_empty
 from ..errors import InvariantError
@@ -39,6 +40,7 @@ class ParamStore(Protocol):
     host_upto: int  # a split's host share (Note [split tiers] in _split.py); 0 on a resident tier
     cache_elems: int  # Note [parameter cache] in _nvme_param_store.py; 0 on a resident tier
     bytes_read: int
+    tier_seconds: Dict[str, float]  # fetches' seconds per tier: Note [engine telemetry keys] in _telemetry.py
 
     @property
     def bytes_written(self) -> int: ...  # to this store's own file
@@ -103,6 +105,7 @@ class MemoryParamStore:
         self.tier, self.dtype, self.total = tier, dtype, total
         self.source = ParamSource.MASTER if alias is not None else ParamSource.OWN
         self.bytes_read = 0
+        self.tier_seconds = {tier.value: 0.0}  # a fetch's view (``fetched``: Note [engine telemetry keys] in _telemetry.py)
         self._under_copy = ShardsUnderCopy()
         self._frozen: Optional[torch.Tensor] = None  # under MASTER: the frozen units' shards
         if alias is not None:
@@ -140,6 +143,11 @@ class MemoryParamStore:
     def view(self, offset: int, numel: int) -> torch.Tensor:
         flat, at = self._tensor_at(offset)
         return flat[at : at + numel]
+
+    def fetched(self, offset: int, numel: int) -> torch.Tensor:
+        """The view a fetch stages (``FetchUnit.shard``); its seconds are this tier's."""
+        with seconds_into(self.tier_seconds, self.tier.value):
+            return self.view(offset, numel)
 
     def write(self, offset: int, values: torch.Tensor, *, keep: bool = False) -> None:
         """Store ``values`` (any float dtype; cast by the copy) at ``offset``."""

@@ -7,6 +7,20 @@ JSON lines under ``engine.<dotted path>``. Two families are also interpreted: a 
 tier in this step, its direction taken from ``read``/``write`` (or ``in``/``out``) in the
 path; a path holding ``stall`` counts seconds a stage waited in this step. Both feed the
 progress bar (bandwidth per tier) and the summary (stall time, achieved disk bandwidth).
+A third, ``tier_seconds.<state>.<tier>`` (``TIER_SECONDS``; state ``optimizer`` or ``params``,
+tier ``cpu``, ``nvme`` or ``device``), counts the seconds of this step that work on a state spent
+on one of its tiers, so that a split state (Note [split tiers] in _offload/_split.py) shows where
+its time goes: for the optimizer, the update of the chunks in memory (a split's host share, or
+every chunk of a resident store) and of the chunks in the swap files (their update, the waits for
+their reads and write-backs, and a host-cached chunk's write-through); for stage 3's parameters,
+fetches taking shards from memory (the host share's, or a resident store's, views) and reading
+them from NVMe (submitted, waited for, the range's writes and a free buffer waited for first;
+shards the parameter cache or the hand-off serve count on neither tier; the NVMe store counts an
+edit's reads of its shards too). A state reports the tiers it is on and no other: an all-cpu
+run has no ``nvme`` key, a split both. It is the wall time of the thread doing the work (the
+overlapped step's tail on its own thread), measured around work already there with no
+synchronization added: neither traffic (no ``bytes``) nor a stall (a wait on the critical path
+is ``stall_s``), and a count, summed over the steps.
 A few numbers are levels, not counts of the step (``is_level``): the host-memory account
 (``host_memory.*``, as it is now and at its peaks), where the rank runs (``placement.*``: its
 threads, cores and node), peaks (a path holding ``peak``) and rates (ending in ``_rate``). The
@@ -23,6 +37,7 @@ import time
 from typing import Dict, Iterable, List, Optional
 
 TIERS = ("device", "cpu", "nvme")
+TIER_SECONDS = "tier_seconds"  # seconds per state and tier (Note [engine telemetry keys])
 _TIER_WORDS = {"nvme": "nvme", "disk": "nvme", "cpu": "cpu", "host": "cpu", "device": "device", "gpu": "device"}
 
 

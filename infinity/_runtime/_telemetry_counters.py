@@ -49,7 +49,7 @@ class Counters:
 
     def step_part(self, part: str):
         """Time of one part of the optimizer's ``step()`` call on the caller's thread."""
-        return _seconds_into(self.step_call, part)
+        return seconds_into(self.step_call, part)
 
     def note_update(self, seconds: float, elements: int, threads: int, background: bool) -> None:
         """The optimizer updated ``elements`` in ``seconds`` on ``threads`` threads (on the
@@ -65,7 +65,7 @@ class Counters:
         profiler range too: Note [profiler ranges])."""
         if _torch_profiler._is_profiler_enabled:
             return _blocked(self.stall, stage, unit)
-        return _seconds_into(self.stall, stage)  # the hot path when nobody profiles: no range to open
+        return seconds_into(self.stall, stage)  # the hot path when nobody profiles: no range to open
 
     def snapshot(self) -> dict:
         fetches = self.hits + self.misses
@@ -102,13 +102,14 @@ def range_kind(name: str) -> str:
 @contextlib.contextmanager
 def _blocked(totals, stage: str, unit: str = ""):
     with record_function(f"infinity::wait:{stage}:{unit}" if unit else f"infinity::wait:{stage}"), \
-            _seconds_into(totals, stage):
+            seconds_into(totals, stage):
         yield
 
 
 @contextlib.contextmanager
-def _seconds_into(totals, key: str):
-    """Add the block's wall time to ``totals[key]``."""
+def seconds_into(totals, key: str):
+    """Add the block's wall time to ``totals[key]`` (also the stores' ``tier_seconds``: Note [engine
+    telemetry keys] in _telemetry.py)."""
     start = time.perf_counter()
     try:
         yield

@@ -9,6 +9,7 @@ from .._offload._memory_plan import host_account
 from .._offload._optimizer_store import state_bytes
 from .._runtime import _accelerator as acc
 from .._runtime import _comm as comm
+from .._runtime._telemetry import TIER_SECONDS
 from .._runtime._topology import current as placed_share
 from ._param import raw_data
 
@@ -18,19 +19,27 @@ class EngineReport:
 
     def telemetry(self, reset: bool = True) -> dict:
         """Counters since the last call: stall seconds and bytes per stage, prefetch hit
-        rate, trace divergences, NVMe traffic of the stores and collective bytes (deltas,
-        like everything else here), and the peak of gathered elements."""
+        rate, trace divergences, NVMe traffic of the stores, their seconds per tier
+        (``tier_seconds``) and collective bytes (deltas, like everything else here), and the
+        peak of gathered elements."""
         out = self.counters.snapshot()
         totals = {}
         for name, store in (("optimizer", self.opt_store), ("params", self.param_store)):
             if store is not None and hasattr(store, "bytes_read"):
                 totals[f"nvme_{name}_read_bytes"] = store.bytes_read
                 totals[f"nvme_{name}_write_bytes"] = store.bytes_written
+            for tier, seconds in (store.tier_seconds.items() if store is not None else ()):
+                totals[f"{TIER_SECONDS}.{name}.{tier}"] = seconds  # Note [engine telemetry keys] in _telemetry.py
         totals.update(self.swap_dirs.drive_totals(configured_drives(self.cfg)))  # Note [many drives] in _drives.py
         for kind, n in comm.counters.snapshot()["bytes"].items():
             totals[f"comm_{kind}_bytes"] = n
         last = self._telemetry_totals
-        out.update({k: v - last.get(k, 0) for k, v in totals.items()})
+        for k, v in totals.items():
+            if k.startswith(TIER_SECONDS + "."):  # nested: tier_seconds.<state>.<tier>
+                _, state, tier = k.split(".")
+                out.setdefault(TIER_SECONDS, {}).setdefault(state, {})[tier] = v - last.get(k, 0)
+            else:
+                out[k] = v - last.get(k, 0)
         out["peak_live_parameters"] = self.peak_live_elems
         out["host_memory"] = host_account(self.memory_plan.get("categories"))  # Note [one memory model] in _memory_plan.py
         share = placed_share()

@@ -265,8 +265,8 @@ class FetchUnit:
         self._to_placeholders()
 
     def shard(self) -> torch.Tensor:
-        """This rank's compute-dtype shard where it is resident (device or cpu tier)."""
-        return self.store.view(self.param_offset, self.shard_numel)
+        """This rank's compute-dtype shard where it is resident (device or cpu tier), for a fetch."""
+        return self.store.fetched(self.param_offset, self.shard_numel)
 
     def _placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype, device=acc.device())

@@ -4,8 +4,8 @@ steps and the ranks (Note [engine telemetry keys] in _runtime/_telemetry.py); wh
 runs is one row a rank (Note [rank placement] in _runtime/_topology.py)."""
 import pytest
 
-from infinity._apps._train_summary import PLACEMENT_ROWS, _levels, engine_rows, placement_rows
-from infinity._runtime._telemetry import StepStats, is_level, render_table
+from infinity._apps._train_summary import PLACEMENT_ROWS, _levels, engine_rows, placement_rows, tier_rows
+from infinity._runtime._telemetry import StepStats, is_level, render_table, stall_seconds, tier_traffic
 
 
 def test_a_long_label_keeps_a_gap_before_its_value():
@@ -38,7 +38,8 @@ def test_counts_are_summed_and_peaks_maxed_over_steps_and_ranks():
 
 @pytest.mark.parametrize("path, level", [("host_memory.rss", True), ("peak_live_parameters", True),
                                          ("prefetch_hit_rate", True), ("stall_s.nvme_read", False),
-                                         ("nvme_optimizer_write_bytes", False), ("prefetch_hits", False)])
+                                         ("nvme_optimizer_write_bytes", False), ("prefetch_hits", False),
+                                         ("tier_seconds.optimizer.nvme", False), ("tier_seconds.params.cpu", False)])
 def test_levels_are_told_from_counts(path, level):
     assert is_level(path) is level
 
@@ -70,3 +71,21 @@ def test_each_drive_is_a_row_with_every_ranks_bytes():
     assert rows == [("  per drive, all ranks (all swap-file I/O)", "read", "write", "moved"),
                     ("    /tmp", "500.0 MB/s", "0 B/s", "1.0 GB"), ("    /var/tmp", "2.0 GB/s", "1.0 GB/s", "6.0 GB")]
     assert drive_rows([{"drives": {"/tmp": {"read": 1.0, "write": 1.0}}}], 1.0) == []  # one drive, one rank
+
+
+def test_each_state_on_each_tier_is_a_row_of_bytes_and_seconds():
+    """``tier_seconds.<state>.<tier>`` (Note [engine telemetry keys] in _runtime/_telemetry.py): a
+    row per state and tier with rank 0's mean bytes and seconds per step and the tier's share of
+    the state's seconds; bytes the engine does not count there are a dash."""
+    step = {"engine.tier_seconds.optimizer.cpu": 0.1, "engine.tier_seconds.optimizer.nvme": 0.3,
+            "engine.nvme_optimizer_read_bytes": 2e6, "engine.nvme_optimizer_write_bytes": 1e6,
+            "engine.tier_seconds.params.nvme": 0.2, "engine.nvme_params_read_bytes": 5e5,
+            "engine.nvme_params_write_bytes": 0.0}
+    [rows] = tier_rows(_stats([step, step]))
+    assert rows == [("per state and tier, rank 0", "bytes/step", "s/step", "time share"),
+                    ("  optimizer on cpu", "-", "0.1000", "25%"), ("  optimizer on nvme", "3.0 MB", "0.3000", "75%"),
+                    ("  params on nvme", "500.0 KB", "0.2000", "100%")]
+    assert tier_rows(_stats([{"engine.bytes.all_gather": 1.0}])) == []  # an engine without them: no block
+    flat = {k[len("engine."):]: v for k, v in step.items()}
+    assert stall_seconds(flat) == 0  # seconds on a tier are not a stall ...
+    assert tier_traffic({k: v for k, v in flat.items() if k.startswith("tier_seconds")}) == {}  # ... nor traffic
