@@ -12,7 +12,9 @@ each split's ``saved``: the share of what all-NVMe costs over all-cpu it saves, 
 (nvme - cpu). Ratios: each against all-nvme.
 
 ``--big``: a model whose states are about 1.5x this machine's host memory, ``auto`` (both sections
-``device: auto``, Note [planned split] in infinity/_offload/_split.py) against ``all-nvme``.
+``device: auto``, Note [planned split] in infinity/_offload/_split.py) against ``all-nvme``, built
+under ``infinity.Init(offload="nvme")`` so that the whole model is never in host memory (the room
+``auto`` plans with is the machine's, not what a built model leaves of it).
 
     python -m benchmarks.split_tiers [--steps 3] [--layers 4] [--hidden 1536] [--only all-cpu,split-50] [--big] [--smoke]
 """
@@ -57,7 +59,12 @@ def measure(spec: dict) -> dict:
     torch.manual_seed(0)
     shape = _models.Shape.of(spec["layers"], spec["hidden"])
     cfg = split_config(spec["contender"], spec["scratch"], spec["chunk"], spec["big"])
-    model, opt = infinity.initialize(_models.build(shape), cfg)
+    if spec["big"]:  # built into NVMe shards (Init's own store): the whole fp32 model never in host memory, whose
+        with infinity.Init(offload="nvme", nvme_path=spec["scratch"]):  # room auto plans for
+            model = _models.build(shape)
+    else:
+        model = _models.build(shape)
+    model, opt = infinity.initialize(model, cfg)
     placement = opt.store, opt.param_store
     ids = _models.batches(shape, spec["micro_batch"], spec["seq_len"], 1)[0]
     times, rows, losses = [], [], []
@@ -78,7 +85,7 @@ def measure(spec: dict) -> dict:
             times.append(seconds)
             rows.append({k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS})
     params = sum(p.numel() for p in model.parameters())
-    run = _run_of(spec, shape, params, *placement)
+    run = _run_of(spec, shape, params, *placement, units=len(opt.ops.units))
     opt.engine.close()
     extra = {m: round(statistics.median(r[k] for r in rows) / 2**20, 1) for k, m in zip(COUNTERS, MIB)}
     extra.update(_model_step(run, spec["scratch"], statistics.median(times), spec["smoke"]))
@@ -86,7 +93,7 @@ def measure(spec: dict) -> dict:
                            tokens_per_step=spec["micro_batch"] * spec["seq_len"], dtype="fp32", extra=extra)
 
 
-def _run_of(spec: dict, shape, params: int, store, param_store):
+def _run_of(spec: dict, shape, params: int, store, param_store, units: int = 0):
     """The run model's description of this contender's run, its tiers and host shares as built."""
     from infinity.testing import Run
 
@@ -97,7 +104,7 @@ def _run_of(spec: dict, shape, params: int, store, param_store):
                micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], param_tier=tier(param_store),
                optimizer_tier=tier(store), opt_host_fraction=store.memory_elems / store.total if tier(store) == "nvme"
                else 0.0, param_host_fraction=param_store.host_upto / max(param_store.total, 1)
-               if param_store is not None else 0.0)
+               if param_store is not None else 0.0, units=units)
 
 
 def _model_step(run, scratch: str, measured: float, smoke: bool) -> dict:

@@ -183,7 +183,8 @@ def measure(spec: dict) -> dict:
              **telemetry_figures(telemetry), "torch_threads": torch.get_num_threads(),
              "cpus": len(os.sched_getaffinity(0)), **gpu}
     v = VARIANTS[spec["variant"]]
-    extra.update(_predicted(spec, params, v["overlap_step"] == "auto", v.get("speculate", "off") != "off"))
+    extra.update(_predicted(spec, params, v["overlap_step"] == "auto", v.get("speculate", "off") != "off",
+                            units=len(opt.ops.units), clip=v.get("clip", -1.0) != 0.0))
     if extra.get("predicted_step_s"):
         extra["predicted_over_measured"] = round(extra["predicted_step_s"] / statistics.median(phases["step_s"]), 3)
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -193,7 +194,8 @@ def measure(spec: dict) -> dict:
                            extra=extra)
 
 
-def _predicted(spec: dict, params: int, overlapped: bool, speculate: bool = False) -> dict:
+def _predicted(spec: dict, params: int, overlapped: bool, speculate: bool = False, units: int = 0,
+               clip: bool = True) -> dict:
     """The run model's step (Note [run model] in infinity/_apps/_runmodel.py) for this run, from
     rates measured here and now: the device's FLOP rate on the model's layers, PCIe, the host's
     Adam on the threads the engine gives it, the disk under --nvme-path."""
@@ -204,20 +206,23 @@ def _predicted(spec: dict, params: int, overlapped: bool, speculate: bool = Fals
     shape = _models.shape_of(spec["size"])
     run = Run(params=params, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
               micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], dtype=spec["dtype"], param_tier=spec["offload"],
-              optimizer_tier=spec["offload"], device_is_host=not torch.cuda.is_available(), speculate=speculate)
+              optimizer_tier=spec["offload"], device_is_host=not torch.cuda.is_available(), speculate=speculate,
+              units=units, clip=clip)
     rates = Rates.measure(spec["scratch"] if spec["offload"] == "nvme" else None, run,
                           probe_bytes=_harness.disk_probe_bytes(spec["smoke"]))
     st = step_time(run, rates)
     step = st["predicted"]
     if not overlapped and not run.device_is_host:  # the update inside step(): the terms add
-        step = max(st["backward"] + st["forward"] + st["adam"], st["nvme_read"] + st["nvme_write"])
+        step = max(st["backward"] + st["forward"] + st["adam"] + st["norm"], st["nvme_read"] + st["nvme_write"])
     terms = {k: round(st[k], 4) for k in ("compute", "forward", "backward", "adam", "h2d", "d2h", "nvme_read",
-                                          "nvme_write") if k in st}
+                                          "nvme_write", "grad_landing", "norm", "units") if k in st}
     return {"predicted_step_s": round(step, 4), "run_model_terms_s": terms,
             "rates": {"tflops": round(rates.flops / 1e12, 1), "adam_gelems": round(rates.adam / 1e9, 2),
                       "pcie_gbps": None if rates.pcie == float("inf") else round(rates.pcie / 1e9, 1),
                       "nvme_read_gbps": None if rates.nvme_read == float("inf") else round(rates.nvme_read / 1e9, 2),
-                      "nvme_write_gbps": None if rates.nvme_write == float("inf") else round(rates.nvme_write / 1e9, 2)}}
+                      "nvme_write_gbps": None if rates.nvme_write == float("inf") else round(rates.nvme_write / 1e9, 2),
+                      "host_copy_gbps": round(rates.host_copy / 1e9, 1), "unit_ms": round(rates.unit_s * 1e3, 3),
+                      "step_ms": round(rates.step_s * 1e3, 2)}}
 
 
 COLUMNS = (("contender", "contender"), ("size", "size"), ("step s", "step_s"))

@@ -13,6 +13,7 @@ from .._offload._drives import rank_bandwidth
 from .._runtime._accelerator import device_count
 from .._runtime._tiers import Tier
 from ..config import AioConfig
+from ..errors import InvariantError
 from . import _plan as pl
 from . import _runmodel as rm
 from ._endurance import TB
@@ -36,10 +37,14 @@ def _yaml(config: dict) -> str:
     return "\n".join(lines)
 
 
-def _report(est: Estimate) -> str:
-    rec = est.recommended
+def _report(est: Estimate, args=None) -> str:
+    """The table (the row --offload, --step-time or --steps speak of marked), what fits, the row --offload
+    asks for, and the recommended config."""
+    rec, (row, _) = est.recommended, _chosen(est, args) if args is not None else (None, "")
     fitting = ", ".join(p.label for p in est.rows if p.fits)
-    out = [est.table(), "", "fits: " + (fitting or "nothing"), ""]
+    out = [est.table(row, _mark(args)), "", "fits: " + (fitting or "nothing"), ""]
+    if row is not None and args.offload is not None:
+        out += _asked_lines(est, args, row)
     if rec is None:
         tiled = est.tiling_needed
         if tiled is not None:
@@ -63,6 +68,33 @@ def _report(est: Estimate) -> str:
                        f"({_NVME_PATH_PLACEHOLDER} is a placeholder)")
         out += _how_to_run(est)
     return "\n".join(out)
+
+
+def _mark(args) -> str:
+    """What the marked row of the table is (``_chosen``): the flag that names it."""
+    if args is None:
+        return ""
+    if args.offload is not None:
+        return f"--offload {args.offload}"
+    return "--offload-split" if args.offload_split else "--step-time" if args.step_time else "--steps"
+
+
+def _asked_lines(est: Estimate, args, row: PlacementEstimate) -> list:
+    """--offload's row, said: whether it fits, and its config where it is not the recommended one."""
+    rec = est.recommended
+    said = f"--offload {args.offload}: {row.label}, the row marked <-: " + ("fits" if row.fits else
+                                                                          f"does not fit ({row.fit_text[4:]})")
+    if rec is not None and rec.placement is row:
+        return [said + "; the recommended placement (its config below)", ""]
+    config, notes = est._config_for(row), []
+    if row.auto:  # as asked: device auto, with a drive it may plan a share on
+        auto = {"device": "auto", "nvme_path": est.nvme_path or _NVME_PATH_PLACEHOLDER}
+        config["zero"].update(offload_param=auto, offload_optimizer=dict(auto))
+        notes.append("# device: auto plans params {}, optimizer {} on this node (the row marked <-)".format(
+            *(pl.offload_word(*where) for where in row.spec[1:])))
+    if est.nvme_path is None and (row.auto or Tier.NVME in (row.param_tier, row.optimizer_tier)):
+        notes.append(f"# set nvme_path to a directory on a local NVMe drive ({_NVME_PATH_PLACEHOLDER} is a placeholder)")
+    return [said + "; its config:", _yaml(config), *notes, ""]
 
 
 def _how_to_run(est: Estimate) -> list:
@@ -112,8 +144,11 @@ def _parser() -> argparse.ArgumentParser:
     st = p.add_argument_group("step time and host memory of one run (stage 3; Note [run model] in _runmodel.py)")
     st.add_argument("--step-time", action="store_true", help="predict the step time, its bottleneck and peak RSS")
     st.add_argument("--offload", help="parameter tier,optimizer tier: none|cpu|nvme|auto (the config's words, "
-                                      "zero.offload_*.device; default: the recommended placement's for --step-time, "
-                                      "nvme,nvme for --steps and --plan; auto,auto: the table's auto row)")
+                                      "zero.offload_*.device; auto,auto: the table's auto row): the row the table "
+                                      "marks (at --stage) and gives the config of, and the placement of --step-time, "
+                                      "--steps and --plan; default: for --step-time the recommended placement where "
+                                      "it is stage 3, else the fastest stage-3 row that fits; nvme,nvme for --steps "
+                                      "and --plan")
     st.add_argument("--offload-split", action="append", metavar="STATE=TIER:FRACTION,...",
                     help="a state (params or optimizer) over host memory and NVMe, as zero.offload_<state>.split: "
                          "{cpu: a, nvme: b} (Note [split tiers] in _offload/_split.py), e.g. optimizer=cpu:0.5,nvme:0.5 "
@@ -145,8 +180,8 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
                      help="the decoder a shape (--layers, --hidden, --params) is built as, for the table and --plan "
                           "(default: llama, whose Linear layers zero.tiling tiles)")
     own.add_argument("--stage", type=int, choices=(1, 2, 3), default=3,
-                     help="--plan: the ZeRO stage planned (stages 1-2 keep the parameters whole on the device: "
-                          "--offload none,OPTIMIZER)")
+                     help="--plan: the ZeRO stage planned, and the stage of the row --offload marks in the table "
+                          "(stages 1-2 keep the parameters whole on the device: --offload none,OPTIMIZER)")
     own.add_argument("--config", help="--plan: the infinity config to plan (its tiers, dtype, buffers) instead of "
                                       "stage 3 at --offload in --dtype")
 
@@ -218,36 +253,62 @@ def _splits(args) -> Dict[str, Dict[str, float]]:
 
 
 def _row_of(est: Estimate, args) -> PlacementEstimate:
-    """The stage-3 row of the table --step-time and --steps speak of: --offload's tiers with
-    --offload-split's splits where either is given (nvme,nvme for the tiers left out); else, for
-    --step-time, the recommended placement's (at stage 3), and nvme,nvme where nothing fits or for --steps."""
-    rec, splits = est.recommended, _splits(args)
-    if args.offload is None and not splits and args.step_time and rec is not None:
-        if rec.placement.stage == 3:
-            return rec.placement
-        wanted = (3, (Tier.DEVICE, None), rec.placement.spec[2])  # stages 1-2: the parameters on the device
-        return next(p for p in est.placements + est.split_placements if p.spec == wanted)
+    """The row of the table --step-time and --steps speak of (``_chosen``)."""
+    row, _ = _chosen(est, args, for_run=True)
+    if row is None:  # for_run always chooses one
+        raise InvariantError("the run model's row was not chosen")
+    return row
+
+
+_RUN_MODEL = "the run model is of stage 3 only (Note [run model] in infinity/_apps/_runmodel.py)"
+_MARKED = " (marked <-)"
+
+
+def _chosen(est: Estimate, args, for_run: bool = False) -> Tuple[Optional[PlacementEstimate], str]:
+    """The row of the table --offload, --step-time and --steps speak of, and why that one: --offload's
+    tiers with --offload-split's splits where either is given (nvme,nvme for the tiers left out; at --stage
+    for the table, at stage 3 for the run model's --step-time and --steps); else, for --step-time, the
+    recommended placement where it is stage 3, else the fastest stage-3 row that fits (the run model is of
+    stage 3 only); nvme,nvme where none fits, and for --steps. (None, "") where nothing asks for a row and
+    it is not ``for_run`` (the run model's: stage 3, nvme,nvme where not asked for)."""
+    rec, splits, run = est.recommended, _splits(args), for_run or args.step_time or args.steps is not None
+    if args.offload is None and not run:
+        return None, ""
+    if run and args.stage != 3:
+        raise EstimateError(f"--stage {args.stage}: --step-time and --steps run the run model, and {_RUN_MODEL}; "
+                            f"leave out --stage (the table marks --offload's row at --stage without them)")
+    if args.offload is None and not splits and args.step_time:
+        best = est.fastest(stage=3)
+        if rec is not None and rec.placement is best:
+            return best, f"the recommended placement{_MARKED}"
+        if best is not None and rec is not None:
+            return best, f"the fastest stage-3 row that fits{_MARKED}: {_RUN_MODEL}, not of the recommended " \
+                         f"{rec.placement.label}"
+        return est.placement(3, "nvme", "nvme"), f"every state on NVMe{_MARKED}: " + (
+            "nothing fits" if rec is None else f"no stage-3 row fits, and {_RUN_MODEL}")
     tiers = _tiers(args, "nvme,nvme")
     if splits:  # refused as the config refuses it: a split's section on its slowest tier
         pl.plan_config(",".join(tiers), est.precision.name, splits=splits)
-    return est.placement(3, *(splits.get(s, t) for s, t in zip(_STATES, tiers)))
+    row = est.placement(args.stage if not run else 3, *(splits.get(s, t) for s, t in zip(_STATES, tiers)))
+    return row, ("--offload's row" if args.offload is not None else "--offload-split's row" if splits else
+                 "every state on NVMe (--offload left out)") + _MARKED
 
 
 def _run_of(est: Estimate, args):
     """The stage-3 run of the run model (Note [run model] in _runmodel.py) of the table's row
     (``_row_of``): its tiers and splits, its plan's layout and stores' bytes."""
-    hw, s, row = est.hardware, est.shape, _row_of(est, args)
+    hw, s, t, row = est.hardware, est.shape, est.terms, _row_of(est, args)
     placement = row.plan.placement if row.plan is not None else None
     if row.plan is None or placement is None:
         raise EstimateError(f"{row.label}: the run model is of the table's plans")
     layout = placement.layout
+    # the table's numbers: its plan, its checkpoint interval and activations (Note [planned by the engine] in _plan.py)
+    figures = pl.figures_of(row.plan, activations=t.activation_checkpoints + t.activation_working)
     return rm.Run(params=est.params, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=vocab_of(s),
                   micro_batch=est.micro_batch, seq_len=est.seq_len, dtype=est.precision.name,
-                  param_tier=str(row.param_tier), optimizer_tier=str(row.optimizer_tier), ranks=hw.ranks,
-                  device_is_host=hw.device_is_host,
-                  ckpt_interval=args.ckpt_interval if args.ckpt_interval > 1 or not hw.device_is_host else 0,
-                  host_mem=0 if hw.device_is_host else hw.cpu_mem,  # the CPU runs here train without checkpoints
-                  moments=est.precision.moments, figures=pl.figures_of(row.plan),
+                  param_tier=pl.tier_name(row.param_tier), optimizer_tier=pl.tier_name(row.optimizer_tier),
+                  ranks=hw.ranks, device_is_host=hw.device_is_host, ckpt_interval=est.ckpt_interval,
+                  host_mem=hw.cpu_mem, moments=est.precision.moments, figures=figures, units=row.plan.units,
                   # a split's host share, as the run model cuts it: whole chunks of this fraction, int(fraction x
                   # elements) of the parameters (half an element more than the plan's cut: the same count)
                   opt_host_fraction=placement.opt_host_upto / max(layout.opt_total, 1),
@@ -305,11 +366,9 @@ def _step_report(est: Estimate, args) -> str:
         on_nvme = "nvme" in (run.param_tier, run.optimizer_tier) and args.drive_bandwidth is None
         rates = rm.Rates.measure(args.nvme_path or (tempfile.gettempdir() if on_nvme else None), run)
         preset = None
-    rec, row = est.recommended, _row_of(est, args)
-    placed = (f"stage 3 with {row.label[len('stage 3 '):]}"
-              + (" (--offload)" if args.offload is not None or _splits(args) else " (the recommended placement's tiers)"
-                 if rec is not None else " (nothing fits: every state on NVMe)"))
-    return "\n".join([_report(est), "", f"step time predicted for {placed}:",
+    row, why = _chosen(est, args)
+    placed = f"{row.label}, {why}" if row is not None else ""
+    return "\n".join([_report(est, args), "", f"step time predicted for {placed}:",
                       rm.describe(run, _drive_rates(rates, args, est.hardware.gpus_per_node, preset))])
 
 
@@ -404,9 +463,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif args.step_time:
             text = _step_report(est, args)
         elif args.json:
-            text = json.dumps(dict(est.to_dict(), **({"ssd_writes": writes} if writes else {})), indent=2)
+            asked = _chosen(est, args)[0] if args.offload is not None else None
+            text = json.dumps(dict(est.to_dict(), **({"ssd_writes": writes} if writes else {}),
+                                   **({"offload_placement": asked.to_dict()} if asked is not None else {})), indent=2)
         else:
-            text = _report(est)
+            text = _report(est, args)
         if writes and not (args.json and not args.step_time):
             text += "\n" + _ssd_line(writes)
     except EstimateError as exc:

@@ -100,6 +100,18 @@ def _format_count(n: int) -> str:
     return str(n)
 
 
+def _positive_int(value: Any, what: str, allow_none: bool = True) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EstimateError(f"{what}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _optional_size(value: Any, what: str) -> Optional[int]:
+    return None if value is None else parse_size(value, what)
+
+
 # --------------------------------------------------------------------------- precision
 
 @dataclass(frozen=True)

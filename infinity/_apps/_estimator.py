@@ -67,6 +67,8 @@ from ._estimate_model import (
     Shape,
     _format_bytes,
     _format_count,
+    _optional_size,
+    _positive_int,
     freeze,
     parse_count,
     parse_size,
@@ -77,11 +79,6 @@ __all__ = ["estimate", "Estimate", "PlacementEstimate", "Recommendation", "Estim
            "parse_size", "parse_count"]
 
 # --------------------------------------------------------------------------- the estimate
-
-def tier_name(tier: Tier) -> str:
-    """A tier in the config's words: ``offload_*.device`` says none for the device tier."""
-    return "none" if tier is Tier.DEVICE else str(tier)
-
 
 @dataclass(frozen=True)
 class Terms:
@@ -117,6 +114,13 @@ class PlacementEstimate:
         return self.fits_device and self.fits_host and self.fits_nvme
 
     @property
+    def fit_text(self) -> str:
+        """The table's fits column: yes, or the tiers it does not fit."""
+        full = [tier for tier, ok in (("device", self.fits_device), ("host", self.fits_host),
+                                      ("nvme", self.fits_nvme)) if not ok]
+        return "yes" if self.fits else "no: " + ", ".join(full)
+
+    @property
     def key(self) -> tuple:
         return (self.stage, self.param_tier, self.optimizer_tier)
 
@@ -138,11 +142,20 @@ class PlacementEstimate:
             return f"stage 3 auto -> params {params}, optimizer {optimizer}"
         return f"stage {self.stage} params={params} optimizer={optimizer}"
 
+    @property
+    def zero(self) -> dict:
+        """The row's zero keys in the config's words (nvme_path aside): its stage and offload sections,
+        ``device: auto`` in both for the auto row."""
+        sections = [{"device": "auto"}] * 2 if self.auto else [pl.offload_section(*where) for where in self.spec[1:]]
+        return {"stage": self.stage, "offload_param": sections[0], "offload_optimizer": sections[1]}
+
     def to_dict(self) -> dict:
+        """The row as JSON, in the config's words: each state's tier as offload_*.device names it (none,
+        cpu, nvme: a split's slowest, the auto row's as planned), ``zero`` its sections as written."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
-        out.update(param_tier=str(self.param_tier), optimizer_tier=str(self.optimizer_tier),
+        out.update(param_tier=pl.tier_name(self.param_tier), optimizer_tier=pl.tier_name(self.optimizer_tier),
                    host_plan=dict(self.host_plan), fits=self.fits, splits=list(self.splits),
-                   offload=dict(zip(("params", "optimizer"), self.words)), label=self.label)
+                   offload=dict(zip(("params", "optimizer"), self.words)), label=self.label, zero=self.zero)
         return out
 
 
@@ -214,30 +227,28 @@ class Estimate:
 
     @property
     def recommended(self) -> Optional[Recommendation]:
-        """The fastest placement on whole tiers that fits, with its config in infinity's keys; where none
-        does, the auto row's split (planned for this node) or else the fastest of the splits asked for that
-        fits, where one does (less NVMe than the state's whole space there, less host memory than all of it
-        in host memory); None if none."""
+        """The fastest row that fits (``fastest``), with its config in infinity's keys; None if none."""
+        best = self.fastest()
+        return None if best is None else Recommendation(best, self._config_for(best))
+
+    def fastest(self, stage: Optional[int] = None) -> Optional[PlacementEstimate]:
+        """The fastest placement on whole tiers that fits (of ``stage``, where given); where none does, the
+        auto row's split (planned for this node) or else the fastest of the splits asked for that fits, where
+        one does (less NVMe than the state's whole space there, less host memory than all of it in host
+        memory); None if none."""
         order = {key: i for i, key in enumerate(_PREFERENCE)}
-        fitting = sorted(self.fitting, key=lambda p: order[p.key]) or \
-            [p for p in [self.auto] if p is not None and p.fits] + \
-            sorted((p for p in self.split_placements if p.fits), key=lambda p: order[p.key])
-        if not fitting:
-            return None
-        return Recommendation(fitting[0], self._config_for(fitting[0]))
+
+        def ranked(rows) -> list:
+            return sorted((p for p in rows if p is not None and p.fits and stage in (None, p.stage)),
+                          key=lambda p: order[p.key])
+
+        fitting = ranked(self.placements) or ranked([self.auto]) + ranked(self.split_placements)
+        return fitting[0] if fitting else None
 
     def _config_for(self, p: PlacementEstimate) -> dict:
         path = self.nvme_path or _NVME_PATH_PLACEHOLDER
-
-        def offload(tier: Tier, fraction: Optional[float]) -> dict:
-            if tier is Tier.DEVICE:
-                return {"device": "none"}
-            out: dict = {"device": "nvme", "nvme_path": path} if tier is Tier.NVME else {"device": "cpu"}
-            if fraction is not None:  # Note [split tiers] in _offload/_split.py
-                out["split"] = {"cpu": fraction, "nvme": round(1 - fraction, 12)}
-            return out
-
-        zero = {"stage": p.stage, "offload_param": offload(*p.spec[1]), "offload_optimizer": offload(*p.spec[2])}
+        zero = {"stage": p.stage, "offload_param": pl.offload_section(*p.spec[1], path),
+                "offload_optimizer": pl.offload_section(*p.spec[2], path)}
         if self.tiling_factor > 1:
             zero.update(pl.tiling_keys(self.max_tile_params))  # the keys the rows were planned with
         return {"zero": zero, "precision": {"dtype": self.precision.name}}
@@ -273,8 +284,9 @@ class Estimate:
         """Host bytes a rank's states may take under device: auto here (Note [planned split] in _offload/_split.py)."""
         return budget(None, self.hardware.cpu_mem, self.hardware.gpus_per_node)
 
-    def table(self) -> str:
-        return "\n".join(self._header_lines() + [""] + self._placement_lines() + self._auto_lines())
+    def table(self, marked: Optional[PlacementEstimate] = None, mark: str = "") -> str:
+        """The header and the rows, the ``marked`` row (one of ``rows``) followed by ``<- mark``."""
+        return "\n".join(self._header_lines() + [""] + self._placement_lines(marked, mark) + self._auto_lines())
 
     def _auto_lines(self) -> list:
         """What the auto row is: device: auto planned for this node's host memory."""
@@ -325,16 +337,13 @@ class Estimate:
                 f"{plan.largest_unit[0] or '<root>'} ({_format_count(plan.largest_unit[1])} params); stage 3's "
                 f"device working memory {_format_bytes(plan.working_memory)}"]
 
-    def _placement_lines(self) -> list:
-        head = ("stage", "params", "optimizer", "device/GPU", "host/node", "nvme/node", "fits")
+    def _placement_lines(self, marked: Optional[PlacementEstimate] = None, mark: str = "") -> list:
+        head = ("stage", "params", "optimizer", "device/GPU", "host/node", "nvme/node", "fits", "")
         rows = [head]
         for p in self.rows:
-            full = [tier for tier, ok in (("device", p.fits_device), ("host", p.fits_host),
-                                          ("nvme", p.fits_nvme)) if not ok]
             rows.append((str(p.stage), *p.words,
                          _format_bytes(p.device_bytes), _format_bytes(p.host_bytes),
-                         _format_bytes(p.nvme_bytes),
-                         "yes" if p.fits else "no: " + ", ".join(full)))
+                         _format_bytes(p.nvme_bytes), p.fit_text, f"<- {mark}" if p is marked else ""))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -363,7 +372,7 @@ def _placements(model, params: int, trainable: int, terms: Terms, prec: Precisio
         return pl.plan_config(offload, prec.name, max_tile_params=max_tile, stage=stage, moments=prec.moments,
                               splits=split)
 
-    grid = {key: cfg(f"{tier_name(key[1])},{tier_name(key[2])}", key[0]) for key in _GRID}
+    grid = {key: cfg(f"{pl.tier_name(key[1])},{pl.tier_name(key[2])}", key[0]) for key in _GRID}
     split_cfgs = [(stage, cfg(f"{p},{o}", stage, split)) for stage, p, o, split in _split_keys(splits or {})]
     refused = "" if prec.moments == "fp32" else (
         f"not planned: device: auto keeps the moments fp32 (zero.offload_optimizer.moments {prec.moments} needs "
@@ -431,18 +440,6 @@ def _row(stage: int, plan: pl.RankPlan, terms: Terms, hw: Hardware, auto: bool =
                              nvme_bytes=nvme, fits_device=fits_device, fits_host=fits_host, fits_nvme=nvme <= hw.nvme,
                              host_plan={k: per_node * v for k, v in plan.categories.get("host", {}).items()}, plan=plan,
                              splits=(plan.host_fractions["params"], plan.host_fractions["optimizer"]), auto=auto)
-
-
-def _positive_int(value: Any, what: str, allow_none: bool = True) -> Optional[int]:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EstimateError(f"{what}: expected a positive integer, got {value!r}")
-    return value
-
-
-def _optional_size(value: Any, what: str) -> Optional[int]:
-    return None if value is None else parse_size(value, what)
 
 
 def estimate(params: Any = None, *, model: Any = None, layers: Optional[int] = None,

@@ -288,9 +288,10 @@ def swap_files(placement: Placement, cfg) -> Dict[str, int]:
     return out
 
 
-def figures_of(plan: RankPlan) -> "rm.Figures":
+def figures_of(plan: RankPlan, activations: Optional[int] = None) -> "rm.Figures":
     """What the run model reads of a stage-3 plan (Note [run model] in _runmodel.py): its layout's
-    figures and its stores' bytes, so that --step-time speaks of the plan the table shows."""
+    figures, its stores' bytes and the largest unit's working memory, so that --step-time speaks of the
+    plan the table shows; and the table's ``activations`` (the plan knows no batch), where given."""
     placement = plan.placement
     if placement is None or not placement.policy.partition_params:
         raise EstimateError("the run model is of stage 3's plans")
@@ -298,7 +299,7 @@ def figures_of(plan: RankPlan) -> "rm.Figures":
     return rm.Figures(total=layout.opt_total, largest=plan.largest_unit[1], max_shard=layout.max_shard,
                       chunk=plan.chunk, head=plan.head, grads_in_memory=placement.grads_in_memory,
                       param_cache=placement.param_cache_elems, param_source=placement.param_source.value,
-                      categories=plan.categories)
+                      categories=plan.categories, working=plan.working_memory, activations=activations)
 
 
 def tiling_keys(max_tile_params: int) -> dict:
@@ -398,6 +399,22 @@ def offload_word(tier: Tier, fraction: Optional[float] = None, auto: bool = Fals
     (``split: {cpu: 0.25, nvme: 0.75}``), after ``auto -> `` where ``device: auto`` chose it."""
     word = _WORDS[str(tier)] if fraction is None else f"cpu {fraction:g} / nvme {1 - fraction:g}"
     return f"auto -> {word}" if auto else word
+
+
+def tier_name(tier: Tier) -> str:
+    """A tier in the config's words: ``offload_*.device`` says none for the device tier."""
+    return _WORDS[str(tier)]
+
+
+def offload_section(tier: Tier, fraction: Optional[float], nvme_path: Optional[str] = None) -> dict:
+    """A state's offload section as the config writes it: its device, the drive where that is nvme and
+    ``nvme_path`` is given, and its split where it has one (Note [split tiers] in _offload/_split.py)."""
+    out: dict = {"device": tier_name(tier)}
+    if tier is Tier.NVME and nvme_path is not None:
+        out["nvme_path"] = nvme_path
+    if fraction is not None:
+        out["split"] = {"cpu": fraction, "nvme": round(1 - fraction, 12)}
+    return out
 
 
 def host_fractions(cfg, placement: Placement) -> Dict[str, Optional[float]]:

@@ -13,7 +13,9 @@ bottleneck, from the same numbers the engine uses:
   prints the fit): at the peak of backward about ``ACT_PER_LAYER``·hd bytes per token and
   layer (forward saves ~22·hd floats; backward's transients add the rest) and
   ``ACT_LOGITS``·vocab for the logits, their log-softmax and their gradients; with
-  checkpointing, 002 eq. 3 + eq. 5. The hand-off outputs count as the parameter space or their
+  checkpointing, 002 eq. 3 + eq. 5, the logits on top (the row's plan gives the largest unit's
+  working memory and the table its eq. 3 + eq. 5, so that --step-time counts what the table
+  counts). The hand-off outputs count as the parameter space or their
   cap, whichever is smaller (their typical figure, not the preflight's cap). The sum is the
   bytes in use; with glibc's heap (``zero.host_allocator: keep``) its retained pages come on
   top (0.5-0.7 GiB at the peak of GPT-2 124M on NVMe, Note [allocator retained pages] in
@@ -41,11 +43,22 @@ bottleneck, from the same numbers the engine uses:
   they add, and the disk's time hides under them only as far as the measured ``overlap``
   allows (a read beside a matmul loop: the share of the read's time the loop lost nothing
   to; on the 2-core machine of the figures, O_DIRECT at 2 GB/s slows the loop 1.7x):
-  predicted = cpu + disk - overlap·min(cpu, disk). Every term is a measured rate times a
-  counted FLOP, element or byte; nothing is fitted to the measured steps.
+  predicted = cpu + disk - overlap·min(cpu, disk). The host's own work comes on top, as two
+  terms: the gradients' landing in their fp32 shards and the clipping norm's pass over them
+  (12 bytes an element of the shard, at the measured rate of a large host copy, ``host_copy``),
+  and the engine's work per fetch unit and step (hooks, holds, the trace, the reducer's and the
+  update's bookkeeping: ``unit_s``, the slope of a step's seconds over its units between two
+  models of tiny units through a real engine, times the run's ``units``, plus what is left at
+  no unit, ``step_s``: the step's thread, its norm's agreement, its gate); without an
+  accelerator both share the cores
+  with compute and Adam; with one the landing runs beside backward, the units' work is issued
+  beside the device's compute (each pass the longer of the two) and the norm is serial.
+  Every term is a measured rate times a counted FLOP, element, byte or unit; nothing is fitted
+  to the measured steps.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -63,6 +76,7 @@ from .._offload._placement import GATHERED_REUSE, gradients_in_host, param_cache
 from .._offload._preflight import staging_buffers, store_plan
 from .._offload._split import opt_host_upto
 from .._runtime import _accelerator as acc
+from .._runtime._log import logger
 from .._runtime._tiers import Tier
 from .._zero._zero_optimizer import _native_adam
 from ..aio import aligned_empty
@@ -93,6 +107,9 @@ class Rates:
     overlap: float = 1.0
     name: str = "measured"
     pcie: float = float("inf")
+    host_copy: float = float("inf")  # bytes/s (read + written) of a large copy in host memory
+    unit_s: float = 0.0  # seconds of the engine's host work per fetch unit and step
+    step_s: float = 0.0  # seconds of the engine's host work per step, beside its units'
 
     @classmethod
     def measure(cls, nvme_path: Optional[str], run: Optional["Run"] = None, probe_bytes: int = 256 << 20) -> "Rates":
@@ -103,6 +120,7 @@ class Rates:
         run = run or Run(params=0, layers=1, hidden=768, heads=12, vocab=50257, micro_batch=4, seq_len=256)
         flops = compute_rate(run)
         adam = adam_rate(out_dtype=torch.float32 if run.dtype == "fp32" else torch.bfloat16)
+        host_copy, (unit_s, step_s) = host_copy_rate(), unit_seconds()
         pcie = pcie_rate() if acc.has_accelerator() else float("inf")
         read = write = float("inf")
         overlap = 1.0
@@ -110,7 +128,8 @@ class Rates:
             bw = probe_disk(nvme_path, AioConfig(), probe_bytes)
             read, write = bw["read"], bw["write"]
             overlap = io_overlap(nvme_path, read, write, probe_bytes)
-        return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam, overlap=overlap, pcie=pcie)
+        return cls(flops=flops, nvme_read=read, nvme_write=write, adam=adam, overlap=overlap, pcie=pcie,
+                   host_copy=host_copy, unit_s=unit_s, step_s=step_s)
 
 
 def _rate(fn, reps: int = 3) -> float:
@@ -153,6 +172,55 @@ def pcie_rate(nbytes: int = 256 << 20) -> float:
         return run
 
     return nbytes * min(_rate(copy(dev, host)), _rate(copy(host, dev)))
+
+
+def host_copy_rate(nbytes: int = 256 << 20) -> float:
+    """Bytes/s, read and written together, of a copy between two large host tensors (what
+    landing a gradient in its shard moves)."""
+    src, dst = torch.rand(nbytes // 4), torch.empty(nbytes // 4)
+    return 2 * nbytes * _rate(lambda: dst.copy_(src))
+
+
+UNIT_PROBE = ((8, 32), 384)  # tiny fetch units: linear layers of 384 x 384 (above the persistence threshold)
+
+
+def unit_seconds() -> tuple:
+    """(seconds per fetch unit and step, seconds per step) of the engine's host work (Note [run
+    model]): steps of models of tiny linear layers at stage 3, every state in host memory, their
+    compute negligible, through ``infinity.initialize`` itself, at two depths: the slope per unit
+    and what is left at no unit (the step's own work: its thread, the norm's agreement, the gate)."""
+    (few, many), width = UNIT_PROBE
+    (u1, t1), (u2, t2) = _probe_step(few, width), _probe_step(many, width)
+    per_unit = max(0.0, (t2 - t1) / max(1, u2 - u1))
+    return per_unit, max(0.0, t1 - u1 * per_unit)
+
+
+def _probe_step(layers: int, width: int, steps: int = 3) -> tuple:
+    """(fetch units, median seconds of a step) of ``layers`` linear layers through the engine."""
+    from .._zero._initialize import close, initialize  # the engine itself, built only when rates are measured
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    cfg = {"zero": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+           "precision": {"dtype": "fp32"}}
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))  # a probe's engine: its placement lines are not the run's
+    try:
+        model, opt = initialize(model, config=cfg)
+    finally:
+        logger.setLevel(level)
+    x = torch.rand(2, width, device=acc.device())
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.wait_step()
+
+    try:
+        return len(opt.ops.units), 1.0 / _rate(step, reps=steps)
+    finally:
+        close(model)
 
 
 PROBE_MAX_HIDDEN = 2048  # wider blocks are probed at this width (their matmuls only run faster)
@@ -268,7 +336,8 @@ class Figures:
     shows), which a run of a shape otherwise derives (``_layout``): the optimizer's flat
     elements, the largest unit (full) and its shard, the swap chunk, the host cache, whether
     gradients stay in host memory, the parameter cache, the parameter source and the stores'
-    bytes (tier -> category -> bytes)."""
+    bytes (tier -> category -> bytes); and the device's working memory of the largest unit and the
+    activations, as the table counts them (None: the run model's own figures)."""
 
     total: int
     largest: int
@@ -279,6 +348,8 @@ class Figures:
     param_cache: int
     param_source: str
     categories: dict
+    working: Optional[int] = None  # the plan's (Note [operator working memory] in _zero/_tiling.py)
+    activations: Optional[int] = None  # the table's: 002 eq. 3 and eq. 5 at the run's checkpoint interval
 
 
 @dataclass(frozen=True)
@@ -304,7 +375,13 @@ class Run:
     opt_host_fraction: float = 0.0  # an NVMe optimizer tier's host share (Note [split tiers] in _offload/_split.py)
     param_host_fraction: float = 0.0  # an NVMe parameter tier's host share
     speculate: bool = False  # zero.offload_optimizer.speculate: the update begins during backward
+    units: int = 0  # fetch units (0: a GPT's, two a block and three more: Note [fetch unit grouping] in _unit_plan.py)
+    clip: bool = True  # gradient_clipping set: the step computes the gradients' norm
     figures: Optional[Figures] = None  # the estimator's plan of this run, where it made one
+
+    def __post_init__(self) -> None:
+        for name in ("param_tier", "optimizer_tier"):  # the config's words: none for the device tier
+            object.__setattr__(self, name, {"device": "none"}.get(getattr(self, name), getattr(self, name)))
 
     @property
     def itemsize(self) -> int:
@@ -341,7 +418,7 @@ def host_memory(run: Run) -> dict:
     isz = run.itemsize
     direct = run.ranks == 1 and run.device_is_host
     plan = run.figures.categories if run.figures is not None else store_plan(
-        opt_tier=Tier(run.optimizer_tier), param_tier=Tier(run.param_tier), opt_total=total, param_total=total,
+        opt_tier=Tier.of(run.optimizer_tier), param_tier=Tier.of(run.param_tier), opt_total=total, param_total=total,
         itemsize=isz, overlapped=run.param_tier == "nvme" or run.optimizer_tier == "nvme", lazy_grad=False,
         chunk=chunk, head=head, grads_in_memory=gim, staging_numel=max_shard,
         staging_count=0 if direct else staging_buffers(z), param_source=_param_source(run),
@@ -353,10 +430,13 @@ def host_memory(run: Run) -> dict:
         out[PARAM_HANDOFF] = min(out[PARAM_HANDOFF], total * isz)  # typical: at most the parameter space
     device = dict(plan["device"])
     # The largest unit's full gradient (heap), and gathered units beyond what the recycler keeps:
-    # the largest unit and the prefetch window of block matrices (4·hd² each).
+    # the largest unit and the prefetch window of block matrices (4·hd² each); the plan's, where it made one.
     window = (largest + (z.prefetch.depth + 1) * 4 * run.hidden**2) * isz
-    device["working"] = largest * isz + max(0, window - device.get("gathered", 0))
-    device["activations"] = activation_bytes(run)
+    f = run.figures
+    own = largest * isz + max(0, window - device.get("gathered", 0))
+    device["working"] = own if f is None or f.working is None else f.working
+    device["activations"] = activation_bytes(run) if f is None or f.activations is None else f.activations
+    device["logits"] = logits_bytes(run)
     if run.device_is_host:
         out.update({f"device_{k}": v for k, v in device.items()})
     out["baseline"] = BASELINE
@@ -364,14 +444,17 @@ def host_memory(run: Run) -> dict:
 
 
 def activation_bytes(run: Run) -> int:
-    """Activations at the peak of backward, per rank (Note [run model])."""
-    scale = run.itemsize / 4
-    logits = ACT_LOGITS * run.vocab * run.tokens * scale
+    """The blocks' activations at the peak of backward, per rank (Note [run model]; the logits: ``logits_bytes``)."""
     if run.ckpt_interval:  # 002 eq. 3 (the checkpoints) and eq. 5 (one interval recomputed), 2-byte figures
         ckpt = 2 * run.tokens * run.hidden * math.ceil(run.layers / run.ckpt_interval)
         awm = run.tokens * run.ckpt_interval * (16 * run.hidden + 2 * run.heads * run.seq_len)
-        return int((ckpt + awm) * run.itemsize / 2 + logits)
-    return int(run.tokens * scale * ACT_PER_LAYER * run.layers * run.hidden + logits)
+        return int((ckpt + awm) * run.itemsize / 2)
+    return int(run.tokens * run.itemsize / 4 * ACT_PER_LAYER * run.layers * run.hidden)
+
+
+def logits_bytes(run: Run) -> int:
+    """The logits, their log-softmax and their gradients at the peak of backward, per rank (Note [run model])."""
+    return int(ACT_LOGITS * run.vocab * run.tokens * run.itemsize / 4)
 
 
 def _param_cache(run: Run, total: int) -> int:
@@ -427,10 +510,13 @@ def step_time(run: Run, rates: Rates) -> dict:
     shard = math.ceil(run.params / run.ranks)
     host_adam = run.device_is_host or run.optimizer_tier != "none"
     terms = {"compute": flops / rates.flops, "adam": shard / rates.adam if host_adam else 0.0,
-             "nvme_read": io["read"] / rates.nvme_read, "nvme_write": io["write"] / rates.nvme_write}
+             "nvme_read": io["read"] / rates.nvme_read, "nvme_write": io["write"] / rates.nvme_write,
+             "grad_landing": 8 * shard / rates.host_copy if host_adam else 0.0,  # read the gradient, write its shard
+             "norm": 4 * shard / rates.host_copy if host_adam and run.clip else 0.0,
+             "units": (run.units or 2 * run.layers + 3) * rates.unit_s + rates.step_s}
     disk = terms["nvme_read"] + terms["nvme_write"]  # one device: reads and writes share it
     if run.device_is_host:
-        cpu = terms["compute"] + terms["adam"]  # the same cores
+        cpu = terms["compute"] + terms["adam"] + terms["grad_landing"] + terms["norm"] + terms["units"]  # the same cores
         terms["hidden_io"] = rates.overlap * min(cpu, disk)  # the disk time the cores' work hides
         predicted = cpu + disk - terms["hidden_io"]
         bottleneck = "compute" if terms["compute"] >= max(terms["adam"], disk) else (
@@ -447,8 +533,10 @@ def _on_accelerator(run: Run, rates: Rates, terms: dict, shard: int, disk: float
     forward_share = 2 / 8 if run.ckpt_interval else 1 / 3  # checkpointing runs the forward again inside backward
     h2d = shard * run.itemsize / rates.pcie if run.param_tier != "none" else 0.0  # each pass fetches the shards
     d2h = shard * 4 / rates.pcie if run.optimizer_tier != "none" else 0.0  # the fp32 gradient shards
-    terms.update(h2d=h2d, d2h=d2h, forward=max(terms["compute"] * forward_share, h2d),
-                 backward=max(terms["compute"] * (1 - forward_share), h2d, d2h))
+    units = terms["units"]  # issued by the host while the device computes: each pass takes the longer
+    terms.update(h2d=h2d, d2h=d2h, forward=max(terms["compute"] * forward_share, h2d, units * forward_share),
+                 backward=max(terms["compute"] * (1 - forward_share), h2d, d2h, terms["grad_landing"],
+                              units * (1 - forward_share)))
     overlapped = run.optimizer_tier != "none"  # Note [overlapped step] in _zero_optimizer.py: beside the next forward
     terms["overlapped"] = overlapped
     # the first unit (the token embedding) is updated inside step(), before the rest goes to the background
@@ -457,8 +545,9 @@ def _on_accelerator(run: Run, rates: Rates, terms: dict, shard: int, disk: float
     # Note [speculative update] in _zero/_speculative_update.py: the rest's pieces are updated while backward runs,
     # as much of it as backward lasts (the embedding's gradient lands last: its update stays inside step())
     terms["adam_in_backward"] = min(rest, terms["backward"]) if overlapped and run.speculate else 0.0
-    host = terms["backward"] + (terms["adam_head"] + max(terms["forward"], rest - terms["adam_in_backward"])
-                                if overlapped else terms["forward"] + terms["adam"])
+    host = terms["backward"] + terms["norm"] + (
+        terms["adam_head"] + max(terms["forward"], rest - terms["adam_in_backward"]) if overlapped
+        else terms["forward"] + terms["adam"])
     work = {"compute": terms["compute"], "pcie": max(h2d, d2h), "adam": terms["adam"]}
     if disk >= host:
         return disk, "nvme"
@@ -468,9 +557,8 @@ def _on_accelerator(run: Run, rates: Rates, terms: dict, shard: int, disk: float
 def describe(run: Run, rates: Rates) -> str:
     mem = host_memory(run)
     st = step_time(run, rates)
-    words = {"device": "none", "none": "none", "cpu": "cpu", "nvme": "nvme"}  # the config's (offload_*.device)
     lines = [f"run: {_format_count(run.params)} parameters, {run.micro_batch} x {run.seq_len} tokens per rank, "
-             f"{run.dtype}, offload_param {words[run.param_tier]}, offload_optimizer {words[run.optimizer_tier]}, "
+             f"{run.dtype}, offload_param {run.param_tier}, offload_optimizer {run.optimizer_tier}, "
              f"{run.ranks} rank(s)",
              f"rates ({rates.name}): {rates.flops / 1e9:.0f} GFLOP/s, NVMe read {rates.nvme_read / 1e9:.2f} GB/s, "
              f"write {rates.nvme_write / 1e9:.2f} GB/s, Adam {rates.adam / 1e6:.0f} M elements/s",
@@ -478,7 +566,8 @@ def describe(run: Run, rates: Rates) -> str:
              f"TFLOP/s per rank), bottleneck: {st['bottleneck']} "
              f"(compute {st['compute']:.2f} s, adam {st['adam']:.2f} s, NVMe read {st['nvme_read']:.2f} s of "
              f"{st['nvme_bytes']['read'] / GiB:.2f} GiB, write {st['nvme_write']:.2f} s of "
-             f"{st['nvme_bytes']['write'] / GiB:.2f} GiB)"]
+             f"{st['nvme_bytes']['write'] / GiB:.2f} GiB; the host's own work: gradients landing "
+             f"{st['grad_landing']:.2f} s, norm {st['norm']:.2f} s, per unit and step {st['units']:.2f} s)"]
     if not run.device_is_host:
         lines.append(f"on the accelerator: forward {st['forward']:.3f} s, backward {st['backward']:.3f} s (PCIe "
                      f"{rates.pcie / 1e9:.0f} GB/s: parameters in {st['h2d']:.3f} s a pass, gradients out "

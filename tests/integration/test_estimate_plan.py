@@ -64,7 +64,7 @@ def test_each_row_of_the_table_is_the_plan_of_its_placement(model, host, gpt2_co
     swapped = set()
     for stage, params, optimizer in PLACEMENTS:
         plan = _json(*hw, "--plan", "--stage", str(stage), "--offload", f"{params},{optimizer}")
-        row = rows[(stage, {"none": "device"}.get(params, params), optimizer)]
+        row = rows[(stage, params, optimizer)]  # the config's words: offload_param.device none
         assert plan["params"] == table["params"]
         assert row["nvme_bytes"] == plan["per_node"]["nvme"], (stage, params, optimizer)
         assert row["host_bytes"] == plan["per_node"]["host"], (stage, params, optimizer)
@@ -147,7 +147,7 @@ def test_step_time_runs_the_plan_of_a_split_row_and_of_the_auto_row():
     with contextlib.redirect_stdout(out):
         assert main([*hw, "--step-time", *SPLITS[:2], "--offload", "cpu,nvme", "--rates", "dgx2", "--steps", "5"]) == 0
     text = out.getvalue()
-    assert "step time predicted for stage 3 with params=cpu optimizer=cpu 0.5 / nvme 0.5 (--offload)" in text
+    assert "step time predicted for stage 3 params=cpu optimizer=cpu 0.5 / nvme 0.5, --offload's row (marked <-)" in text
     assert "SSD writes (params on cpu, optimizer on cpu 0.5 / nvme 0.5)" in text
 
 
@@ -158,7 +158,7 @@ def test_step_time_runs_the_plan_of_the_table():
     est = estimate("50M", gpus=1, cpu_mem="1GB", nvme="1TB")
     row = est.placement(3, "nvme", "nvme")
     run = _run_of(est, _parser().parse_args([*hw, "--step-time", "--offload", "nvme,nvme"]))
-    assert run.params == est.params == row.plan.params
+    assert run.params == est.params == row.plan.params and run.ckpt_interval == est.ckpt_interval
     assert run.figures.total == row.plan.opt_total and run.figures.categories == row.plan.categories
     memory = rm.host_memory(run)
     for category, nbytes in row.host_plan.items():
@@ -166,6 +166,13 @@ def test_step_time_runs_the_plan_of_the_table():
             assert memory[category] == nbytes, category
     for category, nbytes in row.plan.categories["device"].items():  # the device tier is host memory here
         assert memory[f"device_{category}"] == nbytes, category
+    # the largest unit's working memory and the activations: the table's (the header's stage-3 working memory, the
+    # checkpoint every --ckpt-interval layer(s) of its batch line), which the row's device bytes add to the plan's
+    terms = est.terms
+    assert memory["device_working"] == row.plan.working_memory
+    assert memory["device_activations"] == terms.activation_checkpoints + terms.activation_working
+    device = sum(v for k, v in memory.items() if k.startswith("device_") and k != "device_logits")
+    assert device == row.device_bytes  # the logits are the run model's own term, beside them
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main([*hw, "--step-time", "--offload", "nvme,nvme", "--rates", "dgx2"]) == 0

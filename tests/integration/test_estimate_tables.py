@@ -466,13 +466,80 @@ def test_the_table_and_offload_speak_the_configs_words():
     assert rows[-1][1:7] == ["auto", "->", "cpu", "auto", "->", "cpu"]  # device: auto's row, and its choice
     steps = {off: json.loads(_cli(*hw, "--steps", "10", "--offload", off, "--json").stdout)["ssd_writes"]
              for off in ("none,nvme", "device,nvme")}  # device: the table's word before, kept as an alias
-    assert steps["none,nvme"] == steps["device,nvme"]
+    assert steps["none,nvme"] == steps["device,nvme"] and steps["none,nvme"]["param_tier"] == "none"
+
+
+def test_the_json_speaks_the_configs_words():
+    """Each row of --json places its states in the config's words (offload_*.device: none, cpu, nvme; auto's
+    row auto, its split as the config writes it), the recommended placement's too."""
+    hw = ["--params", "1.3B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "64GB", "--nvme", "1TB"]
+    data = json.loads(_cli(*hw, "--json", "--offload-split", "optimizer=cpu:0.5,nvme:0.5").stdout)
+    rows = data["placements"] + data["split_placements"] + [data["auto"]]
+    assert {r["param_tier"] for r in data["placements"]} == {"none", "cpu", "nvme"}
+    assert all("device" not in (r["param_tier"], r["optimizer_tier"]) for r in rows)
+    rec = data["recommended"]["placement"]
+    assert (rec["param_tier"], rec["optimizer_tier"]) == ("none", "cpu")
+    assert rec["zero"] == {"stage": 2, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "cpu"}}
+    assert {k: data["recommended"]["config"]["zero"][k] for k in rec["zero"]} == rec["zero"]
+    split = next(r for r in data["split_placements"] if r["stage"] == 3 and r["param_tier"] == "cpu")
+    assert split["optimizer_tier"] == "nvme"  # a split's section names its slowest tier, as the config does
+    assert split["zero"]["offload_optimizer"] == {"device": "nvme", "split": {"cpu": 0.5, "nvme": 0.5}}
+    assert data["auto"]["zero"] == {"stage": 3, "offload_param": {"device": "auto"},
+                                    "offload_optimizer": {"device": "auto"}}
+    assert (data["auto"]["param_tier"], data["auto"]["optimizer_tier"]) == ("cpu", "cpu")  # what auto planned
+
+
+@pytest.mark.parametrize("flags,row,mark", [
+    (["--offload", "nvme,nvme"], ["3", "nvme", "nvme"], "<- --offload nvme,nvme"),
+    (["--offload", "none,cpu", "--stage", "2"], ["2", "none", "cpu"], "<- --offload none,cpu"),
+    (["--offload", "auto,auto"], ["3", "auto", "->"], "<- --offload auto,auto"),
+    (["--offload", "cpu,nvme", "--offload-split", "optimizer=cpu:0.5,nvme:0.5"], ["3", "cpu", "cpu", "0.5"],
+     "<- --offload cpu,nvme"),
+])
+def test_offload_alone_marks_its_row_of_the_table(flags, row, mark):
+    """--offload without --plan, --step-time or --steps is the row it names: marked in the table, said whether it
+    fits, with its config (the recommended one follows as ever); --json gives the row."""
+    hw = ["--params", "1.3B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "64GB", "--nvme", "1TB"]
+    run = _cli(*hw, *flags)
+    assert run.returncode == 0, run.stderr
+    marked = [line for line in run.stdout.splitlines() if line.endswith(mark)]
+    assert len(marked) == 1 and marked[0].split()[:len(row)] == row, run.stdout
+    said = next(line for line in run.stdout.splitlines() if line.startswith(f"--offload {flags[1]}: "))
+    assert "the row marked <-" in said and ("fits" in said)
+    assert "recommended config:" in run.stdout
+    if said.endswith("its config:"):  # not the recommended placement: its own config, which loads
+        from infinity.config import Config
+
+        block = run.stdout.split(said + "\n", 1)[1].split("\n\n", 1)[0]
+        zero = Config.from_dict(yaml.safe_load(block)).zero
+        assert zero.stage == int(row[0]) and zero.offload_param.device == ("auto" if "auto" in flags[1] else row[1])
+    data = json.loads(_cli(*hw, *flags, "--json").stdout)
+    assert data["offload_placement"]["label"] in said and data["offload_placement"]["stage"] == int(row[0])
+    plain = _cli(*hw).stdout
+    assert "<-" not in plain  # nothing asked for: nothing marked
+
+
+def test_offload_alone_refuses_a_placement_the_table_has_not():
+    run = _cli("--params", "1.3B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "64GB", "--nvme", "1TB",
+               "--offload", "nvme,cpu", "--stage", "2")
+    assert run.returncode == 2 and "parameters leave the device only at stage 3" in run.stderr
 
 
 def test_step_time_prints_the_table_and_predicts_the_recommended_placement():
     hw = ["--params", "1.3B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "64GB", "--nvme", "1TB"]
     run = _cli(*hw, "--step-time", "--rates", "h100")
     assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith(_cli(*hw).stdout.rstrip("\n"))  # the table and the recommended config first
-    assert "step time predicted for stage 3 with params=none optimizer=cpu (the recommended placement's tiers)" \
-        in run.stdout and "offload_param none, offload_optimizer cpu" in run.stdout
+    unmarked = "\n".join(line.split("  <- ")[0].rstrip() for line in run.stdout.splitlines())
+    assert unmarked.startswith(_cli(*hw).stdout.rstrip("\n"))  # the table and the recommended config first
+    # the recommended placement is stage 2 (none, cpu): the run model is of stage 3 only, so it predicts the fastest
+    # stage-3 row that fits, and says so
+    assert "step time predicted for stage 3 params=none optimizer=cpu, the fastest stage-3 row that fits (marked <-): " \
+           "the run model is of stage 3 only (Note [run model] in infinity/_apps/_runmodel.py), not of the " \
+           "recommended stage 2 params=none optimizer=cpu" in run.stdout, run.stdout
+    assert "recommended placement's" not in run.stdout and "offload_param none, offload_optimizer cpu" in run.stdout
+    assert "parameters in 0.000 s a pass" in run.stdout  # the parameters stay on the device: no copy in
+    marked = [line.split()[:3] for line in run.stdout.splitlines() if line.endswith("<- --step-time")]
+    assert marked == [["3", "none", "cpu"]]
+    small = [*hw[:4], "--gpu-mem", "2GB", *hw[6:]]  # stage 3 is the recommended placement: that row
+    text = _cli(*small, "--step-time", "--rates", "h100").stdout
+    assert "step time predicted for stage 3 params=cpu optimizer=cpu, the recommended placement (marked <-):" in text

@@ -103,3 +103,28 @@ def test_a_host_cache_past_the_last_element_moves_no_negative_bytes(allocator):
                  optimizer_tier="nvme", param_tier="nvme", host_allocator=allocator)
     _, total, *_ = rm._layout(run)
     assert rm.nvme_bytes(run) == {"read": 12 * total if allocator == "release" else 0, "write": 12 * total}
+
+
+def test_the_hosts_own_work_is_counted_in_bytes_and_units():
+    """Note [run model] in infinity/_apps/_runmodel.py: the gradients' landing (8 bytes an element
+    of the shard) and the norm's pass (4, only when clipping) at the host's copy rate, and the
+    engine's work per fetch unit (a GPT's 2 a block and 3 more unless the run says) and per step,
+    on the cores beside compute and Adam."""
+    run = rm.Run(params=124_439_808, param_tier="cpu", optimizer_tier="cpu", **GPT2)
+    plain = rm.step_time(run, rates())
+    st = rm.step_time(run, rates(host_copy=10e9, unit_s=1e-3, step_s=5e-3))
+    assert st["grad_landing"] == 8 * run.params / 10e9 and st["norm"] == 4 * run.params / 10e9
+    assert st["units"] == pytest.approx((2 * 12 + 3) * 1e-3 + 5e-3)
+    assert st["predicted"] == pytest.approx(plain["predicted"] + st["grad_landing"] + st["norm"] + st["units"])
+    unclipped = rm.step_time(rm.Run(params=run.params, param_tier="cpu", optimizer_tier="cpu", clip=False, units=40,
+                                    **GPT2), rates(host_copy=10e9, unit_s=1e-3, step_s=5e-3))
+    assert unclipped["norm"] == 0.0 and unclipped["units"] == pytest.approx(40e-3 + 5e-3)
+
+
+def test_with_an_accelerator_the_units_work_is_issued_beside_the_devices_compute():
+    run = rm.Run(params=124_439_808, param_tier="cpu", optimizer_tier="cpu", device_is_host=False, **GPT2)
+    fast_host = rm.step_time(run, rates(flops=1e13, pcie=25e9, unit_s=1e-6))
+    slow_host = rm.step_time(run, rates(flops=1e13, pcie=25e9, unit_s=1.0))
+    assert fast_host["forward"] == max(fast_host["compute"] / 3, fast_host["h2d"])  # hidden under the device's work
+    assert slow_host["forward"] == pytest.approx(slow_host["units"] / 3)  # the host issues slower than it computes
+    assert slow_host["predicted"] > fast_host["predicted"]
