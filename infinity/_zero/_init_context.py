@@ -384,9 +384,9 @@ def _all_subclasses(cls) -> List[type]:
 class Init:
     """Build a model partitioned from the start: ``with infinity.Init(config=cfg): model = M()``.
 
-    ``offload`` ("none" | "cpu" | "nvme") and ``nvme_path`` (a directory, or a list of them,
-    one per drive) override the config's ``zero.offload_param``. Collective: every rank must
-    build the same model inside it."""
+    ``offload`` ("none" | "cpu" | "nvme" | "auto": on NVMe given a path, else in host memory, until
+    ``initialize`` plans it, Note [planned split] in _offload/_split.py) and ``nvme_path`` (a directory,
+    or a list, one per drive) override the config's ``zero.offload_param``. Collective: all ranks build it alike."""
 
 
     def __init__(self, config=None, *, offload: Optional[str] = None, nvme_path: Optional[NvmePath] = None,
@@ -420,7 +420,8 @@ class Init:
         place(self.cfg.zero.numa, self.cfg.zero.cpu_threads)  # before the Init store: Note [rank placement] in _topology.py
         self.rank, self.world_size = comm.rank(), comm.world_size()
         off = self.cfg.zero.offload_param
-        self.store = InitStore(Tier.of(off.device), off.nvme_path, self.cfg.aio, self.rank)
+        tier = (Tier.NVME if off.nvme_path else Tier.CPU) if off.device == "auto" else Tier.of(off.device)
+        self.store = InitStore(tier, off.nvme_path, self.cfg.aio, self.rank)
         self._active = True
         for cls in [nn.Module] + _all_subclasses(nn.Module):
             if "__init__" in cls.__dict__:

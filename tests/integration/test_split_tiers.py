@@ -126,11 +126,7 @@ def test_a_checkpoint_moves_between_splits_bit_exactly(tmp_path, world):
 
 def _auto(nvme):
     """device: auto with a host budget too small for every state: a split, logged, exact."""
-    cfg = _config(nvme, 3)
-    cfg["zero"]["offload_optimizer"]["device"] = cfg["zero"]["offload_param"]["device"] = "auto"
-    roomy = Config.from_dict(cfg)
-    every_state_in_host = plan(placement_of(build("gpt2"), roomy, 1)[0], roomy)  # auto's first choice
-    cfg["zero"]["host_memory_limit"] = int(0.85 * (every_state_in_host["host"] + every_state_in_host["device"]))
+    cfg = _auto_cfg(nvme)
     model, opt = infinity.initialize(build("gpt2"), cfg)
     losses = train_losses(model, opt, "gpt2", STEPS)
     placed = (opt.store.tier.name, opt.store.memory_elems, opt.store.total)
@@ -143,3 +139,43 @@ def test_auto_plans_a_split_that_trains_exactly(tmp_path):
     assert tier == "NVME" and 0 < host < total
     ref = run_ranks(_train, 1, _config(None, tier="none"), timeout=300)[0]["losses"]
     assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+def _auto_cfg(nvme):
+    """Both sections device: auto, the host budget 0.85 of what every state in host memory (auto's first
+    choice) needs."""
+    cfg = _config(nvme, 3)
+    cfg["zero"]["offload_optimizer"]["device"] = cfg["zero"]["offload_param"]["device"] = "auto"
+    roomy = Config.from_dict(cfg)
+    every_state_in_host = plan(placement_of(build("gpt2"), roomy, 1)[0], roomy)
+    cfg["zero"]["host_memory_limit"] = int(0.85 * (every_state_in_host["host"] + every_state_in_host["device"]))
+    return cfg
+
+
+def _auto_built(nvme, under_init):
+    """The model built plainly, or under ``Init`` with the same ``device: auto`` config: its shards wait on
+    NVMe (nothing of the model in host memory) until initialize plans where they go."""
+    import os
+
+    cfg = _auto_cfg(nvme)
+    if under_init:
+        with infinity.Init(config=cfg) as init:
+            model = build("gpt2")
+        waited = init.store.tier.name, any(f == "init.swp" for _, _, fs in os.walk(nvme) for f in fs)
+    else:
+        model, waited = build("gpt2"), None
+    model, opt = infinity.initialize(model, cfg)
+    losses = train_losses(model, opt, "gpt2", STEPS)
+    with infinity.GatheredParameters(list(model.parameters())):
+        params = [p.detach().clone() for p in model.parameters()]
+    placed = (opt.store.tier.name, opt.store.memory_elems)
+    opt.engine.close()
+    return losses, params, placed, waited
+
+
+def test_init_auto_waits_on_nvme_and_trains_as_the_model_built_plainly(tmp_path):
+    plain = run_ranks(_auto_built, 1, str(tmp_path / "a"), False, timeout=300)[0]
+    init = run_ranks(_auto_built, 1, str(tmp_path / "b"), True, timeout=300)[0]
+    assert init[3] == ("NVME", True)
+    assert init[2] == plain[2] and init[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(init[1], plain[1]))
