@@ -13,8 +13,9 @@ each split's ``saved``: the share of what all-NVMe costs over all-cpu it saves, 
 
 ``--big``: a model whose states are about 1.5x this machine's host memory, ``auto`` (both sections
 ``device: auto``, Note [planned split] in infinity/_offload/_split.py) against ``all-nvme``, built
-under ``infinity.Init(offload="nvme")`` so that the whole model is never in host memory (the room
-``auto`` plans with is the machine's, not what a built model leaves of it).
+under ``infinity.Init`` with the contender's config (``auto``'s shards wait on NVMe until
+``initialize`` plans them), so that the whole model is never in host memory: the room ``auto``
+plans with is the machine's, not what a built model leaves of it.
 
     python -m benchmarks.split_tiers [--steps 3] [--layers 4] [--hidden 1536] [--only all-cpu,split-50] [--big] [--smoke]
 """
@@ -59,8 +60,8 @@ def measure(spec: dict) -> dict:
     torch.manual_seed(0)
     shape = _models.Shape.of(spec["layers"], spec["hidden"])
     cfg = split_config(spec["contender"], spec["scratch"], spec["chunk"], spec["big"])
-    if spec["big"]:  # built into NVMe shards (Init's own store): the whole fp32 model never in host memory, whose
-        with infinity.Init(offload="nvme", nvme_path=spec["scratch"]):  # room auto plans for
+    if spec["big"]:  # built under Init with the run's own config: the shards wait on NVMe (auto's too), so the
+        with infinity.Init(config=cfg):  # whole fp32 model is never in the host memory auto plans with
             model = _models.build(shape)
     else:
         model = _models.build(shape)
