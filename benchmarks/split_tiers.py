@@ -17,6 +17,10 @@ under ``infinity.Init`` with the contender's config (``auto``'s shards wait on N
 ``initialize`` plans them), so that the whole model is never in host memory: the room ``auto``
 plans with is the machine's, not what a built model leaves of it.
 
+``--host-allocator cache`` keeps every freed host block (``zero.host_allocator``, in ``extra``): under
+``release``, the default, backward refaults the blocks over its cap and its time varies by 2-3x
+from step to step on a 2-core machine, which can hide what a split saves.
+
     python -m benchmarks.split_tiers [--steps 3] [--layers 4] [--hidden 1536] [--only all-cpu,split-50] [--big] [--smoke]
 """
 from __future__ import annotations
@@ -60,6 +64,7 @@ def measure(spec: dict) -> dict:
     torch.manual_seed(0)
     shape = _models.Shape.of(spec["layers"], spec["hidden"])
     cfg = split_config(spec["contender"], spec["scratch"], spec["chunk"], spec["big"])
+    cfg["zero"]["host_allocator"] = spec.get("host_allocator", "release")
     if spec["big"]:  # built under Init with the run's own config: the shards wait on NVMe (auto's too), so the
         with infinity.Init(config=cfg):  # whole fp32 model is never in the host memory auto plans with
             model = _models.build(shape)
@@ -89,6 +94,7 @@ def measure(spec: dict) -> dict:
     run = _run_of(spec, shape, params, *placement, units=len(opt.ops.units))
     opt.engine.close()
     extra = {m: round(statistics.median(r[k] for r in rows) / 2**20, 1) for k, m in zip(COUNTERS, MIB)}
+    extra["host_allocator"] = cfg["zero"]["host_allocator"]
     extra.update(_model_step(run, spec["scratch"], statistics.median(times), spec["smoke"]))
     return _harness.sample(times, losses=losses[spec["warmup"]:], params=params,
                            tokens_per_step=spec["micro_batch"] * spec["seq_len"], dtype="fp32", extra=extra)
@@ -132,6 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--chunk", type=int, default=1 << 22, help="zero.offload_optimizer.chunk_size")
     p.add_argument("--big", action="store_true", help="auto against all-nvme, states about 1.5x host memory")
+    p.add_argument("--host-allocator", default="release", choices=("release", "cache", "keep"),
+                   help="zero.host_allocator of every contender (release, the default, refaults blocks over its cap)")
     args = _harness.parse(p, measure, argv)
     if args.smoke:
         args.layers, args.hidden, args.steps, args.seq_len, args.chunk = 1, 64, 1, 16, 4096
@@ -145,6 +153,7 @@ def main(argv=None) -> int:
     records = _harness.run_cells(BENCH, "benchmarks.split_tiers", cells, lambda cell, scratch: {
         "contender": cell.contender, "layers": args.layers, "hidden": args.hidden, "steps": args.steps,
         "warmup": args.warmup, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "chunk": args.chunk,
+        "host_allocator": args.host_allocator,
         "scratch": scratch, "big": args.big, "smoke": args.smoke}, args, dtype="fp32")
     for name, share in saved(records).items():
         print(f"{name} saves {share:.0%} of what all-nvme costs over all-cpu (target: at least 40% for split-50)")
