@@ -1,6 +1,7 @@
 """What ``python -m infinity.estimate`` tells a user to do: step times for a GPU come from that
 GPU's rates, never this machine's CPU; the recommended config loads as printed and says how."""
 import pytest
+from _estimate_run import run_estimate
 
 import infinity
 from infinity._apps import _estimate_cli
@@ -8,25 +9,16 @@ from infinity._apps import _estimate_cli
 A_24GB_GPU = ["--params", "1.5B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "64GB", "--nvme", "1TB"]
 
 
-def _run(capsys, *args):
-    try:
-        code = _estimate_cli.main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_step_time_for_a_gpu_this_machine_lacks_is_refused(capsys, monkeypatch):
     monkeypatch.setattr(_estimate_cli, "device_count", lambda: 0)  # no GPU here, on every machine
-    code, out, err = _run(capsys, *A_24GB_GPU, "--step-time")
+    code, out, err = run_estimate(capsys, *A_24GB_GPU, "--step-time")
     assert code == 2 and out == ""
     assert "describe a GPU, but this machine has none" in err and "--rates h100" in err
 
 
 def test_step_time_for_a_gpu_takes_a_named_gpus_rates(capsys, monkeypatch):
     monkeypatch.setattr(_estimate_cli, "device_count", lambda: 0)
-    code, out, err = _run(capsys, *A_24GB_GPU, "--step-time", "--rates", "h100")
+    code, out, err = run_estimate(capsys, *A_24GB_GPU, "--step-time", "--rates", "h100")
     assert code == 0, err
     assert "rates (8xH100 + NVMe RAID)" in out and "predicted step:" in out
 
@@ -35,7 +27,7 @@ def test_step_time_for_a_gpu_takes_a_named_gpus_rates(capsys, monkeypatch):
                                                "--cpu-mem", "1.5TB", "--nvme", "28TB"]],
                          ids=["cpu-offload", "nvme"])
 def test_the_recommended_config_loads_as_printed(capsys, tmp_path, args):
-    code, out, err = _run(capsys, *args)
+    code, out, err = run_estimate(capsys, *args)
     assert code == 0, err
     printed = out.split("recommended config:\n", 1)[1]
     assert "load it with infinity.Config.from_file(path)" in printed

@@ -7,9 +7,9 @@ import inspect
 import json
 
 import pytest
+from _estimate_run import run_estimate
 
 import infinity
-from infinity._apps import _estimate_cli
 from infinity._apps import _plan as pl
 from infinity._apps._estimate_cli import offload_splits
 from infinity._apps._estimator import estimate
@@ -20,15 +20,6 @@ from infinity.errors import EstimateError
 # 1.5B on a 24 GB GPU: its states fit 64 GB of host memory; 16 GB takes part of the optimizer to NVMe
 GPU = dict(gpus=1, gpu_mem="24GB", nvme="1TB")
 HALF = {"cpu": 0.5, "nvme": 0.5}
-
-
-def _run(capsys, *args):
-    try:
-        code = _estimate_cli.main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("host, params, optimizer", [
@@ -92,7 +83,7 @@ def test_a_split_adds_its_rows_beside_every_tier_of_the_other_state():
 def test_where_no_whole_tier_fits_a_split_is_recommended(capsys, tmp_path):
     """Neither host memory (22 GiB) holds the optimizer states (23 GiB) nor NVMe (15 GiB): half of each does."""
     args = ["--params", "1.5B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "24GB", "--nvme", "16GB"]
-    code, out, err = _run(capsys, *args)
+    code, out, err = run_estimate(capsys, *args)
     assert code == 0, err
     assert "fits: stage 3 auto -> params cpu, optimizer cpu 0.5 / nvme 0.5\n" in out
     assert "no placement on whole tiers fits; this split does: the auto row's" in out
@@ -122,7 +113,7 @@ def test_offload_split_takes_the_configs_vocabulary():
     ("optimizer=cpu:0.5,cpu:0.5", "each tier once"),
 ])
 def test_a_bad_split_is_refused_with_what_to_change(capsys, value, words):
-    code, out, err = _run(capsys, "--params", "20M", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1TB",
+    code, out, err = run_estimate(capsys, "--params", "20M", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1TB",
                           "--offload-split", value)
     assert code == 2 and out == ""
     assert words in err
@@ -136,14 +127,14 @@ def test_a_bad_split_is_refused_with_what_to_change(capsys, value, words):
     (["--steps", "10", "--offload", "nvme,cpu"], "set device to nvme"),
 ])
 def test_a_split_that_contradicts_offload_is_refused(capsys, args, words):
-    code, out, err = _run(capsys, "--params", "20M", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1TB",
+    code, out, err = run_estimate(capsys, "--params", "20M", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1TB",
                           "--offload-split", "optimizer=cpu:0.5,nvme:0.5", *args)
     assert code == 2 and out == ""
     assert words in err
 
 
 def test_one_state_auto_is_planned_by_plan_not_by_the_table(capsys):
-    code, out, err = _run(capsys, "--params", "20M", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1TB",
+    code, out, err = run_estimate(capsys, "--params", "20M", "--gpus", "1", "--cpu-mem", "1GB", "--nvme", "1TB",
                           "--steps", "10", "--offload", "auto,nvme")
     assert code == 2 and "the table's auto row is stage 3 with auto for both states" in err
 
@@ -154,7 +145,7 @@ def test_compressed_moments_have_no_auto_row():
 
 
 def test_the_json_has_the_split_rows_and_the_auto_row(capsys):
-    code, out, err = _run(capsys, "--params", "1.5B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "16GB",
+    code, out, err = run_estimate(capsys, "--params", "1.5B", "--gpus", "1", "--gpu-mem", "24GB", "--cpu-mem", "16GB",
                           "--nvme", "1TB", "--offload-split", "optimizer=cpu:0.5,nvme:0.5", "--json")
     assert code == 0, err
     data = json.loads(out)
